@@ -1,0 +1,29 @@
+"""m2flow: a Ray-native runtime for RL post-training.
+
+Exports are lazy so that ``import m2flow.scheduler`` pulls in neither Ray nor torch.
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Cluster": "m2flow.cluster",
+    "Device": "m2flow.cluster",
+    "Worker": "m2flow.worker",
+    "no_device_lock": "m2flow.worker",
+    "current_worker": "m2flow.worker",
+    "WorkerGroup": "m2flow.group",
+    "GroupCall": "m2flow.group",
+    "WorkerError": "m2flow.group",
+    "Channel": "m2flow.channel",
+    "workflow_graph": "m2flow.trace",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'm2flow' has no attribute {name!r}")

@@ -1,0 +1,232 @@
+"""Cluster: the Ray session m2flow runs on and its inventory of devices.
+
+Devices are numbered globally, node-major (RLinf, section 4.1): the head node's devices come
+first, then the other nodes in a stable order. Placement is always by these global ids, never by
+Ray's packed/spread bundles.
+
+A node with GPUs exposes them as ``cuda`` devices. A node without accelerators exposes *virtual
+devices*: CPU slots with a declared memory capacity, so that placement, device locks and plans
+behave exactly as on GPUs. A node declares its virtual devices through the Ray custom resource
+``m2flow_virtual_device`` (set by the embedded init, or by ``ray start --resources``); where a
+node declares none, ``virtual_devices_per_node`` is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._env import apply_ray_env_defaults
+
+logger = logging.getLogger(__name__)
+
+VIRTUAL_DEVICE_RESOURCE = "m2flow_virtual_device"
+NAMESPACE = "m2flow"
+GiB = 1 << 30
+# Ray resolves "127.0.0.1"/"localhost" to the machine's routable IP; another loopback address
+# keeps the embedded session on loopback.
+_LOOPBACK = "127.0.0.2"
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of the cluster.
+
+    Attributes:
+        global_id: node-major global index, the id placements use.
+        node_id: Ray node id (hex) the device lives on.
+        node_index: index of the node in the cluster's node order.
+        local_id: index on its node (the ``CUDA_VISIBLE_DEVICES`` value for ``cuda``).
+        kind: ``"cuda"`` or ``"virtual"``.
+        memory_bytes: capacity in bytes (declared for virtual devices).
+    """
+
+    global_id: int
+    node_id: str
+    node_index: int
+    local_id: int
+    kind: str
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Node:
+    """A Ray node in the cluster's order. ``is_head`` nodes come first."""
+
+    index: int
+    node_id: str
+    address: str
+    is_head: bool
+    num_cpus: float
+    devices: tuple[Device, ...]
+
+
+class Cluster:
+    """The Ray session and device inventory.
+
+    Args:
+        address: ``None`` starts an embedded local Ray (loopback, no dashboard, usage stats
+            off, temp dir under ``run_dir``); ``"auto"`` or ``"host:port"`` joins a running
+            cluster; an already-initialised Ray session is reused as it is.
+        num_cpus: CPUs for the embedded Ray (default: all of this machine's).
+        virtual_devices_per_node: virtual devices on a node that has no GPU and declares no
+            ``m2flow_virtual_device`` resource.
+        device_memory_gb: declared capacity of each virtual device, in GiB.
+        run_dir: directory for Ray's temp files (embedded mode only).
+
+    Raises:
+        ValueError: a cluster with no device at all (nothing can be placed).
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        num_cpus: int | None = None,
+        virtual_devices_per_node: int = 1,
+        device_memory_gb: float = 16.0,
+        run_dir: str | os.PathLike | None = None,
+    ) -> None:
+        import ray
+
+        apply_ray_env_defaults()
+        self._owns_ray = False
+        if not ray.is_initialized():
+            if address is None:
+                temp_root = Path(run_dir) if run_dir else Path(tempfile.gettempdir()) / "m2flow"
+                temp_dir = _short_temp_dir(temp_root)
+                ray.init(
+                    num_cpus=num_cpus,
+                    resources={VIRTUAL_DEVICE_RESOURCE: virtual_devices_per_node},
+                    include_dashboard=False,
+                    namespace=NAMESPACE,
+                    _node_ip_address=_LOOPBACK,
+                    _temp_dir=str(temp_dir),
+                    log_to_driver=True,
+                    configure_logging=False,
+                )
+            else:
+                ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+            self._owns_ray = True
+        self.virtual_devices_per_node = virtual_devices_per_node
+        self.device_memory_bytes = int(device_memory_gb * GiB)
+        self.nodes: list[Node] = self._inventory()
+        self.devices: list[Device] = [d for n in self.nodes for d in n.devices]
+        if not self.devices:
+            raise ValueError(
+                "the Ray cluster has no devices: no node has a GPU or an "
+                f"'{VIRTUAL_DEVICE_RESOURCE}' resource; pass virtual_devices_per_node >= 1"
+            )
+
+    # -- inventory -------------------------------------------------------------------------
+
+    def _inventory(self) -> list[Node]:
+        import ray
+
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        # Head first, then a stable order, so global ids do not change between calls.
+        alive.sort(
+            key=lambda n: (
+                "node:__internal_head__" not in n["Resources"],
+                n["NodeManagerAddress"],
+                n["NodeManagerPort"],
+            )
+        )
+        nodes, next_id = [], 0
+        for index, raw in enumerate(alive):
+            res = raw["Resources"]
+            gpus = int(res.get("GPU", 0))
+            if gpus:
+                kind, count, mem = "cuda", gpus, _gpu_memory_bytes()
+            else:
+                declared = int(res.get(VIRTUAL_DEVICE_RESOURCE, 0))
+                kind = "virtual"
+                count = declared or self.virtual_devices_per_node
+                mem = self.device_memory_bytes
+            devices = tuple(
+                Device(next_id + i, raw["NodeID"], index, i, kind, mem) for i in range(count)
+            )
+            next_id += count
+            nodes.append(
+                Node(
+                    index=index,
+                    node_id=raw["NodeID"],
+                    address=raw["NodeManagerAddress"],
+                    is_head="node:__internal_head__" in res,
+                    num_cpus=float(res.get("CPU", 0)),
+                    devices=devices,
+                )
+            )
+        return nodes
+
+    def refresh(self) -> None:
+        """Re-read the node list (after nodes join or leave)."""
+        self.nodes = self._inventory()
+        self.devices = [d for n in self.nodes for d in n.devices]
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    def device(self, global_id: int) -> Device:
+        """The device with this global id.
+
+        Raises:
+            ValueError: the id is outside ``[0, num_devices)``.
+        """
+        if not 0 <= global_id < len(self.devices):
+            raise ValueError(
+                f"device id {global_id} is out of range: this cluster has {len(self.devices)} "
+                f"devices (ids 0..{len(self.devices) - 1}); fix the placement or declare more "
+                "devices (cluster.devices_per_node)"
+            )
+        return self.devices[global_id]
+
+    def describe(self) -> str:
+        """One line per node: address, CPUs and devices."""
+        lines = []
+        for n in self.nodes:
+            ids = [d.global_id for d in n.devices]
+            kind = n.devices[0].kind if n.devices else "-"
+            mem = n.devices[0].memory_bytes / GiB if n.devices else 0
+            lines.append(
+                f"node {n.index}{' (head)' if n.is_head else ''} {n.address}: "
+                f"{n.num_cpus:g} CPUs, {kind} devices {ids} x {mem:.0f} GiB"
+            )
+        return "\n".join(lines)
+
+    def shutdown(self) -> None:
+        """Shut Ray down if this Cluster started it."""
+        import ray
+
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self._owns_ray = False
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _short_temp_dir(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    if len(str(root)) <= 40:
+        return root / "ray"
+    # Ray's unix socket paths must stay under 107 bytes: deep run dirs get a short temp dir.
+    return Path(tempfile.mkdtemp(prefix="m2flow-ray-"))
+
+
+def _gpu_memory_bytes() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except Exception:  # torch missing or no driver on the driver node: capacity unknown
+        pass
+    return 0

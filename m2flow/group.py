@@ -1,0 +1,254 @@
+"""WorkerGroup: one Ray actor per rank, placed on global device ids (RLinf section 4.1).
+
+``MyWorker.launch(cluster, placement=[0, 1], name="actor", **init_kwargs)`` starts rank ``i`` on
+device ``placement[i]``, pinned to that device's node. Every public method of ``MyWorker``
+becomes a group method: ``group.generate(x)`` runs ``generate(x)`` on every rank (or
+``group.on([0]).generate(x)`` on a subset) and returns a :class:`GroupCall` at once;
+``.wait()`` returns the per-rank results and ``.time()`` the call's duration reduced across
+ranks. A rank that fails raises :class:`WorkerError` in the driver with the group, rank, method
+and the remote traceback, without waiting for the other ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ._env import wait_timeout
+from .cluster import NAMESPACE, Cluster
+from .lock import get_lock_service
+from .worker import IO_GROUP, CallStats, Worker, WorkerContext, actor_name, public_methods
+
+_launch_counter = itertools.count()
+
+
+class WorkerError(RuntimeError):
+    """A rank of a worker group failed; the message carries the remote traceback."""
+
+    def __init__(self, group: str, rank: int, method: str, cause: BaseException) -> None:
+        self.group, self.rank, self.method, self.cause = group, rank, method, cause
+        super().__init__(f"worker group '{group}' rank {rank} failed in {method}():\n{cause}")
+
+
+def normalize_placement(placement, cluster: Cluster) -> list[list[int]]:
+    """Placement as one device-id list per rank.
+
+    Accepts ``[0, 1]`` (one device per rank) or ``[[0, 1], [2, 3]]`` (several per rank), or an
+    int ``n`` (ranks on devices ``0..n-1``).
+
+    Raises:
+        ValueError: empty placement, an unknown device id, or a rank spanning two nodes.
+    """
+    if isinstance(placement, int):
+        placement = list(range(placement))
+    ranks = [[p] if isinstance(p, int) else list(p) for p in placement]
+    if not ranks or any(not r for r in ranks):
+        raise ValueError(f"placement {placement!r} is empty; give one device id per rank")
+    for r in ranks:
+        nodes = {cluster.device(d).node_id for d in r}
+        if len(nodes) > 1:
+            raise ValueError(f"placement rank {r} spans several nodes; a rank lives on one node")
+    return ranks
+
+
+class WorkerGroup:
+    """The ranks of one worker type. Create with ``WorkerClass.launch(...)``."""
+
+    def __init__(self, name: str, worker_cls: type, actors: list, placement: list[list[int]],
+                 cluster: Cluster, ranks: Sequence[int] | None = None) -> None:
+        self.name = name
+        self.worker_cls = worker_cls
+        self.actors = actors
+        self.placement = placement
+        self.cluster = cluster
+        self._ranks = list(range(len(actors))) if ranks is None else list(ranks)
+        self._methods = public_methods(worker_cls)
+        self.history: dict[str, list[float]] = defaultdict(list)  # method -> max durations
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    @property
+    def device_ids(self) -> list[int]:
+        """Every device the group uses, sorted."""
+        return sorted({d for r in self.placement for d in r})
+
+    def on(self, ranks: int | Sequence[int]) -> "WorkerGroup":
+        """A view of this group that dispatches to ``ranks`` only."""
+        ranks = [ranks] if isinstance(ranks, int) else list(ranks)
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"group '{self.name}' has ranks 0..{self.world_size - 1}, not {bad}")
+        view = WorkerGroup(self.name, self.worker_cls, self.actors, self.placement,
+                           self.cluster, ranks)
+        view.history = self.history
+        return view
+
+    def __getattr__(self, method: str):
+        if method.startswith("_") or method not in self.__dict__.get("_methods", ()):
+            raise AttributeError(
+                f"{self.__dict__.get('worker_cls', type(self)).__name__} has no public method "
+                f"'{method}'"
+            )
+        return _GroupMethod(self, method)
+
+    def call(self, method: str, *args, **kwargs) -> "GroupCall":
+        """Dispatch ``method(*args, **kwargs)`` to the selected ranks."""
+        refs = [self.actors[r]._m2flow_call.remote(method, args, kwargs) for r in self._ranks]
+        return GroupCall(self, method, self._ranks, refs)
+
+    def load_stats(self) -> list[dict]:
+        """Per rank ``{"loaded", "onloads", "offloads"}``: context switches so far."""
+        return ray.get([a._m2flow_load_stats.remote() for a in self.actors], timeout=60)
+
+    def shutdown(self) -> None:
+        """Kill every rank."""
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.name!r}, {self.worker_cls.__name__}, placement={self.placement})"
+
+
+class _GroupMethod:
+    def __init__(self, group: WorkerGroup, method: str) -> None:
+        self._group, self._method = group, method
+
+    def __call__(self, *args, **kwargs) -> "GroupCall":
+        return self._group.call(self._method, *args, **kwargs)
+
+
+@dataclass
+class GroupResult:
+    """Per-rank results and timings of one group call. Durations in seconds."""
+
+    results: list[Any]
+    stats: list[CallStats]
+
+    @property
+    def durations(self) -> list[float]:
+        return [s.duration for s in self.stats]
+
+    def time(self, reduce: str = "max", busy: bool = False) -> float:
+        """The call's duration across ranks: ``"max"`` (default), ``"mean"`` or ``"min"``.
+
+        With ``busy=True``, each rank's working time (duration less lock and data waits).
+        """
+        fn = {"max": max, "min": min, "mean": statistics.fmean}[reduce]
+        return float(fn([s.busy for s in self.stats] if busy else self.durations))
+
+
+class GroupCall:
+    """Handle of a dispatched group call."""
+
+    def __init__(self, group: WorkerGroup, method: str, ranks: list[int], refs: list) -> None:
+        self.group, self.method, self.ranks, self.refs = group, method, ranks, refs
+        self._result: GroupResult | None = None
+        self.dispatched_at = time.time()
+
+    def done(self) -> bool:
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def wait_result(self, timeout: float | None = None) -> GroupResult:
+        """Wait for every rank; results and timings.
+
+        Raises:
+            WorkerError: a rank raised or died (raised as soon as it is seen).
+            TimeoutError: not all ranks finished within ``timeout`` seconds (default
+                ``M2FLOW_WAIT_TIMEOUT``).
+        """
+        if self._result is not None:
+            return self._result
+        timeout = wait_timeout() if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        rank_of = {ref: r for ref, r in zip(self.refs, self.ranks)}
+        pending, values = list(self.refs), {}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = sorted(rank_of[p] for p in pending)
+                raise TimeoutError(
+                    f"worker group '{self.group.name}' {self.method}(): ranks {late} did not "
+                    f"finish in {timeout:.0f} s"
+                )
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
+            for ref in ready:
+                try:
+                    values[ref] = ray.get(ref)
+                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+                    raise WorkerError(self.group.name, rank_of[ref], self.method, e) from None
+        pairs = [values[ref] for ref in self.refs]
+        self._result = GroupResult([p[0] for p in pairs], [p[1] for p in pairs])
+        self.group.history[self.method].append(self._result.time("max"))
+        return self._result
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        """Per-rank return values, in rank order (see :meth:`wait_result` for errors)."""
+        return self.wait_result(timeout).results
+
+    def time(self, reduce: str = "max", busy: bool = False) -> float:
+        """Duration in seconds reduced across ranks (waits for the call first)."""
+        return self.wait_result().time(reduce, busy)
+
+
+def launch(worker_cls: type, cluster: Cluster, placement, *, name: str | None = None,
+           num_cpus: float = 0.0, lock: bool = True, **init_kwargs) -> WorkerGroup:
+    """Start ``worker_cls`` as a group; see :meth:`Worker.launch`."""
+    if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+        raise TypeError(f"{worker_cls!r} is not a subclass of m2flow.Worker")
+    ranks = normalize_placement(placement, cluster)
+    name = name or worker_cls.__name__
+    lock_service = get_lock_service() if lock else None
+    launch_index = next(_launch_counter)
+    actor_cls = ray.remote(concurrency_groups={IO_GROUP: 8})(_actor_class(worker_cls))
+    actors = []
+    for rank, devices in enumerate(ranks):
+        aname = actor_name(name, rank)
+        try:
+            ray.get_actor(aname, namespace=NAMESPACE)
+        except ValueError:
+            pass
+        else:
+            raise ValueError(f"a worker group named '{name}' is already running; pick another name")
+        devs = [cluster.device(d) for d in devices]
+        ctx = WorkerContext(name, rank, len(ranks), devs, lock_service, launch_index)
+        actors.append(
+            actor_cls.options(
+                name=aname,
+                namespace=NAMESPACE,
+                num_cpus=num_cpus,
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(devs[0].node_id, soft=False),
+            ).remote(ctx, init_kwargs)
+        )
+    group = WorkerGroup(name, worker_cls, actors, ranks, cluster)
+    # Surface constructor failures here, with the rank, rather than at the first call.
+    ready = [a.__ray_ready__.remote() for a in actors]
+    for rank, ref in enumerate(ready):
+        try:
+            ray.get(ref, timeout=wait_timeout())
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+            group.shutdown()
+            raise WorkerError(name, rank, "__init__", e) from None
+    return group
+
+
+def _actor_class(worker_cls: type) -> type:
+    """A subclass that binds the rank's context before the user's ``__init__`` runs."""
+
+    class _Actor(worker_cls):
+        def __init__(self, ctx: WorkerContext, init_kwargs: dict) -> None:
+            self._m2flow_bind(ctx)
+            worker_cls.__init__(self, **init_kwargs)
+
+    _Actor.__name__ = _Actor.__qualname__ = worker_cls.__name__
+    return _Actor

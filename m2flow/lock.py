@@ -1,0 +1,152 @@
+"""Device locks: who may use a device now, and who must leave it (RLinf section 4.3).
+
+One lock per device, shared by every worker placed on it, all held by one ``LockService``
+actor so that a rank spanning several devices takes them atomically (no partial holds, hence
+no lock-order deadlock).
+
+- Acquire: granted once every device of the rank is free. The grant returns the other workers
+  still resident on those devices; the new holder offloads them and onloads itself (its own
+  state may have been offloaded by an earlier switch). Re-acquiring by the worker that used
+  the device last moves nothing.
+- Release: frees the devices; the holder stays resident until a *different* worker takes them
+  (lazy offload), so a worker that calls twice in a row pays no switch.
+- Priority: among waiters, the one whose group comes first in data-dependency order goes first
+  (producers before consumers). The order is the workflow graph's topological order when the
+  runtime has set it (:meth:`LockService.set_priorities`), else the groups' launch order. A
+  waiter blocked on a device also blocks lower-priority waiters on that device (no starvation).
+- Liveness: a waiter pings the holders every few seconds; a dead holder's locks are freed.
+  Every wait has a deadline and fails with a message naming the holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import defaultdict
+
+import ray
+
+LOCK_SERVICE_NAME = "m2flow:locks"
+_PING_INTERVAL_S = 5.0
+
+
+@ray.remote(num_cpus=0)
+class LockService:
+    """All device locks of a run. Methods are coroutines: waits cost no thread."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, dict] = {}  # key -> {group, devices, handle, launch_index}
+        self.holder: dict[int, str] = {}  # device id -> holding worker key
+        self.resident: dict[int, set[str]] = defaultdict(set)  # device -> keys in its memory
+        self.waiters: list[list] = []  # [priority, seq, key, event]
+        self.priority: dict[str, int] = {}  # group -> rank in data-dependency order
+        self.grant_log: list[tuple[str, float]] = []
+        self._seq = itertools.count()
+
+    async def register(self, key: str, group: str, devices: list[int], handle,
+                       launch_index: int) -> None:
+        """Declare a worker; it starts resident (loaded) on its devices."""
+        self.workers[key] = {
+            "group": group, "devices": list(devices), "handle": handle,
+            "launch_index": launch_index,
+        }
+        for d in devices:
+            self.resident[d].add(key)
+
+    async def set_priorities(self, order: dict[str, int]) -> None:
+        """Set group priorities (lower goes first), e.g. a topological order of the graph."""
+        self.priority.update(order)
+        self._grant()
+
+    async def acquire(self, key: str, timeout: float) -> list:
+        """Wait until ``key``'s devices are all free, take them, and return the handles of the
+        other workers resident there (the caller offloads them).
+
+        Raises:
+            TimeoutError: not granted within ``timeout`` seconds; names the holders.
+        """
+        info = self.workers[key]
+        devices = info["devices"]
+        if all(self.holder.get(d) == key for d in devices):
+            return []
+        prio = self.priority.get(info["group"], info["launch_index"])
+        event = asyncio.Event()
+        entry = [prio, next(self._seq), key, event]
+        self.waiters.append(entry)
+        self._grant()
+        deadline = time.monotonic() + timeout
+        while not event.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.waiters.remove(entry)
+                holders = sorted({self.holder[d] for d in devices if d in self.holder})
+                raise TimeoutError(
+                    f"{key} waited {timeout:.0f} s for devices {devices}, held by {holders}; "
+                    "a worker holds its device for a whole group call: a call that never "
+                    "returns keeps it (raise M2FLOW_WAIT_TIMEOUT if the work is that long)"
+                )
+            try:
+                await asyncio.wait_for(event.wait(), min(left, _PING_INTERVAL_S))
+            except asyncio.TimeoutError:
+                await self._free_dead_holders(devices)
+        evict = set()
+        for d in devices:
+            evict |= self.resident[d] - {key}
+            self.resident[d] = {key}
+        for other in evict:  # an evicted worker leaves all its devices' memory
+            for d in self.workers[other]["devices"]:
+                self.resident[d].discard(other)
+        self.grant_log.append((key, time.time()))
+        return [self.workers[k]["handle"] for k in sorted(evict)]
+
+    async def release(self, key: str) -> None:
+        """Free ``key``'s devices; it stays resident until another worker takes them."""
+        for d in self.workers[key]["devices"]:
+            if self.holder.get(d) == key:
+                del self.holder[d]
+        self._grant()
+
+    async def state(self) -> dict:
+        """Holders, residents and the grant log (for tests and debugging)."""
+        return {
+            "holder": dict(self.holder),
+            "resident": {d: sorted(k) for d, k in self.resident.items()},
+            "grant_log": list(self.grant_log),
+            "waiting": [e[2] for e in self.waiters],
+        }
+
+    def _grant(self) -> None:
+        blocked: set[int] = set()
+        for entry in sorted(self.waiters, key=lambda e: (e[0], e[1])):
+            key = entry[2]
+            devices = self.workers[key]["devices"]
+            if any(d in self.holder or d in blocked for d in devices):
+                blocked.update(devices)
+                continue
+            for d in devices:
+                self.holder[d] = key
+            self.waiters.remove(entry)
+            entry[3].set()
+
+    async def _free_dead_holders(self, devices: list[int]) -> None:
+        for key in {self.holder[d] for d in devices if d in self.holder}:
+            try:
+                await asyncio.wait_for(self.workers[key]["handle"]._m2flow_ping.remote(), 10)
+            except ray.exceptions.RayActorError:
+                for d in self.workers[key]["devices"]:
+                    if self.holder.get(d) == key:
+                        del self.holder[d]
+                    self.resident[d].discard(key)
+            except asyncio.TimeoutError:  # alive but busy: keep waiting
+                pass
+        self._grant()
+
+
+def get_lock_service():
+    """The run's LockService actor, created on first use (named, in the m2flow namespace)."""
+    from .cluster import NAMESPACE
+
+    return LockService.options(
+        name=LOCK_SERVICE_NAME, namespace=NAMESPACE, get_if_exists=True
+    ).remote()

@@ -1,0 +1,71 @@
+"""Run directory, metrics log (JSONL, optional TensorBoard) and a progress bar for runners."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+class RunLog:
+    """Writes one JSON object per step to ``run_dir/metrics.jsonl`` and shows progress.
+
+    Args:
+        run_dir: the run's directory (created).
+        total_steps: steps of the progress bar.
+        tensorboard: also write scalars with ``torch.utils.tensorboard`` (needs tensorboard).
+    """
+
+    def __init__(self, run_dir: str | Path, total_steps: int, tensorboard: bool = False) -> None:
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.console = Console()
+        self._file = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self._t0 = time.time()
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tb"))
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("{task.fields[status]}"),
+            console=self.console, transient=False,
+        )
+        self._task = self.progress.add_task("steps", total=total_steps, status="")
+
+    def log(self, step: int, metrics: dict[str, Any], echo: bool = True) -> None:
+        """Append ``{"step", "time", **metrics}`` to the JSONL file (and TensorBoard)."""
+        record = {"step": step, "time": round(time.time() - self._t0, 3), **metrics}
+        self._file.write(json.dumps(record, default=float) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+        if echo:
+            shown = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+            self.progress.console.print(f"step {step}: {shown}", highlight=False)
+
+    def advance(self, completed: int, status: str = "") -> None:
+        self.progress.update(self._task, completed=completed, status=status)
+
+    def print(self, *args) -> None:
+        self.progress.console.print(*args, highlight=False)
+
+    def __enter__(self) -> "RunLog":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -1,0 +1,64 @@
+"""Workflow graph traced from channel traffic (RLinf section 5, profiling input).
+
+Each channel records, for every item handed to a consumer, the edge
+``producer group -> consumer group``. :func:`workflow_graph` merges them over the channels this
+process created: the graph the planner plans.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .channel import DRIVER, created_channels
+
+
+@dataclass(frozen=True)
+class Edge:
+    """``items`` went from group ``src`` to group ``dst`` through ``channel``."""
+
+    src: str
+    dst: str
+    channel: str
+    items: int
+
+
+def workflow_graph(include_driver: bool = False) -> list[Edge]:
+    """Edges seen so far on every channel this process created, sorted.
+
+    Args:
+        include_driver: keep edges from/to the driver (inputs put by the runner loop).
+    """
+    edges = []
+    for name, ch in created_channels().items():
+        for src, dst, n in ch.graph_edges():
+            if include_driver or DRIVER not in (src, dst):
+                edges.append(Edge(src, dst, name, n))
+    return sorted(edges, key=lambda e: (e.src, e.dst, e.channel))
+
+
+def group_order(edges: list[Edge]) -> dict[str, int]:
+    """Topological rank of each group (producers first); cycles keep first-seen order.
+
+    Used as device-lock priority: a consumer does not take a device before its producer.
+    """
+    succ, indeg, nodes = {}, Counter(), []
+    for e in edges:
+        for n in (e.src, e.dst):
+            if n not in succ:
+                succ[n] = set()
+                nodes.append(n)
+        if e.dst not in succ[e.src] and e.src != e.dst:
+            succ[e.src].add(e.dst)
+            indeg[e.dst] += 1
+    order, ready = {}, [n for n in nodes if indeg[n] == 0]
+    while ready:
+        n = ready.pop(0)
+        order[n] = len(order)
+        for m in sorted(succ[n], key=nodes.index):
+            indeg[m] -= 1
+            if indeg[m] == 0:
+                ready.append(m)
+    for n in nodes:  # nodes on a cycle
+        order.setdefault(n, len(order))
+    return order

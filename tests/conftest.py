@@ -1,0 +1,92 @@
+"""Shared test set-up: one real Ray session per test module, and the ``gpu`` marker.
+
+Ray worker processes inherit the driver's environment, so everything here that a worker needs
+(the tests directory on ``PYTHONPATH``, Ray's CI settings) is put into ``os.environ`` at import
+time, before any ``ray.init``. With the tests directory importable, worker classes defined in a
+test module (module ``test_group``, ...) unpickle in the Ray workers by reference.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+# Ray settings for tests and CI (DESIGN.md, environment facts).
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# A bug that makes a wait hang should fail the test in minutes, not after the 30 min default.
+os.environ.setdefault("M2FLOW_WAIT_TIMEOUT", "120")
+_pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+if str(TESTS_DIR) not in _pythonpath:
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), *_pythonpath])
+
+
+def _short_tmp_dir(prefix: str) -> Path:
+    # Ray's unix socket paths must stay under 107 bytes: keep the temp dir short (/tmp/...).
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp" if os.path.isdir("/tmp") else None))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A fresh embedded Ray session (2 CPUs, 2 virtual devices) shared by one test module."""
+    import ray
+
+    import m2flow
+    import m2flow.channel
+
+    if ray.is_initialized():  # a session leaked by an earlier module: start clean
+        ray.shutdown()
+    run_dir = _short_tmp_dir("m2t-")
+    c = m2flow.Cluster(run_dir=run_dir, virtual_devices_per_node=2, num_cpus=2)
+    try:
+        yield c
+    finally:
+        c.shutdown()
+        # Channel handles of the finished session would otherwise stay in the trace registry
+        # and make m2flow.trace.workflow_graph() fail in the next session (see the report on
+        # Cluster.shutdown not clearing m2flow.channel._created).
+        m2flow.channel._created.clear()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tmp_ray_dir_factory():
+    """Short temp dirs for Ray sessions a test module starts itself (removed at the end)."""
+    made: list[Path] = []
+
+    def make(prefix: str = "m2t-") -> Path:
+        d = _short_tmp_dir(prefix)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+requires_gpu = pytest.mark.skipif(not cuda_available(), reason="needs an NVIDIA GPU (CUDA)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked ``gpu`` when torch sees no CUDA device."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items or cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+    for item in gpu_items:
+        item.add_marker(skip)

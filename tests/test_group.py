@@ -1,0 +1,249 @@
+"""WorkerGroup on a real (embedded) Ray session: dispatch, timings, errors, send/recv, placement."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+
+import m2flow
+from m2flow import Worker, WorkerError
+
+
+class Echo(Worker):
+    def __init__(self, tag: str = "") -> None:
+        self.tag = tag
+
+    def info(self):
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "group": self.group_name,
+            "devices": self.device_ids,
+            "tag": self.tag,
+            "pid": os.getpid(),
+        }
+
+    def nap(self, base: float, per_rank: float = 0.0):
+        time.sleep(base + per_rank * self.rank)
+        return self.rank
+
+    def fail_on(self, bad_rank: int, others_sleep: float):
+        if self.rank == bad_rank:
+            raise ValueError(f"boom-from-rank-{self.rank}")
+        time.sleep(others_sleep)
+        return self.rank
+
+
+class BadInit(Worker):
+    def __init__(self) -> None:
+        raise RuntimeError("constructor-exploded-xyz")
+
+
+class Sender(Worker):
+    def send_seq(self, dst: str, n: int, async_op: bool = False):
+        items = [(self.rank, i) for i in range(n)]
+        if async_op:
+            works = [self.send(x, dst, 0, async_op=True) for x in items]
+            for w in works:
+                w.wait()
+        else:
+            for x in items:
+                self.send(x, dst, 0)
+        return n
+
+    def send_tensors(self, dst: str, seed: int):
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        payload = {"x": torch.randn(256, 1024, generator=g), "ids": torch.arange(1000)}
+        self.send(payload, dst, 0)
+        return float(payload["x"].sum())
+
+
+class Receiver(Worker):
+    def recv_seq(self, src: str, src_ranks: list[int], n: int, async_op: bool = False):
+        out = {}
+        for r in src_ranks:
+            if async_op:
+                works = [self.recv(src, r, async_op=True, timeout=60) for _ in range(n)]
+                out[r] = [w.wait() for w in works]
+            else:
+                out[r] = [self.recv(src, r, timeout=60) for _ in range(n)]
+        return out
+
+    def recv_one(self, src: str, timeout: float = 60):
+        return self.recv(src, 0, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def echo(cluster):
+    return Echo.launch(cluster, placement=[0, 1], name="echo", tag="t1")
+
+
+def test_dispatch_all_ranks(echo):
+    infos = echo.info().wait(timeout=60)
+    assert [i["rank"] for i in infos] == [0, 1]
+    assert all(i["world_size"] == 2 for i in infos)
+    assert all(i["group"] == "echo" and i["tag"] == "t1" for i in infos)
+    assert [i["devices"] for i in infos] == [[0], [1]]
+    assert infos[0]["pid"] != infos[1]["pid"]  # one process per rank
+    assert echo.world_size == 2 and echo.device_ids == [0, 1]
+
+
+def test_dispatch_subset(echo):
+    infos = echo.on([1]).info().wait(timeout=60)
+    assert len(infos) == 1 and infos[0]["rank"] == 1 and infos[0]["world_size"] == 2
+    assert [i["rank"] for i in echo.on(0).info().wait(timeout=60)] == [0]
+    with pytest.raises(ValueError, match="ranks 0..1"):
+        echo.on([2])
+
+
+def test_unknown_method_is_attribute_error(echo):
+    with pytest.raises(AttributeError, match="no_such_method"):
+        echo.no_such_method()
+
+
+def test_durations_reduced(echo):
+    res = echo.nap(0.3, per_rank=0.3).wait_result(timeout=60)
+    assert res.results == [0, 1]
+    d = res.durations
+    assert len(d) == 2
+    assert d[0] >= 0.3 and d[1] >= 0.6
+    assert res.time("max") >= res.time("mean") >= res.time("min")
+    assert res.time("max") == pytest.approx(max(d)) and res.time("min") == pytest.approx(min(d))
+    assert res.time("mean") == pytest.approx(sum(d) / 2)
+    assert res.time("max") - res.time("min") >= 0.2
+    call = echo.nap(0.2)
+    assert call.time() >= 0.2  # GroupCall.time waits, then reduces (default max)
+    assert echo.history["nap"][-1] == pytest.approx(call.time())
+
+
+def test_failing_rank_raises_promptly(cluster):
+    # lock=False: the long call left behind on rank 0 must not hold a device lock for the
+    # tests after this one; the group is killed at the end.
+    g = Echo.launch(cluster, placement=[0, 1], name="failing", lock=False)
+    try:
+        t0 = time.monotonic()
+        call = g.fail_on(1, 60.0)  # rank 0 sleeps 60 s, rank 1 raises at once
+        with pytest.raises(WorkerError) as ei:
+            call.wait(timeout=90)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 15, f"WorkerError took {elapsed:.1f} s: the driver waited for rank 0"
+        err = ei.value
+        assert (err.group, err.rank, err.method) == ("failing", 1, "fail_on")
+        msg = str(err)
+        assert "'failing'" in msg and "rank 1" in msg and "fail_on" in msg
+        assert "boom-from-rank-1" in msg and "ValueError" in msg
+        assert not call.done()  # rank 0 is still in its long call
+    finally:
+        g.shutdown()
+
+
+def test_constructor_failure_raises_at_launch(cluster):
+    with pytest.raises(WorkerError) as ei:
+        BadInit.launch(cluster, placement=[1], name="badinit", lock=False)
+    err = ei.value
+    assert (err.group, err.rank, err.method) == ("badinit", 0, "__init__")
+    assert "constructor-exploded-xyz" in str(err)
+
+
+def test_invalid_placement(cluster):
+    with pytest.raises(ValueError) as ei:
+        Echo.launch(cluster, placement=[0, 7], name="badplace")
+    msg = str(ei.value)
+    assert "7" in msg and "out of range" in msg and "2 devices" in msg
+    with pytest.raises(ValueError, match="empty"):
+        Echo.launch(cluster, placement=[], name="emptyplace")
+    with pytest.raises(ValueError, match="out of range"):
+        Echo.launch(cluster, placement=[-1], name="negplace")
+    # nothing was started under those names
+    for name in ("badplace:0", "badplace:1", "emptyplace:0", "negplace:0"):
+        with pytest.raises(ValueError):
+            ray.get_actor(name, namespace="m2flow")
+
+
+def test_not_a_worker_class(cluster):
+    with pytest.raises(TypeError):
+        m2flow.group.launch(dict, cluster, [0])
+
+
+def test_duplicate_group_name(cluster, echo):
+    with pytest.raises(ValueError, match="already running"):
+        Echo.launch(cluster, placement=[1], name="echo")
+    # the original group is untouched
+    assert [i["tag"] for i in echo.info().wait(timeout=60)] == ["t1", "t1"]
+
+
+@pytest.fixture(scope="module")
+def p2p(cluster):
+    snd = Sender.launch(cluster, placement=[0, 1], name="snd")
+    rcv = Receiver.launch(cluster, placement=[1], name="rcv")
+    return snd, rcv
+
+
+@pytest.mark.parametrize("recv_async", [False, True], ids=["recv-sync", "recv-async"])
+def test_send_recv_fifo_per_sender(p2p, recv_async):
+    snd, rcv = p2p
+    n = 20
+    # the receiver is dispatched first and blocks in recv (yielding its device to rank 1 of snd)
+    r_call = rcv.recv_seq("snd", [0, 1], n, async_op=recv_async)
+    s_call = snd.send_seq("rcv", n)
+    assert s_call.wait(timeout=90) == [n, n]
+    got = r_call.wait(timeout=90)[0]
+    assert got[0] == [(0, i) for i in range(n)]
+    assert got[1] == [(1, i) for i in range(n)]
+
+
+def test_async_send_delivers_everything(p2p):
+    snd, rcv = p2p
+    n = 50
+    assert snd.send_seq("rcv", n, async_op=True).wait(timeout=90) == [n, n]
+    got = rcv.recv_seq("snd", [0, 1], n).wait(timeout=90)[0]
+    for r in (0, 1):
+        assert sorted(got[r]) == [(r, i) for i in range(n)]
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="runtime bug: send(async_op=True) deliveries run on the 8-thread m2flow_io "
+    "concurrency group, so their order at the receiver is racy (FIFO per sender broken)",
+)
+def test_async_send_fifo_per_sender(p2p):
+    snd, rcv = p2p
+    n = 100
+    assert snd.send_seq("rcv", n, async_op=True).wait(timeout=90) == [n, n]
+    got = rcv.recv_seq("snd", [0, 1], n).wait(timeout=90)[0]
+    assert got[0] == [(0, i) for i in range(n)]
+    assert got[1] == [(1, i) for i in range(n)]
+
+
+def test_send_recv_tensors_intact(p2p):
+    import torch
+
+    snd, rcv = p2p
+    sums = snd.on(0).send_tensors("rcv", 7).wait(timeout=60)
+    payload = rcv.recv_one("snd").wait(timeout=60)[0]
+    g = torch.Generator().manual_seed(7)
+    expected = torch.randn(256, 1024, generator=g)
+    assert torch.equal(payload["x"], expected)
+    assert torch.equal(payload["ids"], torch.arange(1000))
+    assert float(payload["x"].sum()) == pytest.approx(sums[0])
+
+
+def test_recv_timeout(p2p):
+    _, rcv = p2p
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as ei:
+        rcv.recv_one("snd", timeout=0.5).wait(timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert "TimeoutError" in str(ei.value) and "snd:0" in str(ei.value)
+
+
+def test_send_to_unknown_group(p2p):
+    snd, _ = p2p
+    with pytest.raises(WorkerError) as ei:
+        snd.on(0).send_seq("nobody", 1).wait(timeout=60)
+    assert "nobody:0" in str(ei.value)

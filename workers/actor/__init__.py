@@ -1,0 +1,1 @@
+"""Actor (policy training) code: GRPO losses and a plain-torch trainer."""

@@ -1,0 +1,252 @@
+"""Plain-torch policy trainer: GRPO updates, supervised steps, offload/onload.
+
+Batch units: every size here counts *responses* (samples), not prompts. A global batch of
+``B`` responses is split into mini-batches of ``mini_batch_size`` responses (one optimizer step
+each), and each mini-batch into micro-batches of ``micro_batch_size`` responses (gradient
+accumulation, the loss scaled by the mini-batch token count so that the accumulated gradient
+equals that of one full mini-batch forward).
+"""
+
+from __future__ import annotations
+
+import io
+from collections import defaultdict
+from typing import Mapping
+
+import torch
+
+from .losses import grpo_loss, sequence_logprobs
+
+RESPONSE_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+
+def _rows(batch: Mapping[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v[idx] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def _chunks(idx: torch.Tensor, size: int | None) -> list[torch.Tensor]:
+    size = size or len(idx)
+    return list(torch.split(idx, size))
+
+
+class PolicyTrainer:
+    """AdamW trainer for a causal LM policy.
+
+    Args:
+        model: the policy (``Qwen2ForCausalLM`` or any HF causal LM).
+        lr: learning rate (constant; change with :meth:`set_lr`).
+        betas, weight_decay: AdamW parameters.
+        grad_clip: max global grad norm (``None`` or <= 0 disables clipping).
+        temperature: sampling temperature the rollouts use; logprobs are recomputed under it.
+        clip_eps_low, clip_eps_high: PPO ratio clip range.
+        kl_coef: k3 KL weight to the reference logprobs (batch key ``ref_logprobs``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        grad_clip: float | None = 1.0,
+        temperature: float = 1.0,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.2,
+        kl_coef: float = 0.0,
+    ):
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        self.grad_clip = grad_clip
+        self.temperature = temperature
+        self.clip_eps_low = clip_eps_low
+        self.clip_eps_high = clip_eps_high
+        self.kl_coef = kl_coef
+        self.steps = 0
+        self._offloaded: dict | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # ------------------------------------------------------------------ optimisation
+
+    def _step(self) -> float:
+        """Clip, step, zero grads; returns the pre-clip global grad norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.grad_clip if self.grad_clip and self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return float(norm)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None = None) -> torch.Tensor:
+        """``[B, R]`` logprobs of the batch's responses under the current weights (no grad).
+
+        Use for old logprobs (behaviour policy) or, on a frozen copy, reference logprobs.
+        """
+        was_training = self.model.training
+        self.model.eval()
+        out = []
+        for idx in _chunks(torch.arange(len(batch["response_ids"])), micro_batch_size):
+            mb = {k: batch[k][idx].to(self.device) for k in RESPONSE_KEYS}
+            out.append(sequence_logprobs(self.model, **mb, temperature=self.temperature).cpu())
+        self.model.train(was_training)
+        return torch.cat(out)
+
+    def train_on_batch(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        mini_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        epochs: int = 1,
+        shuffle: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> dict[str, float]:
+        """GRPO/PPO update on one global batch of ``B`` responses.
+
+        Args:
+            batch: tensors ``prompt_ids``/``prompt_mask`` ``[B, P]``, ``response_ids``/
+                ``response_mask`` ``[B, R]``, ``advantages`` ``[B]``; optional
+                ``old_logprobs`` ``[B, R]`` (default: recomputed here before any update; the
+                rollout's logprobs can be passed instead when rollout and actor weights and
+                temperature agree) and ``ref_logprobs`` ``[B, R]``.
+            mini_batch_size: responses per optimizer step (default: ``B``, one step).
+            micro_batch_size: responses per forward/backward (default: the mini-batch).
+            epochs: passes over the batch (PPO epochs).
+            shuffle: shuffle responses before splitting into mini-batches.
+
+        Returns:
+            metrics averaged over mini-batches: ``loss``, ``pg_loss``, ``clip_frac``,
+            ``ratio_mean``, ``grad_norm`` (pre-clip), ``kl`` (with a reference), ``steps``.
+        """
+        if "old_logprobs" not in batch:
+            batch = dict(batch, old_logprobs=self.compute_logprobs(batch, micro_batch_size))
+        keys = [*RESPONSE_KEYS, "advantages", "old_logprobs"] + (["ref_logprobs"] if "ref_logprobs" in batch else [])
+        n = len(batch["response_ids"])
+        self.model.train()
+        sums: dict[str, float] = defaultdict(float)
+        n_steps = 0
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+            for mini in _chunks(order, mini_batch_size):
+                # Token mean over the whole mini-batch, whatever the micro split.
+                num_tokens = float(batch["response_mask"][mini].sum().clamp(min=1))
+                for micro in _chunks(mini, micro_batch_size):
+                    mb = {k: batch[k][micro].to(self.device) for k in keys}
+                    lp = sequence_logprobs(self.model, *(mb[k] for k in RESPONSE_KEYS), temperature=self.temperature)
+                    loss, m = grpo_loss(
+                        lp,
+                        mb["old_logprobs"],
+                        mb["advantages"],
+                        mb["response_mask"],
+                        self.clip_eps_low,
+                        self.clip_eps_high,
+                        ref_logprobs=mb.get("ref_logprobs"),
+                        kl_coef=self.kl_coef,
+                        num_tokens=num_tokens,
+                    )
+                    loss.backward()
+                    # Weight micro metrics by their share of the mini-batch tokens.
+                    share = float(mb["response_mask"].sum()) / num_tokens
+                    sums["loss"] += loss.item()
+                    for k, v in m.items():
+                        sums[k] += v * share
+                sums["grad_norm"] += self._step()
+                n_steps += 1
+        metrics = {k: v / n_steps for k, v in sums.items()}
+        metrics["steps"] = n_steps
+        return metrics
+
+    def sft_step(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        micro_batch_size: int | None = None,
+    ) -> dict[str, float]:
+        """One supervised optimizer step: token-mean NLL of the response (answer + EOS) tokens.
+
+        Prompt tokens carry no loss. Same layout as rollouts (``[B, P]`` left-padded prompts,
+        ``[B, R]`` right-padded responses), so the positions the model learns match generation.
+
+        Returns:
+            ``loss`` (nats per answer token), ``grad_norm`` (pre-clip).
+        """
+        self.model.train()
+        idx_all = torch.arange(len(response_ids))
+        num_tokens = float(response_mask.sum().clamp(min=1))
+        total = 0.0
+        for idx in _chunks(idx_all, micro_batch_size):
+            lp = sequence_logprobs(
+                self.model,
+                prompt_ids[idx].to(self.device),
+                prompt_mask[idx].to(self.device),
+                response_ids[idx].to(self.device),
+                response_mask[idx].to(self.device),
+                temperature=1.0,
+            )
+            loss = -lp.sum() / num_tokens
+            loss.backward()
+            total += loss.item()
+        return {"loss": total, "grad_norm": self._step()}
+
+    # ------------------------------------------------------------------ memory
+
+    def offload(self) -> None:
+        """Release the device memory held by parameters, gradients and optimizer state.
+
+        On an accelerator they move to (pinned) host memory. On CPU the "device" is host memory
+        already, so they are serialised into one compact in-memory buffer and the tensors are
+        freed (parameters become empty placeholders); :meth:`onload` restores them bit-exactly.
+        The trainer must not be used between ``offload`` and ``onload``.
+        """
+        if self._offloaded is not None:
+            return
+        device = self.device
+        self.optimizer.zero_grad(set_to_none=True)
+        if device.type != "cpu":
+            pin = torch.cuda.is_available()
+            for p in self.model.parameters():
+                p.data = p.data.to("cpu", non_blocking=True).pin_memory() if pin else p.data.cpu()
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        state[k] = v.cpu()
+            self._offloaded = {"device": device}
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return
+        buf = io.BytesIO()
+        params = {name: p.data for name, p in self.model.named_parameters()}
+        torch.save({"params": params, "optim": self.optimizer.state_dict()}, buf)
+        for p in self.model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype)
+        self.optimizer.state = defaultdict(dict)
+        self._offloaded = {"device": device, "buffer": buf.getvalue()}
+
+    def onload(self) -> None:
+        """Bring parameters and optimizer state back to the device :meth:`offload` took them from."""
+        if self._offloaded is None:
+            return
+        saved, self._offloaded = self._offloaded, None
+        device = saved["device"]
+        if "buffer" not in saved:
+            for p in self.model.parameters():
+                p.data = p.data.to(device, non_blocking=True)
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    # Adam's "step" counter stays on CPU (torch's default for non-capturable).
+                    if isinstance(v, torch.Tensor) and k != "step":
+                        state[k] = v.to(device, non_blocking=True)
+            return
+        blob = torch.load(io.BytesIO(saved["buffer"]), weights_only=True)
+        for name, p in self.model.named_parameters():
+            p.data = blob["params"][name]
+        self.optimizer.load_state_dict(blob["optim"])

@@ -1,0 +1,191 @@
+"""Actor worker: supervised warm start, GRPO training, weight sync, checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import torch
+import transformers
+
+from m2flow import Channel, Worker
+
+from ..batch import concat
+from ..llm import ModelConfig, build_char_tokenizer, build_model
+from ..llm.placement import torch_device
+from ..sft import run_sft
+from ..tasks import TaskDataset
+from .losses import grpo_advantages
+from .trainer import PolicyTrainer
+
+
+class ActorWorker(Worker):
+    """The policy being trained (plain torch; data parallel > 1 is not supported yet).
+
+    Args:
+        model: :class:`~m2flow.workers.llm.ModelConfig` fields.
+        alphabet: the character tokenizer's alphabet.
+        lr, betas, weight_decay, grad_clip: AdamW for GRPO.
+        temperature: the rollout's sampling temperature (logprobs are recomputed under it).
+        clip_eps_low, clip_eps_high: PPO ratio clip range.
+        kl_coef: k3 KL weight to the reference (the warm-started policy, frozen); 0 = off.
+        mini_batch_size, micro_batch_size: responses per optimizer step / per forward.
+        recompute_old_logprobs: recompute behaviour logprobs with a forward pass instead of
+            using the rollout's (the weights are identical; the rollout's differ only by
+            kernel rounding).
+        threads: torch intra-op threads.
+        seed: model init seed.
+
+    Raises:
+        ValueError: launched with more than one rank.
+    """
+
+    def __init__(self, model: dict, alphabet: str, lr: float, betas: tuple, weight_decay: float,
+                 grad_clip: float, temperature: float, clip_eps_low: float,
+                 clip_eps_high: float, kl_coef: float, mini_batch_size: int,
+                 micro_batch_size: int, recompute_old_logprobs: bool, threads: int = 2,
+                 seed: int = 0) -> None:
+        if self.world_size != 1:
+            raise ValueError(
+                f"the actor runs on one rank for now (got {self.world_size}): data-parallel "
+                "training needs a gradient all-reduce that is not implemented yet")
+        torch.set_num_threads(threads)
+        transformers.utils.logging.disable_progress_bar()  # no shard bars in run logs
+        self.device = torch_device(self.devices)
+        self.tokenizer = build_char_tokenizer(alphabet)
+        self.model = build_model(ModelConfig(**model), self.tokenizer, seed=seed).to(self.device)
+        self.lr = lr
+        self.trainer = PolicyTrainer(self.model, lr=lr, betas=tuple(betas),
+                                     weight_decay=weight_decay, grad_clip=grad_clip,
+                                     temperature=temperature, clip_eps_low=clip_eps_low,
+                                     clip_eps_high=clip_eps_high, kl_coef=kl_coef)
+        self.kl_coef = kl_coef
+        self.ref_model: torch.nn.Module | None = None
+        self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
+        self.recompute_old_logprobs = recompute_old_logprobs
+        self.weight_version = 0
+
+    # -- phases -----------------------------------------------------------------------------
+
+    def warm_start(self, task: dict, steps: int, batch_size: int, lr: float,
+                   target_accuracy: float | None, eval_every: int,
+                   time_budget_s: float | None, seed: int = 0) -> dict:
+        """Supervised warm start on the task's training split (answer tokens only), stopping
+        at ``steps``, ``time_budget_s`` seconds, or ``target_accuracy`` on the validation split
+        (``task["val_seed"]``, ``task["val_size"]``; never the held-out split).
+
+        Returns:
+            ``steps``, ``seconds``, ``loss`` (last), ``val_accuracy`` (greedy, last check).
+        """
+        train = TaskDataset(task["name"], dict(task["config"]), seed=task["train_seed"],
+                            size=task["train_size"])
+        val = TaskDataset(task["name"], dict(task["config"]), seed=task["val_seed"],
+                          size=task["val_size"])
+        self.trainer.set_lr(lr)
+        res = run_sft(self.trainer, self.tokenizer, train, steps=steps, batch_size=batch_size,
+                      seed=seed, val=val, target_accuracy=target_accuracy,
+                      eval_every=eval_every, time_budget_s=time_budget_s, log=None)
+        self.trainer.set_lr(self.lr)
+        # Fresh AdamW moments for RL: the supervised ones point elsewhere.
+        self.trainer.optimizer.state.clear()
+        self._freeze_reference()
+        return {"steps": res.steps, "seconds": res.seconds, "loss": res.last_loss,
+                "val_accuracy": res.val_accuracy}
+
+    def _freeze_reference(self) -> None:
+        if self.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    def train(self, inp: Channel, num_chunks: int) -> dict:
+        """One GRPO update from ``num_chunks`` scored rollout chunks taken from ``inp``.
+
+        Advantages are group-normalised rewards (DeepSeekMath GRPO, section 4.1.2); the loss
+        is the PPO clipped surrogate with an optional k3 KL to the reference.
+
+        Returns:
+            trainer metrics (``loss``, ``clip_frac``, ``grad_norm``, ...), ``samples``,
+            ``stale`` (samples generated with an older weight version than the actor's).
+        """
+        chunks = [inp.get() for _ in range(num_chunks)]
+        batch = concat([c["batch"] for c in chunks], self.tokenizer.pad_token_id)
+        stale = sum(len(c["batch"]) for c in chunks if c["weight_version"] != self.weight_version)
+        data = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids",
+                                      "response_mask")}
+        data["advantages"] = grpo_advantages(batch["rewards"], batch["group_index"])
+        if not self.recompute_old_logprobs:
+            data["old_logprobs"] = batch["logprobs"]
+        if self.ref_model is not None:
+            data["ref_logprobs"] = self._ref_logprobs(data)
+        metrics = self.trainer.train_on_batch(data, self.mini_batch_size, self.micro_batch_size)
+        self.weight_version += 1
+        return {**metrics, "samples": len(batch), "stale": stale}
+
+    @torch.no_grad()
+    def _ref_logprobs(self, data: dict) -> torch.Tensor:
+        policy, self.trainer.model = self.trainer.model, self.ref_model
+        try:
+            return self.trainer.compute_logprobs(data, self.micro_batch_size)
+        finally:
+            self.trainer.model = policy
+
+    # -- weights and checkpoints ------------------------------------------------------------
+
+    def send_weights(self, dst_group: str, dst_world_size: int) -> int:
+        """Send ``(state_dict, weight_version)`` to every rank of ``dst_group`` (object store:
+        one copy, referenced by each receiver). Returns the version sent."""
+        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        works = [self.send((state, self.weight_version), dst_group, r, async_op=True)
+                 for r in range(dst_world_size)]
+        for w in works:
+            w.wait()
+        return self.weight_version
+
+    def save_checkpoint(self, path: str) -> str:
+        """Model, tokenizer, optimizer state, version and RNG state under ``path``."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+        torch.save({"optimizer": self.trainer.optimizer.state_dict(),
+                    "weight_version": self.weight_version,
+                    "trainer_steps": self.trainer.steps,
+                    "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
+                    "reference": None if self.ref_model is None else self.ref_model.state_dict()},
+                   out / "actor_state.pt")
+        return str(out)
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore what :meth:`save_checkpoint` wrote. Returns the weight version."""
+        from safetensors.torch import load_file
+
+        src = Path(path)
+        missing, unexpected = self.model.load_state_dict(load_file(src / "model.safetensors"),
+                                                         strict=False)
+        # save_pretrained drops the LM head when it is tied to the embeddings.
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise ValueError(f"checkpoint {src} does not match the model: missing {missing}, "
+                             f"unexpected {unexpected}")
+        self.model.tie_weights()
+        state = torch.load(src / "actor_state.pt", weights_only=False)
+        self.trainer.optimizer.load_state_dict(state["optimizer"])
+        self.trainer.steps = state["trainer_steps"]
+        self.weight_version = state["weight_version"]
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["py_rng"])
+        if state["reference"] is not None:
+            self._freeze_reference()
+            self.ref_model.load_state_dict(state["reference"])
+        return self.weight_version
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        self.trainer.offload()
+        if self.ref_model is not None and self.device.type == "cuda":
+            self.ref_model.to("cpu")
+
+    def onload(self) -> None:
+        self.trainer.onload()
+        if self.ref_model is not None and self.device.type == "cuda":
+            self.ref_model.to(self.device)

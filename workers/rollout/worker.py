@@ -1,0 +1,132 @@
+"""Rollout worker: batched sampling with transformers, fed and drained through channels."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from m2flow import Channel, Worker
+
+from ..batch import num_tokens, to_batch
+from ..llm import ModelConfig, build_char_tokenizer, build_model
+from ..llm.placement import split_evenly, torch_device
+from ..tasks import TaskDataset
+from .generation import decode_responses, generate
+
+
+def num_chunks(num_prompts: int, rollout_world: int, granularity: int) -> int:
+    """Chunks the rollout group puts for ``num_prompts`` prompts at ``granularity`` prompts
+    per chunk (each rank chunks its own share)."""
+    return sum(math.ceil(s / granularity) for s in split_evenly(num_prompts, rollout_world) if s)
+
+
+class RolloutWorker(Worker):
+    """Generates GRPO groups: ``n_samples`` responses per prompt (HF ``generate``, KV cache).
+
+    Args:
+        model: :class:`~m2flow.workers.llm.ModelConfig` fields (weights arrive with
+            :meth:`sync_weights`).
+        alphabet: the character tokenizer's alphabet.
+        n_samples: responses per prompt (GRPO group size).
+        max_new_tokens: response cap in tokens (EOS included).
+        temperature, top_p: sampling parameters.
+        task: ``{"name", "config", "heldout_seed", "heldout_size"}`` for held-out evaluation.
+        threads: torch intra-op threads.
+        seed: sampling seed (offset by rank).
+    """
+
+    def __init__(self, model: dict, alphabet: str, n_samples: int, max_new_tokens: int,
+                 temperature: float, top_p: float, task: dict, threads: int = 2,
+                 seed: int = 0) -> None:
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed + 1000 * self.rank)
+        self.device = torch_device(self.devices)
+        self.tokenizer = build_char_tokenizer(alphabet)
+        self.model = build_model(ModelConfig(**model), self.tokenizer).to(self.device).eval()
+        self.n_samples, self.max_new_tokens = n_samples, max_new_tokens
+        self.temperature, self.top_p = temperature, top_p
+        self.task = task
+        self._heldout: TaskDataset | None = None
+        self.weight_version = -1
+
+    # -- generation -------------------------------------------------------------------------
+
+    def generate(self, prompts: Channel, out: Channel, num_prompts: int,
+                 granularity: int) -> dict:
+        """Take this rank's share of ``num_prompts`` prompts from ``prompts`` in chunks of
+        ``granularity`` prompts; put one rollout chunk per prompt chunk into ``out``.
+
+        A prompt item is ``{"prompt_ids": list[int], "group": int, "entry": dict}``. A rollout
+        chunk is ``{"batch": TensorDict [chunk * n_samples], "entries": {group: entry},
+        "weight_version": int}`` put with weight = its token count.
+
+        Returns:
+            ``samples``, ``tokens`` (prompt + response), ``response_length`` (mean tokens).
+        """
+        share = split_evenly(num_prompts, self.world_size)[self.rank]
+        samples = tokens = resp_tokens = 0
+        while share > 0:
+            size = min(granularity, share)
+            items = prompts.get_batch(size, max_items=size)
+            share -= len(items)
+            gen = generate(self.model, self.tokenizer, [it["prompt_ids"] for it in items],
+                           n_samples=self.n_samples, max_new_tokens=self.max_new_tokens,
+                           temperature=self.temperature, top_p=self.top_p)
+            groups = torch.tensor([it["group"] for it in items])
+            gen["group_index"] = groups[gen["group_index"]]
+            batch = to_batch(gen)
+            n_tok = num_tokens(batch)
+            out.put({"batch": batch, "entries": {it["group"]: it["entry"] for it in items},
+                     "weight_version": self.weight_version}, weight=n_tok)
+            samples += len(batch)
+            tokens += n_tok
+            resp_tokens += int(batch["response_mask"].sum())
+        return {"samples": samples, "tokens": tokens,
+                "response_length": resp_tokens / max(samples, 1)}
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def sync_weights(self, src_group: str = "actor", src_rank: int = 0) -> int:
+        """Receive ``(state_dict, version)`` from the actor and load it in place.
+
+        Returns:
+            the new weight version.
+        """
+        state, version = self.recv(src_group, src_rank)
+        self.model.load_state_dict(state)
+        self.weight_version = version
+        return version
+
+    # -- evaluation -------------------------------------------------------------------------
+
+    def evaluate(self) -> list[float]:
+        """Greedy scores of this rank's shard of the held-out split (reasoning-gym scorer).
+
+        Returns:
+            one score in [0, 1] per held-out item of the shard (accuracy counts score == 1).
+        """
+        if self._heldout is None:
+            t = self.task
+            self._heldout = TaskDataset(t["name"], dict(t["config"]), seed=t["heldout_seed"],
+                                        size=t["heldout_size"])
+        items = self._heldout.items[self.rank::self.world_size]
+        ids = [self.tokenizer(it.prompt).input_ids for it in items]
+        out = generate(self.model, self.tokenizer, ids, n_samples=1,
+                       max_new_tokens=self.max_new_tokens, greedy=True)
+        texts = decode_responses(self.tokenizer, out["response_ids"], out["response_mask"])
+        return self._heldout.score(texts, items)
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        # Weights can always be re-synced, but moving them is cheaper than a resync here.
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+

@@ -1,0 +1,246 @@
+"""GRPO on a reasoning-gym task: supervised warm start, then rollout -> reward -> actor.
+
+    m2flow run workflows/grpo.py trainer.steps=50 rollout.temperature=0.8
+    m2flow run workflows/grpo.py --config workflows/configs/grpo_spatial.yaml
+
+The runner below is the whole algorithm; it holds no placement logic. Where each group runs is
+``placement`` (device ids per group): by default every group shares device 0 (temporal: the
+device locks switch between them); disjoint devices run the same loop spatially, pipelined at
+``placement.granularity`` prompts per chunk.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from m2flow.config import ConfigError
+
+
+@dataclass
+class ClusterConfig:
+    address: Optional[str] = None  # None: embedded local Ray; "auto"/"host:port": join one
+    devices_per_node: int = 1  # virtual devices per node without GPUs
+    device_memory_gb: float = 16.0  # declared capacity of a virtual device
+    num_cpus: Optional[int] = None  # CPUs of the embedded Ray (default: all)
+
+
+@dataclass
+class PlacementConfig:
+    rollout: list[int] = field(default_factory=lambda: [0])  # global device id per rank
+    reward: list[int] = field(default_factory=lambda: [0])
+    actor: list[int] = field(default_factory=lambda: [0])
+    granularity: int = 0  # prompts per rollout chunk; 0 = the whole step (coalesced)
+
+
+@dataclass
+class TaskConfig:
+    name: str = "chain_sum"
+    config: dict[str, Any] = field(default_factory=lambda: {
+        "min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2})
+    train_seed: int = 1
+    train_size: int = 20000
+    val_seed: int = 2  # warm start stops on this split, never on the held-out one
+    val_size: int = 256
+    heldout_seed: int = 3
+    heldout_size: int = 500  # greedy accuracy = share of items with score == 1
+
+
+@dataclass
+class ModelConfig:
+    alphabet: str = "0123456789+-="  # character tokenizer (+ pad/eos/bos/unk)
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 64
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = 3000  # supervised steps at most
+    batch_size: int = 256  # samples per step
+    lr: float = 3e-3
+    target_accuracy: Optional[float] = 0.2  # stop once greedy val accuracy reaches it
+    eval_every: int = 50
+    time_budget_s: Optional[float] = 420.0
+
+
+@dataclass
+class RolloutConfig:
+    n_samples: int = 8  # GRPO group size (responses per prompt)
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    top_p: float = 1.0
+    threads: int = 2
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.0  # k3 KL to the warm-started policy; 0 = no reference
+    mini_batch_size: int = 128  # responses per optimizer step
+    micro_batch_size: int = 128  # responses per forward/backward
+    recompute_old_logprobs: bool = False
+    threads: int = 2
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 150  # GRPO steps
+    prompts_per_step: int = 16  # global batch: prompts (x n_samples responses)
+    eval_every: int = 25
+    save_every: int = 50
+    seed: int = 0
+    run_dir: str = "runs/grpo"
+    tensorboard: bool = False
+
+
+@dataclass
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    resume: bool = False  # continue from the last checkpoint in trainer.run_dir
+
+
+def validate(cfg) -> None:
+    """Value checks the types cannot express. Raises ConfigError."""
+    checks = [
+        (cfg.trainer.steps >= 0, "trainer.steps must be >= 0"),
+        (cfg.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
+        (cfg.rollout.n_samples >= 2, "rollout.n_samples must be >= 2 (GRPO compares a group)"),
+        (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
+        (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+        (cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
+        (cfg.placement.granularity >= 0, "placement.granularity must be >= 0"),
+        (len(cfg.placement.actor) == 1, "placement.actor takes one device (no DP actor yet)"),
+        (cfg.actor.lr > 0 and cfg.warm_start.lr > 0, "learning rates must be > 0"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+    run_dir = Path(cfg.trainer.run_dir)
+    if not cfg.resume and any(run_dir.glob("checkpoints/step_*")):
+        raise ConfigError(f"{run_dir} already holds checkpoints: pass --resume to continue "
+                          "that run, or set trainer.run_dir to start a new one")
+
+
+def main(cfg) -> dict:
+    from m2flow import Channel, Cluster
+    from m2flow.runlog import RunLog
+    from m2flow.workers.actor.worker import ActorWorker
+    from m2flow.workers.llm import build_char_tokenizer
+    from m2flow.workers.reward.worker import RewardWorker
+    from m2flow.workers.rollout.worker import RolloutWorker, num_chunks
+    from m2flow.workers.tasks import TaskDataset
+
+    run_dir, t, tr = Path(cfg.trainer.run_dir), cfg.task, cfg.trainer
+    cluster = Cluster(cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
+                      virtual_devices_per_node=cfg.cluster.devices_per_node,
+                      device_memory_gb=cfg.cluster.device_memory_gb, run_dir=run_dir)
+    model, task = _plain(cfg.model), _plain(cfg.task)
+    alphabet = model.pop("alphabet")
+    rollout = RolloutWorker.launch(cluster, list(cfg.placement.rollout), name="rollout",
+                                   model=model, alphabet=alphabet, task=task,
+                                   seed=tr.seed, **_plain(cfg.rollout))
+    reward = RewardWorker.launch(cluster, list(cfg.placement.reward), name="reward",
+                                 alphabet=alphabet)
+    actor = ActorWorker.launch(cluster, list(cfg.placement.actor), name="actor", model=model,
+                               alphabet=alphabet, temperature=cfg.rollout.temperature,
+                               seed=tr.seed, **_plain(cfg.actor))
+    prompts, rollouts, scored = (Channel.create(n) for n in ("prompts", "rollouts", "scored"))
+    tokenizer = build_char_tokenizer(alphabet)
+    train = TaskDataset(t.name, dict(t.config), seed=t.train_seed, size=t.train_size)
+    granularity = cfg.placement.granularity or tr.prompts_per_step
+    chunks = num_chunks(tr.prompts_per_step, rollout.world_size, granularity)
+
+    def sync_weights():
+        sent = actor.send_weights("rollout", rollout.world_size)
+        rollout.sync_weights("actor").wait()
+        sent.wait()
+
+    def evaluate() -> float:
+        scores = [s for shard in rollout.evaluate().wait() for s in shard]
+        return sum(s == 1.0 for s in scores) / len(scores)
+
+    start = _restore(actor, run_dir) if cfg.resume else 0
+    summary = {}
+    with RunLog(run_dir, tr.steps, tr.tensorboard) as log:
+        log.print(cluster.describe())
+        if start == 0:
+            ws = actor.warm_start(task, seed=tr.seed, **_plain(cfg.warm_start)).wait()[0]
+            sync_weights()
+            summary["accuracy_after_warm_start"] = evaluate()
+            log.log(0, {"phase": "warm_start", **ws,
+                        "heldout_accuracy": summary["accuracy_after_warm_start"]})
+        else:
+            sync_weights()
+        log.advance(start)
+        for step in range(start + 1, tr.steps + 1):
+            t0 = time.time()
+            rng = random.Random(tr.seed * 1_000_003 + step)  # data order survives --resume
+            for g, i in enumerate(rng.sample(range(len(train)), tr.prompts_per_step)):
+                prompts.put({"prompt_ids": tokenizer(train[i].prompt).input_ids, "group": g,
+                             "entry": train[i].entry})
+            gen = rollout.generate(prompts, rollouts, tr.prompts_per_step, granularity)
+            rew = reward.score(rollouts, scored, chunks)
+            upd = actor.train(scored, chunks)
+            g_out, r_out, a_out = gen.wait(), rew.wait()[0], upd.wait()[0]
+            sync_weights()
+            seconds = time.time() - t0
+            tokens = sum(o["tokens"] for o in g_out)
+            metrics = {"reward_mean": r_out["reward_mean"], "sample_accuracy": r_out["accuracy"],
+                       "response_length": g_out[0]["response_length"],
+                       "tokens_per_s": tokens / seconds, "step_s": seconds,
+                       "rollout_s": gen.time(busy=True), "reward_s": rew.time(busy=True),
+                       "actor_s": upd.time(busy=True), "loss": a_out["loss"],
+                       "clip_frac": a_out["clip_frac"], "grad_norm": a_out["grad_norm"]}
+            if step % tr.eval_every == 0 or step == tr.steps:
+                metrics["heldout_accuracy"] = summary["final_accuracy"] = evaluate()
+            if step % tr.save_every == 0 or step == tr.steps:
+                actor.save_checkpoint(str(run_dir / "checkpoints" / f"step_{step:06d}")).wait()
+            log.log(step, metrics, echo="heldout_accuracy" in metrics or step % 10 == 0)
+            log.advance(step, f"reward {metrics['reward_mean']:.3f}")
+        log.print(f"summary: {summary}")
+    cluster.shutdown()
+    return summary
+
+
+def _plain(section) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(section, resolve=True)
+
+
+def _restore(actor, run_dir: Path) -> int:
+    """Load the newest checkpoint of ``run_dir``; returns its step.
+
+    Raises:
+        ConfigError: --resume without a checkpoint to resume from.
+    """
+    found = sorted(run_dir.glob("checkpoints/step_*"))
+    if not found:
+        raise ConfigError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
+    actor.load_checkpoint(str(found[-1])).wait()
+    return int(found[-1].name.split("_")[1])
+
+
+if __name__ == "__main__":
+    from m2flow.cli import run_as_script
+
+    run_as_script(__file__)
