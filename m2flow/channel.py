@@ -284,9 +284,12 @@ class Channel:
         return ray.get(self._actor.graph_edges.remote(), timeout=60)
 
     def close(self) -> None:
-        """Kill the channel actor (queued items are lost)."""
+        """Kill the channel actor (queued items are lost); its name is free on return."""
+        from .cluster import wait_name_free
+
         ray.kill(self._actor, no_restart=True)
         _created.pop(self.name, None)
+        wait_name_free(f"channel:{self.name}")
 
     def __repr__(self) -> str:
         return f"Channel({self.name!r})"
@@ -295,3 +298,8 @@ class Channel:
 def created_channels() -> dict[str, Channel]:
     """Channels this process created, by name."""
     return dict(_created)
+
+
+def forget_channels() -> None:
+    """Drop this process's channel registry (their Ray session is gone)."""
+    _created.clear()

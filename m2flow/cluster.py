@@ -111,6 +111,11 @@ class Cluster:
             else:
                 ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
             self._owns_ray = True
+        from .lock import get_lock_service
+
+        # The Cluster owns the run's lock service: an actor lives while its owner holds it.
+        self.lock_service = get_lock_service()
+        self.groups: list = []  # worker groups launched on this cluster, for shutdown
         self.virtual_devices_per_node = virtual_devices_per_node
         self.device_memory_bytes = int(device_memory_gb * GiB)
         self.nodes: list[Node] = self._inventory()
@@ -199,11 +204,22 @@ class Cluster:
         return "\n".join(lines)
 
     def shutdown(self) -> None:
-        """Shut Ray down if this Cluster started it."""
+        """Stop what this Cluster started: Ray itself if it started it, else the worker groups
+        launched on it and the channels this process created (so a runner can run twice in
+        one Ray session)."""
         import ray
+
+        from .channel import created_channels, forget_channels
 
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+        elif ray.is_initialized():
+            for group in self.groups:
+                group.shutdown()
+            for ch in created_channels().values():
+                ch.close()
+        forget_channels()
+        self.groups.clear()
         self._owns_ray = False
 
     def __enter__(self) -> "Cluster":
@@ -211,6 +227,21 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def wait_name_free(name: str, timeout: float = 30.0) -> None:
+    """Wait until no live actor is named ``name`` (after a kill), so it can be reused."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.05)
 
 
 def _short_temp_dir(root: Path) -> Path:

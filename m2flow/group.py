@@ -22,8 +22,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ._env import wait_timeout
-from .cluster import NAMESPACE, Cluster
-from .lock import get_lock_service
+from .cluster import NAMESPACE, Cluster, wait_name_free
 from .worker import IO_GROUP, CallStats, Worker, WorkerContext, actor_name, public_methods
 
 _launch_counter = itertools.count()
@@ -109,10 +108,15 @@ class WorkerGroup:
         """Per rank ``{"loaded", "onloads", "offloads"}``: context switches so far."""
         return ray.get([a._m2flow_load_stats.remote() for a in self.actors], timeout=60)
 
-    def shutdown(self) -> None:
-        """Kill every rank."""
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Kill every rank and wait until their names are free (a group of the same name can
+        then be launched again)."""
+        keys = [actor_name(self.name, r) for r in range(self.world_size)]
         for a in self.actors:
             ray.kill(a, no_restart=True)
+        ray.get(self.cluster.lock_service.unregister.remote(keys), timeout=timeout)
+        for key in keys:
+            wait_name_free(key, timeout)
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.name!r}, {self.worker_cls.__name__}, placement={self.placement})"
@@ -207,7 +211,7 @@ def launch(worker_cls: type, cluster: Cluster, placement, *, name: str | None = 
         raise TypeError(f"{worker_cls!r} is not a subclass of m2flow.Worker")
     ranks = normalize_placement(placement, cluster)
     name = name or worker_cls.__name__
-    lock_service = get_lock_service() if lock else None
+    lock_service = cluster.lock_service if lock else None
     launch_index = next(_launch_counter)
     actor_cls = ray.remote(concurrency_groups={IO_GROUP: 8})(_actor_class(worker_cls))
     actors = []
@@ -231,6 +235,7 @@ def launch(worker_cls: type, cluster: Cluster, placement, *, name: str | None = 
             ).remote(ctx, init_kwargs)
         )
     group = WorkerGroup(name, worker_cls, actors, ranks, cluster)
+    cluster.groups.append(group)
     # Surface constructor failures here, with the rank, rather than at the first call.
     ready = [a.__ray_ready__.remote() for a in actors]
     for rank, ref in enumerate(ready):

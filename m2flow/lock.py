@@ -54,6 +54,19 @@ class LockService:
         for d in devices:
             self.resident[d].add(key)
 
+    async def unregister(self, keys: list[str]) -> None:
+        """Forget stopped workers: free their locks and residency."""
+        for key in keys:
+            info = self.workers.pop(key, None)
+            if info is None:
+                continue
+            for d in info["devices"]:
+                if self.holder.get(d) == key:
+                    del self.holder[d]
+                self.resident[d].discard(key)
+        self.waiters = [e for e in self.waiters if e[2] not in keys]
+        self._grant()
+
     async def set_priorities(self, order: dict[str, int]) -> None:
         """Set group priorities (lower goes first), e.g. a topological order of the graph."""
         self.priority.update(order)

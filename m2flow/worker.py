@@ -211,8 +211,11 @@ class Worker:
         )
         # The previous holders released these devices but still sit in their memory: they
         # leave before we come in (a different worker is taking over).
-        if evict:
-            ray.get([h._m2flow_offload.remote() for h in evict], timeout=wait_timeout())
+        for ref in [h._m2flow_offload.remote() for h in evict]:
+            try:
+                ray.get(ref, timeout=wait_timeout())
+            except ray.exceptions.RayActorError:  # died meanwhile: its memory is gone anyway
+                pass
         self._m2flow_holding = True
         self._m2flow_onload_if_needed()
         return time.time() - t0

@@ -62,6 +62,7 @@ class ActorWorker(Worker):
                                      clip_eps_high=clip_eps_high, kl_coef=kl_coef)
         self.kl_coef = kl_coef
         self.ref_model: torch.nn.Module | None = None
+        self._freeze_reference()  # refreshed after the warm start
         self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
         self.recompute_old_logprobs = recompute_old_logprobs
         self.weight_version = 0
@@ -94,6 +95,7 @@ class ActorWorker(Worker):
                 "val_accuracy": res.val_accuracy}
 
     def _freeze_reference(self) -> None:
+        """The reference policy: a frozen copy of the current weights (KL on only)."""
         if self.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
@@ -134,12 +136,16 @@ class ActorWorker(Worker):
     def send_weights(self, dst_group: str, dst_world_size: int) -> int:
         """Send ``(state_dict, weight_version)`` to every rank of ``dst_group`` (object store:
         one copy, referenced by each receiver). Returns the version sent."""
-        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        state = self.state_dict()
         works = [self.send((state, self.weight_version), dst_group, r, async_op=True)
                  for r in range(dst_world_size)]
         for w in works:
             w.wait()
         return self.weight_version
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights, on CPU (detached copies)."""
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def save_checkpoint(self, path: str) -> str:
         """Model, tokenizer, optimizer state, version and RNG state under ``path``."""

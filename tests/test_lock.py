@@ -1,0 +1,189 @@
+"""Device locks on a real (embedded) Ray session: exclusion, context switches, collocated
+producer/consumer without deadlock, data-dependency priority, and concurrency across devices."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from m2flow import Channel, Worker, WorkerError, no_device_lock
+from m2flow.lock import get_lock_service
+
+
+class Recorder(Worker):
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def work(self, seconds: float):
+        start = time.time()
+        loaded = not self.is_offloaded
+        time.sleep(seconds)
+        return {"key": self.worker_key, "start": start, "end": time.time(), "loaded": loaded}
+
+    def onload(self) -> None:
+        self.events.append("onload")
+
+    def offload(self) -> None:
+        self.events.append("offload")
+
+    @no_device_lock
+    def events_so_far(self):
+        return list(self.events)
+
+
+class Prod(Worker):
+    def produce(self, ch: Channel, n: int):
+        for i in range(n):
+            ch.put(i)
+        return n
+
+
+class Cons(Worker):
+    def consume(self, ch: Channel, n: int):
+        return [ch.get(timeout=60) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def svc(cluster):
+    # The driver keeps a handle for the whole module (see the report: the LockService actor is
+    # not detached and goes away when no handle is left).
+    return get_lock_service()
+
+
+def _assert_disjoint(intervals):
+    intervals = sorted(intervals, key=lambda r: r["start"])
+    for a, b in zip(intervals, intervals[1:]):
+        assert a["end"] <= b["start"] + 1e-3, f"{a['key']} and {b['key']} overlapped: {a} {b}"
+
+
+def test_same_device_calls_are_mutually_exclusive(cluster, svc):
+    a = Recorder.launch(cluster, placement=[0], name="mx_a")
+    b = Recorder.launch(cluster, placement=[0], name="mx_b")
+    # a two-device rank overlapping device 0 must exclude them too
+    ab = Recorder.launch(cluster, placement=[[0, 1]], name="mx_ab")
+    calls = []
+    for _ in range(3):
+        calls += [a.work(0.2), b.work(0.2), ab.work(0.1)]
+    runs = [c.wait(timeout=60)[0] for c in calls]
+    assert {r["key"] for r in runs} == {"mx_a:0", "mx_b:0", "mx_ab:0"}
+    assert all(r["loaded"] for r in runs)  # onloaded before the method ran
+    _assert_disjoint(runs)
+    span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+    assert span >= 3 * (0.2 + 0.2 + 0.1) - 0.05
+
+
+def test_onload_offload_only_on_holder_change(cluster, svc):
+    x = Recorder.launch(cluster, placement=[1], name="sw_x")
+    y = Recorder.launch(cluster, placement=[1], name="sw_y")
+
+    def stats():
+        return x.load_stats()[0], y.load_stats()[0]
+
+    sx, sy = stats()
+    assert sx == {"loaded": True, "onloads": 0, "offloads": 0} == sy  # both start resident
+
+    x.work(0).wait(timeout=60)  # x takes device 1: y leaves
+    sx, sy = stats()
+    assert (sx["onloads"], sx["offloads"], sx["loaded"]) == (0, 0, True)
+    assert (sy["onloads"], sy["offloads"], sy["loaded"]) == (0, 1, False)
+
+    x.work(0).wait(timeout=60)  # same holder again: nothing moves
+    assert stats() == (sx, sy)
+
+    assert y.events_so_far().wait(timeout=60) == [["offload"]]  # no_device_lock: no switch
+    assert stats() == (sx, sy)
+
+    r = y.work(0).wait(timeout=60)[0]  # y comes back: x leaves, y onloads
+    assert r["loaded"]
+    sx, sy = stats()
+    assert (sx["onloads"], sx["offloads"], sx["loaded"]) == (0, 1, False)
+    assert (sy["onloads"], sy["offloads"], sy["loaded"]) == (1, 1, True)
+
+    y.work(0).wait(timeout=60)
+    y.work(0).wait(timeout=60)
+    assert stats() == (sx, sy)
+
+    x.work(0).wait(timeout=60)
+    sx, sy = stats()
+    assert (sx["onloads"], sx["offloads"], sx["loaded"]) == (1, 1, True)
+    assert (sy["onloads"], sy["offloads"], sy["loaded"]) == (1, 2, False)
+    assert x.events_so_far().wait(timeout=60) == [["offload", "onload"]]
+    assert y.events_so_far().wait(timeout=60) == [["offload", "onload", "offload"]]
+
+    state = ray.get(svc.state.remote(), timeout=60)
+    assert state["resident"][1] == ["sw_x:0"] and 1 not in state["holder"]
+
+
+def test_collocated_consumer_first_no_deadlock(cluster, svc):
+    prod = Prod.launch(cluster, placement=[0], name="pc_prod")
+    cons = Cons.launch(cluster, placement=[0], name="pc_cons")
+    ch = Channel.create("pc")
+    got = cons.consume(ch, 10)  # takes device 0 first and blocks in get
+    time.sleep(1.0)
+    state = ray.get(svc.state.remote(), timeout=60)
+    assert state["holder"].get(0) is None  # the blocked consumer yielded the device
+    put = prod.produce(ch, 10)
+    assert put.wait(timeout=60) == [10]
+    assert got.wait(timeout=60) == [list(range(10))]
+    log = [k for k, _ in ray.get(svc.state.remote(), timeout=60)["grant_log"]]
+    first_cons = log.index("pc_cons:0")
+    assert "pc_prod:0" in log[first_cons + 1:]  # the producer ran while the consumer waited
+    ch.close()
+
+
+def test_priority_producer_before_consumer(cluster, svc):
+    # launch order (the default priority) and arrival order both favour the consumer:
+    # only the data-dependency priority puts the producer first.
+    cons = Recorder.launch(cluster, placement=[0], name="pr_consumer")
+    prod = Recorder.launch(cluster, placement=[0], name="pr_producer")
+    hold = Recorder.launch(cluster, placement=[0], name="pr_holder")
+    ray.get(svc.set_priorities.remote({"pr_producer": 0, "pr_consumer": 1}), timeout=60)
+
+    h = hold.work(2.5)
+    time.sleep(0.7)
+    c = cons.work(0.1)
+    time.sleep(0.5)
+    p = prod.work(0.1)
+    time.sleep(0.5)
+    state = ray.get(svc.state.remote(), timeout=60)
+    assert state["holder"].get(0) == "pr_holder:0"
+    assert set(state["waiting"]) >= {"pr_consumer:0", "pr_producer:0"}  # both wait
+
+    rh, rc, rp = (x.wait(timeout=60)[0] for x in (h, c, p))
+    assert rp["start"] < rc["start"], "the consumer got the device before its producer"
+    assert rh["end"] <= rp["start"] + 1e-3
+    log = [k for k, _ in ray.get(svc.state.remote(), timeout=60)["grant_log"]]
+    i = log.index("pr_holder:0")
+    assert log[i + 1:i + 3] == ["pr_producer:0", "pr_consumer:0"]
+
+
+def test_different_devices_run_concurrently(cluster, svc):
+    g0 = Recorder.launch(cluster, placement=[0], name="cc_0")
+    g1 = Recorder.launch(cluster, placement=[1], name="cc_1")
+    c0, c1 = g0.work(1.0), g1.work(1.0)
+    r0, r1 = c0.wait(timeout=60)[0], c1.wait(timeout=60)[0]
+    overlap = min(r0["end"], r1["end"]) - max(r0["start"], r1["start"])
+    assert overlap > 0.5, f"calls on devices 0 and 1 overlapped only {overlap:.2f} s"
+    # one group over both devices: its ranks run concurrently too
+    both = Recorder.launch(cluster, placement=[0, 1], name="cc_both")
+    ra, rb = both.work(1.0).wait(timeout=60)
+    assert min(ra["end"], rb["end"]) - max(ra["start"], rb["start"]) > 0.5
+
+
+# Keep last: it leaves device 1 unusable for later tests of this module (the bug it shows).
+@pytest.mark.xfail(
+    strict=True,
+    raises=WorkerError,
+    reason="runtime bug: a worker that died (group.shutdown(), failed __init__, crash) stays "
+    "'resident' in the LockService; the next worker on that device tries to offload it and "
+    "fails with ActorDiedError",
+)
+def test_device_usable_after_group_shutdown(cluster, svc):
+    dead = Recorder.launch(cluster, placement=[1], name="gone")
+    dead.work(0).wait(timeout=60)
+    dead.shutdown()
+    time.sleep(0.5)
+    after = Recorder.launch(cluster, placement=[1], name="after_gone")
+    assert after.work(0).wait(timeout=60)[0]["loaded"]
