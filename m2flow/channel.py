@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
+import os
+import threading
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -49,7 +50,7 @@ class _Entry:
 class _Waiter:
     consumer: str
     target_weight: float | None
-    policy: Callable
+    policy: Callable | None  # None: FIFO (fast path)
     future: asyncio.Future
     seq: int
     max_items: int | None = None
@@ -63,7 +64,12 @@ class _KeyState:
 
 @ray.remote(num_cpus=0)
 class ChannelActor:
-    """Holds the queues of one channel. All methods are coroutines."""
+    """Holds the queues of one channel. All methods are coroutines.
+
+    Ray does not run an async actor's calls in submission order, so every client numbers its
+    operations on the channel and the actor applies each client's operations in that order
+    (program order per client: FIFO per producer, own puts visible to own gets).
+    """
 
     def __init__(self, name: str, maxsize: int) -> None:
         self.name, self.maxsize = name, maxsize
@@ -73,76 +79,106 @@ class ChannelActor:
         self.seq = itertools.count()
         self.space = asyncio.Condition()
         self.size = 0
+        self.next_op: Counter = Counter()  # client -> next operation number to apply
+        self.turns: dict[tuple[str, int], asyncio.Future] = {}
 
-    async def put(self, payload: tuple, weight: float, key: Any, producer: str,
-                  timeout: float) -> None:
-        if self.maxsize:
-            async with self.space:
-                try:
-                    await asyncio.wait_for(
-                        self.space.wait_for(lambda: self.size < self.maxsize), timeout)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(
-                        f"channel '{self.name}' stayed full ({self.maxsize} items) for "
-                        f"{timeout:.0f} s: no consumer is taking items") from None
-        self.keys[key].items.append(_Entry(payload, float(weight), producer, next(self.seq)))
-        self.size += 1
+    async def _turn(self, client: str, op: int) -> None:
+        if self.next_op[client] != op:
+            fut = asyncio.get_running_loop().create_future()
+            self.turns[(client, op)] = fut
+            await fut
+
+    def _next_turn(self, client: str) -> None:
+        self.next_op[client] += 1
+        fut = self.turns.pop((client, self.next_op[client]), None)
+        if fut is not None:
+            fut.set_result(None)
+
+    async def put(self, args: tuple) -> None:
+        client, op, payload, weight, key, producer, timeout = args
+        await self._turn(client, op)
+        try:
+            if self.maxsize:
+                async with self.space:
+                    try:
+                        await asyncio.wait_for(
+                            self.space.wait_for(lambda: self.size < self.maxsize), timeout)
+                    except asyncio.TimeoutError:
+                        raise TimeoutError(
+                            f"channel '{self.name}' stayed full ({self.maxsize} items) for "
+                            f"{timeout:.0f} s: no consumer is taking items") from None
+            self.keys[key].items.append(_Entry(payload, float(weight), producer,
+                                               next(self.seq)))
+            self.size += 1
+        finally:
+            self._next_turn(client)
         self._dispatch(key)
 
-    async def get(self, key: Any, target_weight: float | None, policy: Callable | None,
-                  consumer: str, timeout: float, nowait: bool, max_items: int | None = None):
-        """Items for one consumer: a list of ``(payload, weight)``; ``None`` if ``nowait``
-        and nothing can be handed over now."""
+    async def get(self, args: tuple):
+        """Items for one consumer: a list of ``(payload, weight)``."""
+        client, op, key, target_weight, policy, timeout, max_items = args
+        await self._turn(client, op)
         state = self.keys[key]
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(consumer, target_weight, policy or fifo, loop.create_future(),
-                         next(self.seq), max_items)
+        waiter = _Waiter(client, target_weight, policy,
+                         asyncio.get_running_loop().create_future(), next(self.seq), max_items)
         state.waiters.append(waiter)
         self._dispatch(key)
-        if nowait and not waiter.future.done():
-            state.waiters.remove(waiter)
-            return None
-        try:
-            taken = await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-        except asyncio.TimeoutError:
-            if waiter.future.done():  # handed over just as the wait expired: keep the items
-                taken = waiter.future.result()
-            else:
-                state.waiters.remove(waiter)
-                raise TimeoutError(
-                    f"channel '{self.name}': {consumer} waited {timeout:.0f} s on key {key!r} "
-                    f"(target weight {target_weight}); {len(state.items)} items queued with "
-                    f"weight {sum(e.weight for e in state.items):g}. Is the producer running "
-                    "and putting to this key?") from None
+        self._next_turn(client)  # registered: the client's next operation may proceed
+        if not waiter.future.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+            except asyncio.TimeoutError:
+                if not waiter.future.done():
+                    state.waiters.remove(waiter)
+                    raise TimeoutError(
+                        f"channel '{self.name}': {client} waited {timeout:.0f} s on key "
+                        f"{key!r} (target weight {target_weight}); {len(state.items)} items "
+                        f"queued with weight {sum(e.weight for e in state.items):g}. Is the "
+                        "producer running and putting to this key?") from None
         if self.maxsize:
             async with self.space:
                 self.space.notify_all()
-        return taken
+        return waiter.future.result()
+
+    def _pick(self, state: _KeyState, waiter: _Waiter) -> list[int]:
+        if waiter.policy is None:  # FIFO without building a view: O(items taken)
+            if waiter.target_weight is None:
+                return [0]
+            total = 0.0
+            for i, e in enumerate(state.items):
+                total += e.weight
+                if total >= waiter.target_weight:
+                    return list(range(i + 1))
+            return []
+        view = [QueuedItem(e.weight, e.seq, e.producer) for e in state.items]
+        return sorted(waiter.policy(view, waiter.target_weight))
 
     def _dispatch(self, key: Any) -> None:
         state = self.keys[key]
-        progress = True
-        while progress and state.items and state.waiters:
-            progress = False
+        while state.items and state.waiters:
             # Least-loaded consumer first: weights balance work across consumers.
-            for waiter in sorted(state.waiters, key=lambda w: (self.load[w.consumer], w.seq)):
-                view = [QueuedItem(e.weight, e.seq, e.producer) for e in state.items]
-                picked = waiter.policy(view, waiter.target_weight)
+            order = sorted(state.waiters, key=lambda w: (self.load[w.consumer], w.seq))
+            for waiter in order:
+                picked = self._pick(state, waiter)
                 if waiter.max_items is not None:
                     picked = picked[: waiter.max_items]
-                if not picked:
-                    continue
+                if picked:
+                    break
+            else:
+                return
+            if picked == list(range(len(picked))):
+                taken = [state.items.popleft() for _ in picked]
+            else:
                 chosen = set(picked)
                 taken = [e for i, e in enumerate(state.items) if i in chosen]
                 state.items = deque(e for i, e in enumerate(state.items) if i not in chosen)
-                self.size -= len(taken)
-                for e in taken:
-                    self.load[waiter.consumer] += e.weight
-                    self.edges[(e.producer, waiter.consumer.split(":")[0])] += 1
-                state.waiters.remove(waiter)
-                waiter.future.set_result([(e.payload, e.weight) for e in taken])
-                progress = True
-                break
+            self.size -= len(taken)
+            consumer_group = waiter.consumer.split(":")[0].split("#")[0]
+            for e in taken:
+                self.load[waiter.consumer] += e.weight
+                self.edges[(e.producer, consumer_group)] += 1
+            state.waiters.remove(waiter)
+            waiter.future.set_result([(e.payload, e.weight) for e in taken])
 
     async def qsize(self, key: Any = None) -> int:
         return len(self.keys[key].items) if key in self.keys else 0
@@ -168,8 +204,13 @@ def _needs_object_store(item: Any) -> bool:
 
 
 def _identity() -> str:
+    """This process as a channel client: the worker key, or ``driver#pid``."""
     w = current_worker()
-    return w.worker_key if w is not None else DRIVER
+    return w.worker_key if w is not None else f"{DRIVER}#{os.getpid()}"
+
+
+_op_counters: dict[str, itertools.count] = {}
+_op_guard = threading.Lock()
 
 
 def _resolve(pairs: list[tuple[tuple, float]]) -> list[Any]:
@@ -215,6 +256,13 @@ class Channel:
     def __reduce__(self):
         return (Channel, (self.name, self._actor))
 
+    def _submit(self, method: str, *args):
+        """Submit one operation numbered in this client's program order (see ChannelActor)."""
+        client = _identity()
+        with _op_guard:  # number and submit atomically: numbers follow submission order
+            counter = _op_counters.setdefault(self._actor._actor_id.hex(), itertools.count())
+            return getattr(self._actor, method).remote((client, next(counter), *args))
+
     # -- put --------------------------------------------------------------------------------
 
     def put(self, item: Any, weight: float = 1.0, key: Any = None, async_op: bool = False,
@@ -227,9 +275,9 @@ class Channel:
         if weight < 0:
             raise ValueError(f"channel '{self.name}': weight must be >= 0, got {weight}")
         payload = ("ref", [ray.put(item)]) if _needs_object_store(item) else ("value", item)
-        producer = _identity().split(":")[0]
-        ref = self._actor.put.remote(payload, weight, key, producer,
-                                     wait_timeout() if timeout is None else timeout)
+        producer = _identity().split(":")[0].split("#")[0]
+        ref = self._submit("put", payload, weight, key, producer,
+                           wait_timeout() if timeout is None else timeout)
         work = Work(ref)
         return work if async_op else work.wait()
 
@@ -259,21 +307,14 @@ class Channel:
 
     def _get(self, key, target, policy, timeout, async_op, max_items):
         timeout = wait_timeout() if timeout is None else timeout
-        consumer = _identity()
+        policy = None if policy is fifo else policy
+        ref = self._submit("get", key, target, policy, timeout, max_items)
+        work = Work(ref, then=_resolve, yields=True)
         if async_op:
-            ref = self._actor.get.remote(key, target, policy, consumer, timeout, False, max_items)
-            return Work(ref, then=_resolve, yields=True)
-        pairs = ray.get(self._actor.get.remote(key, target, policy, consumer, timeout, True,
-                                               max_items))
-        if pairs is None:  # must wait: let a producer on our devices run meanwhile
-            worker = current_worker()
-            ref = self._actor.get.remote(key, target, policy, consumer, timeout, False, max_items)
-            if worker is not None:
-                with worker._m2flow_yield_devices():
-                    pairs = ray.get(ref, timeout=timeout + 30)
-            else:
-                pairs = ray.get(ref, timeout=timeout + 30)
-        return _resolve(pairs)
+            return work
+        # Work.wait yields the worker's devices if the items are not there at once, so a
+        # producer on the same devices can run meanwhile.
+        return work.wait(timeout + 30)
 
     def qsize(self, key: Any = None) -> int:
         """Items queued under ``key``."""

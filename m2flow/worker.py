@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
-import queue
 import threading
 import time
 from collections import defaultdict
@@ -31,6 +31,7 @@ from .cluster import NAMESPACE, Device
 
 IO_GROUP = "m2flow_io"  # Ray concurrency group for runtime traffic (deliveries, offload, ping)
 
+_YIELD_GRACE_S = 0.005
 _current: "Worker | None" = None  # the worker hosted by this process, if any
 
 
@@ -134,8 +135,10 @@ class Worker:
         self._m2flow_ctx = ctx
         self._m2flow_load = _LoadState()
         self._m2flow_holding = False
-        self._m2flow_inbox: dict[tuple[str, int], queue.Queue] = defaultdict(queue.Queue)
+        self._m2flow_inbox: dict[tuple[str, int], _Inbox] = defaultdict(_Inbox)
         self._m2flow_inbox_guard = threading.Lock()
+        self._m2flow_send_seq: dict[tuple[str, int], itertools.count] = defaultdict(itertools.count)
+        self._m2flow_send_guard = threading.Lock()
         self._m2flow_timers: dict[str, list[float]] = defaultdict(list)
         self._m2flow_peers: dict[tuple[str, int], object] = {}
         self._m2flow_call_wait = 0.0
@@ -314,7 +317,9 @@ class Worker:
                 "running; check the group name and rank"
             ) from None
         ref = ray.put(obj)
-        work = Work(peer._m2flow_deliver.remote(self.group_name, self.rank, [ref]))
+        with self._m2flow_send_guard:  # numbers follow submission order
+            seq = next(self._m2flow_send_seq[(dst_group, dst_rank)])
+            work = Work(peer._m2flow_deliver.remote(self.group_name, self.rank, seq, [ref]))
         return work if async_op else work.wait()
 
     def recv(self, src_group: str, src_rank: int = 0, async_op: bool = False,
@@ -333,24 +338,21 @@ class Worker:
         timeout = wait_timeout() if timeout is None else timeout
         with self._m2flow_inbox_guard:
             box = self._m2flow_inbox[(src_group, src_rank)]
-        try:
-            ref = box.get_nowait()
-        except queue.Empty:
+        if box.ready():
+            ref = box.take(0)
+        else:
             with self._m2flow_yield_devices():
-                try:
-                    ref = box.get(timeout=timeout)
-                except queue.Empty:
-                    raise TimeoutError(
-                        f"{self.worker_key}: nothing received from "
-                        f"{actor_name(src_group, src_rank)} in {timeout:.0f} s"
-                    ) from None
+                ref = box.take(timeout)
+        if ref is None:
+            raise TimeoutError(f"{self.worker_key}: nothing received from "
+                               f"{actor_name(src_group, src_rank)} in {timeout:.0f} s")
         return ray.get(ref[0])
 
     @ray.method(concurrency_group=IO_GROUP)
-    def _m2flow_deliver(self, src_group: str, src_rank: int, ref: list) -> None:
+    def _m2flow_deliver(self, src_group: str, src_rank: int, seq: int, ref: list) -> None:
         with self._m2flow_inbox_guard:
             box = self._m2flow_inbox[(src_group, src_rank)]
-        box.put(ref)
+        box.deliver(seq, ref)
 
     # -- timers -----------------------------------------------------------------------------
 
@@ -369,6 +371,33 @@ class Worker:
         out = {k: float(sum(v)) for k, v in self._m2flow_timers.items()}
         self._m2flow_timers.clear()
         return out
+
+
+class _Inbox:
+    """Objects from one sender, handed out in the sender's order (deliveries run on several
+    threads, so they may arrive out of order)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._items: dict[int, list] = {}
+        self._next = 0
+
+    def deliver(self, seq: int, ref: list) -> None:
+        with self._cv:
+            self._items[seq] = ref
+            self._cv.notify_all()
+
+    def ready(self) -> bool:
+        with self._cv:
+            return self._next in self._items
+
+    def take(self, timeout: float) -> list | None:
+        """The next object in order, or ``None`` after ``timeout`` seconds."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._next in self._items, timeout):
+                return None
+            self._next += 1
+            return self._items.pop(self._next - 1)
 
 
 class _DeviceLockView:
@@ -402,7 +431,9 @@ class Work:
         timeout = wait_timeout() if timeout is None else timeout
         worker = current_worker()
         if self._yields and worker is not None and worker._m2flow_holding:
-            ready, _ = ray.wait([self._ref], timeout=0)
+            # A short grace first: data already queued comes back within a round trip,
+            # without giving the devices away and taking them back.
+            ready, _ = ray.wait([self._ref], timeout=_YIELD_GRACE_S)
             if not ready:
                 with worker._m2flow_yield_devices():
                     ray.wait([self._ref], timeout=timeout)

@@ -283,7 +283,7 @@ def test_async_ops(workers):
     for w in works:
         w.wait()
     assert ch.qsize() == 5
-    # (the order of concurrent async puts is not checked here: see the xfail test below)
+    # (the order of concurrent async puts is checked in test_async_ops_keep_fifo)
     got = [ch.get(async_op=True).wait()]
     got += ch.get_batch(2, async_op=True).wait()
 
@@ -307,12 +307,6 @@ def test_async_ops(workers):
     ch.close()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="runtime bug: ChannelActor is an async Ray actor, which does not run tasks in "
-    "submission order, so put(async_op=True) x N from one producer (and several pending "
-    "async gets) are queued/served out of order",
-)
 def test_async_ops_keep_fifo(cluster):
     ch = Channel.create("async-order")
     for w in [ch.put(i, async_op=True) for i in range(100)]:

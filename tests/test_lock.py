@@ -33,6 +33,11 @@ class Recorder(Worker):
         return list(self.events)
 
 
+class FailingInit(Worker):
+    def __init__(self) -> None:
+        raise RuntimeError("init-failed-here")
+
+
 class Prod(Worker):
     def produce(self, ch: Channel, n: int):
         for i in range(n):
@@ -47,9 +52,7 @@ class Cons(Worker):
 
 @pytest.fixture(scope="module")
 def svc(cluster):
-    # The driver keeps a handle for the whole module (see the report: the LockService actor is
-    # not detached and goes away when no handle is left).
-    return get_lock_service()
+    return cluster.lock_service
 
 
 def _assert_disjoint(intervals):
@@ -172,18 +175,44 @@ def test_different_devices_run_concurrently(cluster, svc):
     assert min(ra["end"], rb["end"]) - max(ra["start"], rb["start"]) > 0.5
 
 
-# Keep last: it leaves device 1 unusable for later tests of this module (the bug it shows).
-@pytest.mark.xfail(
-    strict=True,
-    raises=WorkerError,
-    reason="runtime bug: a worker that died (group.shutdown(), failed __init__, crash) stays "
-    "'resident' in the LockService; the next worker on that device tries to offload it and "
-    "fails with ActorDiedError",
-)
 def test_device_usable_after_group_shutdown(cluster, svc):
     dead = Recorder.launch(cluster, placement=[1], name="gone")
     dead.work(0).wait(timeout=60)
     dead.shutdown()
-    time.sleep(0.5)
+    state = ray.get(svc.state.remote(), timeout=60)
+    assert "gone:0" not in state["resident"].get(1, [])  # unregistered from the lock service
     after = Recorder.launch(cluster, placement=[1], name="after_gone")
     assert after.work(0).wait(timeout=60)[0]["loaded"]
+    again = Recorder.launch(cluster, placement=[1], name="gone")  # the name is free again
+    assert again.work(0).wait(timeout=60)[0]["key"] == "gone:0"
+
+
+def test_device_usable_after_worker_killed_or_failed_init(cluster, svc):
+    # a worker that dies without group.shutdown() (crash) stays registered: the next holder
+    # must cope with a dead resident
+    crashed = Recorder.launch(cluster, placement=[0], name="crashed")
+    crashed.work(0).wait(timeout=60)
+    ray.kill(crashed.actors[0], no_restart=True)
+    time.sleep(0.5)
+    after = Recorder.launch(cluster, placement=[0], name="after_crash")
+    assert after.work(0).wait(timeout=60)[0]["loaded"]
+    # a rank whose __init__ fails registers with the lock service before it dies
+    with pytest.raises(WorkerError, match="init-failed-here"):
+        FailingInit.launch(cluster, placement=[0], name="failing_init")
+    assert after.work(0).wait(timeout=60)[0]["loaded"]
+    other = Recorder.launch(cluster, placement=[0], name="after_failed_init")
+    assert other.work(0).wait(timeout=60)[0]["loaded"]
+
+
+def test_dead_holder_frees_its_device(cluster, svc):
+    hog = Recorder.launch(cluster, placement=[1], name="hog")
+    stuck = hog.work(120)  # holds device 1 for two minutes
+    time.sleep(1.0)
+    assert ray.get(svc.state.remote(), timeout=60)["holder"].get(1) == "hog:0"
+    ray.kill(hog.actors[0], no_restart=True)  # dies while holding the lock (no unregister)
+    nxt = Recorder.launch(cluster, placement=[1], name="after_hog")
+    t0 = time.monotonic()
+    assert nxt.work(0).wait(timeout=60)[0]["loaded"]
+    assert time.monotonic() - t0 < 30  # freed by the waiter's liveness ping (every ~5 s)
+    with pytest.raises(WorkerError):
+        stuck.wait(timeout=30)

@@ -10,6 +10,7 @@ equals that of one full mini-batch forward).
 from __future__ import annotations
 
 import io
+import os
 from collections import defaultdict
 from typing import Mapping
 
@@ -22,6 +23,13 @@ RESPONSE_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 def _rows(batch: Mapping[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: v[idx] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Asynchronous copy of a device tensor into pinned host memory (caller synchronises)."""
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def _chunks(idx: torch.Tensor, size: int | None) -> list[torch.Tensor]:
@@ -199,29 +207,30 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ memory
 
-    def offload(self) -> None:
+    def offload(self, spill_path: str | None = None) -> None:
         """Release the device memory held by parameters, gradients and optimizer state.
 
         On an accelerator they move to (pinned) host memory. On CPU the "device" is host memory
-        already, so they are serialised into one compact in-memory buffer and the tensors are
-        freed (parameters become empty placeholders); :meth:`onload` restores them bit-exactly.
-        The trainer must not be used between ``offload`` and ``onload``.
+        already: parameters and optimizer state are serialised into one buffer and the tensors
+        freed (parameters become empty placeholders). The buffer is kept in memory, or written
+        to ``spill_path`` (then RAM really is released). Gradients are dropped. :meth:`onload`
+        restores the state bit-exactly; the trainer must not be used in between.
         """
         if self._offloaded is not None:
             return
         device = self.device
         self.optimizer.zero_grad(set_to_none=True)
         if device.type != "cpu":
-            pin = torch.cuda.is_available()
             for p in self.model.parameters():
-                p.data = p.data.to("cpu", non_blocking=True).pin_memory() if pin else p.data.cpu()
+                p.data = _to_host(p.data)
             for state in self.optimizer.state.values():
                 for k, v in state.items():
-                    if isinstance(v, torch.Tensor):
-                        state[k] = v.cpu()
-            self._offloaded = {"device": device}
-            if torch.cuda.is_available():
+                    if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+                        state[k] = _to_host(v)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # copies done before the device memory is reused
                 torch.cuda.empty_cache()
+            self._offloaded = {"device": device}
             return
         buf = io.BytesIO()
         params = {name: p.data for name, p in self.model.named_parameters()}
@@ -229,7 +238,12 @@ class PolicyTrainer:
         for p in self.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype)
         self.optimizer.state = defaultdict(dict)
-        self._offloaded = {"device": device, "buffer": buf.getvalue()}
+        if spill_path is not None:
+            with open(spill_path, "wb") as f:
+                f.write(buf.getbuffer())
+            self._offloaded = {"device": device, "path": spill_path}
+        else:
+            self._offloaded = {"device": device, "buffer": buf.getvalue()}
 
     def onload(self) -> None:
         """Bring parameters and optimizer state back to the device :meth:`offload` took them from."""
@@ -237,7 +251,7 @@ class PolicyTrainer:
             return
         saved, self._offloaded = self._offloaded, None
         device = saved["device"]
-        if "buffer" not in saved:
+        if "buffer" not in saved and "path" not in saved:
             for p in self.model.parameters():
                 p.data = p.data.to(device, non_blocking=True)
             for state in self.optimizer.state.values():
@@ -246,7 +260,13 @@ class PolicyTrainer:
                     if isinstance(v, torch.Tensor) and k != "step":
                         state[k] = v.to(device, non_blocking=True)
             return
-        blob = torch.load(io.BytesIO(saved["buffer"]), weights_only=True)
+        if "path" in saved:
+            with open(saved["path"], "rb") as f:
+                data = f.read()
+            os.remove(saved["path"])
+        else:
+            data = saved["buffer"]
+        blob = torch.load(io.BytesIO(data), weights_only=True)
         for name, p in self.model.named_parameters():
             p.data = blob["params"][name]
         self.optimizer.load_state_dict(blob["optim"])

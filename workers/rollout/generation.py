@@ -87,7 +87,8 @@ def generate(
         do_sample=not greedy,
         temperature=None if greedy else temperature,
         top_p=None if greedy else top_p,
-        top_k=None,  # transformers defaults top_k to 50; keep the full distribution
+        # transformers 5 replaces top_k=None by its global default 50; 0 really disables it.
+        top_k=None if greedy else 0,
         max_new_tokens=max_new_tokens,
         pad_token_id=pad_id,
         eos_token_id=eos_id,
