@@ -32,6 +32,7 @@ import ray
 from m2flow.scheduler.balance import QueuedItem, fifo
 from ._env import wait_timeout
 from .cluster import NAMESPACE
+from .lock import LOCK_SERVICE_NAME
 from .worker import Work, current_worker
 
 DRIVER = "driver"
@@ -176,9 +177,22 @@ class ChannelActor:
             consumer_group = waiter.consumer.split(":")[0].split("#")[0]
             for e in taken:
                 self.load[waiter.consumer] += e.weight
-                self.edges[(e.producer, consumer_group)] += 1
+                edge = (e.producer, consumer_group)
+                if edge not in self.edges:
+                    self._report_dependency(*edge)
+                self.edges[edge] += 1
             state.waiters.remove(waiter)
             waiter.future.set_result([(e.payload, e.weight) for e in taken])
+
+    def _report_dependency(self, producer: str, consumer: str) -> None:
+        """Tell the device locks that ``producer`` feeds ``consumer`` (fire and forget)."""
+        if DRIVER in (producer, consumer):
+            return
+        try:
+            locks = ray.get_actor(LOCK_SERVICE_NAME, namespace=NAMESPACE)
+        except ValueError:  # no cluster runs locks: nothing to tell
+            return
+        locks.add_dependency.remote(producer, consumer)
 
     async def qsize(self, key: Any = None) -> int:
         return len(self.keys[key].items) if key in self.keys else 0

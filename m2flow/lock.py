@@ -10,10 +10,13 @@ no lock-order deadlock).
   the device last moves nothing.
 - Release: frees the devices; the holder stays resident until a *different* worker takes them
   (lazy offload), so a worker that calls twice in a row pays no switch.
-- Priority: among waiters, the one whose group comes first in data-dependency order goes first
-  (producers before consumers). The order is the workflow graph's topological order when the
-  runtime has set it (:meth:`LockService.set_priorities`), else the groups' launch order. A
-  waiter blocked on a device also blocks lower-priority waiters on that device (no starvation).
+- Priority follows data dependencies: channels report every producer -> consumer edge they
+  see (:meth:`LockService.add_dependency`), and a waiter is not granted while a waiter of an
+  upstream group (one that feeds it, directly or not) waits too. So a consumer never takes the
+  device ahead of the producer it would wait for. Otherwise waiters go by explicit priority
+  (:meth:`LockService.set_priorities`, e.g. from a plan), then launch order of their group,
+  then arrival. A waiter blocked on a device also blocks the ones behind it on that device (no
+  starvation).
 - Liveness: a waiter pings the holders every few seconds; a dead holder's locks are freed.
   Every wait has a deadline and fails with a message naming the holder.
 """
@@ -42,6 +45,7 @@ class LockService:
         self.waiters: list[list] = []  # [priority, seq, key, event]
         self.priority: dict[str, int] = {}  # group -> rank in data-dependency order
         self.grant_log: list[tuple[str, float]] = []
+        self.downstream: dict[str, set[str]] = defaultdict(set)  # group -> groups it feeds
         self._seq = itertools.count()
 
     async def register(self, key: str, group: str, devices: list[int], handle,
@@ -66,6 +70,39 @@ class LockService:
                 self.resident[d].discard(key)
         self.waiters = [e for e in self.waiters if e[2] not in keys]
         self._grant()
+
+    async def add_dependency(self, producer: str, consumer: str) -> None:
+        """Record that group ``producer`` feeds group ``consumer`` (from channel traffic)."""
+        if producer != consumer:
+            self.downstream[producer].add(consumer)
+            self._grant()
+
+    def _feeds(self, a: str, b: str) -> bool:
+        """True if group ``a`` reaches group ``b`` in the dependency graph."""
+        seen, stack = set(), [a]
+        while stack:
+            for nxt in self.downstream.get(stack.pop(), ()):
+                if nxt == b:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return False
+
+    def _upstream_first(self, entries: list[list]) -> list[list]:
+        """Reorder so no waiter precedes a waiter of a group feeding it (cycles: keep order)."""
+        group = {e[2]: self.workers[e[2]]["group"] for e in entries}
+        rest, out = list(entries), []
+        while rest:
+            for i, e in enumerate(rest):
+                g = group[e[2]]
+                if not any(self._feeds(group[o[2]], g) and not self._feeds(g, group[o[2]])
+                           for o in rest if o is not e):
+                    break
+            else:
+                i = 0
+            out.append(rest.pop(i))
+        return out
 
     async def set_priorities(self, order: dict[str, int]) -> None:
         """Set group priorities (lower goes first), e.g. a topological order of the graph."""
@@ -131,7 +168,7 @@ class LockService:
 
     def _grant(self) -> None:
         blocked: set[int] = set()
-        for entry in sorted(self.waiters, key=lambda e: (e[0], e[1])):
+        for entry in self._upstream_first(sorted(self.waiters, key=lambda e: (e[0], e[1]))):
             key = entry[2]
             devices = self.workers[key]["devices"]
             if any(d in self.holder or d in blocked for d in devices):

@@ -50,6 +50,24 @@ class Cons(Worker):
         return [ch.get(timeout=60) for _ in range(n)]
 
 
+class Stage(Worker):
+    """A pipeline stage that records when it held the device."""
+
+    def produce(self, ch: Channel, n: int):
+        start = time.time()
+        for i in range(n):
+            ch.put(i)
+        return {"start": start, "end": time.time()}
+
+    def consume(self, ch: Channel, n: int):
+        start = time.time()
+        items = [ch.get(timeout=60) for _ in range(n)]
+        return {"start": start, "end": time.time(), "items": items}
+
+    def hold(self, seconds: float):
+        time.sleep(seconds)
+
+
 @pytest.fixture(scope="module")
 def svc(cluster):
     return cluster.lock_service
@@ -160,6 +178,34 @@ def test_priority_producer_before_consumer(cluster, svc):
     log = [k for k, _ in ray.get(svc.state.remote(), timeout=60)["grant_log"]]
     i = log.index("pr_holder:0")
     assert log[i + 1:i + 3] == ["pr_producer:0", "pr_consumer:0"]
+
+
+def test_priority_learned_from_channel_traffic(cluster, svc):
+    """No explicit priorities: the channel's producer -> consumer edge alone orders the grants,
+    although the consumer launched first and asks for the device first."""
+    cons = Stage.launch(cluster, placement=[0], name="dep_consumer")
+    prod = Stage.launch(cluster, placement=[0], name="dep_producer")
+    hold = Stage.launch(cluster, placement=[0], name="dep_holder")
+    ch = Channel.create("dep")
+    got = cons.consume(ch, 2)
+    prod.produce(ch, 2).wait(timeout=60)
+    got.wait(timeout=60)  # the edge dep_producer -> dep_consumer is now traced
+
+    h = hold.hold(2.0)
+    time.sleep(0.5)
+    c = cons.consume(ch, 3)  # waits for the device first
+    time.sleep(0.5)
+    p = prod.produce(ch, 3)
+    time.sleep(0.3)
+    assert set(ray.get(svc.state.remote(), timeout=60)["waiting"]) >= {
+        "dep_consumer:0", "dep_producer:0"}
+    h.wait(timeout=60)
+    rp, rc = p.wait(timeout=60)[0], c.wait(timeout=60)[0]
+    assert rc["items"] == [0, 1, 2]
+    log = [k for k, _ in ray.get(svc.state.remote(), timeout=60)["grant_log"]]
+    after_hold = log[len(log) - 1 - log[::-1].index("dep_holder:0") + 1:]
+    assert after_hold[:2] == ["dep_producer:0", "dep_consumer:0"], after_hold
+    ch.close()
 
 
 def test_different_devices_run_concurrently(cluster, svc):
