@@ -96,7 +96,8 @@ class Cluster:
         self._owns_ray = False
         if not ray.is_initialized():
             if address is None:
-                temp_root = Path(run_dir) if run_dir else Path(tempfile.gettempdir()) / "m2flow"
+                default_root = Path(tempfile.gettempdir()) / "m2flow"
+                temp_root = Path(run_dir).resolve() if run_dir else default_root
                 temp_dir = _short_temp_dir(temp_root)
                 ray.init(
                     num_cpus=num_cpus,

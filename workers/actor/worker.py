@@ -30,7 +30,11 @@ class ActorWorker(Worker):
         temperature: the rollout's sampling temperature (logprobs are recomputed under it).
         clip_eps_low, clip_eps_high: PPO ratio clip range.
         kl_coef: k3 KL weight to the reference (the warm-started policy, frozen); 0 = off.
-        mini_batch_size, micro_batch_size: responses per optimizer step / per forward.
+        mini_batch_size, micro_batch_size: responses per optimizer step / per forward
+            (0: the whole global batch / the whole mini-batch).
+        drop_flat_groups: leave out groups whose samples all got the same reward: their
+            advantage is 0, so they only dilute the token mean and cost compute (the filter
+            of DAPO's dynamic sampling, without resampling).
         recompute_old_logprobs: recompute behaviour logprobs with a forward pass instead of
             using the rollout's (the weights are identical; the rollout's differ only by
             kernel rounding).
@@ -44,8 +48,8 @@ class ActorWorker(Worker):
     def __init__(self, model: dict, alphabet: str, lr: float, betas: tuple, weight_decay: float,
                  grad_clip: float, temperature: float, clip_eps_low: float,
                  clip_eps_high: float, kl_coef: float, mini_batch_size: int,
-                 micro_batch_size: int, recompute_old_logprobs: bool, threads: int = 2,
-                 seed: int = 0) -> None:
+                 micro_batch_size: int, recompute_old_logprobs: bool,
+                 drop_flat_groups: bool = True, threads: int = 2, seed: int = 0) -> None:
         if self.world_size != 1:
             raise ValueError(
                 f"the actor runs on one rank for now (got {self.world_size}): data-parallel "
@@ -63,7 +67,9 @@ class ActorWorker(Worker):
         self.kl_coef = kl_coef
         self.ref_model: torch.nn.Module | None = None
         self._freeze_reference()  # refreshed after the warm start
-        self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
+        self.mini_batch_size = mini_batch_size or None
+        self.micro_batch_size = micro_batch_size or None
+        self.drop_flat_groups = drop_flat_groups
         self.recompute_old_logprobs = recompute_old_logprobs
         self.weight_version = 0
 
@@ -117,11 +123,19 @@ class ActorWorker(Worker):
         data["advantages"] = grpo_advantages(batch["rewards"], batch["group_index"])
         if not self.recompute_old_logprobs:
             data["old_logprobs"] = batch["logprobs"]
-        if self.ref_model is not None:
-            data["ref_logprobs"] = self._ref_logprobs(data)
-        metrics = self.trainer.train_on_batch(data, self.mini_batch_size, self.micro_batch_size)
+        if self.drop_flat_groups:
+            keep = data["advantages"] != 0
+            data = {k: v[keep] for k, v in data.items()}
+        trained = len(data["advantages"])
+        metrics = {}
+        if trained:
+            if self.ref_model is not None:
+                data["ref_logprobs"] = self._ref_logprobs(data)
+            metrics = self.trainer.train_on_batch(data, self.mini_batch_size,
+                                                  self.micro_batch_size)
         self.weight_version += 1
-        return {**metrics, "samples": len(batch), "stale": stale}
+        return {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, **metrics,
+                "samples": len(batch), "trained_samples": trained, "stale": stale}
 
     @torch.no_grad()
     def _ref_logprobs(self, data: dict) -> torch.Tensor:
