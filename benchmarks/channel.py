@@ -30,7 +30,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # the workers unpickle this module's classes by reference: make it importable there
 _here = str(Path(__file__).resolve().parent)
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    [_here, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    [_here, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+)
 
 import ray  # noqa: E402
 from ray.util.queue import Queue  # noqa: E402
@@ -39,7 +40,7 @@ from m2flow import Channel, Cluster, Worker  # noqa: E402
 
 
 def small_item(i: int) -> dict:
-    return {"id": i, "prompt": "p%d" % i, "reward": 0.5}
+    return {"id": i, "prompt": f"p{i}", "reward": 0.5}
 
 
 class Producer(Worker):
@@ -53,7 +54,7 @@ class Producer(Worker):
         import torch
 
         t = torch.ones(mb * 1024 * 1024 // 4)
-        for i in range(rounds):
+        for _ in range(rounds):
             q.put(t)
         return rounds
 
@@ -85,6 +86,7 @@ def bench_small_driver(q, n: int) -> float:
             q.put(small_item(i))
         got = [q.get(timeout=300) for _ in range(n)]
         assert got[-1]["id"] == n - 1 and len(got) == n
+
     return n / _timeit(run)
 
 
@@ -94,6 +96,7 @@ def bench_small_pipeline(q, kind: str, prod, cons, n: int) -> float:
         p = prod.produce_small(q, kind, n)
         p.wait(timeout=600)
         assert c.wait(timeout=600) == [n * (n - 1) // 2]
+
     return n / _timeit(run)
 
 
@@ -107,6 +110,7 @@ def bench_tensor_driver(q, mb: int, rounds: int) -> float:
             q.put(t)
             out = q.get(timeout=300)
             assert out.numel() == t.numel()
+
     return mb * rounds / _timeit(run)
 
 
@@ -116,6 +120,7 @@ def bench_tensor_pipeline(q, kind: str, prod, cons, mb: int, rounds: int) -> flo
         p = prod.produce_tensor(q, kind, mb, rounds)
         p.wait(timeout=600)
         assert c.wait(timeout=600) == [float(rounds)]
+
     return mb * rounds / _timeit(run)
 
 
@@ -154,8 +159,11 @@ def main(argv=None) -> int:
                 row[kind] = max(fn(q, kind) for _ in range(args.repeats))
             row["ratio"] = row["m2flow"] / row["ray"]
             results.append(row)
-            print(f"{case:28s} m2flow {row['m2flow']:10.1f}  ray Queue {row['ray']:10.1f}  "
-                  f"ratio {row['ratio']:.2f}", flush=True)
+            print(
+                f"{case:28s} m2flow {row['m2flow']:10.1f}  ray Queue {row['ray']:10.1f}  "
+                f"ratio {row['ratio']:.2f}",
+                flush=True,
+            )
     finally:
         cluster.shutdown()
 
@@ -163,27 +171,39 @@ def main(argv=None) -> int:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"m2flow Channel vs ray.util.queue.Queue "
-                            f"({n} small items, {mb} MB x {r} tensors)")
+        table = Table(
+            title=f"m2flow Channel vs ray.util.queue.Queue ({n} small items, {mb} MB x {r} tensors)"
+        )
         for col in ("case", "m2flow", "ray Queue", "m2flow / ray"):
             table.add_column(col, justify="left" if col == "case" else "right")
         for row in results:
-            table.add_row(row["case"], f"{row['m2flow']:,.1f}", f"{row['ray']:,.1f}",
-                          f"{row['ratio']:.2f}x")
+            table.add_row(
+                row["case"], f"{row['m2flow']:,.1f}", f"{row['ray']:,.1f}", f"{row['ratio']:.2f}x"
+            )
         Console().print(table)
     except ImportError:
         pass
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "channel",
-        "config": {"items": n, "tensor_mb": mb, "round_trips": r, "repeats": args.repeats},
-        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
-                    "ray": ray.__version__, "platform": platform.platform()},
-        "results": results,
-        "unit": {"small": "items/s", "tensor": "MB/s"},
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "channel",
+                "config": {"items": n, "tensor_mb": mb, "round_trips": r, "repeats": args.repeats},
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "python": sys.version.split()[0],
+                    "ray": ray.__version__,
+                    "platform": platform.platform(),
+                },
+                "results": results,
+                "unit": {"small": "items/s", "tensor": "MB/s"},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
     return 0
 

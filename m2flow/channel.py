@@ -24,19 +24,21 @@ import itertools
 import os
 import threading
 from collections import Counter, defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import ray
 
 from m2flow.scheduler.balance import QueuedItem, fifo
+
 from ._env import wait_timeout
 from .cluster import NAMESPACE
 from .lock import LOCK_SERVICE_NAME
 from .worker import Work, current_worker
 
 DRIVER = "driver"
-_created: dict[str, "Channel"] = {}  # channels this process created, for the trace
+_created: dict[str, Channel] = {}  # channels this process created, for the trace
 
 
 @dataclass
@@ -103,13 +105,14 @@ class ChannelActor:
                 async with self.space:
                     try:
                         await asyncio.wait_for(
-                            self.space.wait_for(lambda: self.size < self.maxsize), timeout)
-                    except asyncio.TimeoutError:
+                            self.space.wait_for(lambda: self.size < self.maxsize), timeout
+                        )
+                    except TimeoutError:
                         raise TimeoutError(
                             f"channel '{self.name}' stayed full ({self.maxsize} items) for "
-                            f"{timeout:.0f} s: no consumer is taking items") from None
-            self.keys[key].items.append(_Entry(payload, float(weight), producer,
-                                               next(self.seq)))
+                            f"{timeout:.0f} s: no consumer is taking items"
+                        ) from None
+            self.keys[key].items.append(_Entry(payload, float(weight), producer, next(self.seq)))
             self.size += 1
         finally:
             self._next_turn(client)
@@ -120,22 +123,29 @@ class ChannelActor:
         client, op, key, target_weight, policy, timeout, max_items = args
         await self._turn(client, op)
         state = self.keys[key]
-        waiter = _Waiter(client, target_weight, policy,
-                         asyncio.get_running_loop().create_future(), next(self.seq), max_items)
+        waiter = _Waiter(
+            client,
+            target_weight,
+            policy,
+            asyncio.get_running_loop().create_future(),
+            next(self.seq),
+            max_items,
+        )
         state.waiters.append(waiter)
         self._dispatch(key)
         self._next_turn(client)  # registered: the client's next operation may proceed
         if not waiter.future.done():
             try:
                 await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if not waiter.future.done():
                     state.waiters.remove(waiter)
                     raise TimeoutError(
                         f"channel '{self.name}': {client} waited {timeout:.0f} s on key "
                         f"{key!r} (target weight {target_weight}); {len(state.items)} items "
                         f"queued with weight {sum(e.weight for e in state.items):g}. Is the "
-                        "producer running and putting to this key?") from None
+                        "producer running and putting to this key?"
+                    ) from None
         if self.maxsize:
             async with self.space:
                 self.space.notify_all()
@@ -197,9 +207,6 @@ class ChannelActor:
     async def qsize(self, key: Any = None) -> int:
         return len(self.keys[key].items) if key in self.keys else 0
 
-    async def total_size(self) -> int:
-        return self.size
-
     async def graph_edges(self) -> list[tuple[str, str, int]]:
         """``(producer group, consumer group, items)`` seen so far."""
         return [(p, c, n) for (p, c), n in self.edges.items()]
@@ -241,7 +248,7 @@ class Channel:
         self._actor = actor
 
     @classmethod
-    def create(cls, name: str, maxsize: int = 0) -> "Channel":
+    def create(cls, name: str, maxsize: int = 0) -> Channel:
         """Create the channel ``name`` (or connect to it if it exists).
 
         Args:
@@ -255,7 +262,7 @@ class Channel:
         return ch
 
     @classmethod
-    def connect(cls, name: str) -> "Channel":
+    def connect(cls, name: str) -> Channel:
         """Handle of an existing channel.
 
         Raises:
@@ -279,8 +286,14 @@ class Channel:
 
     # -- put --------------------------------------------------------------------------------
 
-    def put(self, item: Any, weight: float = 1.0, key: Any = None, async_op: bool = False,
-            timeout: float | None = None):
+    def put(
+        self,
+        item: Any,
+        weight: float = 1.0,
+        key: Any = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ):
         """Queue ``item`` under ``key`` with a load ``weight`` (e.g. its token count).
 
         Raises:
@@ -290,8 +303,9 @@ class Channel:
             raise ValueError(f"channel '{self.name}': weight must be >= 0, got {weight}")
         payload = ("ref", [ray.put(item)]) if _needs_object_store(item) else ("value", item)
         producer = _identity().split(":")[0].split("#")[0]
-        ref = self._submit("put", payload, weight, key, producer,
-                           wait_timeout() if timeout is None else timeout)
+        ref = self._submit(
+            "put", payload, weight, key, producer, wait_timeout() if timeout is None else timeout
+        )
         work = Work(ref)
         return work if async_op else work.wait()
 
@@ -306,9 +320,15 @@ class Channel:
         out = self._get(key, None, None, timeout, async_op, max_items=1)
         return Work(None, run=lambda: out.wait()[0]) if async_op else out[0]
 
-    def get_batch(self, target_weight: float, key: Any = None,
-                  balance: Callable | None = None, timeout: float | None = None,
-                  async_op: bool = False, max_items: int | None = None) -> list[Any]:
+    def get_batch(
+        self,
+        target_weight: float,
+        key: Any = None,
+        balance: Callable | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+        max_items: int | None = None,
+    ) -> list[Any]:
         """Items under ``key`` whose weights add up to at least ``target_weight``.
 
         ``balance`` is a policy ``(items, target_weight) -> indices`` choosing which queued

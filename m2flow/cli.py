@@ -24,8 +24,12 @@ from rich.console import Console
 
 from .config import ConfigError, load_config, to_yaml
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="m2flow: write the RL workflow once; run it temporal, spatial or hybrid.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="m2flow: write the RL workflow once; run it temporal, spatial or hybrid.",
+)
 err = Console(stderr=True, soft_wrap=True)
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "workflows"
@@ -80,8 +84,9 @@ def prepare(workflow: str, overrides: list[str], config_files: list[str]):
 def run(
     workflow: str = typer.Argument(..., help="workflow file (workflows/grpo.py) or built-in name"),
     overrides: Optional[list[str]] = typer.Argument(None, help="config overrides: key=value"),
-    config: Optional[list[str]] = typer.Option(None, "--config", "-c",
-                                               help="YAML file(s) merged before the overrides"),
+    config: Optional[list[str]] = typer.Option(
+        None, "--config", "-c", help="YAML file(s) merged before the overrides"
+    ),
     show_config: bool = typer.Option(False, "--show-config", help="print the config and exit"),
     resume: bool = typer.Option(False, "--resume", help="continue from the last checkpoint"),
 ) -> None:
@@ -95,7 +100,7 @@ def run(
         module.main(cfg)
     except ConfigError as e:
         err.print(f"[bold red]config error:[/] {e}", highlight=False)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
 
 
 @app.command()

@@ -168,11 +168,6 @@ class Cluster:
             )
         return nodes
 
-    def refresh(self) -> None:
-        """Re-read the node list (after nodes join or leave)."""
-        self.nodes = self._inventory()
-        self.devices = [d for n in self.nodes for d in n.devices]
-
     @property
     def num_devices(self) -> int:
         return len(self.devices)
@@ -223,7 +218,7 @@ class Cluster:
         self.groups.clear()
         self._owns_ray = False
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -20,8 +20,9 @@ class ConfigError(ValueError):
     """A bad configuration value or key; the message says which and how to fix it."""
 
 
-def load_config(schema: Any, overrides: list[str] | None = None,
-                files: list[str | Path] | None = None) -> DictConfig:
+def load_config(
+    schema: Any, overrides: list[str] | None = None, files: list[str | Path] | None = None
+) -> DictConfig:
     """Defaults from ``schema`` (a dataclass type or instance), then each YAML file, then the
     ``key=value`` overrides, in that order.
 
@@ -47,7 +48,8 @@ def load_config(schema: Any, overrides: list[str] | None = None,
     bad = [o for o in overrides or [] if "=" not in o or o.startswith("=")]
     if bad:
         raise ConfigError(
-            f"override {bad[0]!r} is not of the form key=value (e.g. trainer.steps=50)")
+            f"override {bad[0]!r} is not of the form key=value (e.g. trainer.steps=50)"
+        )
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides or [])))
     except OmegaConfBaseException as e:
@@ -62,8 +64,10 @@ def _explain(e: OmegaConfBaseException) -> str:
     if "not in struct" in msg or "Key '" in msg and "not in" in msg:
         parent = key.rsplit(".", 1)[0] if key and "." in key else None
         return f"unknown config key '{key}'" + (
-            f" (see the keys of '{parent}' with --show-config)" if parent else
-            " (run with --show-config to list the keys)")
+            f" (see the keys of '{parent}' with --show-config)"
+            if parent
+            else " (run with --show-config to list the keys)"
+        )
     if key:
         return f"bad value for '{key}': {msg}"
     return msg

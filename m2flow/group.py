@@ -15,8 +15,9 @@ import itertools
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -60,8 +61,15 @@ def normalize_placement(placement, cluster: Cluster) -> list[list[int]]:
 class WorkerGroup:
     """The ranks of one worker type. Create with ``WorkerClass.launch(...)``."""
 
-    def __init__(self, name: str, worker_cls: type, actors: list, placement: list[list[int]],
-                 cluster: Cluster, ranks: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        worker_cls: type,
+        actors: list,
+        placement: list[list[int]],
+        cluster: Cluster,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
         self.name = name
         self.worker_cls = worker_cls
         self.actors = actors
@@ -80,14 +88,15 @@ class WorkerGroup:
         """Every device the group uses, sorted."""
         return sorted({d for r in self.placement for d in r})
 
-    def on(self, ranks: int | Sequence[int]) -> "WorkerGroup":
+    def on(self, ranks: int | Sequence[int]) -> WorkerGroup:
         """A view of this group that dispatches to ``ranks`` only."""
         ranks = [ranks] if isinstance(ranks, int) else list(ranks)
         bad = [r for r in ranks if not 0 <= r < self.world_size]
         if bad:
             raise ValueError(f"group '{self.name}' has ranks 0..{self.world_size - 1}, not {bad}")
-        view = WorkerGroup(self.name, self.worker_cls, self.actors, self.placement,
-                           self.cluster, ranks)
+        view = WorkerGroup(
+            self.name, self.worker_cls, self.actors, self.placement, self.cluster, ranks
+        )
         view.history = self.history
         return view
 
@@ -99,7 +108,7 @@ class WorkerGroup:
             )
         return _GroupMethod(self, method)
 
-    def call(self, method: str, *args, **kwargs) -> "GroupCall":
+    def call(self, method: str, *args, **kwargs) -> GroupCall:
         """Dispatch ``method(*args, **kwargs)`` to the selected ranks."""
         refs = [self.actors[r]._m2flow_call.remote(method, args, kwargs) for r in self._ranks]
         return GroupCall(self, method, self._ranks, refs)
@@ -126,7 +135,7 @@ class _GroupMethod:
     def __init__(self, group: WorkerGroup, method: str) -> None:
         self._group, self._method = group, method
 
-    def __call__(self, *args, **kwargs) -> "GroupCall":
+    def __call__(self, *args, **kwargs) -> GroupCall:
         return self._group.call(self._method, *args, **kwargs)
 
 
@@ -156,7 +165,6 @@ class GroupCall:
     def __init__(self, group: WorkerGroup, method: str, ranks: list[int], refs: list) -> None:
         self.group, self.method, self.ranks, self.refs = group, method, ranks, refs
         self._result: GroupResult | None = None
-        self.dispatched_at = time.time()
 
     def done(self) -> bool:
         ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
@@ -204,8 +212,16 @@ class GroupCall:
         return self.wait_result().time(reduce, busy)
 
 
-def launch(worker_cls: type, cluster: Cluster, placement, *, name: str | None = None,
-           num_cpus: float = 0.0, lock: bool = True, **init_kwargs) -> WorkerGroup:
+def launch(
+    worker_cls: type,
+    cluster: Cluster,
+    placement,
+    *,
+    name: str | None = None,
+    num_cpus: float = 0.0,
+    lock: bool = True,
+    **init_kwargs,
+) -> WorkerGroup:
     """Start ``worker_cls`` as a group; see :meth:`Worker.launch`."""
     if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
         raise TypeError(f"{worker_cls!r} is not a subclass of m2flow.Worker")

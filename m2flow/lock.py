@@ -48,11 +48,14 @@ class LockService:
         self.downstream: dict[str, set[str]] = defaultdict(set)  # group -> groups it feeds
         self._seq = itertools.count()
 
-    async def register(self, key: str, group: str, devices: list[int], handle,
-                       launch_index: int) -> None:
+    async def register(
+        self, key: str, group: str, devices: list[int], handle, launch_index: int
+    ) -> None:
         """Declare a worker; it starts resident (loaded) on its devices."""
         self.workers[key] = {
-            "group": group, "devices": list(devices), "handle": handle,
+            "group": group,
+            "devices": list(devices),
+            "handle": handle,
             "launch_index": launch_index,
         }
         for d in devices:
@@ -94,10 +97,13 @@ class LockService:
         group = {e[2]: self.workers[e[2]]["group"] for e in entries}
         rest, out = list(entries), []
         while rest:
-            for i, e in enumerate(rest):
+            for i, e in enumerate(rest):  # noqa: B007 (i is used after the loop)
                 g = group[e[2]]
-                if not any(self._feeds(group[o[2]], g) and not self._feeds(g, group[o[2]])
-                           for o in rest if o is not e):
+                if not any(
+                    self._feeds(group[o[2]], g) and not self._feeds(g, group[o[2]])
+                    for o in rest
+                    if o is not e
+                ):
                     break
             else:
                 i = 0
@@ -138,7 +144,7 @@ class LockService:
                 )
             try:
                 await asyncio.wait_for(event.wait(), min(left, _PING_INTERVAL_S))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await self._free_dead_holders(devices)
         evict = set()
         for d in devices:
@@ -188,7 +194,7 @@ class LockService:
                     if self.holder.get(d) == key:
                         del self.holder[d]
                     self.resident[d].discard(key)
-            except asyncio.TimeoutError:  # alive but busy: keep waiting
+            except TimeoutError:  # alive but busy: keep waiting
                 pass
         self._grant()
 

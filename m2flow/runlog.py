@@ -32,9 +32,13 @@ class RunLog:
 
             self._tb = SummaryWriter(str(self.dir / "tb"))
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TextColumn("{task.fields[status]}"),
-            console=self.console, transient=False,
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=self.console,
+            transient=False,
         )
         self._task = self.progress.add_task("steps", total=total_steps, status="")
 
@@ -56,7 +60,7 @@ class RunLog:
     def print(self, *args) -> None:
         self.progress.console.print(*args, highlight=False)
 
-    def __enter__(self) -> "RunLog":
+    def __enter__(self) -> RunLog:
         self.progress.start()
         return self
 

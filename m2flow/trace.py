@@ -7,7 +7,6 @@ process created: the graph the planner plans.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 from .channel import DRIVER, created_channels
@@ -35,30 +34,3 @@ def workflow_graph(include_driver: bool = False) -> list[Edge]:
             if include_driver or DRIVER not in (src, dst):
                 edges.append(Edge(src, dst, name, n))
     return sorted(edges, key=lambda e: (e.src, e.dst, e.channel))
-
-
-def group_order(edges: list[Edge]) -> dict[str, int]:
-    """Topological rank of each group (producers first); cycles keep first-seen order.
-
-    Used as device-lock priority: a consumer does not take a device before its producer.
-    """
-    succ, indeg, nodes = {}, Counter(), []
-    for e in edges:
-        for n in (e.src, e.dst):
-            if n not in succ:
-                succ[n] = set()
-                nodes.append(n)
-        if e.dst not in succ[e.src] and e.src != e.dst:
-            succ[e.src].add(e.dst)
-            indeg[e.dst] += 1
-    order, ready = {}, [n for n in nodes if indeg[n] == 0]
-    while ready:
-        n = ready.pop(0)
-        order[n] = len(order)
-        for m in sorted(succ[n], key=nodes.index):
-            indeg[m] -= 1
-            if indeg[m] == 0:
-                ready.append(m)
-    for n in nodes:  # nodes on a cycle
-        order.setdefault(n, len(order))
-    return order

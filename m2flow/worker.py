@@ -32,10 +32,10 @@ from .cluster import NAMESPACE, Device
 IO_GROUP = "m2flow_io"  # Ray concurrency group for runtime traffic (deliveries, offload, ping)
 
 _YIELD_GRACE_S = 0.005
-_current: "Worker | None" = None  # the worker hosted by this process, if any
+_current: Worker | None = None  # the worker hosted by this process, if any
 
 
-def current_worker() -> "Worker | None":
+def current_worker() -> Worker | None:
     """The worker this process hosts, or ``None`` in the driver."""
     return _current
 
@@ -103,8 +103,16 @@ class Worker:
     _m2flow_ctx: WorkerContext
 
     @classmethod
-    def launch(cls, cluster, placement, *, name: str | None = None, num_cpus: float = 0.0,
-               lock: bool = True, **init_kwargs):
+    def launch(
+        cls,
+        cluster,
+        placement,
+        *,
+        name: str | None = None,
+        num_cpus: float = 0.0,
+        lock: bool = True,
+        **init_kwargs,
+    ):
         """Start one Ray actor per rank of this worker on ``placement``.
 
         Args:
@@ -125,8 +133,9 @@ class Worker:
         """
         from .group import launch
 
-        return launch(cls, cluster, placement, name=name, num_cpus=num_cpus, lock=lock,
-                      **init_kwargs)
+        return launch(
+            cls, cluster, placement, name=name, num_cpus=num_cpus, lock=lock, **init_kwargs
+        )
 
     # -- set-up (runs in the actor before the subclass __init__) ------------------------------
 
@@ -197,7 +206,7 @@ class Worker:
     # -- device lock ------------------------------------------------------------------------
 
     @property
-    def device_lock(self) -> "_DeviceLockView":
+    def device_lock(self) -> _DeviceLockView:
         """The lock of this rank's devices, for explicit ``with self.device_lock:`` use."""
         return _DeviceLockView(self)
 
@@ -322,8 +331,13 @@ class Worker:
             work = Work(peer._m2flow_deliver.remote(self.group_name, self.rank, seq, [ref]))
         return work if async_op else work.wait()
 
-    def recv(self, src_group: str, src_rank: int = 0, async_op: bool = False,
-             timeout: float | None = None):
+    def recv(
+        self,
+        src_group: str,
+        src_rank: int = 0,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ):
         """Receive the next object sent by rank ``src_rank`` of ``src_group`` (FIFO per sender).
 
         Blocks up to ``timeout`` seconds (default ``M2FLOW_WAIT_TIMEOUT``), yielding this
@@ -344,8 +358,10 @@ class Worker:
             with self._m2flow_yield_devices():
                 ref = box.take(timeout)
         if ref is None:
-            raise TimeoutError(f"{self.worker_key}: nothing received from "
-                               f"{actor_name(src_group, src_rank)} in {timeout:.0f} s")
+            raise TimeoutError(
+                f"{self.worker_key}: nothing received from "
+                f"{actor_name(src_group, src_rank)} in {timeout:.0f} s"
+            )
         return ray.get(ref[0])
 
     @ray.method(concurrency_group=IO_GROUP)
@@ -450,8 +466,10 @@ class Work:
 def _public_methods(cls: type) -> frozenset[str]:
     base = set(dir(Worker))
     return frozenset(
-        n for n in dir(cls)
-        if not n.startswith("_") and callable(getattr(cls, n, None))
+        n
+        for n in dir(cls)
+        if not n.startswith("_")
+        and callable(getattr(cls, n, None))
         and (n not in base or n == "pop_timings")
     )
 

@@ -10,8 +10,8 @@ serves the consumer with the least weight taken so far first; the policy decides
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ import asyncio
 import time
 
 import pytest
+from m2flow.scheduler.balance import QueuedItem, largest_first
 
 from m2flow import Channel, Worker, WorkerError
 from m2flow.channel import _needs_object_store
-from m2flow.scheduler.balance import QueuedItem, largest_first
 from m2flow.trace import Edge, workflow_graph
 
 

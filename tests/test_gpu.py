@@ -13,8 +13,14 @@ from m2flow import Worker
 
 pytestmark = pytest.mark.gpu
 
-TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
+TINY_MODEL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 32,
+}
 
 
 class CudaProbe(Worker):
@@ -28,7 +34,7 @@ def test_cuda_devices_and_visibility(cluster):
     assert all(d.kind == "cuda" for d in cluster.devices)
     group = CudaProbe.launch(cluster, [0], name="cuda_probe")
     try:
-        (visible, count), = group.visible().wait()
+        ((visible, count),) = group.visible().wait()
         assert visible == str(cluster.device(0).local_id) and count == 1
     finally:
         group.shutdown()
@@ -52,13 +58,27 @@ def test_actor_offload_releases_gpu_memory(cluster):
             self.onload()
             return before, during, torch.cuda.memory_allocated()
 
-    group = MemActor.launch(cluster, [0], name="mem_actor", model=TINY_MODEL,
-                            alphabet="0123456789+-=", lr=1e-3, betas=[0.9, 0.99],
-                            weight_decay=0.0, grad_clip=1.0, temperature=1.0, clip_eps_low=0.2,
-                            clip_eps_high=0.2, kl_coef=0.0, mini_batch_size=8,
-                            micro_batch_size=8, recompute_old_logprobs=False, threads=1)
+    group = MemActor.launch(
+        cluster,
+        [0],
+        name="mem_actor",
+        model=TINY_MODEL,
+        alphabet="0123456789+-=",
+        lr=1e-3,
+        betas=[0.9, 0.99],
+        weight_decay=0.0,
+        grad_clip=1.0,
+        temperature=1.0,
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        kl_coef=0.0,
+        mini_batch_size=8,
+        micro_batch_size=8,
+        recompute_old_logprobs=False,
+        threads=1,
+    )
     try:
-        (before, during, after), = group.cycle().wait()
+        ((before, during, after),) = group.cycle().wait()
         assert before > 0 and during < before // 10 and after == before
     finally:
         group.shutdown()

@@ -30,11 +30,23 @@ class Echo(Worker):
         time.sleep(base + per_rank * self.rank)
         return self.rank
 
+    def timed(self, seconds: float):
+        with self.timer("phase_a"):
+            time.sleep(seconds)
+        with self.timer("phase_a"):
+            time.sleep(seconds)
+        return self.rank
+
     def fail_on(self, bad_rank: int, others_sleep: float):
         if self.rank == bad_rank:
             raise ValueError(f"boom-from-rank-{self.rank}")
         time.sleep(others_sleep)
         return self.rank
+
+
+class Waiter(Worker):
+    def take(self, ch):
+        return ch.get(timeout=60)
 
 
 class BadInit(Worker):
@@ -119,6 +131,31 @@ def test_durations_reduced(echo):
     call = echo.nap(0.2)
     assert call.time() >= 0.2  # GroupCall.time waits, then reduces (default max)
     assert echo.history["nap"][-1] == pytest.approx(call.time())
+
+
+def test_named_timers_and_method_timings(echo):
+    echo.pop_timings().wait(timeout=60)  # start clean
+    echo.timed(0.1).wait(timeout=60)
+    per_rank = echo.pop_timings().wait(timeout=60)
+    for timings in per_rank:
+        assert timings["phase_a"] >= 0.2  # both blocks summed
+        assert timings["timed"] >= timings["phase_a"]  # every group call is timed too
+    assert echo.pop_timings().wait(timeout=60)[0].get("phase_a") is None  # reset
+
+
+def test_busy_time_excludes_waiting_for_data(cluster):
+    from m2flow import Channel
+
+    waiter = Waiter.launch(cluster, [0], name="busy_waiter")
+    ch = Channel.create("busy")
+    call = waiter.take(ch)
+    time.sleep(1.0)
+    ch.put(1)
+    res = call.wait_result(timeout=60)
+    assert res.results == [1]
+    assert res.durations[0] >= 1.0 and res.time(busy=True) < 0.5
+    ch.close()
+    waiter.shutdown()
 
 
 def test_failing_rank_raises_promptly(cluster):

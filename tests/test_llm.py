@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-
 from m2flow.workers.actor.losses import grpo_advantages, grpo_loss, sequence_logprobs
 from m2flow.workers.actor.trainer import PolicyTrainer
 from m2flow.workers.batch import concat, num_tokens, to_batch
@@ -74,7 +73,13 @@ def _params_close(m1, m2, atol=0.0) -> float:
 
 def _rollout_batch(tok, model, n_samples=4, max_new_tokens=5, seed=0):
     torch.manual_seed(seed)
-    out = generate(model, tok, [tok(p).input_ids for p in PROMPTS], n_samples=n_samples, max_new_tokens=max_new_tokens)
+    out = generate(
+        model,
+        tok,
+        [tok(p).input_ids for p in PROMPTS],
+        n_samples=n_samples,
+        max_new_tokens=max_new_tokens,
+    )
     g = torch.Generator().manual_seed(seed)
     rewards = torch.randint(0, 2, (len(out["group_index"]),), generator=g).float()
     batch = {k: out[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
@@ -106,7 +111,10 @@ def test_tokenizer_special_ids_and_vocab(tok):
     for i, c in enumerate(DEFAULT_ALPHABET):
         assert tok(c, add_special_tokens=False).input_ids == [4 + i]
     # Characters outside the alphabet map to <unk>.
-    assert tok("1a", add_special_tokens=False).input_ids == [tok.convert_tokens_to_ids("1"), tok.unk_token_id]
+    assert tok("1a", add_special_tokens=False).input_ids == [
+        tok.convert_tokens_to_ids("1"),
+        tok.unk_token_id,
+    ]
 
 
 def test_tokenizer_round_trip_with_bos(tok):
@@ -307,7 +315,9 @@ def test_rollout_logprobs_match_recomputed(tok, sampled):
     assert (lp_t1 - out["logprobs"]).abs().max() > 1e-2
     # The PolicyTrainer recomputes the same old logprobs (micro-batched too).
     trainer = PolicyTrainer(model, temperature=2.0)
-    assert torch.allclose(trainer.compute_logprobs(out, micro_batch_size=5), out["logprobs"], atol=1e-4)
+    assert torch.allclose(
+        trainer.compute_logprobs(out, micro_batch_size=5), out["logprobs"], atol=1e-4
+    )
 
 
 def test_greedy_deterministic_and_argmax(tok):
@@ -326,7 +336,9 @@ def test_greedy_deterministic_and_argmax(tok):
     with torch.no_grad():
         ids = torch.cat([o1["prompt_ids"], o1["response_ids"]], 1)
         am = torch.cat([o1["prompt_mask"], o1["response_mask"]], 1)
-        logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0)).logits
+        logits = model(
+            input_ids=ids, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0)
+        ).logits
         P = o1["prompt_ids"].shape[1]
         pred = logits[:, P - 1 : -1].argmax(-1)
         lp = sequence_logprobs(model, *(o1[k] for k in keys))
@@ -343,7 +355,9 @@ def test_greedy_deterministic_and_argmax(tok):
 def test_max_new_tokens_respected(tok, max_new_tokens):
     model = tiny_model(tok, seed=0)
     torch.manual_seed(0)
-    out = generate(model, tok, [tok(p).input_ids for p in PROMPTS], n_samples=4, max_new_tokens=max_new_tokens)
+    out = generate(
+        model, tok, [tok(p).input_ids for p in PROMPTS], n_samples=4, max_new_tokens=max_new_tokens
+    )
     assert 1 <= out["response_ids"].shape[1] <= max_new_tokens
     assert (out["response_mask"].sum(1) <= max_new_tokens).all()
     assert (out["response_mask"].sum(1) >= 1).all()
@@ -410,7 +424,9 @@ def test_grpo_loss_clipping(ratio, adv, clipped):
     low, high = 0.2, 0.28
     old = torch.tensor([[-1.0]])
     lp = (old + math.log(ratio)).requires_grad_(True)
-    loss, m = grpo_loss(lp, old, torch.tensor([adv]), torch.ones(1, 1), clip_eps_low=low, clip_eps_high=high)
+    loss, m = grpo_loss(
+        lp, old, torch.tensor([adv]), torch.ones(1, 1), clip_eps_low=low, clip_eps_high=high
+    )
     loss.backward()
     if clipped:
         bound = 1 + high if ratio > 1 else 1 - low
@@ -507,7 +523,10 @@ def test_train_on_tensordict_batch_shuffled_epochs_with_reference(tok):
     """The layout the actor worker gets: a TensorDict from ``concat``, with reference logprobs."""
     model = tiny_model(tok, seed=0)
     plain = _rollout_batch(tok, model)
-    chunks = [to_batch({k: v[:5] for k, v in plain.items()}), to_batch({k: v[5:] for k, v in plain.items()})]
+    chunks = [
+        to_batch({k: v[:5] for k, v in plain.items()}),
+        to_batch({k: v[5:] for k, v in plain.items()}),
+    ]
     td = concat(chunks, tok.pad_token_id)
     ref = PolicyTrainer(model).compute_logprobs(td)
     td["ref_logprobs"] = ref
@@ -516,7 +535,9 @@ def test_train_on_tensordict_batch_shuffled_epochs_with_reference(tok):
         m = tiny_model(tok, seed=0)
         t = PolicyTrainer(m, lr=1e-3, kl_coef=0.1)
         gen = torch.Generator().manual_seed(7)
-        r = t.train_on_batch(td, mini_batch_size=4, micro_batch_size=3, epochs=2, shuffle=True, generator=gen)
+        r = t.train_on_batch(
+            td, mini_batch_size=4, micro_batch_size=3, epochs=2, shuffle=True, generator=gen
+        )
         runs.append((m, r))
     (m1, r1), (m2, r2) = runs
     assert r1["steps"] == 6 and "kl" in r1
@@ -582,7 +603,9 @@ def test_sft_batch_layout(tok, train_ds):
         assert b["response_ids"][i, : len(a)].tolist() == a
         assert b["response_ids"][i, len(a) :].eq(tok.pad_token_id).all()
         assert b["response_mask"][i].tolist() == [1] * len(a) + [0] * (R - len(a))
-        assert decode_responses(tok, b["response_ids"][i : i + 1], b["response_mask"][i : i + 1]) == [it.answer]
+        assert decode_responses(
+            tok, b["response_ids"][i : i + 1], b["response_mask"][i : i + 1]
+        ) == [it.answer]
 
 
 def test_sft_step_lowers_loss(tok, train_ds):
@@ -605,7 +628,15 @@ def test_run_sft_stops_at_target(tok, train_ds):
     trainer = PolicyTrainer(tiny_model(tok, seed=0), lr=1e-2)
     logs: list[str] = []
     res = run_sft(
-        trainer, tok, train_ds, steps=5, batch_size=8, val=val, target_accuracy=0.0, eval_every=2, log=logs.append
+        trainer,
+        tok,
+        train_ds,
+        steps=5,
+        batch_size=8,
+        val=val,
+        target_accuracy=0.0,
+        eval_every=2,
+        log=logs.append,
     )
     assert res.steps == 2 and trainer.steps == 2  # target reached at the first evaluation
     assert res.val_accuracy is not None and len(logs) == 1
@@ -653,7 +684,9 @@ def test_concat_pads_chunks():
     assert out["prompt_mask"].tolist() == [[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1]]
     assert out["response_ids"].tolist() == [[4, 1, 0], [5, 5, 5], [1, pad, pad]]
     assert out["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
-    assert torch.allclose(out["logprobs"], torch.tensor([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5], [-0.9, 0, 0]]))
+    assert torch.allclose(
+        out["logprobs"], torch.tensor([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5], [-0.9, 0, 0]])
+    )
     assert out["group_index"].tolist() == [0, 0, 1]
     assert out["rewards"].tolist() == [1.0, 0.0, 0.5]
     for k in out.keys():

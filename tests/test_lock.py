@@ -9,7 +9,6 @@ import pytest
 import ray
 
 from m2flow import Channel, Worker, WorkerError, no_device_lock
-from m2flow.lock import get_lock_service
 
 
 class Recorder(Worker):
@@ -150,7 +149,7 @@ def test_collocated_consumer_first_no_deadlock(cluster, svc):
     assert got.wait(timeout=60) == [list(range(10))]
     log = [k for k, _ in ray.get(svc.state.remote(), timeout=60)["grant_log"]]
     first_cons = log.index("pc_cons:0")
-    assert "pc_prod:0" in log[first_cons + 1:]  # the producer ran while the consumer waited
+    assert "pc_prod:0" in log[first_cons + 1 :]  # the producer ran while the consumer waited
     ch.close()
 
 
@@ -177,7 +176,7 @@ def test_priority_producer_before_consumer(cluster, svc):
     assert rh["end"] <= rp["start"] + 1e-3
     log = [k for k, _ in ray.get(svc.state.remote(), timeout=60)["grant_log"]]
     i = log.index("pr_holder:0")
-    assert log[i + 1:i + 3] == ["pr_producer:0", "pr_consumer:0"]
+    assert log[i + 1 : i + 3] == ["pr_producer:0", "pr_consumer:0"]
 
 
 def test_priority_learned_from_channel_traffic(cluster, svc):
@@ -198,12 +197,15 @@ def test_priority_learned_from_channel_traffic(cluster, svc):
     p = prod.produce(ch, 3)
     time.sleep(0.3)
     assert set(ray.get(svc.state.remote(), timeout=60)["waiting"]) >= {
-        "dep_consumer:0", "dep_producer:0"}
+        "dep_consumer:0",
+        "dep_producer:0",
+    }
     h.wait(timeout=60)
-    rp, rc = p.wait(timeout=60)[0], c.wait(timeout=60)[0]
+    p.wait(timeout=60)
+    rc = c.wait(timeout=60)[0]
     assert rc["items"] == [0, 1, 2]
     log = [k for k, _ in ray.get(svc.state.remote(), timeout=60)["grant_log"]]
-    after_hold = log[len(log) - 1 - log[::-1].index("dep_holder:0") + 1:]
+    after_hold = log[len(log) - 1 - log[::-1].index("dep_holder:0") + 1 :]
     assert after_hold[:2] == ["dep_producer:0", "dep_consumer:0"], after_hold
     ch.close()
 

@@ -44,8 +44,7 @@ def two_nodes(tmp_ray_dir_factory):
         "node_ip_address": NODE_IP,
         "temp_dir": temp_dir,
     }
-    rc = RayCluster(initialize_head=True,
-                    head_node_args={**common, "include_dashboard": False})
+    rc = RayCluster(initialize_head=True, head_node_args={**common, "include_dashboard": False})
     try:
         worker_node = rc.add_node(**common)
         rc.wait_for_nodes()
@@ -70,7 +69,9 @@ def test_inventory_two_nodes_node_major(two_nodes):
     assert head.is_head and not other.is_head
     assert head.node_id == rc.head_node.node_id
     assert other.node_id == worker_node.node_id
-    assert [d.global_id for d in head.devices] == [0] and [d.global_id for d in other.devices] == [1]
+    assert [d.global_id for d in head.devices] == [0] and [d.global_id for d in other.devices] == [
+        1
+    ]
     assert cluster.device(0).node_id == head.node_id and cluster.device(1).node_id == other.node_id
     assert all(d.kind == "virtual" and d.local_id == 0 for d in cluster.devices)
     desc = cluster.describe()

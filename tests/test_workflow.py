@@ -9,43 +9,94 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from m2flow import Channel
-from m2flow.cli import load_workflow, prepare
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import build_char_tokenizer
 from m2flow.workers.reward.worker import RewardWorker
 from m2flow.workers.rollout.worker import RolloutWorker, num_chunks
 from m2flow.workers.tasks import TaskDataset
 
+from m2flow import Channel
+from m2flow.cli import load_workflow, prepare
+from m2flow.config import ConfigError
+
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "workflows" / "grpo.py"
-TINY_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
+TINY_MODEL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 32,
+}
 ALPHABET = "0123456789+-="
-TASK = {"name": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1,
-                                        "max_digits": 1},
-        "train_seed": 1, "train_size": 64, "val_seed": 2, "val_size": 16,
-        "heldout_seed": 3, "heldout_size": 16}
-TINY_RUN = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=1",
-            "model.num_attention_heads=2", "model.num_key_value_heads=1",
-            "warm_start.steps=2", "warm_start.batch_size=16", "warm_start.eval_every=1",
-            "task.train_size=64", "task.val_size=16", "task.heldout_size=16",
-            "trainer.prompts_per_step=4", "rollout.n_samples=4", "actor.mini_batch_size=8",
-            "actor.micro_batch_size=4", "trainer.eval_every=2", "trainer.save_every=2",
-            "rollout.threads=1", "actor.threads=1"]
+TASK = {
+    "name": "chain_sum",
+    "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    "train_seed": 1,
+    "train_size": 64,
+    "val_seed": 2,
+    "val_size": 16,
+    "heldout_seed": 3,
+    "heldout_size": 16,
+}
+TINY_RUN = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=1",
+    "model.num_attention_heads=2",
+    "model.num_key_value_heads=1",
+    "warm_start.steps=2",
+    "warm_start.batch_size=16",
+    "warm_start.eval_every=1",
+    "task.train_size=64",
+    "task.val_size=16",
+    "task.heldout_size=16",
+    "trainer.prompts_per_step=4",
+    "rollout.n_samples=4",
+    "actor.mini_batch_size=8",
+    "actor.micro_batch_size=4",
+    "trainer.eval_every=2",
+    "trainer.save_every=2",
+    "rollout.threads=1",
+    "actor.threads=1",
+]
 
 
 def test_rollout_reward_train_changes_weights(cluster):
-    rollout = RolloutWorker.launch(cluster, [0], name="t_rollout", model=TINY_MODEL,
-                                   alphabet=ALPHABET, n_samples=4, max_new_tokens=4,
-                                   temperature=1.0, top_p=1.0, task=TASK, threads=1)
+    rollout = RolloutWorker.launch(
+        cluster,
+        [0],
+        name="t_rollout",
+        model=TINY_MODEL,
+        alphabet=ALPHABET,
+        n_samples=4,
+        max_new_tokens=4,
+        temperature=1.0,
+        top_p=1.0,
+        task=TASK,
+        threads=1,
+    )
     reward = RewardWorker.launch(cluster, [0], name="t_reward", alphabet=ALPHABET)
-    actor = ActorWorker.launch(cluster, [0], name="t_actor", model=TINY_MODEL,
-                               alphabet=ALPHABET, lr=1e-2, betas=[0.9, 0.99], weight_decay=0.0,
-                               grad_clip=1.0, temperature=1.0, clip_eps_low=0.2,
-                               clip_eps_high=0.2, kl_coef=0.1, mini_batch_size=8,
-                               micro_batch_size=4, recompute_old_logprobs=True, threads=1)
+    actor = ActorWorker.launch(
+        cluster,
+        [0],
+        name="t_actor",
+        model=TINY_MODEL,
+        alphabet=ALPHABET,
+        lr=1e-2,
+        betas=[0.9, 0.99],
+        weight_decay=0.0,
+        grad_clip=1.0,
+        temperature=1.0,
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        kl_coef=0.1,
+        mini_batch_size=8,
+        micro_batch_size=4,
+        recompute_old_logprobs=True,
+        threads=1,
+    )
     try:
         actor.send_weights("t_rollout", 1)
         assert rollout.sync_weights("t_actor").wait() == [0]
@@ -53,8 +104,9 @@ def test_rollout_reward_train_changes_weights(cluster):
         tok = build_char_tokenizer(ALPHABET)
         train = TaskDataset(TASK["name"], TASK["config"], seed=1, size=8)
         for g in range(4):
-            prompts.put({"prompt_ids": tok(train[g].prompt).input_ids, "group": g,
-                         "entry": train[g].entry})
+            prompts.put(
+                {"prompt_ids": tok(train[g].prompt).input_ids, "group": g, "entry": train[g].entry}
+            )
         before = actor.state_dict().wait()[0]
         chunks = num_chunks(4, 1, 2)
         gen = rollout.generate(prompts, rollouts, 4, 2)
@@ -78,23 +130,35 @@ def test_rollout_reward_train_changes_weights(cluster):
 
 def test_workflow_trains_checkpoints_and_resumes(cluster, tmp_path):
     run_dir = tmp_path / "run"
-    module, cfg = prepare(str(GRPO), TINY_RUN + ["trainer.steps=2", f"trainer.run_dir={run_dir}"], [])
+    module, cfg = prepare(
+        str(GRPO), TINY_RUN + ["trainer.steps=2", f"trainer.run_dir={run_dir}"], []
+    )
     summary = module.main(cfg)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     assert records[0]["phase"] == "warm_start" and "heldout_accuracy" in records[0]
-    for key in ("reward_mean", "tokens_per_s", "rollout_s", "reward_s", "actor_s",
-                "response_length"):
+    for key in (
+        "reward_mean",
+        "tokens_per_s",
+        "rollout_s",
+        "reward_s",
+        "actor_s",
+        "response_length",
+    ):
         assert key in records[1]
     assert "heldout_accuracy" in records[2]
     assert 0.0 <= summary["final_accuracy"] <= 1.0
     assert (run_dir / "checkpoints" / "step_000002" / "actor_state.pt").is_file()
 
     # A fresh start into a run dir with checkpoints is refused; --resume continues it.
-    with pytest.raises(Exception, match="--resume"):
-        prepare(str(GRPO), TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={run_dir}"], [])
-    module, cfg = prepare(str(GRPO), TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={run_dir}",
-                                                 "resume=true"], [])
+    module, cfg = prepare(
+        str(GRPO), TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={run_dir}"], []
+    )
+    with pytest.raises(ConfigError, match="--resume"):
+        module.main(cfg)
+    module, cfg = prepare(
+        str(GRPO), TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={run_dir}", "resume=true"], []
+    )
     module.main(cfg)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3]  # no second warm start
@@ -103,33 +167,54 @@ def test_workflow_trains_checkpoints_and_resumes(cluster, tmp_path):
 def test_workflow_runs_spatially(cluster, tmp_path):
     """Same runner, rollout and actor on disjoint devices, streamed in chunks of 2 prompts."""
     run_dir = tmp_path / "spatial"
-    module, cfg = prepare(str(GRPO), TINY_RUN + [
-        "trainer.steps=2", f"trainer.run_dir={run_dir}", "placement.rollout=[0]",
-        "placement.reward=[0]", "placement.actor=[1]", "placement.granularity=2"], [])
+    module, cfg = prepare(
+        str(GRPO),
+        TINY_RUN
+        + [
+            "trainer.steps=2",
+            f"trainer.run_dir={run_dir}",
+            "placement.rollout=[0]",
+            "placement.reward=[0]",
+            "placement.actor=[1]",
+            "placement.granularity=2",
+        ],
+        [],
+    )
     module.main(cfg)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(r["rollout_s"] > 0 and r["actor_s"] > 0 for r in records[1:])
 
 
-@pytest.mark.parametrize("args,message", [
-    (["trainer.stepz=3"], "unknown config key 'trainer.stepz'"),
-    (["trainer.steps=many"], "bad value for 'trainer.steps'"),
-    (["rollout.temperature=0"], "rollout.temperature must be > 0"),
-    (["placement.actor=[0,1]"], "placement.actor takes one device"),
-    (["trainer.steps"], "not of the form key=value"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["trainer.stepz=3"], "unknown config key 'trainer.stepz'"),
+        (["trainer.steps=many"], "bad value for 'trainer.steps'"),
+        (["rollout.temperature=0"], "rollout.temperature must be > 0"),
+        (["placement.actor=[0,1]"], "placement.actor takes one device"),
+        (["trainer.steps"], "not of the form key=value"),
+    ],
+)
 def test_config_errors_exit_2(args, message):
-    proc = subprocess.run([sys.executable, "-m", "m2flow.cli", "run", str(GRPO), *args],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "m2flow.cli", "run", str(GRPO), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_unknown_workflow_exit_2():
-    proc = subprocess.run([sys.executable, "-m", "m2flow.cli", "run", "no_such_flow.py"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "m2flow.cli", "run", "no_such_flow.py"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "neither a file nor a built-in" in proc.stderr
 
 

@@ -25,7 +25,13 @@ def evaluate(
     for start in range(0, len(dataset), batch_size):
         items = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
         prompts = [tokenizer(it.prompt).input_ids for it in items]
-        out = generate(model, tokenizer, prompts, n_samples=1, max_new_tokens=max_new_tokens, greedy=True)
+        out = generate(
+            model, tokenizer, prompts, n_samples=1, max_new_tokens=max_new_tokens, greedy=True
+        )
         texts = decode_responses(tokenizer, out["response_ids"], out["response_mask"])
         scores += dataset.score(texts, items)
-    return {"accuracy": accuracy(scores), "mean_score": sum(scores) / max(len(scores), 1), "n": len(scores)}
+    return {
+        "accuracy": accuracy(scores),
+        "mean_score": sum(scores) / max(len(scores), 1),
+        "n": len(scores),
+    }

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -26,7 +26,10 @@ def sft_batch(tokenizer: PreTrainedTokenizerBase, items: list[TaskItem]) -> dict
     """Tensors for :meth:`PolicyTrainer.sft_step`: left-padded prompts ``[B, P]`` and
     right-padded ``answer + EOS`` responses ``[B, R]`` with masks."""
     prompts = [tokenizer(it.prompt).input_ids for it in items]
-    answers = [tokenizer(it.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for it in items]
+    answers = [
+        tokenizer(it.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        for it in items
+    ]
     prompt_ids, prompt_mask = left_pad(prompts, tokenizer.pad_token_id)
     length = max(len(a) for a in answers)
     response_ids = torch.full((len(items), length), tokenizer.pad_token_id, dtype=torch.long)
@@ -34,7 +37,12 @@ def sft_batch(tokenizer: PreTrainedTokenizerBase, items: list[TaskItem]) -> dict
     for i, a in enumerate(answers):
         response_ids[i, : len(a)] = torch.tensor(a)
         response_mask[i, : len(a)] = 1
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids, "response_mask": response_mask}
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+    }
 
 
 @dataclass
@@ -72,7 +80,8 @@ def run_sft(
         if val is not None and step % eval_every == 0:
             acc = evaluate(trainer.model, tokenizer, val)["accuracy"]
             if log:
-                log(f"sft step {step} loss {loss:.3f} val_acc {acc:.3f} t {time.perf_counter() - t0:.0f}s")
+                elapsed = time.perf_counter() - t0
+                log(f"sft step {step} loss {loss:.3f} val_acc {acc:.3f} t {elapsed:.0f}s")
             if target_accuracy is not None and acc >= target_accuracy:
                 break
         if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:

@@ -11,14 +11,15 @@ Train and held-out splits are the same generator with different seeds.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import reasoning_gym
 
 
 def compact_prompt(entry: dict[str, Any], name: str = "chain_sum") -> str:
-    """Short prompt for an entry: for ``chain_sum`` the expression without spaces, e.g. ``"98+93-77="``."""
+    """Short prompt for an entry: for ``chain_sum`` the bare expression (``98+93-77=``)."""
     if name == "chain_sum":
         return entry["metadata"]["expression"].replace(" ", "") + "="
     # Generic fallback: the question text itself (needs a tokenizer alphabet that covers it).
@@ -46,7 +47,9 @@ class TaskDataset:
         size: number of items.
     """
 
-    def __init__(self, name: str = "chain_sum", config: dict | None = None, seed: int = 0, size: int = 1000):
+    def __init__(
+        self, name: str = "chain_sum", config: dict | None = None, seed: int = 0, size: int = 1000
+    ):
         self.name = name
         self.config = dict(config or {})
         self.seed = seed
@@ -63,7 +66,9 @@ class TaskDataset:
     def __getitem__(self, idx: int) -> TaskItem:
         return self.items[idx]
 
-    def score(self, responses: Sequence[str], entries: Sequence[dict[str, Any] | TaskItem]) -> list[float]:
+    def score(
+        self, responses: Sequence[str], entries: Sequence[dict[str, Any] | TaskItem]
+    ) -> list[float]:
         """Per-response reward in [0, 1] from the dataset's own ``score_answer``.
 
         ``responses[i]`` is the decoded response text (special tokens removed, whitespace
@@ -80,7 +85,7 @@ class TaskDataset:
         return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _score_fn(source_dataset: str):
     return reasoning_gym.get_score_answer_fn(source_dataset)
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from m2flow.workers.llm.config import ModelConfig as LMShape
+
 from m2flow.config import ConfigError
 
 
@@ -39,8 +41,9 @@ class PlacementConfig:
 @dataclass
 class TaskConfig:
     name: str = "chain_sum"
-    config: dict[str, Any] = field(default_factory=lambda: {
-        "min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2})
+    config: dict[str, Any] = field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
+    )
     train_seed: int = 1
     train_size: int = 20000
     val_seed: int = 2  # warm start stops on this split, never on the held-out one
@@ -50,14 +53,8 @@ class TaskConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(LMShape):  # hidden_size, num_hidden_layers, ...: a tiny Qwen2
     alphabet: str = "0123456789+-="  # character tokenizer (+ pad/eos/bos/unk)
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 64
 
 
 @dataclass
@@ -136,35 +133,56 @@ def validate(cfg) -> None:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
-    run_dir = Path(cfg.trainer.run_dir)
-    if not cfg.resume and any(run_dir.glob("checkpoints/step_*")):
-        raise ConfigError(f"{run_dir} already holds checkpoints: pass --resume to continue "
-                          "that run, or set trainer.run_dir to start a new one")
 
 
 def main(cfg) -> dict:
-    from m2flow import Channel, Cluster
-    from m2flow.runlog import RunLog
     from m2flow.workers.actor.worker import ActorWorker
     from m2flow.workers.llm import build_char_tokenizer
     from m2flow.workers.reward.worker import RewardWorker
     from m2flow.workers.rollout.worker import RolloutWorker, num_chunks
     from m2flow.workers.tasks import TaskDataset
 
+    from m2flow import Channel, Cluster
+    from m2flow.runlog import RunLog
+
     run_dir, t, tr = Path(cfg.trainer.run_dir), cfg.task, cfg.trainer
-    cluster = Cluster(cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
-                      virtual_devices_per_node=cfg.cluster.devices_per_node,
-                      device_memory_gb=cfg.cluster.device_memory_gb, run_dir=run_dir)
+    if not cfg.resume and any(run_dir.glob("checkpoints/step_*")):
+        raise ConfigError(
+            f"{run_dir} already holds checkpoints: pass --resume to continue "
+            "that run, or set trainer.run_dir to start a new one"
+        )
+    cluster = Cluster(
+        cfg.cluster.address,
+        num_cpus=cfg.cluster.num_cpus,
+        virtual_devices_per_node=cfg.cluster.devices_per_node,
+        device_memory_gb=cfg.cluster.device_memory_gb,
+        run_dir=run_dir,
+    )
     model, task = _plain(cfg.model), _plain(cfg.task)
     alphabet = model.pop("alphabet")
-    rollout = RolloutWorker.launch(cluster, list(cfg.placement.rollout), name="rollout",
-                                   model=model, alphabet=alphabet, task=task,
-                                   seed=tr.seed, **_plain(cfg.rollout))
-    reward = RewardWorker.launch(cluster, list(cfg.placement.reward), name="reward",
-                                 alphabet=alphabet)
-    actor = ActorWorker.launch(cluster, list(cfg.placement.actor), name="actor", model=model,
-                               alphabet=alphabet, temperature=cfg.rollout.temperature,
-                               seed=tr.seed, **_plain(cfg.actor))
+    rollout = RolloutWorker.launch(
+        cluster,
+        list(cfg.placement.rollout),
+        name="rollout",
+        model=model,
+        alphabet=alphabet,
+        task=task,
+        seed=tr.seed,
+        **_plain(cfg.rollout),
+    )
+    reward = RewardWorker.launch(
+        cluster, list(cfg.placement.reward), name="reward", alphabet=alphabet
+    )
+    actor = ActorWorker.launch(
+        cluster,
+        list(cfg.placement.actor),
+        name="actor",
+        model=model,
+        alphabet=alphabet,
+        temperature=cfg.rollout.temperature,
+        seed=tr.seed,
+        **_plain(cfg.actor),
+    )
     prompts, rollouts, scored = (Channel.create(n) for n in ("prompts", "rollouts", "scored"))
     tokenizer = build_char_tokenizer(alphabet)
     train = TaskDataset(t.name, dict(t.config), seed=t.train_seed, size=t.train_size)
@@ -188,8 +206,14 @@ def main(cfg) -> dict:
             ws = actor.warm_start(task, seed=tr.seed, **_plain(cfg.warm_start)).wait()[0]
             sync_weights()
             summary["accuracy_after_warm_start"] = evaluate()
-            log.log(0, {"phase": "warm_start", **ws,
-                        "heldout_accuracy": summary["accuracy_after_warm_start"]})
+            log.log(
+                0,
+                {
+                    "phase": "warm_start",
+                    **ws,
+                    "heldout_accuracy": summary["accuracy_after_warm_start"],
+                },
+            )
         else:
             sync_weights()
         log.advance(start)
@@ -197,8 +221,13 @@ def main(cfg) -> dict:
             t0 = time.time()
             rng = random.Random(tr.seed * 1_000_003 + step)  # data order survives --resume
             for g, i in enumerate(rng.sample(range(len(train)), tr.prompts_per_step)):
-                prompts.put({"prompt_ids": tokenizer(train[i].prompt).input_ids, "group": g,
-                             "entry": train[i].entry})
+                prompts.put(
+                    {
+                        "prompt_ids": tokenizer(train[i].prompt).input_ids,
+                        "group": g,
+                        "entry": train[i].entry,
+                    }
+                )
             gen = rollout.generate(prompts, rollouts, tr.prompts_per_step, granularity)
             rew = reward.score(rollouts, scored, chunks)
             upd = actor.train(scored, chunks)
@@ -206,12 +235,19 @@ def main(cfg) -> dict:
             sync_weights()
             seconds = time.time() - t0
             tokens = sum(o["tokens"] for o in g_out)
-            metrics = {"reward_mean": r_out["reward_mean"], "sample_accuracy": r_out["accuracy"],
-                       "response_length": g_out[0]["response_length"],
-                       "tokens_per_s": tokens / seconds, "step_s": seconds,
-                       "rollout_s": gen.time(busy=True), "reward_s": rew.time(busy=True),
-                       "actor_s": upd.time(busy=True), "loss": a_out["loss"],
-                       "clip_frac": a_out["clip_frac"], "grad_norm": a_out["grad_norm"]}
+            metrics = {
+                "reward_mean": r_out["reward_mean"],
+                "sample_accuracy": r_out["accuracy"],
+                "response_length": g_out[0]["response_length"],
+                "tokens_per_s": tokens / seconds,
+                "step_s": seconds,
+                "rollout_s": gen.time(busy=True),
+                "reward_s": rew.time(busy=True),
+                "actor_s": upd.time(busy=True),
+                "loss": a_out["loss"],
+                "clip_frac": a_out["clip_frac"],
+                "grad_norm": a_out["grad_norm"],
+            }
             if step % tr.eval_every == 0 or step == tr.steps:
                 metrics["heldout_accuracy"] = summary["final_accuracy"] = evaluate()
             if step % tr.save_every == 0 or step == tr.steps:

@@ -37,7 +37,9 @@ def sequence_logprobs(
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+    ).logits
     # The logit at position t predicts token t + 1: response token j is predicted at P - 1 + j.
     p = prompt_ids.shape[1]
     logits = logits[:, p - 1 : -1].float() / temperature
@@ -45,7 +47,9 @@ def sequence_logprobs(
     return logprobs * response_mask
 
 
-def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
     """Group-normalised outcome advantages ``(r - mean_g) / (std_g + eps)``, shape ``[B]``.
 
     DeepSeekMath GRPO outcome supervision (§4.1.2): every token of a response gets its

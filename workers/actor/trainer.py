@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import os
 from collections import defaultdict
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -63,7 +63,9 @@ class PolicyTrainer:
         kl_coef: float = 0.0,
     ):
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
+        )
         self.grad_clip = grad_clip
         self.temperature = temperature
         self.clip_eps_low = clip_eps_low
@@ -93,7 +95,9 @@ class PolicyTrainer:
         return float(norm)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None = None) -> torch.Tensor:
+    def compute_logprobs(
+        self, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None = None
+    ) -> torch.Tensor:
         """``[B, R]`` logprobs of the batch's responses under the current weights (no grad).
 
         Use for old logprobs (behaviour policy) or, on a frozen copy, reference logprobs.
@@ -135,7 +139,9 @@ class PolicyTrainer:
         """
         if "old_logprobs" not in batch:
             batch = dict(batch, old_logprobs=self.compute_logprobs(batch, micro_batch_size))
-        keys = [*RESPONSE_KEYS, "advantages", "old_logprobs"] + (["ref_logprobs"] if "ref_logprobs" in batch else [])
+        keys = [*RESPONSE_KEYS, "advantages", "old_logprobs"] + (
+            ["ref_logprobs"] if "ref_logprobs" in batch else []
+        )
         n = len(batch["response_ids"])
         self.model.train()
         sums: dict[str, float] = defaultdict(float)
@@ -147,7 +153,9 @@ class PolicyTrainer:
                 num_tokens = float(batch["response_mask"][mini].sum().clamp(min=1))
                 for micro in _chunks(mini, micro_batch_size):
                     mb = {k: batch[k][micro].to(self.device) for k in keys}
-                    lp = sequence_logprobs(self.model, *(mb[k] for k in RESPONSE_KEYS), temperature=self.temperature)
+                    lp = sequence_logprobs(
+                        self.model, *(mb[k] for k in RESPONSE_KEYS), temperature=self.temperature
+                    )
                     loss, m = grpo_loss(
                         lp,
                         mb["old_logprobs"],
@@ -246,7 +254,7 @@ class PolicyTrainer:
             self._offloaded = {"device": device, "buffer": buf.getvalue()}
 
     def onload(self) -> None:
-        """Bring parameters and optimizer state back to the device :meth:`offload` took them from."""
+        """Bring parameters and optimizer state back to where :meth:`offload` took them from."""
         if self._offloaded is None:
             return
         saved, self._offloaded = self._offloaded, None

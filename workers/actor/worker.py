@@ -45,25 +45,47 @@ class ActorWorker(Worker):
         ValueError: launched with more than one rank.
     """
 
-    def __init__(self, model: dict, alphabet: str, lr: float, betas: tuple, weight_decay: float,
-                 grad_clip: float, temperature: float, clip_eps_low: float,
-                 clip_eps_high: float, kl_coef: float, mini_batch_size: int,
-                 micro_batch_size: int, recompute_old_logprobs: bool,
-                 drop_flat_groups: bool = True, threads: int = 2, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: dict,
+        alphabet: str,
+        lr: float,
+        betas: tuple,
+        weight_decay: float,
+        grad_clip: float,
+        temperature: float,
+        clip_eps_low: float,
+        clip_eps_high: float,
+        kl_coef: float,
+        mini_batch_size: int,
+        micro_batch_size: int,
+        recompute_old_logprobs: bool,
+        drop_flat_groups: bool = True,
+        threads: int = 2,
+        seed: int = 0,
+    ) -> None:
         if self.world_size != 1:
             raise ValueError(
                 f"the actor runs on one rank for now (got {self.world_size}): data-parallel "
-                "training needs a gradient all-reduce that is not implemented yet")
+                "training needs a gradient all-reduce that is not implemented yet"
+            )
         torch.set_num_threads(threads)
         transformers.utils.logging.disable_progress_bar()  # no shard bars in run logs
         self.device = torch_device(self.devices)
         self.tokenizer = build_char_tokenizer(alphabet)
         self.model = build_model(ModelConfig(**model), self.tokenizer, seed=seed).to(self.device)
         self.lr = lr
-        self.trainer = PolicyTrainer(self.model, lr=lr, betas=tuple(betas),
-                                     weight_decay=weight_decay, grad_clip=grad_clip,
-                                     temperature=temperature, clip_eps_low=clip_eps_low,
-                                     clip_eps_high=clip_eps_high, kl_coef=kl_coef)
+        self.trainer = PolicyTrainer(
+            self.model,
+            lr=lr,
+            betas=tuple(betas),
+            weight_decay=weight_decay,
+            grad_clip=grad_clip,
+            temperature=temperature,
+            clip_eps_low=clip_eps_low,
+            clip_eps_high=clip_eps_high,
+            kl_coef=kl_coef,
+        )
         self.kl_coef = kl_coef
         self.ref_model: torch.nn.Module | None = None
         self._freeze_reference()  # refreshed after the warm start
@@ -75,9 +97,17 @@ class ActorWorker(Worker):
 
     # -- phases -----------------------------------------------------------------------------
 
-    def warm_start(self, task: dict, steps: int, batch_size: int, lr: float,
-                   target_accuracy: float | None, eval_every: int,
-                   time_budget_s: float | None, seed: int = 0) -> dict:
+    def warm_start(
+        self,
+        task: dict,
+        steps: int,
+        batch_size: int,
+        lr: float,
+        target_accuracy: float | None,
+        eval_every: int,
+        time_budget_s: float | None,
+        seed: int = 0,
+    ) -> dict:
         """Supervised warm start on the task's training split (answer tokens only), stopping
         at ``steps``, ``time_budget_s`` seconds, or ``target_accuracy`` on the validation split
         (``task["val_seed"]``, ``task["val_size"]``; never the held-out split).
@@ -85,20 +115,36 @@ class ActorWorker(Worker):
         Returns:
             ``steps``, ``seconds``, ``loss`` (last), ``val_accuracy`` (greedy, last check).
         """
-        train = TaskDataset(task["name"], dict(task["config"]), seed=task["train_seed"],
-                            size=task["train_size"])
-        val = TaskDataset(task["name"], dict(task["config"]), seed=task["val_seed"],
-                          size=task["val_size"])
+        train = TaskDataset(
+            task["name"], dict(task["config"]), seed=task["train_seed"], size=task["train_size"]
+        )
+        val = TaskDataset(
+            task["name"], dict(task["config"]), seed=task["val_seed"], size=task["val_size"]
+        )
         self.trainer.set_lr(lr)
-        res = run_sft(self.trainer, self.tokenizer, train, steps=steps, batch_size=batch_size,
-                      seed=seed, val=val, target_accuracy=target_accuracy,
-                      eval_every=eval_every, time_budget_s=time_budget_s, log=None)
+        res = run_sft(
+            self.trainer,
+            self.tokenizer,
+            train,
+            steps=steps,
+            batch_size=batch_size,
+            seed=seed,
+            val=val,
+            target_accuracy=target_accuracy,
+            eval_every=eval_every,
+            time_budget_s=time_budget_s,
+            log=None,
+        )
         self.trainer.set_lr(self.lr)
         # Fresh AdamW moments for RL: the supervised ones point elsewhere.
         self.trainer.optimizer.state.clear()
         self._freeze_reference()
-        return {"steps": res.steps, "seconds": res.seconds, "loss": res.last_loss,
-                "val_accuracy": res.val_accuracy}
+        return {
+            "steps": res.steps,
+            "seconds": res.seconds,
+            "loss": res.last_loss,
+            "val_accuracy": res.val_accuracy,
+        }
 
     def _freeze_reference(self) -> None:
         """The reference policy: a frozen copy of the current weights (KL on only)."""
@@ -118,8 +164,7 @@ class ActorWorker(Worker):
         chunks = [inp.get() for _ in range(num_chunks)]
         batch = concat([c["batch"] for c in chunks], self.tokenizer.pad_token_id)
         stale = sum(len(c["batch"]) for c in chunks if c["weight_version"] != self.weight_version)
-        data = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids",
-                                      "response_mask")}
+        data = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
         data["advantages"] = grpo_advantages(batch["rewards"], batch["group_index"])
         if not self.recompute_old_logprobs:
             data["old_logprobs"] = batch["logprobs"]
@@ -131,11 +176,17 @@ class ActorWorker(Worker):
         if trained:
             if self.ref_model is not None:
                 data["ref_logprobs"] = self._ref_logprobs(data)
-            metrics = self.trainer.train_on_batch(data, self.mini_batch_size,
-                                                  self.micro_batch_size)
+            metrics = self.trainer.train_on_batch(data, self.mini_batch_size, self.micro_batch_size)
         self.weight_version += 1
-        return {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, **metrics,
-                "samples": len(batch), "trained_samples": trained, "stale": stale}
+        return {
+            "loss": 0.0,
+            "clip_frac": 0.0,
+            "grad_norm": 0.0,
+            **metrics,
+            "samples": len(batch),
+            "trained_samples": trained,
+            "stale": stale,
+        }
 
     @torch.no_grad()
     def _ref_logprobs(self, data: dict) -> torch.Tensor:
@@ -151,8 +202,10 @@ class ActorWorker(Worker):
         """Send ``(state_dict, weight_version)`` to every rank of ``dst_group`` (object store:
         one copy, referenced by each receiver). Returns the version sent."""
         state = self.state_dict()
-        works = [self.send((state, self.weight_version), dst_group, r, async_op=True)
-                 for r in range(dst_world_size)]
+        works = [
+            self.send((state, self.weight_version), dst_group, r, async_op=True)
+            for r in range(dst_world_size)
+        ]
         for w in works:
             w.wait()
         return self.weight_version
@@ -167,12 +220,17 @@ class ActorWorker(Worker):
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
-        torch.save({"optimizer": self.trainer.optimizer.state_dict(),
-                    "weight_version": self.weight_version,
-                    "trainer_steps": self.trainer.steps,
-                    "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
-                    "reference": None if self.ref_model is None else self.ref_model.state_dict()},
-                   out / "actor_state.pt")
+        torch.save(
+            {
+                "optimizer": self.trainer.optimizer.state_dict(),
+                "weight_version": self.weight_version,
+                "trainer_steps": self.trainer.steps,
+                "torch_rng": torch.get_rng_state(),
+                "py_rng": random.getstate(),
+                "reference": None if self.ref_model is None else self.ref_model.state_dict(),
+            },
+            out / "actor_state.pt",
+        )
         return str(out)
 
     def load_checkpoint(self, path: str) -> int:
@@ -180,12 +238,15 @@ class ActorWorker(Worker):
         from safetensors.torch import load_file
 
         src = Path(path)
-        missing, unexpected = self.model.load_state_dict(load_file(src / "model.safetensors"),
-                                                         strict=False)
+        missing, unexpected = self.model.load_state_dict(
+            load_file(src / "model.safetensors"), strict=False
+        )
         # save_pretrained drops the LM head when it is tied to the embeddings.
         if unexpected or set(missing) - {"lm_head.weight"}:
-            raise ValueError(f"checkpoint {src} does not match the model: missing {missing}, "
-                             f"unexpected {unexpected}")
+            raise ValueError(
+                f"checkpoint {src} does not match the model: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
         self.model.tie_weights()
         state = torch.load(src / "actor_state.pt", weights_only=False)
         self.trainer.optimizer.load_state_dict(state["optimizer"])

@@ -1,13 +1,23 @@
-"""Tiny local LLM building blocks: a character tokenizer and a Qwen2 model built from config."""
+"""Tiny local LLM building blocks: a character tokenizer and a Qwen2 model built from config.
 
-from .model import ModelConfig, build_model, load_checkpoint, save_checkpoint
-from .tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
+Exports are lazy: ``m2flow.workers.llm.config`` (the model shape) imports no torch.
+"""
 
-__all__ = [
-    "DEFAULT_ALPHABET",
-    "ModelConfig",
-    "build_char_tokenizer",
-    "build_model",
-    "load_checkpoint",
-    "save_checkpoint",
-]
+from importlib import import_module
+
+_EXPORTS = {
+    "ModelConfig": ".config",
+    "build_model": ".model",
+    "load_checkpoint": ".model",
+    "save_checkpoint": ".model",
+    "DEFAULT_ALPHABET": ".tokenizer",
+    "build_char_tokenizer": ".tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

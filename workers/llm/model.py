@@ -7,35 +7,18 @@ The checkpoint directory is a plain Hugging Face layout (``config.json``,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
-
-@dataclass
-class ModelConfig:
-    """Shape of the tiny Qwen2. Defaults: ~0.8M parameters, fast on 2 CPU cores.
-
-    ``vocab_size`` and the special token ids are normally taken from the tokenizer
-    (see :func:`build_model`).
-    """
-
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 64
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
-    # "sdpa" measured ~5% faster than "eager" for [256, 16] batches on 2 CPU cores.
-    attn_implementation: str = "sdpa"
-    vocab_size: int | None = None
-    pad_token_id: int | None = None
-    eos_token_id: int | None = None
-    bos_token_id: int | None = None
+from .config import ModelConfig
 
 
 def build_model(
@@ -74,7 +57,9 @@ def build_model(
     return model
 
 
-def save_checkpoint(directory: str | Path, model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase) -> Path:
+def save_checkpoint(
+    directory: str | Path, model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase
+) -> Path:
     """Save model weights/config and tokenizer into ``directory`` (created if missing)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

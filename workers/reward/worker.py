@@ -44,5 +44,8 @@ class RewardWorker(Worker):
             out.put(chunk, weight=num_tokens(batch))
             rewards_all += rewards
         n = max(len(rewards_all), 1)
-        return {"reward_mean": sum(rewards_all) / n, "accuracy": accuracy(rewards_all),
-                "samples": len(rewards_all)}
+        return {
+            "reward_mean": sum(rewards_all) / n,
+            "accuracy": accuracy(rewards_all),
+            "samples": len(rewards_all),
+        }

@@ -98,7 +98,9 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg)
+        out = model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg
+        )
     finally:
         model.train(was_training)
 
@@ -108,7 +110,9 @@ def generate(
     response_ids = response_ids.masked_fill(response_mask == 0, pad_id)
     logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, R, V]
     scale = 1.0 if greedy else temperature
-    logprobs = torch.log_softmax(logits / scale, dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+    logprobs = (
+        torch.log_softmax(logits / scale, dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+    )
     logprobs = logprobs * response_mask
     return {
         "prompt_ids": ids,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -37,9 +36,18 @@ class RolloutWorker(Worker):
         seed: sampling seed (offset by rank).
     """
 
-    def __init__(self, model: dict, alphabet: str, n_samples: int, max_new_tokens: int,
-                 temperature: float, top_p: float, task: dict, threads: int = 2,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: dict,
+        alphabet: str,
+        n_samples: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        task: dict,
+        threads: int = 2,
+        seed: int = 0,
+    ) -> None:
         torch.set_num_threads(threads)
         torch.manual_seed(seed + 1000 * self.rank)
         self.device = torch_device(self.devices)
@@ -53,8 +61,7 @@ class RolloutWorker(Worker):
 
     # -- generation -------------------------------------------------------------------------
 
-    def generate(self, prompts: Channel, out: Channel, num_prompts: int,
-                 granularity: int) -> dict:
+    def generate(self, prompts: Channel, out: Channel, num_prompts: int, granularity: int) -> dict:
         """Take this rank's share of ``num_prompts`` prompts from ``prompts`` in chunks of
         ``granularity`` prompts; put one rollout chunk per prompt chunk into ``out``.
 
@@ -71,20 +78,35 @@ class RolloutWorker(Worker):
             size = min(granularity, share)
             items = prompts.get_batch(size, max_items=size)
             share -= len(items)
-            gen = generate(self.model, self.tokenizer, [it["prompt_ids"] for it in items],
-                           n_samples=self.n_samples, max_new_tokens=self.max_new_tokens,
-                           temperature=self.temperature, top_p=self.top_p)
+            gen = generate(
+                self.model,
+                self.tokenizer,
+                [it["prompt_ids"] for it in items],
+                n_samples=self.n_samples,
+                max_new_tokens=self.max_new_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+            )
             groups = torch.tensor([it["group"] for it in items])
             gen["group_index"] = groups[gen["group_index"]]
             batch = to_batch(gen)
             n_tok = num_tokens(batch)
-            out.put({"batch": batch, "entries": {it["group"]: it["entry"] for it in items},
-                     "weight_version": self.weight_version}, weight=n_tok)
+            out.put(
+                {
+                    "batch": batch,
+                    "entries": {it["group"]: it["entry"] for it in items},
+                    "weight_version": self.weight_version,
+                },
+                weight=n_tok,
+            )
             samples += len(batch)
             tokens += n_tok
             resp_tokens += int(batch["response_mask"].sum())
-        return {"samples": samples, "tokens": tokens,
-                "response_length": resp_tokens / max(samples, 1)}
+        return {
+            "samples": samples,
+            "tokens": tokens,
+            "response_length": resp_tokens / max(samples, 1),
+        }
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -109,12 +131,19 @@ class RolloutWorker(Worker):
         """
         if self._heldout is None:
             t = self.task
-            self._heldout = TaskDataset(t["name"], dict(t["config"]), seed=t["heldout_seed"],
-                                        size=t["heldout_size"])
-        items = self._heldout.items[self.rank::self.world_size]
+            self._heldout = TaskDataset(
+                t["name"], dict(t["config"]), seed=t["heldout_seed"], size=t["heldout_size"]
+            )
+        items = self._heldout.items[self.rank :: self.world_size]
         ids = [self.tokenizer(it.prompt).input_ids for it in items]
-        out = generate(self.model, self.tokenizer, ids, n_samples=1,
-                       max_new_tokens=self.max_new_tokens, greedy=True)
+        out = generate(
+            self.model,
+            self.tokenizer,
+            ids,
+            n_samples=1,
+            max_new_tokens=self.max_new_tokens,
+            greedy=True,
+        )
         texts = decode_responses(self.tokenizer, out["response_ids"], out["response_mask"])
         return self._heldout.score(texts, items)
 
@@ -129,4 +158,3 @@ class RolloutWorker(Worker):
     def onload(self) -> None:
         if self.device.type == "cuda":
             self.model.to(self.device)
-
