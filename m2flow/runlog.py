@@ -10,6 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from .config import ConfigError
+
 
 class RunLog:
     """Writes one JSON object per step to ``run_dir/metrics.jsonl`` and shows progress.
@@ -28,8 +30,13 @@ class RunLog:
         self._t0 = time.time()
         self._tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError(
+                    "TensorBoard logging needs the tensorboard package: "
+                    'pip install -c constraints.txt -e ".[tensorboard]"'
+                ) from None
             self._tb = SummaryWriter(str(self.dir / "tb"))
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),

@@ -59,23 +59,7 @@ def test_actor_offload_releases_gpu_memory(cluster):
             return before, during, torch.cuda.memory_allocated()
 
     group = MemActor.launch(
-        cluster,
-        [0],
-        name="mem_actor",
-        model=TINY_MODEL,
-        alphabet="0123456789+-=",
-        lr=1e-3,
-        betas=[0.9, 0.99],
-        weight_decay=0.0,
-        grad_clip=1.0,
-        temperature=1.0,
-        clip_eps_low=0.2,
-        clip_eps_high=0.2,
-        kl_coef=0.0,
-        mini_batch_size=8,
-        micro_batch_size=8,
-        recompute_old_logprobs=False,
-        threads=1,
+        cluster, [0], name="mem_actor", model=TINY_MODEL, alphabet="0123456789+-=", threads=1
     )
     try:
         ((before, during, after),) = group.cycle().wait()

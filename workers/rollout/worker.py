@@ -31,7 +31,7 @@ class RolloutWorker(Worker):
         n_samples: responses per prompt (GRPO group size).
         max_new_tokens: response cap in tokens (EOS included).
         temperature, top_p: sampling parameters.
-        task: ``{"name", "config", "heldout_seed", "heldout_size"}`` for held-out evaluation.
+        task: ``{"name", "config", "heldout_seed", "heldout_size"}`` for :meth:`evaluate`.
         threads: torch intra-op threads.
         seed: sampling seed (offset by rank).
     """
@@ -40,11 +40,11 @@ class RolloutWorker(Worker):
         self,
         model: dict,
         alphabet: str,
-        n_samples: int,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        task: dict,
+        n_samples: int = 16,
+        max_new_tokens: int = 6,
+        temperature: float = 0.7,
+        top_p: float = 1.0,
+        task: dict | None = None,
         threads: int = 2,
         seed: int = 0,
     ) -> None:
@@ -129,6 +129,8 @@ class RolloutWorker(Worker):
         Returns:
             one score in [0, 1] per held-out item of the shard (accuracy counts score == 1).
         """
+        if self.task is None:
+            raise ValueError("evaluate() needs the task: launch the rollout with task={...}")
         if self._heldout is None:
             t = self.task
             self._heldout = TaskDataset(
