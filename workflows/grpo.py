@@ -146,11 +146,7 @@ def main(cfg) -> dict:
     from m2flow.runlog import RunLog
 
     run_dir, t, tr = Path(cfg.trainer.run_dir), cfg.task, cfg.trainer
-    if not cfg.resume and any(run_dir.glob("checkpoints/step_*")):
-        raise ConfigError(
-            f"{run_dir} already holds checkpoints: pass --resume to continue "
-            "that run, or set trainer.run_dir to start a new one"
-        )
+    _check_run_dir(run_dir, cfg.resume)
     cluster = Cluster(
         cfg.cluster.address,
         num_cpus=cfg.cluster.num_cpus,
@@ -205,29 +201,15 @@ def main(cfg) -> dict:
         if start == 0:
             ws = actor.warm_start(task, seed=tr.seed, **_plain(cfg.warm_start)).wait()[0]
             sync_weights()
-            summary["accuracy_after_warm_start"] = evaluate()
-            log.log(
-                0,
-                {
-                    "phase": "warm_start",
-                    **ws,
-                    "heldout_accuracy": summary["accuracy_after_warm_start"],
-                },
-            )
+            acc = summary["accuracy_after_warm_start"] = evaluate()
+            log.log(0, {"phase": "warm_start", **ws, "heldout_accuracy": acc})
         else:
             sync_weights()
         log.advance(start)
         for step in range(start + 1, tr.steps + 1):
             t0 = time.time()
-            rng = random.Random(tr.seed * 1_000_003 + step)  # data order survives --resume
-            for g, i in enumerate(rng.sample(range(len(train)), tr.prompts_per_step)):
-                prompts.put(
-                    {
-                        "prompt_ids": tokenizer(train[i].prompt).input_ids,
-                        "group": g,
-                        "entry": train[i].entry,
-                    }
-                )
+            for item in _prompt_items(train, tokenizer, tr.prompts_per_step, tr.seed, step):
+                prompts.put(item)
             gen = rollout.generate(prompts, rollouts, tr.prompts_per_step, granularity)
             rew = reward.score(rollouts, scored, chunks)
             upd = actor.train(scored, chunks)
@@ -257,6 +239,25 @@ def main(cfg) -> dict:
         log.print(f"summary: {summary}")
     cluster.shutdown()
     return summary
+
+
+def _check_run_dir(run_dir: Path, resume: bool) -> None:
+    """Refuse to start a fresh run over an earlier run's checkpoints (nothing is lost)."""
+    if not resume and any(run_dir.glob("checkpoints/step_*")):
+        raise ConfigError(
+            f"{run_dir} already holds checkpoints: pass --resume to continue "
+            "that run, or set trainer.run_dir to start a new one"
+        )
+
+
+def _prompt_items(train, tokenizer, n: int, seed: int, step: int) -> list[dict]:
+    """The step's ``n`` prompts (GRPO groups ``0..n-1``); the draw depends only on seed and
+    step, so a resumed run sees the same data."""
+    rng = random.Random(seed * 1_000_003 + step)
+    return [
+        {"prompt_ids": tokenizer(train[i].prompt).input_ids, "group": g, "entry": train[i].entry}
+        for g, i in enumerate(rng.sample(range(len(train)), n))
+    ]
 
 
 def _plain(section) -> dict:
