@@ -32,8 +32,6 @@ app = typer.Typer(
 )
 err = Console(stderr=True, soft_wrap=True)
 
-BUILTIN_DIR = Path(__file__).resolve().parent.parent / "workflows"
-
 
 def resolve_workflow(spec: str) -> Path:
     """A workflow path, or a built-in workflow's file by name (``grpo``).
@@ -44,12 +42,9 @@ def resolve_workflow(spec: str) -> Path:
     path = Path(spec)
     if path.is_file():
         return path.resolve()
-    try:
-        import m2flow.workflows as builtin
+    import m2flow.workflows as builtin
 
-        candidate = Path(builtin.__file__).parent / f"{path.stem}.py"
-    except ImportError:
-        candidate = BUILTIN_DIR / f"{path.stem}.py"
+    candidate = Path(builtin.__file__).parent / f"{path.stem}.py"
     if candidate.is_file() and path.suffix in ("", ".py"):
         return candidate
     raise ConfigError(f"workflow {spec!r} is neither a file nor a built-in workflow name")

@@ -462,18 +462,17 @@ class Work:
         return asyncio.get_running_loop().run_in_executor(None, self.wait).__await__()
 
 
+# Base-class methods that are group methods too (everything else of Worker is runtime API).
+_BASE_GROUP_METHODS = frozenset({"pop_timings"})
+
+
 @functools.cache
-def _public_methods(cls: type) -> frozenset[str]:
-    base = set(dir(Worker))
+def public_methods(cls: type) -> frozenset[str]:
+    """Names of the methods a group exposes: public callables the subclass defines, plus
+    :meth:`Worker.pop_timings`."""
+    base = set(dir(Worker)) - _BASE_GROUP_METHODS
     return frozenset(
         n
         for n in dir(cls)
-        if not n.startswith("_")
-        and callable(getattr(cls, n, None))
-        and (n not in base or n == "pop_timings")
+        if not n.startswith("_") and callable(getattr(cls, n, None)) and n not in base
     )
-
-
-def public_methods(cls: type) -> frozenset[str]:
-    """Names of the methods a group exposes: public callables the subclass defines."""
-    return _public_methods(cls)

@@ -113,9 +113,11 @@ def test_rollout_reward_train_changes_weights(cluster):
         assert chunks == 2 and g_out["samples"] == 16 and r_out["samples"] == 16
         assert a_out["samples"] == 16 and a_out["stale"] == 0
         assert 0.0 <= r_out["reward_mean"] <= 1.0
+        # Groups with one reward for all samples are dropped (no signal); the step must still
+        # have trained on some (partial credit makes mixed rewards likely even for a random
+        # policy), or the weight check below would test nothing.
+        assert a_out["trained_samples"] > 0
         changed = [k for k in before if not torch.equal(before[k], after[k])]
-        # Random tiny policy: all-equal rewards in every group would give zero advantages, so
-        # the KL term (on) still moves the weights only if the ratio moved; require a change.
         assert changed, "one GRPO step left every weight unchanged"
         assert all(torch.isfinite(v).all() for v in after.values())
     finally:

@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-LEFT_PADDED = ("prompt_ids", "prompt_mask")
-RIGHT_PADDED = ("response_ids", "response_mask", "logprobs", "ref_logprobs", "old_logprobs")
+LEFT_PADDED = ("prompt_ids", "prompt_mask")  # every other 2-D field is right padded
 
 
 def to_batch(tensors: dict[str, torch.Tensor]) -> TensorDict:

@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .rollout.generation import decode_responses, generate
-from .tasks import TaskDataset, accuracy
+from .tasks import TaskDataset, TaskItem, accuracy
+
+
+def greedy_scores(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    dataset: TaskDataset,
+    items: Sequence[TaskItem],
+    max_new_tokens: int = 8,
+    batch_size: int = 512,
+) -> list[float]:
+    """Greedy-decode ``items`` (of ``dataset``) and score each with the task's own scorer.
+
+    Returns:
+        one score in [0, 1] per item (partial credit; accuracy counts score == 1 only).
+    """
+    scores: list[float] = []
+    for start in range(0, len(items), batch_size):
+        batch = items[start : start + batch_size]
+        prompts = [tokenizer(it.prompt).input_ids for it in batch]
+        out = generate(
+            model, tokenizer, prompts, n_samples=1, max_new_tokens=max_new_tokens, greedy=True
+        )
+        texts = decode_responses(tokenizer, out["response_ids"], out["response_mask"])
+        scores += dataset.score(texts, batch)
+    return scores
 
 
 def evaluate(
@@ -21,15 +48,7 @@ def evaluate(
         ``accuracy`` (fraction with score == 1), ``mean_score`` (mean partial-credit reward),
         ``n`` (items).
     """
-    scores: list[float] = []
-    for start in range(0, len(dataset), batch_size):
-        items = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-        prompts = [tokenizer(it.prompt).input_ids for it in items]
-        out = generate(
-            model, tokenizer, prompts, n_samples=1, max_new_tokens=max_new_tokens, greedy=True
-        )
-        texts = decode_responses(tokenizer, out["response_ids"], out["response_mask"])
-        scores += dataset.score(texts, items)
+    scores = greedy_scores(model, tokenizer, dataset, dataset.items, max_new_tokens, batch_size)
     return {
         "accuracy": accuracy(scores),
         "mean_score": sum(scores) / max(len(scores), 1),

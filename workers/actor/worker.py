@@ -262,6 +262,12 @@ class ActorWorker(Worker):
     # -- memory -----------------------------------------------------------------------------
 
     def offload(self) -> None:
+        """Release parameters and optimizer state (another worker takes the device).
+
+        On CUDA they move to pinned host memory. On a virtual device they are serialised into
+        one buffer and the tensors freed: the switch runs for real and restores bit-exactly, but
+        host RAM is not saved (the state lives in host memory either way).
+        """
         self.trainer.offload()
         if self.ref_model is not None and self.device.type == "cuda":
             self.ref_model.to("cpu")

@@ -9,10 +9,11 @@ import torch
 from m2flow import Channel, Worker
 
 from ..batch import num_tokens, to_batch
+from ..evaluation import greedy_scores
 from ..llm import ModelConfig, build_char_tokenizer, build_model
 from ..llm.placement import split_evenly, torch_device
 from ..tasks import TaskDataset
-from .generation import decode_responses, generate
+from .generation import generate
 
 
 def num_chunks(num_prompts: int, rollout_world: int, granularity: int) -> int:
@@ -137,17 +138,7 @@ class RolloutWorker(Worker):
                 t["name"], dict(t["config"]), seed=t["heldout_seed"], size=t["heldout_size"]
             )
         items = self._heldout.items[self.rank :: self.world_size]
-        ids = [self.tokenizer(it.prompt).input_ids for it in items]
-        out = generate(
-            self.model,
-            self.tokenizer,
-            ids,
-            n_samples=1,
-            max_new_tokens=self.max_new_tokens,
-            greedy=True,
-        )
-        texts = decode_responses(self.tokenizer, out["response_ids"], out["response_mask"])
-        return self._heldout.score(texts, items)
+        return greedy_scores(self.model, self.tokenizer, self._heldout, items, self.max_new_tokens)
 
     # -- memory -----------------------------------------------------------------------------
 
