@@ -18,8 +18,12 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ._env import apply_ray_env_defaults
+
+if TYPE_CHECKING:
+    from .placement import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,7 @@ class Cluster:
         import ray
 
         apply_ray_env_defaults()
+        self.run_dir = Path(run_dir) if run_dir else None
         self._owns_ray = False
         if not ray.is_initialized():
             if address is None:
@@ -126,6 +131,11 @@ class Cluster:
                 "the Ray cluster has no devices: no node has a GPU or an "
                 f"'{VIRTUAL_DEVICE_RESOURCE}' resource; pass virtual_devices_per_node >= 1"
             )
+        from .session import current_session
+
+        session = current_session()
+        # The run's placement (from a plan) needs this cluster's devices to be resolved.
+        self.placement: Placement | None = session.resolve(self) if session else None
 
     # -- inventory -------------------------------------------------------------------------
 
@@ -185,6 +195,26 @@ class Cluster:
                 "devices (cluster.devices_per_node)"
             )
         return self.devices[global_id]
+
+    def devices_for(self, group: str) -> list[int]:
+        """Device ids for ``group`` when its launch names none: the run's placement, else
+        every device (temporal: collocated groups share them through the device locks)."""
+        if self.placement is not None:
+            return self.placement.devices_for(group, self)
+        return [d.global_id for d in self.devices]
+
+    def granularity(self, src: str, dst: str, default: int) -> int:
+        """Items per chunk on the channel edge ``src -> dst`` under the run's placement
+        (elastic pipelining, RLinf section 5); ``default`` (the runner's coalesced batch)
+        when there is no placement or it is silent about the edge."""
+        if self.placement is None:
+            return default
+        return self.placement.granularity_for(src, dst, default)
+
+    def cpus_per_device(self, device: Device) -> float:
+        """CPUs of the device's node divided by its devices (threads a rank may use)."""
+        node = self.nodes[device.node_index]
+        return node.num_cpus / max(len(node.devices), 1)
 
     def describe(self) -> str:
         """One line per node: address, CPUs and devices."""

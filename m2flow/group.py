@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ._env import wait_timeout
 from .cluster import NAMESPACE, Cluster, wait_name_free
+from .session import current_session
 from .worker import IO_GROUP, CallStats, Worker, WorkerContext, actor_name, public_methods
 
 _launch_counter = itertools.count()
@@ -114,7 +115,8 @@ class WorkerGroup:
         return GroupCall(self, method, self._ranks, refs)
 
     def load_stats(self) -> list[dict]:
-        """Per rank ``{"loaded", "onloads", "offloads"}``: context switches so far."""
+        """Per rank ``{"loaded", "onloads", "offloads", "onload_s", "offload_s",
+        "peak_memory_bytes"}``: context switches so far, their seconds, peak memory."""
         return ray.get([a._m2flow_load_stats.remote() for a in self.actors], timeout=60)
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -201,6 +203,10 @@ class GroupCall:
         pairs = [values[ref] for ref in self.refs]
         self._result = GroupResult([p[0] for p in pairs], [p[1] for p in pairs])
         self.group.history[self.method].append(self._result.time("max"))
+        session = current_session()
+        if session is not None:
+            r = self._result
+            session.record_call(self.group.name, self.method, r.time(busy=True), r.time())
         return self._result
 
     def wait(self, timeout: float | None = None) -> list[Any]:
@@ -225,8 +231,11 @@ def launch(
     """Start ``worker_cls`` as a group; see :meth:`Worker.launch`."""
     if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
         raise TypeError(f"{worker_cls!r} is not a subclass of m2flow.Worker")
-    ranks = normalize_placement(placement, cluster)
     name = name or worker_cls.__name__
+    if placement is None:
+        devices = cluster.devices_for(name)
+        placement = devices if worker_cls.data_parallel else [devices]
+    ranks = normalize_placement(placement, cluster)
     lock_service = cluster.lock_service if lock else None
     launch_index = next(_launch_counter)
     actor_cls = ray.remote(concurrency_groups={IO_GROUP: 8})(_actor_class(worker_cls))
@@ -240,7 +249,8 @@ def launch(
         else:
             raise ValueError(f"a worker group named '{name}' is already running; pick another name")
         devs = [cluster.device(d) for d in devices]
-        ctx = WorkerContext(name, rank, len(ranks), devs, lock_service, launch_index)
+        cpus = sum(cluster.cpus_per_device(d) for d in devs)
+        ctx = WorkerContext(name, rank, len(ranks), devs, lock_service, launch_index, cpus)
         actors.append(
             actor_cls.options(
                 name=aname,
@@ -252,6 +262,9 @@ def launch(
         )
     group = WorkerGroup(name, worker_cls, actors, ranks, cluster)
     cluster.groups.append(group)
+    session = current_session()
+    if session is not None:
+        session.groups[name] = ranks
     # Surface constructor failures here, with the rank, rather than at the first call.
     ready = [a.__ray_ready__.remote() for a in actors]
     for rank, ref in enumerate(ready):

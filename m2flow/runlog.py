@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .config import ConfigError
+from .session import current_session
 
 
 class RunLog:
@@ -51,7 +52,8 @@ class RunLog:
 
     def log(self, step: int, metrics: dict[str, Any], echo: bool = True) -> None:
         """Append ``{"step", "time", **metrics}`` to the JSONL file (and TensorBoard)."""
-        record = {"step": step, "time": round(time.time() - self._t0, 3), **metrics}
+        now = time.time()
+        record = {"step": step, "time": round(now - self._t0, 3), **metrics}
         self._file.write(json.dumps(record, default=float) + "\n")
         if self._tb is not None:
             for k, v in metrics.items():
@@ -60,6 +62,9 @@ class RunLog:
         if echo:
             shown = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
             self.progress.console.print(f"step {step}: {shown}", highlight=False)
+        session = current_session()
+        if session is not None:
+            session.mark_step(step, now)  # may raise StopRun (profiling)
 
     def advance(self, completed: int, status: str = "") -> None:
         self.progress.update(self._task, completed=completed, status=status)

@@ -19,6 +19,8 @@ import contextlib
 import functools
 import itertools
 import os
+import resource
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -65,6 +67,7 @@ class WorkerContext:
     devices: list[Device]
     lock_service: object  # Ray actor handle of the LockService, or None for no locking
     launch_index: int = 0  # order of the group's launch: the default lock priority
+    cpus: float = 1.0  # CPUs of this rank's devices (its share of the node's CPUs)
 
 
 @dataclass
@@ -90,6 +93,8 @@ class _LoadState:
     loaded: bool = True
     onloads: int = 0
     offloads: int = 0
+    onload_s: float = 0.0  # total seconds spent in onload() / offload()
+    offload_s: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -102,11 +107,16 @@ class Worker:
 
     _m2flow_ctx: WorkerContext
 
+    #: How a group of this class uses the devices a plan gives it: ``True``, one rank per
+    #: device (data parallel); ``False``, one rank over all of them (a model that does not
+    #: shard its batch uses them as one wider device: more threads, or CUDA devices for TP).
+    data_parallel: bool = True
+
     @classmethod
     def launch(
         cls,
         cluster,
-        placement,
+        placement=None,
         *,
         name: str | None = None,
         num_cpus: float = 0.0,
@@ -118,7 +128,9 @@ class Worker:
         Args:
             cluster: the :class:`~m2flow.cluster.Cluster`.
             placement: global device ids, one per rank (``[0, 1]``), a list per rank
-                (``[[0, 1], [2, 3]]``), or an int ``n`` for devices ``0..n-1``.
+                (``[[0, 1], [2, 3]]``), or an int ``n`` for devices ``0..n-1``. ``None``
+                (the default): where the run's plan puts the group ``name``, else every
+                device; one rank per device if :attr:`data_parallel`, else one rank.
             name: group name (default: the class name); unique in the run.
             num_cpus: Ray CPU request per rank (fractions allowed; 0 = no reservation).
             lock: take device locks around group calls (collocation-safe; default on).
@@ -177,6 +189,11 @@ class Worker:
     @property
     def group_name(self) -> str:
         return self._m2flow_ctx.group
+
+    @property
+    def num_threads(self) -> int:
+        """CPU threads this rank should use: its devices' share of the node's CPUs (>= 1)."""
+        return max(1, int(self._m2flow_ctx.cpus + 1e-9))
 
     @property
     def devices(self) -> list[Device]:
@@ -257,7 +274,9 @@ class Worker:
         st = self._m2flow_load
         with st.lock:
             if not st.loaded:
+                t0 = time.perf_counter()
                 self.onload()
+                st.onload_s += time.perf_counter() - t0
                 st.loaded = True
                 st.onloads += 1
 
@@ -268,7 +287,9 @@ class Worker:
         with st.lock:
             if not st.loaded:
                 return False
+            t0 = time.perf_counter()
             self.offload()
+            st.offload_s += time.perf_counter() - t0
             st.loaded = False
             st.offloads += 1
             return True
@@ -279,9 +300,26 @@ class Worker:
 
     @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_load_stats(self) -> dict:
-        """``{"loaded", "onloads", "offloads"}`` of this rank."""
+        """``{"loaded", "onloads", "offloads", "onload_s", "offload_s", "peak_memory_bytes"}``
+        of this rank (seconds are totals; memory: see :meth:`peak_memory_bytes`)."""
         st = self._m2flow_load
-        return {"loaded": st.loaded, "onloads": st.onloads, "offloads": st.offloads}
+        return {
+            "loaded": st.loaded,
+            "onloads": st.onloads,
+            "offloads": st.offloads,
+            "onload_s": st.onload_s,
+            "offload_s": st.offload_s,
+            "peak_memory_bytes": self.peak_memory_bytes(),
+        }
+
+    def peak_memory_bytes(self) -> int:
+        """Peak device memory of this rank, bytes: CUDA's peak allocation on a GPU; on a
+        virtual device, the process's peak resident set (an upper bound: it includes the
+        Python runtime and libraries). Subclasses may override with a tighter figure."""
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(torch.cuda.max_memory_allocated())
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
     # -- group calls ------------------------------------------------------------------------
 

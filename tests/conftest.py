@@ -34,8 +34,9 @@ def _short_tmp_dir(prefix: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A fresh embedded Ray session (2 CPUs, 2 virtual devices) shared by one test module."""
+def cluster(request):
+    """A fresh embedded Ray session (2 CPUs; 2 virtual devices, or the module's
+    ``VIRTUAL_DEVICES``) shared by one test module."""
     import ray
 
     import m2flow
@@ -44,7 +45,8 @@ def cluster():
     if ray.is_initialized():  # a session leaked by an earlier module: start clean
         ray.shutdown()
     run_dir = _short_tmp_dir("m2t-")
-    c = m2flow.Cluster(run_dir=run_dir, virtual_devices_per_node=2, num_cpus=2)
+    devices = getattr(request.module, "VIRTUAL_DEVICES", 2)
+    c = m2flow.Cluster(run_dir=run_dir, virtual_devices_per_node=devices, num_cpus=2)
     try:
         yield c
     finally:

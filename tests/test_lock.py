@@ -98,8 +98,10 @@ def test_onload_offload_only_on_holder_change(cluster, svc):
     x = Recorder.launch(cluster, placement=[1], name="sw_x")
     y = Recorder.launch(cluster, placement=[1], name="sw_y")
 
+    keys = ("loaded", "onloads", "offloads")
+
     def stats():
-        return x.load_stats()[0], y.load_stats()[0]
+        return tuple({k: g.load_stats()[0][k] for k in keys} for g in (x, y))
 
     sx, sy = stats()
     assert sx == {"loaded": True, "onloads": 0, "offloads": 0} == sy  # both start resident

@@ -18,6 +18,10 @@ from m2flow.workers.tasks import TaskDataset
 from m2flow import Channel
 from m2flow.cli import load_workflow, prepare
 from m2flow.config import ConfigError
+from m2flow.placement import Placement
+from m2flow.session import Session
+
+VIRTUAL_DEVICES = 3  # the cluster fixture's devices: room for a fully spatial plan
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "workflows" / "grpo.py"
@@ -161,26 +165,49 @@ def test_workflow_trains_checkpoints_and_resumes(cluster, tmp_path):
     assert [r["step"] for r in records] == [0, 1, 2, 3]  # no second warm start
 
 
-def test_workflow_runs_spatially(cluster, tmp_path):
-    """Same runner, rollout and actor on disjoint devices, streamed in chunks of 2 prompts."""
-    run_dir = tmp_path / "spatial"
+PLACEMENTS = {
+    # One runner, three plans: every group on every device; every group on its own device,
+    # streamed in chunks of 2 prompts; rollout and reward time-sharing device 0 while the actor
+    # trains on devices 1-2 (a temporal part inside a spatial split).
+    "temporal": Placement(mode="temporal"),
+    "spatial": Placement(
+        mode="spatial",
+        groups={"rollout": [0], "reward": [1], "actor": [2]},
+        granularity={"rollout->reward": 2, "reward->actor": 2},
+    ),
+    "hybrid": Placement(
+        mode="hybrid",
+        groups={"rollout": [0], "reward": [0], "actor": [1, 2]},
+        granularity={"rollout->reward": 2, "reward->actor": 4},
+    ),
+}
+EXPECTED_RANKS = {
+    "temporal": {"rollout": [[0], [1], [2]], "reward": [[0], [1], [2]], "actor": [[0, 1, 2]]},
+    "spatial": {"rollout": [[0]], "reward": [[1]], "actor": [[2]]},
+    "hybrid": {"rollout": [[0]], "reward": [[0]], "actor": [[1, 2]]},
+}
+
+
+@pytest.mark.parametrize("mode", list(PLACEMENTS))
+def test_same_runner_trains_under_each_plan(cluster, tmp_path, mode):
+    """The unchanged runner under temporal, spatial and hybrid placements: groups land on the
+    planned devices (one rank per device; the actor one rank over its devices), the rollout
+    streams the planned chunks, and the actor takes optimizer steps with a gradient."""
+    run_dir = tmp_path / mode
     module, cfg = prepare(
-        str(GRPO),
-        TINY_RUN
-        + [
-            "trainer.steps=2",
-            f"trainer.run_dir={run_dir}",
-            "placement.rollout=[0]",
-            "placement.reward=[0]",
-            "placement.actor=[1]",
-            "placement.granularity=2",
-        ],
-        [],
+        str(GRPO), TINY_RUN + ["trainer.steps=2", f"trainer.run_dir={run_dir}"], []
     )
-    module.main(cfg)
+    with Session(placement=PLACEMENTS[mode]) as session:
+        module.main(cfg)
+    assert session.groups == EXPECTED_RANKS[mode]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(r["rollout_s"] > 0 and r["actor_s"] > 0 for r in records[1:])
+    # 4 prompts per step: one coalesced chunk per rollout rank, or chunks of 2 prompts.
+    calls = [c for c in session.calls if c.group == "rollout" and c.method == "generate"]
+    assert len(calls) == 2
+    # Partial credit makes mixed rewards in some group near certain, so some step trains.
+    assert any(r["grad_norm"] > 0 for r in records[1:])
 
 
 @pytest.mark.parametrize(
@@ -189,7 +216,8 @@ def test_workflow_runs_spatially(cluster, tmp_path):
         (["trainer.stepz=3"], "unknown config key 'trainer.stepz'"),
         (["trainer.steps=many"], "bad value for 'trainer.steps'"),
         (["rollout.temperature=0"], "rollout.temperature must be > 0"),
-        (["placement.actor=[0,1]"], "placement.actor takes one device"),
+        (["plan=sideways"], "plan='sideways': give one of auto, temporal"),
+        (["plan=no/such/plan.yaml"], "plan file 'no/such/plan.yaml' does not exist"),
         (["trainer.steps"], "not of the form key=value"),
     ],
 )

@@ -1,12 +1,12 @@
 """GRPO on a reasoning-gym task: supervised warm start, then rollout -> reward -> actor.
 
     m2flow run workflows/grpo.py trainer.steps=50 rollout.temperature=0.8
-    m2flow run workflows/grpo.py --config workflows/configs/grpo_spatial.yaml
+    m2flow run workflows/grpo.py plan=auto cluster.devices_per_node=2
 
-The runner below is the whole algorithm; it holds no placement logic. Where each group runs is
-``placement`` (device ids per group): by default every group shares device 0 (temporal: the
-device locks switch between them); disjoint devices run the same loop spatially, pipelined at
-``placement.granularity`` prompts per chunk.
+The runner below is the whole algorithm; it holds no placement logic. Where each group runs and
+how finely the rollout streams to its consumers is the runtime's plan (``plan=temporal``, the
+default: every group on every device, the device locks switching between them;
+``plan=auto|spatial|hybrid`` from a profile; or ``plan=path/to/plan.yaml``).
 """
 
 from __future__ import annotations
@@ -28,14 +28,6 @@ class ClusterConfig:
     devices_per_node: int = 1  # virtual devices per node without GPUs
     device_memory_gb: float = 16.0  # declared capacity of a virtual device
     num_cpus: Optional[int] = None  # CPUs of the embedded Ray (default: all)
-
-
-@dataclass
-class PlacementConfig:
-    rollout: list[int] = field(default_factory=lambda: [0])  # global device id per rank
-    reward: list[int] = field(default_factory=lambda: [0])
-    actor: list[int] = field(default_factory=lambda: [0])
-    granularity: int = 0  # prompts per rollout chunk; 0 = the whole step (coalesced)
 
 
 @dataclass
@@ -74,7 +66,7 @@ class RolloutConfig:
     max_new_tokens: int = 6
     temperature: float = 0.7  # 1.0 samples too far from the greedy policy to learn from
     top_p: float = 1.0
-    threads: int = 2
+    threads: int = 0  # torch threads; 0 = the rank's share of its node's CPUs
 
 
 @dataclass
@@ -90,7 +82,7 @@ class ActorConfig:
     micro_batch_size: int = 0  # responses per forward/backward; 0 = the whole mini-batch
     drop_flat_groups: bool = True  # groups with one reward for all samples: no signal
     recompute_old_logprobs: bool = False
-    threads: int = 2
+    threads: int = 0  # torch threads; 0 = the CPUs of the actor's devices
 
 
 @dataclass
@@ -107,7 +99,6 @@ class TrainerConfig:
 @dataclass
 class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -126,8 +117,6 @@ def validate(cfg) -> None:
         (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
         (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
         (cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
-        (cfg.placement.granularity >= 0, "placement.granularity must be >= 0"),
-        (len(cfg.placement.actor) == 1, "placement.actor takes one device (no DP actor yet)"),
         (cfg.actor.lr > 0 and cfg.warm_start.lr > 0, "learning rates must be > 0"),
     ]
     for ok, msg in checks:
@@ -158,7 +147,6 @@ def main(cfg) -> dict:
     alphabet = model.pop("alphabet")
     rollout = RolloutWorker.launch(
         cluster,
-        list(cfg.placement.rollout),
         name="rollout",
         model=model,
         alphabet=alphabet,
@@ -166,12 +154,9 @@ def main(cfg) -> dict:
         seed=tr.seed,
         **_plain(cfg.rollout),
     )
-    reward = RewardWorker.launch(
-        cluster, list(cfg.placement.reward), name="reward", alphabet=alphabet
-    )
+    reward = RewardWorker.launch(cluster, name="reward", alphabet=alphabet)
     actor = ActorWorker.launch(
         cluster,
-        list(cfg.placement.actor),
         name="actor",
         model=model,
         alphabet=alphabet,
@@ -182,7 +167,7 @@ def main(cfg) -> dict:
     prompts, rollouts, scored = (Channel.create(n) for n in ("prompts", "rollouts", "scored"))
     tokenizer = build_char_tokenizer(alphabet)
     train = TaskDataset(t.name, dict(t.config), seed=t.train_seed, size=t.train_size)
-    granularity = cfg.placement.granularity or tr.prompts_per_step
+    granularity = cluster.granularity("rollout", "reward", default=tr.prompts_per_step)
     chunks = num_chunks(tr.prompts_per_step, rollout.world_size, granularity)
 
     def sync_weights():

@@ -23,6 +23,9 @@ from .trainer import PolicyTrainer
 class ActorWorker(Worker):
     """The policy being trained (plain torch; data parallel > 1 is not supported yet).
 
+    One rank: given several devices by a plan, it uses them as one (``data_parallel =
+    False``): all their CPU threads on virtual devices.
+
     Args:
         model: :class:`~m2flow.workers.llm.ModelConfig` fields.
         alphabet: the character tokenizer's alphabet.
@@ -38,12 +41,14 @@ class ActorWorker(Worker):
         recompute_old_logprobs: recompute behaviour logprobs with a forward pass instead of
             using the rollout's (the weights are identical; the rollout's differ only by
             kernel rounding).
-        threads: torch intra-op threads.
+        threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
         seed: model init seed.
 
     Raises:
         ValueError: launched with more than one rank.
     """
+
+    data_parallel = False  # one rank over all its devices (see the class docstring)
 
     def __init__(
         self,
@@ -61,7 +66,7 @@ class ActorWorker(Worker):
         micro_batch_size: int = 0,
         recompute_old_logprobs: bool = False,
         drop_flat_groups: bool = True,
-        threads: int = 2,
+        threads: int = 0,
         seed: int = 0,
     ) -> None:
         if self.world_size != 1:
@@ -69,7 +74,7 @@ class ActorWorker(Worker):
                 f"the actor runs on one rank for now (got {self.world_size}): data-parallel "
                 "training needs a gradient all-reduce that is not implemented yet"
             )
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads or self.num_threads)
         transformers.utils.logging.disable_progress_bar()  # no shard bars in run logs
         self.device = torch_device(self.devices)
         self.tokenizer = build_char_tokenizer(alphabet)

@@ -18,11 +18,11 @@ class RewardWorker(Worker):
 
     Args:
         alphabet: the character tokenizer's alphabet (to decode responses).
-        threads: torch intra-op threads.
+        threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
     """
 
-    def __init__(self, alphabet: str, threads: int = 1) -> None:
-        torch.set_num_threads(threads)
+    def __init__(self, alphabet: str, threads: int = 0) -> None:
+        torch.set_num_threads(threads or self.num_threads)
         self.tokenizer = build_char_tokenizer(alphabet)
 
     def score(self, inp: Channel, out: Channel, num_chunks: int) -> dict:

@@ -33,7 +33,7 @@ class RolloutWorker(Worker):
         max_new_tokens: response cap in tokens (EOS included).
         temperature, top_p: sampling parameters.
         task: ``{"name", "config", "heldout_seed", "heldout_size"}`` for :meth:`evaluate`.
-        threads: torch intra-op threads.
+        threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
         seed: sampling seed (offset by rank).
     """
 
@@ -46,10 +46,10 @@ class RolloutWorker(Worker):
         temperature: float = 0.7,
         top_p: float = 1.0,
         task: dict | None = None,
-        threads: int = 2,
+        threads: int = 0,
         seed: int = 0,
     ) -> None:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads or self.num_threads)
         torch.manual_seed(seed + 1000 * self.rank)
         self.device = torch_device(self.devices)
         self.tokenizer = build_char_tokenizer(alphabet)

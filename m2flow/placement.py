@@ -1,0 +1,158 @@
+"""Placement: a plan as the runtime applies it (RLinf section 5, "executing the plan").
+
+A :class:`Placement` says, per worker group, which global device ids it runs on, and per
+channel edge ``src -> dst`` how many items a producer puts per chunk (elastic pipelining:
+``granularity < batch`` lets the consumer start early; the whole batch = coalesced, the
+temporal choice). Groups that share devices share their device locks, so a placement needs no
+other mechanism: the locks switch collocated groups, disjoint groups run at once.
+
+Placements come from the planner (:func:`from_plan`), from a YAML file
+(``m2flow run ... plan=path/to/plan.yaml``, as written by ``m2flow plan --save``), or are the
+plain temporal default (every group on every device, every edge coalesced).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .config import ConfigError
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+
+MODES = ("auto", "temporal", "spatial", "hybrid")
+
+
+class PlacementError(ConfigError):
+    """A placement that does not fit the cluster or the workflow (the message says which)."""
+
+
+@dataclass
+class Placement:
+    """Devices per group and granularity per edge.
+
+    Attributes:
+        mode: ``temporal``, ``spatial``, ``hybrid`` or ``manual`` (for reports).
+        groups: group name -> global device ids; a group not named runs on
+            ``default_devices`` (or every device when that is ``None``).
+        granularity: ``"src->dst"`` -> items per chunk; edges not named use
+            ``default_granularity`` (``None``: the runner's default, i.e. coalesced).
+        predicted_step_s: the planner's predicted seconds per step (``None`` if not planned).
+        predicted: group name -> predicted busy seconds per step.
+        tree: the plan's composition tree as text (for reports).
+    """
+
+    mode: str = "temporal"
+    groups: dict[str, list[int]] = field(default_factory=dict)
+    granularity: dict[str, int] = field(default_factory=dict)
+    default_devices: list[int] | None = None
+    default_granularity: int | None = None
+    predicted_step_s: float | None = None
+    predicted: dict[str, float] = field(default_factory=dict)
+    tree: str = ""
+
+    def devices_for(self, group: str, cluster: Cluster) -> list[int]:
+        """Device ids of ``group`` on ``cluster``."""
+        if group in self.groups:
+            return list(self.groups[group])
+        if self.default_devices is not None:
+            return list(self.default_devices)
+        return [d.global_id for d in cluster.devices]
+
+    def granularity_for(self, src: str, dst: str, default: int) -> int:
+        """Items per chunk on the edge ``src -> dst`` (``default`` when the plan is silent)."""
+        m = self.granularity.get(f"{src}->{dst}", self.default_granularity)
+        return default if m is None else int(m)
+
+    def check(self, cluster: Cluster) -> None:
+        """Raises :class:`PlacementError` when a device id is not on ``cluster``."""
+        n = cluster.num_devices
+        named = dict(self.groups)
+        if self.default_devices is not None:
+            named["(default)"] = self.default_devices
+        for group, ids in named.items():
+            if not ids:
+                raise PlacementError(f"placement gives group '{group}' no devices")
+            bad = [d for d in ids if not 0 <= d < n]
+            if bad:
+                raise PlacementError(
+                    f"placement puts group '{group}' on devices {bad}, but the cluster has "
+                    f"{n} devices (ids 0..{n - 1}): plan for {n} devices or declare more "
+                    "(cluster.devices_per_node)"
+                )
+        for edge, m in self.granularity.items():
+            if "->" not in edge or int(m) < 1:
+                raise PlacementError(
+                    f"placement granularity {edge!r}: {m!r}; write 'src->dst': items >= 1"
+                )
+
+    # -- files ----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "groups": {k: list(v) for k, v in self.groups.items()},
+            "granularity": dict(self.granularity),
+            "default_devices": self.default_devices,
+            "default_granularity": self.default_granularity,
+            "predicted_step_s": self.predicted_step_s,
+            "predicted": dict(self.predicted),
+            "tree": self.tree,
+        }
+
+    def save(self, path: str | Path) -> None:
+        import yaml
+
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Placement:
+        """Read a placement YAML file.
+
+        Raises:
+            PlacementError: missing file, not a mapping, or unknown keys.
+        """
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise PlacementError(f"plan file {str(p)!r} does not exist")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise PlacementError(f"plan file {str(p)!r} is not a YAML mapping")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlacementError(
+                f"plan file {str(p)!r}: unknown keys {unknown}; known: {sorted(known)}"
+            )
+        return cls(**data)
+
+
+def temporal() -> Placement:
+    """Every group on every device, every edge coalesced (RLinf's collocated mode)."""
+    return Placement(mode="temporal")
+
+
+def from_plan(plan, edges: list[tuple[str, str]], batch_size: int) -> Placement:
+    """The placement of a planner :class:`~m2flow.scheduler.planner.Plan`.
+
+    Args:
+        plan: the plan tree (device ranges per component, granularity per spatial cut).
+        edges: the workflow's ``(src, dst)`` group edges.
+        batch_size: items per step ``M`` (the granularity of a coalesced edge).
+    """
+    groups = {name: list(devs) for name, devs in plan.placement().items()}
+    gran = {f"{s}->{d}": int(m) for (s, d), m in plan.edge_granularity(edges, batch_size).items()}
+    kinds = plan.kinds()
+    mode = "hybrid" if len(kinds) == 2 else (next(iter(kinds)) if kinds else "temporal")
+    return Placement(
+        mode=mode,
+        groups=groups,
+        granularity=gran,
+        predicted_step_s=float(plan.time),
+        predicted={k: float(v) for k, v in plan.breakdown().items()},
+        tree=str(plan),
+    )

@@ -1,0 +1,127 @@
+"""The run session: what the runtime applies to a runner and measures around it.
+
+A runner (``workflows/grpo.py``) holds no placement logic. ``m2flow run ... plan=...`` opens a
+:class:`Session` around ``main(cfg)``; the runtime pieces the runner uses read it:
+
+- :class:`~m2flow.cluster.Cluster` resolves the session's :class:`~m2flow.placement.Placement`
+  once it knows its devices (a plan needs the device count and capacity);
+- ``Worker.launch`` without an explicit placement puts the group where the placement says;
+- ``cluster.granularity(src, dst, default)`` gives the chunk size of a channel edge;
+- every waited group call and every logged step is recorded, which is what the profiler
+  (:mod:`m2flow.profiler`) and the predicted-vs-measured report read.
+
+Without a session (library use, tests) everything behaves as before: groups go where the caller
+says, or on every device; edges are coalesced.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+    from .placement import Placement
+
+_current: Session | None = None
+_guard = threading.Lock()
+
+
+class StopRun(Exception):
+    """Raised by the run log once a profiling session has recorded the steps it asked for."""
+
+
+@dataclass
+class CallRecord:
+    """One waited group call: ``busy`` and ``duration`` are seconds, max over ranks."""
+
+    group: str
+    method: str
+    step: int  # index of the step mark this call precedes (0 before the first mark)
+    busy: float
+    duration: float
+
+
+@dataclass
+class Session:
+    """Run-scoped runtime state (see the module docstring).
+
+    Args:
+        placement: a :class:`Placement`, or a callable ``(cluster) -> Placement`` evaluated when
+            the cluster is built (plans need its device count); ``None``: runner defaults.
+        max_steps: stop the run (``StopRun`` from the run log) after this many steps with
+            ``step >= 1`` have been logged; ``None``: run to the end.
+    """
+
+    placement: Placement | Callable[[Cluster], Placement] | None = None
+    max_steps: int | None = None
+    calls: list[CallRecord] = field(default_factory=list)
+    marks: list[tuple[int, float]] = field(default_factory=list)  # (step, wall time)
+    groups: dict[str, list[list[int]]] = field(default_factory=dict)  # launched: device ids/rank
+    cluster: Cluster | None = None
+
+    def __enter__(self) -> Session:
+        global _current
+        with _guard:
+            if _current is not None:
+                raise RuntimeError("an m2flow session is already open in this process")
+            _current = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _current
+        with _guard:
+            _current = None
+
+    # -- hooks the runtime calls --------------------------------------------------------------
+
+    def resolve(self, cluster: Cluster) -> Placement | None:
+        """The placement for ``cluster`` (evaluated once, then kept)."""
+        self.cluster = cluster
+        if callable(self.placement):
+            self.placement = self.placement(cluster)
+        if self.placement is not None:
+            self.placement.check(cluster)
+        return self.placement
+
+    def record_call(self, group: str, method: str, busy: float, duration: float) -> None:
+        self.calls.append(CallRecord(group, method, len(self.marks), busy, duration))
+
+    def mark_step(self, step: int, wall: float) -> None:
+        """A step was logged; raises :class:`StopRun` when ``max_steps`` are done."""
+        self.marks.append((step, wall))
+        done = sum(1 for s, _ in self.marks if s >= 1)
+        if self.max_steps is not None and done >= self.max_steps:
+            raise StopRun(f"profiled {done} steps")
+
+    # -- measurements -------------------------------------------------------------------------
+
+    def step_times(self) -> list[float]:
+        """Wall seconds of each logged step ``>= 1`` (time since the previous mark)."""
+        out = []
+        for (_, prev), (step, now) in zip(self.marks, self.marks[1:]):
+            if step >= 1:
+                out.append(now - prev)
+        return out
+
+    def busy_per_step(self) -> list[dict[str, float]]:
+        """Per logged step ``>= 1``: each group's busy seconds (its calls' max-over-ranks busy
+        time, summed over the calls waited during that step)."""
+        per: list[dict[str, float]] = [defaultdict(float) for _ in self.marks]
+        for c in self.calls:
+            if c.step < len(self.marks):
+                per[c.step][c.group] += c.busy
+        return [dict(p) for (step, _), p in zip(self.marks, per) if step >= 1]
+
+
+def current_session() -> Session | None:
+    """The open session of this process, if any."""
+    return _current
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
