@@ -160,6 +160,16 @@ def version() -> None:
     print(__version__)
 
 
+def _register_commands() -> None:
+    """Commands that live with their feature (imported lazily inside each command)."""
+    from .workers.reward.service.cli import register as register_reward_service
+
+    register_reward_service(app)
+
+
+_register_commands()
+
+
 def main() -> None:
     app()
 

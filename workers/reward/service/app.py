@@ -1,0 +1,190 @@
+"""The HTTP API of the reward service (FastAPI). See docs/reward_service.md.
+
+Every route except ``/healthz`` needs ``Authorization: Bearer <tenant token>``; a tenant sees
+only its own tasks. Errors are JSON ``{"detail": "..."}`` with a status naming the problem:
+401 (no/unknown token), 404 (unknown task, batch or pipeline), 409 (conflict: batch full,
+id reused, task of another tenant), 422 (malformed body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .core import RewardService, ServiceError
+from .schemas import AnnounceBatch, RegisterTask, ServiceConfig, SubmitMany, SubmitRequest
+
+#: longest a results long-poll may wait (seconds)
+MAX_WAIT_S = 300.0
+
+
+def create_app(config: ServiceConfig) -> FastAPI:
+    """The FastAPI app serving ``config``; the engine is ``app.state.service``."""
+    service = RewardService(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await service.shutdown()
+
+    app = FastAPI(title="m2flow reward service (DistRS)", version="1", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError):
+        return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+
+    def tenant(authorization: str | None = Header(None)) -> str:
+        token = None
+        if authorization and authorization.lower().startswith("bearer "):
+            token = authorization[7:].strip()
+        try:
+            return service.tenant_of(token)
+        except ServiceError as e:
+            raise HTTPException(e.status, str(e), headers={"WWW-Authenticate": "Bearer"}) from e
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"ok": True}
+
+    @app.post("/v1/tasks")
+    async def register(body: RegisterTask, who: str = Depends(tenant)):
+        t = service.register(who, body.task, body.pipeline, body.delay_bound_s)
+        stages = list(config.pipelines[t.pipeline].stages)
+        return {
+            "task": t.name,
+            "pipeline": t.pipeline,
+            "delay_bound_s": t.delay_bound_s,
+            "stages": stages,
+        }
+
+    @app.post("/v1/tasks/{task}/batches")
+    async def announce(task: str, body: AnnounceBatch, who: str = Depends(tenant)):
+        b = await service.announce(who, task, body.size, body.batch)
+        return {"task": task, "batch": b.id, "size": b.size}
+
+    @app.post("/v1/tasks/{task}/batches/{batch}/requests")
+    async def submit(task: str, batch: str, body: SubmitRequest, who: str = Depends(tenant)):
+        return {"id": service.submit(who, task, batch, body.payload, body.id)}
+
+    @app.post("/v1/tasks/{task}/batches/{batch}/requests:bulk")
+    async def submit_many(task: str, batch: str, body: SubmitMany, who: str = Depends(tenant)):
+        return {"ids": [service.submit(who, task, batch, r.payload, r.id) for r in body.requests]}
+
+    @app.post("/v1/tasks/{task}/batches/{batch}/close")
+    async def close(task: str, batch: str, who: str = Depends(tenant)):
+        return service.status(await service.close(who, task, batch))
+
+    @app.get("/v1/tasks/{task}/batches/{batch}")
+    async def status(task: str, batch: str, who: str = Depends(tenant)):
+        return service.status(service.batch(who, task, batch))
+
+    @app.get("/v1/tasks/{task}/batches/{batch}/results")
+    async def results(
+        task: str,
+        batch: str,
+        offset: int = Query(0, ge=0),
+        wait_s: float = Query(0.0, ge=0, le=MAX_WAIT_S),
+        who: str = Depends(tenant),
+    ):
+        """Results from ``offset`` on (in completion order); waits up to ``wait_s`` for at
+        least one new result unless the batch is complete."""
+        b = service.batch(who, task, batch)
+        deadline = time.monotonic() + wait_s
+        while len(b.results) <= offset and not b.done and time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(b.changed.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                break
+        return {
+            "results": b.results[offset:],
+            "next_offset": len(b.results),
+            "complete": b.done and len(b.results) == b.size,
+        }
+
+    @app.get("/v1/tasks/{task}/batches/{batch}/stream")
+    async def stream(
+        task: str,
+        batch: str,
+        timeout_s: float = Query(600.0, gt=0, le=3600.0),
+        who: str = Depends(tenant),
+    ):
+        """NDJSON: one result per line as requests finish; ends when the batch completes
+        (or after ``timeout_s``, with a last line ``{"timeout": true}``)."""
+        b = service.batch(who, task, batch)
+
+        async def lines():
+            sent, end = 0, time.monotonic() + timeout_s
+            while True:
+                while sent < len(b.results):
+                    yield json.dumps(b.results[sent]) + "\n"
+                    sent += 1
+                if b.done and sent >= len(b.results):
+                    return
+                left = end - time.monotonic()
+                if left <= 0:
+                    yield json.dumps({"timeout": True}) + "\n"
+                    return
+                try:
+                    await asyncio.wait_for(b.changed.wait(), min(left, 5.0))
+                except TimeoutError:
+                    pass
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.get("/v1/metrics")
+    async def metrics(who: str = Depends(tenant)):
+        return service.metrics()
+
+    return app
+
+
+class BackgroundServer:
+    """Run the service in a thread of this process (tests, scripts, notebooks)::
+
+        with BackgroundServer(config) as url: ...
+
+    Binds ``config.host`` (loopback by default) on ``config.port`` (0: a free port).
+    """
+
+    def __init__(self, config: ServiceConfig, start_timeout_s: float = 30.0) -> None:
+        import socket
+
+        import uvicorn
+
+        if config.port == 0:
+            with socket.socket() as s:
+                s.bind((config.host, 0))
+                config = config.model_copy(update={"port": s.getsockname()[1]})
+        self.config = config
+        self.app = create_app(config)
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host=config.host, port=config.port, log_level="warning")
+        )
+        self.start_timeout_s = start_timeout_s
+        self.url = f"http://{config.host}:{config.port}"
+
+    @property
+    def service(self) -> RewardService:
+        return self.app.state.service
+
+    def __enter__(self) -> str:
+        import threading
+
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        end = time.monotonic() + self.start_timeout_s
+        while not self.server.started:
+            if time.monotonic() > end or not self.thread.is_alive():
+                raise RuntimeError(f"reward service did not start on {self.url}")
+            time.sleep(0.05)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

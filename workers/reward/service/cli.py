@@ -1,0 +1,60 @@
+"""``m2flow reward-service``: run the reward service (FastAPI app under uvicorn).
+
+The lead wires it into ``m2flow/cli.py`` with ``register(app)``; standalone:
+``python -m m2flow.workers.reward.service.cli --config service.yaml [--port 8765]``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+
+def serve(
+    config: str = typer.Option(..., "--config", "-c", help="service config (YAML or JSON)"),
+    port: Optional[int] = typer.Option(None, "--port", help="TCP port (default: the config's)"),
+    host: Optional[str] = typer.Option(
+        None, "--host", help="bind address (default: the config's, 127.0.0.1)"
+    ),
+    log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level"),
+) -> None:
+    """Run the elastic multi-tenant reward service (DistRS) until interrupted."""
+    from pydantic import ValidationError
+
+    from .schemas import ServiceConfig
+
+    try:
+        cfg = ServiceConfig.load(config)
+    except (ValueError, ValidationError) as e:
+        typer.echo(f"error: bad reward-service config {config}: {e}", err=True)
+        raise typer.Exit(2) from None
+    if port is not None:
+        cfg.port = port
+    if host is not None:
+        cfg.host = host
+    import uvicorn
+
+    from .app import create_app
+    from .sandbox import isolation
+
+    typer.echo(
+        f"reward service on http://{cfg.host}:{cfg.port} ({len(cfg.tenants)} tenants, "
+        f"pipelines {sorted(cfg.pipelines)}, policy {cfg.policy}, sandbox {isolation()})"
+    )
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=log_level)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``reward-service`` command to the ``m2flow`` Typer app."""
+    app.command("reward-service")(serve)
+
+
+def main() -> None:
+    cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    cli.command()(serve)
+    cli()
+
+
+if __name__ == "__main__":
+    main()
