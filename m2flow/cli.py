@@ -162,8 +162,10 @@ def version() -> None:
 
 def _register_commands() -> None:
     """Commands that live with their feature (imported lazily inside each command)."""
+    from .plan_cli import register as register_plan
     from .workers.reward.service.cli import register as register_reward_service
 
+    register_plan(app)
     register_reward_service(app)
 
 

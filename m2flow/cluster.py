@@ -203,10 +203,12 @@ class Cluster:
             return self.placement.devices_for(group, self)
         return [d.global_id for d in self.devices]
 
-    def granularity(self, src: str, dst: str, default: int) -> int:
+    def granularity(self, src: str, dst: str | None = None, *, default: int) -> int:
         """Items per chunk on the channel edge ``src -> dst`` under the run's placement
         (elastic pipelining, RLinf section 5); ``default`` (the runner's coalesced batch)
-        when there is no placement or it is silent about the edge."""
+        when there is no placement or it is silent about the edge. ``dst=None``: the finest
+        granularity downstream of ``src`` (what a producer whose consumers forward chunk by
+        chunk must use; :meth:`~m2flow.placement.Placement.granularity_for`)."""
         if self.placement is None:
             return default
         return self.placement.granularity_for(src, dst, default)

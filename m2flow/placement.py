@@ -61,10 +61,29 @@ class Placement:
             return list(self.default_devices)
         return [d.global_id for d in cluster.devices]
 
-    def granularity_for(self, src: str, dst: str, default: int) -> int:
-        """Items per chunk on the edge ``src -> dst`` (``default`` when the plan is silent)."""
-        m = self.granularity.get(f"{src}->{dst}", self.default_granularity)
-        return default if m is None else int(m)
+    def granularity_for(self, src: str, dst: str | None, default: int) -> int:
+        """Items per chunk on the edge ``src -> dst`` (``default`` when the plan is silent).
+
+        ``dst=None``: the finest granularity on any edge downstream of ``src``. Intermediate
+        groups that forward chunk by chunk (a reward scorer between rollout and actor) cannot
+        split a chunk further, so the first producer must chunk that finely.
+        """
+        if dst is not None:
+            m = self.granularity.get(f"{src}->{dst}", self.default_granularity)
+            return default if m is None else int(m)
+        edges = [(k.split("->", 1), int(v)) for k, v in self.granularity.items()]
+        seen, frontier, found = {src}, [src], []
+        while frontier:
+            node = frontier.pop()
+            for (s, d), m in edges:
+                if s == node:
+                    found.append(m)
+                    if d not in seen:
+                        seen.add(d)
+                        frontier.append(d)
+        if not found:
+            return default if self.default_granularity is None else self.default_granularity
+        return min(found)
 
     def check(self, cluster: Cluster) -> None:
         """Raises :class:`PlacementError` when a device id is not on ``cluster``."""

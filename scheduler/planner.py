@@ -1,7 +1,7 @@
 """M2Flow planner: RLinf Algorithm 1 (profiling-guided scheduling, RLinf paper section 5).
 
-Pure (numpy/scipy/networkx). Given per-component time and memory estimates, a workflow graph and
-a cluster (N devices, per-device memory capacity), find the composition of temporal (same
+Pure (numpy/networkx). Given per-component time and memory estimates, a workflow graph and a
+cluster (N devices, per-device memory capacity), find the composition of temporal (same
 devices, one after the other) and spatial (disjoint devices, pipelined) splits that minimises the
 predicted step time.
 
@@ -12,10 +12,12 @@ Algorithm:
    ``memory(n) = sum`` of member memories by default (interleaved members stay resident together;
    ``cycle_memory="max"`` assumes they swap), ``min_devices = max``, ``switch_cost`` and
    ``chunk_overhead = sum``.
-2. ``P(S, n)`` for a node subset S on n devices (memoised per (S, time-shared flag) as an array
-   over n = 0..N, one DP pass per subset):
+2. ``P(S, n)`` for a node subset S on n devices (memoised per (S, time-shared flag, family) as
+   an array over n = 0..N, one DP pass per subset):
 
    * one node: ``time(n)`` if ``n >= min_devices`` and ``memory(n) <= capacity``, else ``inf``.
+     A component with ``max_devices`` uses ``min(n, max_devices)`` of the n devices it is given:
+     ``time(n) = time(max_devices)`` and ``memory(n) = memory(max_devices)`` beyond it.
    * otherwise the best over EVERY s-t cut (U, D = S \\ U), U a nonempty proper subset of S
      closed under predecessors within S (no edge D -> U), of
      - temporal: ``P(U, n) + P(D, n)`` on the same devices, where every component under a
@@ -27,9 +29,15 @@ Algorithm:
        pipelined cost of :mod:`m2flow.scheduler.cost` with ``T_U = P(U, n_U)``, ``T_D = P(D,
        n_D)`` and per-chunk overhead of a part = sum of its members' ``chunk_overhead``.
    * ties: cuts in increasing bitmask order over a fixed topological order, temporal before
-     spatial, then smallest n_U, then largest m. Only strictly better candidates replace.
-3. The result is a :class:`Plan` tree (:class:`Leaf`, :class:`Temporal`, :class:`Spatial`) with
-   concrete device ranges: spatial upstream gets ``[start, start + n_U)``, downstream the rest.
+     spatial, then the cheaper split, smallest n_U, largest m. Only strictly better replaces.
+3. Modes restrict the compositions (exactly, by DP over *families* of tables): ``auto``
+   (unrestricted), ``temporal`` (temporal only: every component on all N devices), ``spatial``
+   (spatial only: disjoint devices everywhere) and ``hybrid`` (at least one temporal AND one
+   spatial composition). Hybrid needs the helper families "contains a spatial node" and
+   "contains a temporal node": a temporal node is hybrid iff a child contains a spatial node,
+   a spatial node iff a child contains a temporal node.
+4. The result is a :class:`~m2flow.scheduler.plan.Plan` tree with concrete device ranges:
+   spatial upstream gets ``[start, start + n_U)``, downstream the rest.
 
 Units: times in seconds (per step, whole batch of M items), memory in bytes per device.
 """
@@ -38,22 +46,41 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 import networkx as nx
 import numpy as np
 
-from .cost import INF, best_split_all, best_split_at, divisors
+from .cost import INF, best_split_all, best_split_at, convex_minorant, divisors
+from .plan import Leaf, Plan, PlanError, PlanResult, Spatial, Temporal
 
+__all__ = [
+    "MODES",
+    "Component",
+    "Leaf",
+    "Plan",
+    "PlanError",
+    "PlanResult",
+    "Spatial",
+    "Temporal",
+    "Workflow",
+    "condense",
+    "plan_workflow",
+]
 
-class PlanError(ValueError):
-    """The workflow cannot be planned on the given cluster (the message names the problem)."""
+MODES = ("auto", "temporal", "spatial", "hybrid")
 
 
 @dataclass(frozen=True)
 class Component:
     """One worker group. ``time(n)``: seconds for its whole per-step batch on n devices;
     ``memory(n)``: peak bytes per device on n devices; ``switch_cost``: seconds to offload and
-    onload it when its devices change hands; ``chunk_overhead``: fixed seconds per pipelined chunk.
+    onload it when its devices change hands; ``chunk_overhead``: fixed seconds per pipelined
+    chunk; ``max_devices``: it uses at most this many of the devices it is given (``None`` = no
+    limit), so ``time(n) = time(max_devices)`` for larger n (the rest idle).
+
+    ``time``/``memory`` are called with one int at a time; a callable with a true attribute
+    ``vectorized`` (the fits of :mod:`m2flow.scheduler.fit`) is called once with an int array.
     """
 
     name: str
@@ -62,6 +89,7 @@ class Component:
     min_devices: int = 1
     switch_cost: float = 0.0
     chunk_overhead: float = 0.0
+    max_devices: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,93 +101,6 @@ class Workflow:
     batch_size: int
 
 
-@dataclass(frozen=True)
-class Plan:
-    """A node of the plan tree: ``devices`` (concrete range) and predicted ``time`` (seconds)."""
-
-    devices: range
-    time: float
-
-    def leaves(self) -> list[Leaf]:
-        """Leaves left to right."""
-        raise NotImplementedError
-
-    def breakdown(self) -> dict[str, float]:
-        """Per original component: its predicted busy time per step (seconds) on its devices,
-        ``time(n)`` plus ``switch_cost`` when time-shared (not the critical path)."""
-        out: dict[str, float] = {}
-        for leaf in self.leaves():
-            out.update(zip(leaf.components, leaf.component_times, strict=True))
-        return out
-
-    def placement(self) -> dict[str, range]:
-        """Device range of every original component."""
-        return {c: leaf.devices for leaf in self.leaves() for c in leaf.components}
-
-    def _lines(self, indent: str) -> list[str]:
-        raise NotImplementedError
-
-    def __str__(self) -> str:
-        return "\n".join(self._lines(""))
-
-
-def _fmt(devices: range) -> str:
-    return f"devices [{devices.start}, {devices.stop})"
-
-
-@dataclass(frozen=True)
-class Leaf(Plan):
-    """One (collapsed) node on ``devices``; ``components``: original names (several = a cycle)."""
-
-    name: str = ""
-    components: tuple[str, ...] = ()
-    component_times: tuple[float, ...] = ()
-    shared: bool = False
-
-    def leaves(self) -> list[Leaf]:
-        return [self]
-
-    def _lines(self, indent):
-        tag = ", time-shared" if self.shared else ""
-        return [f"{indent}{self.name}: {self.time:.6g} s on {_fmt(self.devices)}{tag}"]
-
-
-@dataclass(frozen=True)
-class Temporal(Plan):
-    """Children run one after the other on the same ``devices`` (nested temporal flattened)."""
-
-    children: tuple[Plan, ...] = ()
-
-    def leaves(self):
-        return [lf for c in self.children for lf in c.leaves()]
-
-    def _lines(self, indent):
-        head = f"{indent}Temporal {self.time:.6g} s on {_fmt(self.devices)}"
-        return [head] + [ln for c in self.children for ln in c._lines(indent + "  ")]
-
-
-@dataclass(frozen=True)
-class Spatial(Plan):
-    """``upstream`` and ``downstream`` on disjoint devices, pipelined in chunks of
-    ``granularity`` items (``chunks = M / granularity``)."""
-
-    upstream: Plan = None  # type: ignore[assignment]
-    downstream: Plan = None  # type: ignore[assignment]
-    granularity: int = 0
-    chunks: int = 0
-
-    def leaves(self):
-        return self.upstream.leaves() + self.downstream.leaves()
-
-    def _lines(self, indent):
-        head = (
-            f"{indent}Spatial {self.time:.6g} s on {_fmt(self.devices)}, m={self.granularity}"
-            f" ({self.chunks} chunks), split {len(self.upstream.devices)}+"
-            f"{len(self.downstream.devices)}"
-        )
-        return [head] + self.upstream._lines(indent + "  ") + self.downstream._lines(indent + "  ")
-
-
 @dataclass
 class _Node:
     """A condensed node: a component or a collapsed cycle of components."""
@@ -168,17 +109,11 @@ class _Node:
     members: list[Component]
     cycle_memory: str = "sum"
     times: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
-
-    def time(self, n):
-        return sum(float(c.time(n)) for c in self.members)
-
-    def memory(self, n):
-        mems = [float(c.memory(n)) for c in self.members]
-        return max(mems) if self.cycle_memory == "max" else sum(mems)
+    memory: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
 
     @property
     def min_devices(self):
-        return max(c.min_devices for c in self.members)
+        return max(max(1, c.min_devices) for c in self.members)
 
     @property
     def switch_cost(self):
@@ -189,14 +124,40 @@ class _Node:
         return sum(c.chunk_overhead for c in self.members)
 
 
+def _used(c: Component, n):
+    """Devices component ``c`` uses when given ``n`` (int or int array)."""
+    return n if c.max_devices is None else np.minimum(n, c.max_devices)
+
+
+def _evaluate(fn: Callable, ns: np.ndarray) -> np.ndarray:
+    """``fn`` at every device count in ``ns`` (floats; one call per distinct count)."""
+    if getattr(fn, "vectorized", False):
+        out = np.asarray(fn(ns), dtype=float)
+        if out.shape == ns.shape:
+            return out
+    uniq, inv = np.unique(ns, return_inverse=True)
+    return np.array([float(fn(int(x))) for x in uniq])[inv]
+
+
 def condense(
     workflow: Workflow, cycle_memory: str = "sum"
 ) -> tuple[list[_Node], list[tuple[int, int]]]:
     """Collapse cycles: returns condensed nodes in a deterministic topological order and the
-    edges between them as index pairs."""
+    edges between them as index pairs.
+
+    Raises:
+        PlanError: duplicate component names, an edge naming an unknown component, or a
+            ``max_devices`` below ``min_devices``.
+    """
     comps = {c.name: c for c in workflow.components}
     if len(comps) != len(workflow.components):
         raise PlanError("duplicate component names")
+    for c in workflow.components:
+        if c.max_devices is not None and c.max_devices < max(1, c.min_devices):
+            raise PlanError(
+                f"component {c.name!r}: max_devices={c.max_devices} is below min_devices="
+                f"{c.min_devices}; raise max_devices or set it to None"
+            )
     g = nx.DiGraph()
     g.add_nodes_from(comps)
     for s, d in workflow.edges:
@@ -222,6 +183,43 @@ def condense(
     return nodes, edges
 
 
+# Families of DP tables: for each, the (composition, upstream family, downstream family)
+# variants tried at every cut, in tie-break order (temporal first). "A": any plan, "T"/"S":
+# temporal/spatial compositions only, "CS"/"CT": contains a spatial/temporal node, "H": both.
+_TEMPORAL, _SPATIAL = 1, 2
+_VARIANTS: dict[str, tuple[tuple[int, str, str], ...]] = {
+    "A": ((_TEMPORAL, "A", "A"), (_SPATIAL, "A", "A")),
+    "T": ((_TEMPORAL, "T", "T"),),
+    "S": ((_SPATIAL, "S", "S"),),
+    "CS": ((_TEMPORAL, "CS", "A"), (_TEMPORAL, "A", "CS"), (_SPATIAL, "A", "A")),
+    "CT": ((_TEMPORAL, "A", "A"), (_SPATIAL, "CT", "A"), (_SPATIAL, "A", "CT")),
+    "H": (
+        (_TEMPORAL, "CS", "A"),
+        (_TEMPORAL, "A", "CS"),
+        (_SPATIAL, "CT", "A"),
+        (_SPATIAL, "A", "CT"),
+    ),
+}
+_LEAF_FAMILIES = {"A", "T", "S"}  # a single leaf has no composition: CS/CT/H are infeasible
+_FAMILY = {"auto": "A", "temporal": "T", "spatial": "S", "hybrid": "H"}
+
+
+@dataclass(eq=False)
+class _Table:
+    """P(S, n) for n = 0..N and, per n, the winning variant, cut index, n_U and k index."""
+
+    cost: np.ndarray
+    var: np.ndarray | None = None
+    cut: np.ndarray | None = None
+    nu: np.ndarray | None = None
+    ki: np.ndarray | None = None
+    hull: tuple | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return bool(np.isfinite(self.cost).any())
+
+
 class _Planner:
     """DP over node subsets (bitmasks) with arrays over device counts 0..N."""
 
@@ -232,19 +230,32 @@ class _Planner:
         self.pred = [0] * len(nodes)
         for u, v in edges:
             self.pred[v] |= 1 << u
-        self.memo: dict[tuple[int, bool], tuple] = {}
+        self.switch_mask = sum(1 << i for i, nd in enumerate(nodes) if nd.switch_cost > 0)
+        self.memo: dict[tuple, _Table] = {}
+        self.splits: dict[tuple[int, int], tuple] = {}
+        self._cuts: dict[int, list[int]] = {}
+        self.inf = _Table(np.full(n_devices + 1, INF))
         for node in nodes:
-            node.times = self._leaf_times(node)
+            self._leaf_arrays(node)
 
-    def _leaf_times(self, node):
+    def _leaf_arrays(self, node):
+        ns = np.arange(1, self.n + 1)
+        mems = [_evaluate(c.memory, _used(c, ns)) for c in node.members]
+        mem = np.max(mems, axis=0) if node.cycle_memory == "max" else np.sum(mems, axis=0)
+        if np.isnan(mem).any():
+            k = int(ns[np.isnan(mem)][0])
+            raise PlanError(f"component {node.name!r}: memory({k}) is NaN")
+        ok = (ns >= node.min_devices) & (mem <= self.cap)
         t = np.full(self.n + 1, INF)
-        for k in range(max(1, node.min_devices), self.n + 1):
-            if node.memory(k) <= self.cap:
-                v = node.time(k)
-                if not v >= 0:  # also catches NaN
-                    raise PlanError(f"component {node.name!r}: time({k}) = {v!r} is not >= 0")
-                t[k] = v
-        return t
+        if ok.any():
+            times = np.sum([_evaluate(c.time, _used(c, ns[ok])) for c in node.members], axis=0)
+            bad = ~(times >= 0)  # also catches NaN
+            if bad.any():
+                k, v = int(ns[ok][bad][0]), float(times[bad][0])
+                raise PlanError(f"component {node.name!r}: time({k}) = {v!r} is not >= 0")
+            t[1:][ok] = times
+        node.times = t
+        node.memory = np.concatenate(([INF], mem))
 
     def _members(self, mask):
         return [i for i in range(len(self.nodes)) if mask >> i & 1]
@@ -254,98 +265,136 @@ class _Planner:
 
     def cuts(self, mask):
         """Down-sets U of ``mask`` (closed under predecessors within it), increasing order."""
+        if mask in self._cuts:
+            return self._cuts[mask]
         out, sub = [], (mask - 1) & mask
         while sub:
             if all(not (self.pred[i] & mask & ~sub) for i in self._members(sub)):
                 out.append(sub)
             sub = (sub - 1) & mask
-        return out[::-1]
+        self._cuts[mask] = out[::-1]
+        return self._cuts[mask]
 
-    def table(self, mask, shared):
-        """(cost[n], kind[n], cut[n], n_u[n], k_index[n]) for all n; kind 0 leaf, 1 temporal,
-        2 spatial."""
-        key = (mask, shared)
+    def table(self, mask: int, shared: bool, fam: str) -> _Table:
+        """P(mask, n) for all n within family ``fam``; ``shared``: under a temporal node."""
+        shared = shared and bool(mask & self.switch_mask)  # no switch cost: same table
+        if mask & (mask - 1) == 0:
+            if fam not in _LEAF_FAMILIES:
+                return self.inf
+            key: tuple = (mask, shared)
+        else:
+            key = (mask, shared, fam)
         if key in self.memo:
             return self.memo[key]
-        size = self.n + 1
-        kind, cut = np.zeros(size, np.int64), np.full(size, -1, np.int64)
-        nu, ki = np.full(size, -1, np.int64), np.full(size, -1, np.int64)
-        if mask & (mask - 1) == 0:
+        if len(key) == 2:
             node = self.nodes[mask.bit_length() - 1]
-            cost = node.times + (node.switch_cost if shared else 0.0)
-        else:
-            cost = np.full(size, INF)
-            for c_i, u in enumerate(self.cuts(mask)):
-                d = mask & ~u
-                cand = [(1, self.table(u, True)[0] + self.table(d, True)[0], None, None)]
-                sc, snu, ski = best_split_all(
-                    self.table(u, shared)[0],
-                    self.table(d, shared)[0],
-                    self.overhead(u),
-                    self.overhead(d),
-                    self.chunks,
-                )
-                cand.append((2, sc, snu, ski))
-                for kd, val, cnu, cki in cand:
-                    better = val < cost
-                    cost = np.where(better, val, cost)
-                    kind[better], cut[better] = kd, c_i
-                    if kd == 2:
-                        nu[better], ki[better] = cnu[better], cki[better]
-        self.memo[key] = (cost, kind, cut, nu, ki)
-        return self.memo[key]
-
-    def root(self, mask):
-        """Best (cost, kind, cut, n_u, k_index) at n = N only (skips the all-n table)."""
-        if mask & (mask - 1) == 0:
-            t = self.table(mask, False)
-            return float(t[0][self.n]), 0, -1, -1, -1
-        best = (INF, 0, -1, -1, -1)
+            self.memo[key] = _Table(node.times + (node.switch_cost if shared else 0.0))
+            return self.memo[key]
+        size = self.n + 1
+        cost = np.full(size, INF)
+        var, cut, nu, ki = (np.full(size, -1, np.int64) for _ in range(4))
         for c_i, u in enumerate(self.cuts(mask)):
             d = mask & ~u
-            tv = float(self.table(u, True)[0][self.n] + self.table(d, True)[0][self.n])
-            if tv < best[0]:
-                best = (tv, 1, c_i, -1, -1)
-            sv, snu, ski = best_split_at(
-                self.table(u, False)[0],
-                self.table(d, False)[0],
+            for v_i, (kind, fu, fd) in enumerate(_VARIANTS[fam]):
+                sub = True if kind == _TEMPORAL else shared
+                tu, td = self.table(u, sub, fu), self.table(d, sub, fd)
+                if not (tu.feasible and td.feasible):
+                    continue
+                if kind == _TEMPORAL:
+                    val, snu, ski = tu.cost + td.cost, None, None
+                else:
+                    val, snu, ski = self.split(tu, td, u, d)
+                better = val < cost
+                if not better.any():
+                    continue
+                cost = np.where(better, val, cost)
+                var[better], cut[better] = v_i, c_i
+                if snu is not None:
+                    nu[better], ki[better] = snu[better], ski[better]
+        self.memo[key] = _Table(cost, var, cut, nu, ki)
+        return self.memo[key]
+
+    def _hull(self, t: _Table):
+        if t.hull is None:
+            t.hull = convex_minorant(t.cost)
+        return t.hull
+
+    def split(self, tu: _Table, td: _Table, u: int, d: int):
+        """Best spatial split of (u, d) for every n (memoised on the two tables)."""
+        key = (id(tu), id(td))  # tables live in self.memo, so ids are stable
+        if key not in self.splits:
+            self.splits[key] = best_split_all(
+                tu.cost,
+                td.cost,
                 self.overhead(u),
                 self.overhead(d),
                 self.chunks,
-                self.n,
+                lambda: (self._hull(tu), self._hull(td)),
             )
-            if sv < best[0]:
-                best = (sv, 2, c_i, snu, ski)
+        return self.splits[key]
+
+    def options(self, mask: int, fam: str) -> list[tuple]:
+        """Every (cost, variant, cut, n_u, k_index) at the root (n = N only, skipping the
+        all-n table of the root itself), in tie-break order."""
+        if mask & (mask - 1) == 0:
+            t = self.table(mask, False, fam)
+            return [(float(t.cost[self.n]), -1, -1, -1, -1)]
+        out = []
+        for c_i, u in enumerate(self.cuts(mask)):
+            d = mask & ~u
+            for v_i, (kind, fu, fd) in enumerate(_VARIANTS[fam]):
+                sub = kind == _TEMPORAL
+                tu, td = self.table(u, sub, fu), self.table(d, sub, fd)
+                if kind == _TEMPORAL:
+                    out.append((float(tu.cost[self.n] + td.cost[self.n]), v_i, c_i, -1, -1))
+                    continue
+                sv, snu, ski = best_split_at(
+                    tu.cost, td.cost, self.overhead(u), self.overhead(d), self.chunks, self.n
+                )
+                out.append((sv, v_i, c_i, snu, ski))
+        return out
+
+    def root(self, mask: int, fam: str) -> tuple:
+        best = (INF, -1, -1, -1, -1)
+        for opt in self.options(mask, fam):
+            if opt[0] < best[0]:
+                best = opt
         return best
 
-    def build(self, mask, shared, start, n, choice=None):
-        """The Plan subtree of ``mask`` on devices [start, start + n)."""
+    def build(self, mask, shared, fam, start, n, choice=None) -> Plan:
+        """The Plan subtree of ``mask`` in family ``fam`` on devices [start, start + n)."""
         if choice is None:
-            t = self.table(mask, shared)
-            choice = tuple(x[n] for x in t)
-        cost, kind, c_i, n_u, k_i = choice
-        devices = range(start, start + n)
-        if kind == 0:
-            node = self.nodes[mask.bit_length() - 1]
-            extra = [c.switch_cost if shared else 0.0 for c in node.members]
-            times = tuple(float(c.time(n)) + e for c, e in zip(node.members, extra, strict=True))
-            return Leaf(
-                devices, float(cost), node.name, tuple(c.name for c in node.members), times, shared
+            t = self.table(mask, shared, fam)
+            choice = (t.cost[n],) + (
+                (-1, -1, -1, -1) if t.var is None else (t.var[n], t.cut[n], t.nu[n], t.ki[n])
             )
-        u = self.cuts(mask)[c_i]
+        cost, v_i, c_i, n_u, k_i = choice
+        devices = range(start, start + n)
+        if v_i < 0:
+            node = self.nodes[mask.bit_length() - 1]
+            used = [int(_used(c, n)) for c in node.members]
+            times = tuple(
+                float(c.time(k)) + (c.switch_cost if shared else 0.0)
+                for c, k in zip(node.members, used, strict=True)
+            )
+            mem = tuple(float(c.memory(k)) for c, k in zip(node.members, used, strict=True))
+            names = tuple(c.name for c in node.members)
+            return Leaf(devices, float(cost), node.name, names, times, shared, mem, tuple(used))
+        kind, fu, fd = _VARIANTS[fam][int(v_i)]
+        u = self.cuts(mask)[int(c_i)]
         d = mask & ~u
-        if kind == 1:
-            kids = []
-            for part in (self.build(u, True, start, n), self.build(d, True, start, n)):
+        if kind == _TEMPORAL:
+            kids: list[Plan] = []
+            for part in (self.build(u, True, fu, start, n), self.build(d, True, fd, start, n)):
                 kids.extend(part.children if isinstance(part, Temporal) else [part])
             return Temporal(devices, float(cost), tuple(kids))
         n_u, m = int(n_u), self.m_list[int(k_i)]
-        up = self.build(u, shared, start, n_u)
-        down = self.build(d, shared, start + n_u, n - n_u)
+        up = self.build(u, shared, fu, start, n_u)
+        down = self.build(d, shared, fd, start + n_u, n - n_u)
         return Spatial(devices, float(cost), up, down, m, self.M // m)
 
 
-def _explain_infeasible(nodes, n_devices, capacity) -> None:
+def _explain_infeasible(nodes, n_devices, capacity, mode) -> None:
     for node in nodes:
         if np.isfinite(node.times).any():
             continue
@@ -354,28 +403,111 @@ def _explain_infeasible(nodes, n_devices, capacity) -> None:
                 f"component {node.name!r} needs at least {node.min_devices} devices, "
                 f"the cluster has {n_devices}"
             )
-        lo = max(1, node.min_devices)
-        need = min(node.memory(k) for k in range(lo, n_devices + 1))
+        lo = node.min_devices
+        need = float(np.min(node.memory[lo:]))
         raise PlanError(
             f"component {node.name!r} does not fit in memory at any device count "
             f"{lo}..{n_devices}: needs at least {need:.4g} bytes per device, "
-            f"capacity {capacity:.4g}"
+            f"capacity {capacity:.4g}; add devices or memory, or lower its footprint"
         )
-    feas = {
-        nd.name: [k for k in range(1, n_devices + 1) if np.isfinite(nd.times[k])] for nd in nodes
-    }
+    if mode == "temporal":
+        for node in nodes:
+            if not np.isfinite(node.times[n_devices]):
+                raise PlanError(
+                    f"no feasible temporal plan: temporal mode runs every component on all "
+                    f"{n_devices} devices and component {node.name!r} cannot run on "
+                    f"{n_devices} (memory {node.memory[n_devices]:.4g} bytes per device, "
+                    f"capacity {capacity:.4g}); try mode='auto'"
+                )
+    feas = {}
+    for nd in nodes:
+        ks = np.flatnonzero(np.isfinite(nd.times))
+        feas[nd.name] = f"{ks[0]}..{ks[-1]}"
     raise PlanError(
-        f"no feasible plan on {n_devices} devices; feasible device counts per "
-        f"component: { {k: (v[0], v[-1]) for k, v in feas.items()} }"
+        f"no feasible {mode} plan on {n_devices} devices (capacity {capacity:.4g} bytes); "
+        f"feasible device counts per component: {feas}; add devices or try mode='auto'"
     )
 
 
+def _check_mode(mode, nodes, n_devices) -> None:
+    if mode not in MODES:
+        raise PlanError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode == "spatial" and n_devices < len(nodes):
+        raise PlanError(
+            f"spatial mode gives every component its own devices: {len(nodes)} components "
+            f"({', '.join(nd.name for nd in nodes)}) need at least {len(nodes)} devices, "
+            f"got {n_devices}; add devices or use mode='auto'"
+        )
+    if mode == "hybrid" and (len(nodes) < 3 or n_devices < 2):
+        raise PlanError(
+            f"hybrid mode needs a temporal and a spatial composition: at least 3 components "
+            f"(after collapsing cycles: {len(nodes)}) and 2 devices (got {n_devices}); "
+            "use mode='auto'"
+        )
+
+
+def _alternatives(pl: _Planner, full: int, best: Plan) -> tuple[Plan, ...]:
+    """Best plan of every mode and of every top-level (cut, composition), deduplicated."""
+    found: list[Plan] = []
+    for fam in ("T", "S", "H"):
+        choice = pl.root(full, fam)
+        if np.isfinite(choice[0]):
+            found.append(pl.build(full, False, fam, 0, pl.n, choice))
+    for opt in pl.options(full, "A"):
+        if np.isfinite(opt[0]) and opt[1] >= 0:
+            found.append(pl.build(full, False, "A", 0, pl.n, opt))
+    seen = {best.signature()}
+    out = []
+    for p in sorted(found, key=lambda p: (p.time, p.shape())):
+        key = p.signature()
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return tuple(out)
+
+
+@overload
 def plan_workflow(
-    workflow: Workflow, num_devices: int, capacity: float = INF, cycle_memory: str = "sum"
-) -> Plan:
+    workflow: Workflow,
+    num_devices: int,
+    capacity: float = ...,
+    cycle_memory: str = ...,
+    mode: str = ...,
+    runner_ups: Literal[False] = ...,
+) -> Plan: ...
+
+
+@overload
+def plan_workflow(
+    workflow: Workflow,
+    num_devices: int,
+    capacity: float = ...,
+    cycle_memory: str = ...,
+    mode: str = ...,
+    runner_ups: Literal[True] = ...,
+) -> PlanResult: ...
+
+
+def plan_workflow(
+    workflow: Workflow,
+    num_devices: int,
+    capacity: float = INF,
+    cycle_memory: str = "sum",
+    mode: str = "auto",
+    runner_ups: bool = False,
+) -> Plan | PlanResult:
     """Optimal plan of ``workflow`` on ``num_devices`` devices with ``capacity`` bytes each.
 
-    Raises :class:`PlanError` naming the problem when nothing is feasible.
+    Args:
+        mode: ``"auto"`` (unrestricted optimum), ``"temporal"``, ``"spatial"`` or ``"hybrid"``
+            (see the module docstring, point 3).
+        runner_ups: return a :class:`PlanResult` holding the best plan, the best plan of each
+            other mode and of each other top-level (cut, composition), and the edge
+            granularities, instead of the bare tree.
+
+    Raises:
+        PlanError: bad arguments, or nothing feasible (the message names the component, the
+            memory shortfall or the mode's requirement).
     """
     if num_devices < 1:
         raise PlanError(f"num_devices must be >= 1, got {num_devices}")
@@ -386,9 +518,22 @@ def plan_workflow(
     if cycle_memory not in ("sum", "max"):
         raise PlanError(f"cycle_memory must be 'sum' or 'max', got {cycle_memory!r}")
     nodes, edges = condense(workflow, cycle_memory)
+    _check_mode(mode, nodes, num_devices)
     pl = _Planner(nodes, edges, num_devices, capacity, workflow.batch_size)
     full = (1 << len(nodes)) - 1
-    choice = pl.root(full)
+    fam = _FAMILY[mode]
+    choice = pl.root(full, fam)
     if not np.isfinite(choice[0]):
-        _explain_infeasible(nodes, num_devices, capacity)
-    return pl.build(full, False, 0, num_devices, choice)
+        _explain_infeasible(nodes, num_devices, capacity, mode)
+    best = pl.build(full, False, fam, 0, num_devices, choice)
+    if not runner_ups:
+        return best
+    return PlanResult(
+        plan=best,
+        mode=mode,
+        num_devices=num_devices,
+        batch_size=workflow.batch_size,
+        edges=tuple((str(s), str(d)) for s, d in workflow.edges),
+        capacity=float(capacity),
+        runner_ups=_alternatives(pl, full, best),
+    )

@@ -1,55 +1,80 @@
-"""Planner (RLinf Algorithm 1): brute-force agreement, cycles, memory, every cut, device ranges."""
+"""Planner (RLinf Algorithm 1): brute-force agreement in every mode, the split search, cycles,
+memory, every cut, device ranges, max_devices, edge granularity, plan documents, timelines."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 
+import numpy as np
 import pytest
+import yaml
+from m2flow.scheduler import cost as cost_module
+from m2flow.scheduler.cost import best_split_all, divisors, pipelined_time
 from m2flow.scheduler.planner import (
     Component,
     Leaf,
+    Plan,
     PlanError,
+    PlanResult,
     Spatial,
     Temporal,
     Workflow,
     plan_workflow,
 )
+from m2flow.scheduler.timeline import step_timeline
 
 
 def _brute(names, preds, comp, n, M, cap, shared):
-    """Independent exhaustive search of the same plan space (no memo, scalar arithmetic)."""
+    """Independent exhaustive search of the same plan space (no memo, scalar arithmetic).
+
+    Returns {set of compositions used: best cost}, e.g. {frozenset({"T", "S"}): 3.5}."""
     if len(names) == 1:
         c = comp[names[0]]
-        if n < c.min_devices or c.memory(n) > cap:
-            return math.inf
-        return c.time(n) + (c.switch_cost if shared else 0.0)
-    best = math.inf
+        k = n if c.max_devices is None else min(n, c.max_devices)
+        if n < c.min_devices or c.memory(k) > cap:
+            return {}
+        return {frozenset(): c.time(k) + (c.switch_cost if shared else 0.0)}
+    best: dict[frozenset, float] = {}
+
+    def offer(kinds, value):
+        if value < best.get(kinds, math.inf):
+            best[kinds] = value
+
     for r in range(1, len(names)):
         for up in itertools.combinations(names, r):
             down = [x for x in names if x not in up]
             if any(p in down for u in up for p in preds[u]):
                 continue  # an edge goes D -> U: not an s-t cut
             up = list(up)
-            best = min(
-                best,
-                _brute(up, preds, comp, n, M, cap, True)
-                + _brute(down, preds, comp, n, M, cap, True),
-            )
+            bu = _brute(up, preds, comp, n, M, cap, True)
+            bd = _brute(down, preds, comp, n, M, cap, True)
+            for (ku, vu), (kd, vd) in itertools.product(bu.items(), bd.items()):
+                offer(ku | kd | {"T"}, vu + vd)
             ou = sum(comp[x].chunk_overhead for x in up)
             od = sum(comp[x].chunk_overhead for x in down)
             for nu in range(1, n):
-                tu = _brute(up, preds, comp, nu, M, cap, shared)
-                td = _brute(down, preds, comp, n - nu, M, cap, shared)
-                if math.isinf(tu) or math.isinf(td):
-                    continue
-                for m in range(1, M + 1):
-                    if M % m:
-                        continue
-                    cu, cd = tu * m / M + ou, td * m / M + od
-                    best = min(best, cu + cd + (M / m - 1) * max(cu, cd))
+                bu = _brute(up, preds, comp, nu, M, cap, shared)
+                bd = _brute(down, preds, comp, n - nu, M, cap, shared)
+                for (ku, tu), (kd, td) in itertools.product(bu.items(), bd.items()):
+                    for m in range(1, M + 1):
+                        if M % m:
+                            continue
+                        cu, cd = tu * m / M + ou, td * m / M + od
+                        offer(ku | kd | {"S"}, cu + cd + (M / m - 1) * max(cu, cd))
     return best
+
+
+def _mode_best(by_kinds, mode):
+    allowed = {
+        "auto": lambda k: True,
+        "temporal": lambda k: k <= {"T"},
+        "spatial": lambda k: k <= {"S"},
+        "hybrid": lambda k: k == {"T", "S"},
+    }[mode]
+    return min((v for k, v in by_kinds.items() if allowed(k)), default=math.inf)
 
 
 def _random_case(rng: random.Random):
@@ -67,29 +92,69 @@ def _random_case(rng: random.Random):
                 min_devices=rng.choice([1, 1, 1, 2]),
                 switch_cost=rng.choice([0.0, rng.uniform(0, 2)]),
                 chunk_overhead=rng.choice([0.0, rng.uniform(0, 0.3)]),
+                max_devices=rng.choice([None, None, None, 3]),
             )
         )
     edges = [(names[i], names[j]) for i in range(k) for j in range(i + 1, k) if rng.random() < 0.5]
     return Workflow(comps, edges, rng.choice([1, 2, 4, 6])), rng.uniform(2, 8)
 
 
-def test_brute_force_agreement():
-    rng = random.Random(0)
-    checked = 0
-    for _ in range(60):
+def _cases(seed, count):
+    rng = random.Random(seed)
+    for _ in range(count):
         wf, cap = _random_case(rng)
         comp = {c.name: c for c in wf.components}
         preds = {c.name: [s for s, d in wf.edges if d == c.name] for c in wf.components}
         for n in range(1, 9 if len(comp) < 4 else 6):
-            want = _brute(list(comp), preds, comp, n, wf.batch_size, cap, False)
+            yield wf, cap, n, _brute(list(comp), preds, comp, n, wf.batch_size, cap, False)
+
+
+@pytest.mark.parametrize("mode", ["auto", "temporal", "spatial", "hybrid"])
+def test_brute_force_agreement(mode):
+    checked = 0
+    for wf, cap, n, by_kinds in _cases(0, 60):
+        want = _mode_best(by_kinds, mode)
+        if math.isinf(want):
+            with pytest.raises(PlanError):
+                plan_workflow(wf, n, cap, mode=mode)
+            continue
+        got = plan_workflow(wf, n, cap, mode=mode)
+        assert math.isclose(got.time, want, rel_tol=1e-9), (wf.edges, n, mode, got.time, want)
+        kinds = {"temporal": "T", "spatial": "S"}
+        used = {kinds[k] for k in got.kinds()}
+        assert _mode_best({frozenset(used): 0.0}, mode) == 0.0, (mode, got.kinds())
+        checked += 1
+    assert checked > {"auto": 150, "temporal": 150, "spatial": 100, "hybrid": 30}[mode]
+
+
+def test_runner_ups_are_mode_bests():
+    """Runner-ups hold each mode's optimum; the best is the auto optimum; all distinct."""
+    seen_kinds = set()
+    for wf, cap, n, by_kinds in _cases(2, 25):
+        if math.isinf(_mode_best(by_kinds, "auto")):
+            continue
+        res = plan_workflow(wf, n, cap, runner_ups=True)
+        assert isinstance(res, PlanResult)
+        assert math.isclose(res.time, _mode_best(by_kinds, "auto"), rel_tol=1e-9)
+        times = [p.time for p in res.runner_ups]
+        assert times == sorted(times) and all(t >= res.time * (1 - 1e-12) for t in times)
+        shapes = [(p.shape(), str(p)) for p in (res.plan, *res.runner_ups)]
+        assert len(set(shapes)) == len(shapes)
+        for mode in ("temporal", "spatial", "hybrid"):
+            want = _mode_best(by_kinds, mode)
             if math.isinf(want):
-                with pytest.raises(PlanError):
-                    plan_workflow(wf, n, cap)
                 continue
-            got = plan_workflow(wf, n, cap)
-            assert math.isclose(got.time, want, rel_tol=1e-9), (wf.edges, n, got.time, want)
-            checked += 1
-    assert checked > 150
+            got = min(p.time for p in (res.plan, *res.runner_ups) if _in_mode(p, mode))
+            assert math.isclose(got, want, rel_tol=1e-9), (mode, got, want)
+            seen_kinds.add(mode)
+    assert seen_kinds == {"temporal", "spatial", "hybrid"}
+
+
+def _in_mode(plan, mode):
+    k = plan.kind()
+    return {"temporal": ("temporal", "single"), "spatial": ("spatial", "single")}.get(
+        mode, ("hybrid",)
+    ).__contains__(k)
 
 
 def _c(name, work, fixed=0.0, mem=0.0, **kw):
@@ -163,3 +228,203 @@ def test_device_ranges():
         kinds.add(type(plan).__name__)
         assert "Temporal" in str(plan) or "Spatial" in str(plan) or isinstance(plan, Leaf)
     assert {"Temporal", "Spatial"} <= kinds
+
+
+def test_split_search_matches_exhaustive():
+    """cost.best_split_all (bisection on convex minorants + windows) against every split, on
+    convex, non-convex, non-monotone tables and tables with infeasible holes."""
+    rng = np.random.default_rng(0)
+
+    def table(n_max):
+        n = np.arange(n_max + 1, dtype=float)
+        n[0] = 1
+        kind = rng.integers(0, 4)
+        if kind == 0:
+            t = rng.uniform(0, 5) + rng.uniform(0, 50) / n + rng.choice([0, 0.2]) * n
+        elif kind == 1:
+            t = rng.uniform(0, 10, n_max + 1)
+        elif kind == 2:
+            t = np.maximum.accumulate(rng.uniform(0, 3, n_max + 1)[::-1])[::-1]
+        else:
+            t = rng.uniform(0, 5) + rng.uniform(0, 50) / np.minimum(n, rng.integers(1, n_max + 1))
+        t[0] = math.inf
+        if rng.random() < 0.3:
+            t[1 : rng.integers(1, n_max)] = math.inf
+        if rng.random() < 0.2:
+            t[rng.integers(1, n_max + 1, size=3)] = math.inf
+        return t
+
+    for _ in range(400):
+        n_max, batch = int(rng.integers(2, 30)), int(rng.choice([1, 4, 6, 12, 32]))
+        chunks = np.array([batch // m for m in divisors(batch)[::-1]])
+        pu, pd = table(n_max), table(n_max)
+        o_u, o_d = (float(rng.choice([0.0, rng.uniform(0, 0.5)])) for _ in range(2))
+        search = best_split_all(pu, pd, o_u, o_d, chunks, exhaustive_work=0)  # bisection
+        direct = best_split_all(pu, pd, o_u, o_d, chunks, exhaustive_work=10**9)
+        for got, want in zip(search, direct):  # same costs, and the same tie-breaks
+            assert np.allclose(got, want, rtol=1e-9, equal_nan=True)
+        cost, n_u, k_i = search
+        for n in range(2, n_max + 1):
+            j = np.arange(1, n)
+            ok = np.isfinite(pu[j]) & np.isfinite(pd[n - j])
+            want = math.inf
+            if ok.any():
+                vals = pipelined_time(pu[j][ok, None], pd[n - j][ok, None], o_u, o_d, chunks)
+                want = float(vals.min())
+            if math.isinf(want):
+                assert math.isinf(cost[n]) and n_u[n] == -1
+                continue
+            assert math.isclose(cost[n], want, rel_tol=1e-9), (n, cost[n], want)
+            got = pipelined_time(pu[n_u[n]], pd[n - n_u[n]], o_u, o_d, chunks[k_i[n]])
+            assert math.isclose(got, cost[n], rel_tol=1e-12)
+
+
+def test_planner_search_equals_exhaustive_at_scale(monkeypatch):
+    """Whole plans at 200 devices: the bisection split search and trying every split agree."""
+    names = ["r", "a", "c", "t", "u"]
+    comps = [
+        Component(
+            n,
+            lambda k, w=w, f=f: w / k + f + 0.002 * k,
+            lambda k, w=w: 50.0 + 400.0 * w / 100 / k,
+            switch_cost=s,
+            chunk_overhead=0.03,
+            max_devices=mx,
+        )
+        for n, w, f, s, mx in zip(
+            names, [400, 100, 90, 120, 100], [1, 0.5, 0.4, 1, 0.8], [2, 1, 0, 3, 3],
+            [None, 64, None, None, 150],
+        )
+    ]  # fmt: skip
+    edges = [("r", "a"), ("r", "c"), ("r", "t"), ("a", "t"), ("c", "t"), ("c", "u")]
+    wf = Workflow(comps, edges, 48)
+    for mode in ("auto", "hybrid"):
+        fast = plan_workflow(wf, 200, capacity=80.0, mode=mode, runner_ups=True)
+        monkeypatch.setattr(cost_module, "EXHAUSTIVE_WORK", 10**12)
+        slow = plan_workflow(wf, 200, capacity=80.0, mode=mode, runner_ups=True)
+        monkeypatch.undo()
+        for p, q in zip((fast.plan, *fast.runner_ups), (slow.plan, *slow.runner_ups)):
+            assert math.isclose(p.time, q.time, rel_tol=1e-9), (p.shape(), q.shape())
+        assert len(fast.runner_ups) == len(slow.runner_ups)
+
+
+def test_max_devices_uses_only_that_many():
+    calls = []
+
+    def t(n):
+        calls.append(n)
+        return 8.0 / n
+
+    wf = Workflow([Component("a", t, lambda n: 0.0, max_devices=2)], [], 4)
+    plan = plan_workflow(wf, 8)
+    assert plan.time == 4.0 and max(calls) == 2  # time(8) is time(2): never asked beyond 2
+    assert plan.leaves()[0].component_devices == (2,) and plan.devices == range(0, 8)
+    with pytest.raises(PlanError, match="max_devices=1 is below min_devices=2"):
+        plan_workflow(Workflow([Component("a", t, t, min_devices=2, max_devices=1)], [], 4), 4)
+
+
+def test_modes_explain_infeasibility():
+    wf = Workflow([_c("a", 4), _c("b", 4), _c("c", 4)], [("a", "b"), ("b", "c")], 4)
+    with pytest.raises(PlanError, match=r"spatial mode.*3 components \(a, b, c\).*got 2"):
+        plan_workflow(wf, 2, mode="spatial")
+    with pytest.raises(PlanError, match="hybrid mode needs.*3 components"):
+        plan_workflow(Workflow(wf.components[:2], [("a", "b")], 4), 4, mode="hybrid")
+    with pytest.raises(PlanError, match="mode must be one of"):
+        plan_workflow(wf, 4, mode="fastest")
+    # a's footprint grows with its devices (say, a per-device cache): fits on <= 2 of 4
+    grow = Component("a", lambda n: 4.0 / n, lambda n: float(n))
+    wf2 = Workflow([grow, _c("b", 4)], [("a", "b")], 4)
+    assert len(plan_workflow(wf2, 4, capacity=2.0).placement()["a"]) <= 2
+    with pytest.raises(PlanError, match="temporal mode runs every component on all 4 devices"):
+        plan_workflow(wf2, 4, capacity=2.0, mode="temporal")
+    big = Workflow([_c("a", 4, mem=8.0), _c("b", 4)], [("a", "b")], 4)
+    with pytest.raises(PlanError, match=r"'a' does not fit in memory.*1\.\.2.*capacity 3"):
+        plan_workflow(big, 2, capacity=3.0)
+
+
+def test_edge_granularity_and_memory():
+    # a -> b spatial, b <-> c cycle (one leaf), c -> d temporal with the cycle
+    wf = Workflow(
+        [_c("a", 40, mem=1.0), _c("b", 4), _c("c", 4), _c("d", 4), _c("e", 40)],
+        [("a", "b"), ("b", "c"), ("c", "b"), ("c", "d"), ("d", "d"), ("a", "e")],
+        8,
+    )
+    plan = plan_workflow(wf, 6)
+    gran = plan.edge_granularity(wf.edges, wf.batch_size)
+    assert set(gran) == set(wf.edges)
+    assert gran[("b", "c")] == gran[("c", "b")] == gran[("d", "d")] == 8  # one leaf: coalesced
+    leaves = {c: lf for lf in plan.leaves() for c in lf.components}
+    assert leaves["b"] is leaves["c"]
+    for (s, d), m in gran.items():
+        assert wf.batch_size % m == 0
+        if leaves[s] is not leaves[d] and leaves[s].devices == leaves[d].devices:
+            assert m == 8  # same devices: they share a temporal node
+    mem = plan.memory()
+    assert mem["a"] == pytest.approx(1.0 / len(plan.placement()["a"]))
+    with pytest.raises(PlanError, match="'zz' is not in the plan"):
+        plan.edge_granularity([("a", "zz")], 8)
+
+
+def test_plan_document_round_trip():
+    rng = random.Random(3)
+    seen = set()
+    for _ in range(12):
+        wf, cap = _random_case(rng)
+        try:
+            res = plan_workflow(wf, 6, cap, runner_ups=True)
+        except PlanError:
+            continue
+        doc = json.loads(json.dumps(res.to_dict()))
+        back = PlanResult.from_dict(yaml.safe_load(yaml.safe_dump(doc)))
+        assert back == res
+        assert Plan.from_dict(res.plan.to_dict()) == res.plan
+        assert doc["time_s"] == res.time and doc["kind"] == res.plan.kind()
+        assert {(e["src"], e["dst"]) for e in doc["edges"]} == set(wf.edges)
+        seen.add(type(res.plan).__name__)
+    assert {"Temporal", "Spatial"} <= seen
+    with pytest.raises(PlanError, match=r"plan\.upstream: missing key 'time_s'"):
+        Plan.from_dict(
+            {
+                "type": "spatial",
+                "devices": [0, 2],
+                "time_s": 1.0,
+                "upstream": {"type": "leaf", "devices": [0, 1]},
+            }
+        )
+    with pytest.raises(PlanError, match="'pipeline' is not one of"):
+        Plan.from_dict({"type": "pipeline", "devices": [0, 2], "time_s": 1.0})
+
+
+def test_timeline_ends_at_the_predicted_time():
+    rng = random.Random(4)
+    for _ in range(30):
+        wf, cap = _random_case(rng)
+        try:
+            res = plan_workflow(wf, 7, cap, runner_ups=True)
+        except PlanError:
+            continue
+        sw = {c.name: c.switch_cost for c in wf.components}
+        ov = {c.name: c.chunk_overhead for c in wf.components}
+        for plan in (res.plan, *res.runner_ups):
+            for max_bars in (20000, 1):  # detailed and coarse drawings
+                tl = step_timeline(plan, sw, ov, max_bars=max_bars)
+                assert math.isclose(tl.end, plan.time, rel_tol=1e-9), plan.shape()
+                assert len(tl.rows) == len(plan.leaves())
+                for row in range(len(tl.rows)):  # a row never does two things at once
+                    spans = sorted((b.start, b.end) for b in tl.bars if b.row == row)
+                    assert all(e <= s2 + 1e-9 for (_, e), (s2, _) in zip(spans, spans[1:]))
+
+
+def test_ppo_shape_at_1024_devices():
+    """Smoke check of the benchmark case (RLinf 4:1:1:1:1): plans, every component placed."""
+    names = ["rollout", "actor_inference", "critic_inference", "actor_train", "critic_train"]
+    work = dict(zip(names, [400, 100, 100, 100, 100]))
+    comps = [_c(n, work[n], 1.0, mem=400.0, switch_cost=2.0, chunk_overhead=0.05) for n in names]
+    edges = [("rollout", n) for n in names[1:]]
+    edges += [("actor_inference", "actor_train"), ("critic_inference", "actor_train")]
+    edges += [("critic_inference", "critic_train")]
+    res = plan_workflow(Workflow(comps, edges, 256), 1024, capacity=80.0, runner_ups=True)
+    assert set(res.plan.placement()) == set(names)
+    assert all(len(r) >= 5 for r in res.plan.placement().values())  # 400/n <= 80
+    kinds = {p.kind() for p in res.runner_ups} | {res.plan.kind()}
+    assert kinds == {"temporal", "spatial", "hybrid"}

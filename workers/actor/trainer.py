@@ -9,16 +9,16 @@ equals that of one full mini-batch forward).
 
 from __future__ import annotations
 
-import io
 import os
 from collections import defaultdict
 from collections.abc import Mapping
 
 import torch
 
-from .losses import grpo_loss, sequence_logprobs
+from .losses import grpo_loss, sequence_logprobs, shared_prefix_logprobs
 
 RESPONSE_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+_PACKED = object()  # an optimizer state slot whose tensor sits in the offload buffer
 
 
 def _rows(batch: Mapping[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -30,6 +30,23 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
     host.copy_(t, non_blocking=True)
     return host
+
+
+def _pack(tensors: list[torch.Tensor]) -> tuple[dict, list]:
+    """Copy CPU tensors into one flat buffer per dtype; returns ``(buffers, layout)``."""
+    parts: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    offsets: dict[torch.dtype, int] = defaultdict(int)
+    layout = []
+    for t in tensors:
+        layout.append((t.dtype, offsets[t.dtype], t.numel(), t.shape))
+        offsets[t.dtype] += t.numel()
+        parts[t.dtype].append(t.reshape(-1))
+    return {d: torch.cat(ts) for d, ts in parts.items()}, layout
+
+
+def _unpack(buffers: dict, layout: list) -> list[torch.Tensor]:
+    """Inverse of :func:`_pack`: independent tensors (copies), in the packed order."""
+    return [buffers[d][o : o + n].view(shape).clone() for d, o, n, shape in layout]
 
 
 def _chunks(idx: torch.Tensor, size: int | None) -> list[torch.Tensor]:
@@ -48,6 +65,10 @@ class PolicyTrainer:
         temperature: sampling temperature the rollouts use; logprobs are recomputed under it.
         clip_eps_low, clip_eps_high: PPO ratio clip range.
         kl_coef: k3 KL weight to the reference logprobs (batch key ``ref_logprobs``).
+        shared_prefix: compute policy logprobs (GRPO training and :meth:`compute_logprobs`)
+            with :func:`~.losses.shared_prefix_logprobs`, each distinct prompt of a micro-batch
+            forwarded once; same values and gradients as the full forward up to float
+            rounding. Supervised steps keep the full forward (their prompts are distinct).
     """
 
     def __init__(
@@ -61,6 +82,7 @@ class PolicyTrainer:
         clip_eps_low: float = 0.2,
         clip_eps_high: float = 0.2,
         kl_coef: float = 0.0,
+        shared_prefix: bool = True,
     ):
         self.model = model
         self.optimizer = torch.optim.AdamW(
@@ -71,8 +93,10 @@ class PolicyTrainer:
         self.clip_eps_low = clip_eps_low
         self.clip_eps_high = clip_eps_high
         self.kl_coef = kl_coef
+        self.logprobs_fn = shared_prefix_logprobs if shared_prefix else sequence_logprobs
         self.steps = 0
         self._offloaded: dict | None = None
+        self._accumulated: dict[str, float] | None = None  # see accumulate()
 
     @property
     def device(self) -> torch.device:
@@ -107,7 +131,7 @@ class PolicyTrainer:
         out = []
         for idx in _chunks(torch.arange(len(batch["response_ids"])), micro_batch_size):
             mb = {k: batch[k][idx].to(self.device) for k in RESPONSE_KEYS}
-            out.append(sequence_logprobs(self.model, **mb, temperature=self.temperature).cpu())
+            out.append(self.logprobs_fn(self.model, **mb, temperature=self.temperature).cpu())
         self.model.train(was_training)
         return torch.cat(out)
 
@@ -152,31 +176,90 @@ class PolicyTrainer:
                 # Token mean over the whole mini-batch, whatever the micro split.
                 num_tokens = float(batch["response_mask"][mini].sum().clamp(min=1))
                 for micro in _chunks(mini, micro_batch_size):
-                    mb = {k: batch[k][micro].to(self.device) for k in keys}
-                    lp = sequence_logprobs(
-                        self.model, *(mb[k] for k in RESPONSE_KEYS), temperature=self.temperature
-                    )
-                    loss, m = grpo_loss(
-                        lp,
-                        mb["old_logprobs"],
-                        mb["advantages"],
-                        mb["response_mask"],
-                        self.clip_eps_low,
-                        self.clip_eps_high,
-                        ref_logprobs=mb.get("ref_logprobs"),
-                        kl_coef=self.kl_coef,
-                        num_tokens=num_tokens,
-                    )
-                    loss.backward()
+                    loss, m, tokens = self._backward(batch, micro, keys, num_tokens)
                     # Weight micro metrics by their share of the mini-batch tokens.
-                    share = float(mb["response_mask"].sum()) / num_tokens
-                    sums["loss"] += loss.item()
+                    sums["loss"] += loss
                     for k, v in m.items():
-                        sums[k] += v * share
+                        sums[k] += v * tokens / num_tokens
                 sums["grad_norm"] += self._step()
                 n_steps += 1
         metrics = {k: v / n_steps for k, v in sums.items()}
         metrics["steps"] = n_steps
+        return metrics
+
+    # ------------------------------------------------------------------ streaming
+
+    def accumulate(
+        self, batch: Mapping[str, torch.Tensor], micro_batch_size: int | None = None
+    ) -> int:
+        """Forward/backward of one part of a global batch, without an optimizer step.
+
+        Gradients of the token-*sum* loss accumulate over parts; :meth:`finish_accumulation`
+        divides them by the total token count and steps. Over parts ``B_1 .. B_k`` this is the
+        update :meth:`train_on_batch` makes on their concatenation with one mini-batch (the
+        token mean is linear), up to float rounding, while training starts on the first part:
+        the consumer side of elastic pipelining (RLinf section 5). Same keys as
+        :meth:`train_on_batch`. Returns the responses processed.
+        """
+        if "old_logprobs" not in batch:
+            batch = dict(batch, old_logprobs=self.compute_logprobs(batch, micro_batch_size))
+        keys = [*RESPONSE_KEYS, "advantages", "old_logprobs"] + (
+            ["ref_logprobs"] if "ref_logprobs" in batch else []
+        )
+        if self._accumulated is None:
+            self._accumulated = defaultdict(float)
+        acc = self._accumulated
+        self.model.train()
+        n = len(batch["response_ids"])
+        for micro in _chunks(torch.arange(n), micro_batch_size):
+            # A token sum (denominator 1): divided by the whole batch's tokens at the end.
+            loss, m, tokens = self._backward(batch, micro, keys, 1.0)
+            acc["tokens"] += tokens
+            acc["loss"] += loss
+            for k, v in m.items():
+                acc[k] += v * tokens
+        return n
+
+    def _backward(self, batch, rows: torch.Tensor, keys: list[str], num_tokens: float):
+        """Forward and backward of ``rows`` of ``batch`` with the GRPO loss divided by
+        ``num_tokens``. Returns ``(loss, metrics, response tokens in rows)``."""
+        mb = {k: batch[k][rows].to(self.device) for k in keys}
+        lp = self.logprobs_fn(
+            self.model, *(mb[k] for k in RESPONSE_KEYS), temperature=self.temperature
+        )
+        loss, m = grpo_loss(
+            lp,
+            mb["old_logprobs"],
+            mb["advantages"],
+            mb["response_mask"],
+            self.clip_eps_low,
+            self.clip_eps_high,
+            ref_logprobs=mb.get("ref_logprobs"),
+            kl_coef=self.kl_coef,
+            num_tokens=num_tokens,
+        )
+        loss.backward()
+        return loss.item(), m, float(mb["response_mask"].sum())
+
+    def finish_accumulation(self) -> dict[str, float]:
+        """Scale the accumulated gradients to the token mean and take one optimizer step.
+
+        Returns:
+            ``loss``, ``pg_loss``, ``clip_frac``, ``ratio_mean``, ``kl`` (token means over the
+            accumulated batch), ``grad_norm`` (pre-clip), ``steps`` (1; 0 if nothing was
+            accumulated).
+        """
+        acc, self._accumulated = self._accumulated, None
+        if not acc or acc["tokens"] <= 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"steps": 0}
+        total = acc.pop("tokens")
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(total)
+        metrics = {k: v / total for k, v in acc.items()}
+        metrics["grad_norm"] = self._step()
+        metrics["steps"] = 1
         return metrics
 
     def sft_step(
@@ -219,10 +302,12 @@ class PolicyTrainer:
         """Release the device memory held by parameters, gradients and optimizer state.
 
         On an accelerator they move to (pinned) host memory. On CPU the "device" is host memory
-        already: parameters and optimizer state are serialised into one buffer and the tensors
-        freed (parameters become empty placeholders). The buffer is kept in memory, or written
-        to ``spill_path`` (then RAM really is released). Gradients are dropped. :meth:`onload`
-        restores the state bit-exactly; the trainer must not be used in between.
+        already: parameters and optimizer state are copied into one flat buffer per dtype and
+        the tensors freed (parameters become empty placeholders). The buffers are kept in
+        memory, or written to ``spill_path`` (then RAM really is released). Gradients are
+        dropped. :meth:`onload` restores the state bit-exactly; the trainer must not be used in
+        between. (Flat copies, not ``torch.save``: ~10x cheaper, and temporal GRPO switches the
+        actor out and back in every step.)
         """
         if self._offloaded is not None:
             return
@@ -240,18 +325,25 @@ class PolicyTrainer:
                 torch.cuda.empty_cache()
             self._offloaded = {"device": device}
             return
-        buf = io.BytesIO()
-        params = {name: p.data for name, p in self.model.named_parameters()}
-        torch.save({"params": params, "optim": self.optimizer.state_dict()}, buf)
-        for p in self.model.parameters():
+        params = list(self.model.parameters())  # tied weights appear once
+        states = [(p, dict(self.optimizer.state[p])) for p in params if p in self.optimizer.state]
+        tensors = [p.data for p in params]
+        tensors += [v for _, st in states for v in st.values() if isinstance(v, torch.Tensor)]
+        flat, layout = _pack(tensors)
+        for p in params:
             p.data = torch.empty(0, dtype=p.dtype)
         self.optimizer.state = defaultdict(dict)
+        saved = {"device": device, "params": params, "states": states, "layout": layout}
         if spill_path is not None:
-            with open(spill_path, "wb") as f:
-                f.write(buf.getbuffer())
-            self._offloaded = {"device": device, "path": spill_path}
+            torch.save(flat, spill_path)
+            saved["path"] = spill_path
         else:
-            self._offloaded = {"device": device, "buffer": buf.getvalue()}
+            saved["flat"] = flat
+        for _, st in states:  # keep only the structure: the tensors live in `flat`
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    st[k] = _PACKED
+        self._offloaded = saved
 
     def onload(self) -> None:
         """Bring parameters and optimizer state back to where :meth:`offload` took them from."""
@@ -259,7 +351,7 @@ class PolicyTrainer:
             return
         saved, self._offloaded = self._offloaded, None
         device = saved["device"]
-        if "buffer" not in saved and "path" not in saved:
+        if "flat" not in saved and "path" not in saved:
             for p in self.model.parameters():
                 p.data = p.data.to(device, non_blocking=True)
             for state in self.optimizer.state.values():
@@ -269,12 +361,14 @@ class PolicyTrainer:
                         state[k] = v.to(device, non_blocking=True)
             return
         if "path" in saved:
-            with open(saved["path"], "rb") as f:
-                data = f.read()
+            flat = torch.load(saved["path"], weights_only=True)
             os.remove(saved["path"])
         else:
-            data = saved["buffer"]
-        blob = torch.load(io.BytesIO(data), weights_only=True)
-        for name, p in self.model.named_parameters():
-            p.data = blob["params"][name]
-        self.optimizer.load_state_dict(blob["optim"])
+            flat = saved["flat"]
+        tensors = iter(_unpack(flat, saved["layout"]))
+        for p in saved["params"]:
+            p.data = next(tensors)
+        for p, st in saved["states"]:
+            self.optimizer.state[p] = {
+                k: next(tensors) if v is _PACKED else v for k, v in st.items()
+            }

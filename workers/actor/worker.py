@@ -41,6 +41,8 @@ class ActorWorker(Worker):
         recompute_old_logprobs: recompute behaviour logprobs with a forward pass instead of
             using the rollout's (the weights are identical; the rollout's differ only by
             kernel rounding).
+        shared_prefix: forward each GRPO group's prompt once in logprob and training
+            forwards (:func:`~.losses.shared_prefix_logprobs`); same math as the full forward.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
         seed: model init seed.
 
@@ -66,6 +68,7 @@ class ActorWorker(Worker):
         micro_batch_size: int = 0,
         recompute_old_logprobs: bool = False,
         drop_flat_groups: bool = True,
+        shared_prefix: bool = True,
         threads: int = 0,
         seed: int = 0,
     ) -> None:
@@ -90,6 +93,7 @@ class ActorWorker(Worker):
             clip_eps_low=clip_eps_low,
             clip_eps_high=clip_eps_high,
             kl_coef=kl_coef,
+            shared_prefix=shared_prefix,
         )
         self.kl_coef = kl_coef
         self.ref_model: torch.nn.Module | None = None
@@ -166,9 +170,37 @@ class ActorWorker(Worker):
             trainer metrics (``loss``, ``clip_frac``, ``grad_norm``, ...), ``samples``,
             ``stale`` (samples generated with an older weight version than the actor's).
         """
+        if self.mini_batch_size is None:
+            return self._train_streaming(inp, num_chunks)
         chunks = [inp.get() for _ in range(num_chunks)]
         batch = concat([c["batch"] for c in chunks], self.tokenizer.pad_token_id)
         stale = sum(len(c["batch"]) for c in chunks if c["weight_version"] != self.weight_version)
+        data = self._training_data(batch)
+        trained = len(data["advantages"])
+        metrics = {}
+        if trained:
+            metrics = self.trainer.train_on_batch(data, self.mini_batch_size, self.micro_batch_size)
+        return self._finish(metrics, len(batch), trained, stale)
+
+    def _train_streaming(self, inp: Channel, num_chunks: int) -> dict:
+        """One optimizer step over the whole batch, training on each chunk as it arrives
+        (gradients accumulate; :meth:`PolicyTrainer.accumulate`): with a pipelined rollout the
+        actor works while later chunks are still being generated."""
+        samples = trained = stale = 0
+        for _ in range(num_chunks):
+            chunk = inp.get()
+            batch = chunk["batch"]
+            samples += len(batch)
+            stale += len(batch) if chunk["weight_version"] != self.weight_version else 0
+            data = self._training_data(batch)  # whole GRPO groups: a chunk is whole prompts
+            if len(data["advantages"]):
+                trained += self.trainer.accumulate(data, self.micro_batch_size)
+        metrics = self.trainer.finish_accumulation()
+        return self._finish(metrics if trained else {}, samples, trained, stale)
+
+    def _training_data(self, batch) -> dict:
+        """Training tensors of a scored batch: group-normalised advantages, behaviour (and
+        reference) logprobs; flat groups dropped if configured."""
         data = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
         data["advantages"] = grpo_advantages(batch["rewards"], batch["group_index"])
         if not self.recompute_old_logprobs:
@@ -176,19 +208,18 @@ class ActorWorker(Worker):
         if self.drop_flat_groups:
             keep = data["advantages"] != 0
             data = {k: v[keep] for k, v in data.items()}
-        trained = len(data["advantages"])
-        metrics = {}
-        if trained:
-            if self.ref_model is not None:
-                data["ref_logprobs"] = self._ref_logprobs(data)
-            metrics = self.trainer.train_on_batch(data, self.mini_batch_size, self.micro_batch_size)
+        if len(data["advantages"]) and self.ref_model is not None:
+            data["ref_logprobs"] = self._ref_logprobs(data)
+        return data
+
+    def _finish(self, metrics: dict, samples: int, trained: int, stale: int) -> dict:
         self.weight_version += 1
         return {
             "loss": 0.0,
             "clip_frac": 0.0,
             "grad_norm": 0.0,
             **metrics,
-            "samples": len(batch),
+            "samples": samples,
             "trained_samples": trained,
             "stale": stale,
         }

@@ -14,16 +14,39 @@ from ..tasks import accuracy, score
 
 
 class RewardWorker(Worker):
-    """Scores rollout chunks with the task's ``score_answer`` (partial credit in [0, 1]).
+    """Scores rollout chunks with the task's ``score_answer`` (partial credit in [0, 1]), or
+    through the shared reward service (DistRS; :mod:`.service`).
 
     Args:
         alphabet: the character tokenizer's alphabet (to decode responses).
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
+        service: ``{"url", "token", "task", "pipeline", "timeout_s"}`` to score through the
+            reward service (one batch per chunk: announced with its size, one request per
+            response, rewards collected per batch); ``None``: score in process. The service's
+            ``math`` pipeline verifies with math-verify: rewards are 0 or 1, no partial credit.
+
+    Raises:
+        RewardServiceError: the service refused the token or the task (at launch).
     """
 
-    def __init__(self, alphabet: str, threads: int = 0) -> None:
+    def __init__(self, alphabet: str, threads: int = 0, service: dict | None = None) -> None:
         torch.set_num_threads(threads or self.num_threads)
         self.tokenizer = build_char_tokenizer(alphabet)
+        self.service, self.client = service, None
+        if service:
+            from .service.client import RewardClient
+
+            self.client = RewardClient(service["url"], service["token"])
+            self.client.register(service["task"], service["pipeline"])
+
+    def _service_rewards(self, texts: list[str], entries: list[dict]) -> list[float]:
+        """Rewards of one chunk from the reward service, in request order."""
+        task = self.service["task"]
+        batch = self.client.announce(task, len(texts))
+        for i, (text, entry) in enumerate(zip(texts, entries)):
+            self.client.submit(task, batch, {"response": text, "answer": entry["answer"]}, str(i))
+        got = self.client.rewards(task, batch, self.service["timeout_s"])
+        return [float(got[str(i)]) for i in range(len(texts))]
 
     def score(self, inp: Channel, out: Channel, num_chunks: int) -> dict:
         """Take this rank's share of ``num_chunks`` rollout chunks from ``inp``, add
@@ -39,7 +62,10 @@ class RewardWorker(Worker):
             batch = chunk["batch"]
             texts = decode_responses(self.tokenizer, batch["response_ids"], batch["response_mask"])
             entries = [chunk["entries"][int(g)] for g in batch["group_index"]]
-            rewards = score(texts, entries)
+            if self.client is None:
+                rewards = score(texts, entries)
+            else:
+                rewards = self._service_rewards(texts, entries)
             batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
             out.put(chunk, weight=num_tokens(batch))
             rewards_all += rewards

@@ -24,7 +24,7 @@ positions are ``cumsum(mask) - 1``, which is also what ``generate`` uses under l
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +48,32 @@ def eos_mask(response_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def prefill_shared(
+    model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+) -> DynamicCache | None:
+    """KV cache of ``[G, P]`` left-padded prompts without their last column (``P - 1`` tokens).
+
+    ``generate`` given this cache (expanded to the samples) and the full prompts feeds only the
+    last prompt token in its first forward, with the same positions (``cumsum(mask) - 1``) and
+    mask it would use for the whole prompt, so each prompt is prefilled once per group instead
+    of once per sample: the HF "reuse a prefix cache" pattern. Returns None when ``P < 2``.
+    """
+    if prompt_ids.shape[1] < 2:
+        return None
+    ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
+    cache = DynamicCache(config=model.config)
+    model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return cache
+
+
+@torch.no_grad()
 def generate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -57,6 +83,7 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     greedy: bool = False,
+    shared_prefix: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Sample ``n_samples`` responses for each prompt; see the module docstring for the output.
 
@@ -69,6 +96,8 @@ def generate(
         temperature: sampling temperature ``T`` (ignored when ``greedy``).
         top_p: nucleus sampling threshold (1.0 = off).
         greedy: argmax decoding; logprobs are then under ``T = 1``.
+        shared_prefix: with ``n_samples > 1``, prefill each prompt once (see
+            :func:`prefill_shared`) instead of ``n_samples`` times.
 
     Returns:
         dict of tensors on CPU: ``prompt_ids``, ``prompt_mask``, ``response_ids``,
@@ -98,8 +127,16 @@ def generate(
     was_training = model.training
     model.eval()
     try:
+        cache = None
+        if shared_prefix and n_samples > 1:
+            cache = prefill_shared(model, ids[::n_samples].to(device), mask[::n_samples].to(device))
+            if cache is not None:
+                cache.batch_repeat_interleave(n_samples)
         out = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            past_key_values=cache,
+            generation_config=gen_cfg,
         )
     finally:
         model.train(was_training)

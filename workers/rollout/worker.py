@@ -33,6 +33,8 @@ class RolloutWorker(Worker):
         max_new_tokens: response cap in tokens (EOS included).
         temperature, top_p: sampling parameters.
         task: ``{"name", "config", "heldout_seed", "heldout_size"}`` for :meth:`evaluate`.
+        shared_prefix: prefill each prompt once for its ``n_samples`` samples
+            (:func:`.generation.prefill_shared`) instead of once per sample.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
         seed: sampling seed (offset by rank).
     """
@@ -46,6 +48,7 @@ class RolloutWorker(Worker):
         temperature: float = 0.7,
         top_p: float = 1.0,
         task: dict | None = None,
+        shared_prefix: bool = True,
         threads: int = 0,
         seed: int = 0,
     ) -> None:
@@ -56,6 +59,7 @@ class RolloutWorker(Worker):
         self.model = build_model(ModelConfig(**model), self.tokenizer).to(self.device).eval()
         self.n_samples, self.max_new_tokens = n_samples, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
+        self.shared_prefix = shared_prefix
         self.task = task
         self._heldout: TaskDataset | None = None
         self.weight_version = -1
@@ -87,6 +91,7 @@ class RolloutWorker(Worker):
                 max_new_tokens=self.max_new_tokens,
                 temperature=self.temperature,
                 top_p=self.top_p,
+                shared_prefix=self.shared_prefix,
             )
             groups = torch.tensor([it["group"] for it in items])
             gen["group_index"] = groups[gen["group_index"]]

@@ -1,0 +1,286 @@
+"""GRPO step throughput: m2flow's GRPO workflow vs TRL's ``GRPOTrainer``, side by side.
+
+Both train the same tiny Qwen2 (built from config, no hub) with the same character tokenizer on
+the same reasoning-gym task and reward, with the same batch shape: 32 prompts x 16 samples,
+at most 6 new tokens, temperature 0.7 (top-p 1, no top-k), AdamW lr 1e-4, clip 0.2 / 0.28,
+token-mean loss, no KL, one optimizer step per batch.
+
+1. Ours: ``workflows/grpo.py`` through the m2flow API (``m2flow.cli.prepare`` + ``main``), in
+   its default placement (temporal: every group on device 0). Its supervised warm start runs
+   first (untimed), then ``--warmup + --steps`` GRPO steps; throughput is the workflow's own
+   ``tokens_per_s`` (real prompt + response tokens of the step / step wall time).
+2. TRL: ``GRPOTrainer`` (``use_cpu``, fp32, no gradient checkpointing, no vLLM; transformers
+   ``generate``), started from our run's final checkpoint so that both policies write answers
+   of the same length. Throughput is TRL's own token count (``num_input_tokens_seen``: prompt +
+   completion tokens) per step over the wall time between consecutive step ends.
+
+Reported: median tokens/s over the measured steps (warm-up steps dropped), the ratio, and per
+phase medians (rollout = generation, reward = scoring, actor = the rest of TRL's step: loss
+forward/backward and optimizer; ours: each group's busy time). Writes
+``benchmarks/results/grpo_vs_trl.json``.
+
+    python benchmarks/grpo_vs_trl.py [--steps 20] [--warmup 5] [--threads 2] [--only ours|trl]
+
+Needs the ``bench`` extra (``pip install -c constraints.txt -e '.[bench]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS, SAMPLES, MAX_NEW, TEMPERATURE, LR = 32, 16, 6, 0.7, 1e-4
+
+
+def _median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def run_ours(steps: int, warmup: int, threads: int, run_dir: Path, extra: list[str]) -> dict:
+    """The GRPO workflow for ``warmup + steps`` steps; medians over the last ``steps``."""
+    from m2flow.cli import prepare
+
+    overrides = [
+        f"trainer.steps={warmup + steps}",
+        f"trainer.run_dir={run_dir}",
+        f"trainer.prompts_per_step={PROMPTS}",
+        f"trainer.eval_every={10**6}",  # the last step still evaluates (after its timing)
+        f"rollout.n_samples={SAMPLES}",
+        f"rollout.max_new_tokens={MAX_NEW}",
+        f"rollout.temperature={TEMPERATURE}",
+        f"rollout.threads={threads}",
+        f"actor.threads={threads}",
+        f"actor.lr={LR}",
+        *extra,
+    ]
+    module, cfg = prepare(str(ROOT / "workflows" / "grpo.py"), overrides, [])
+    t0 = time.time()
+    module.main(cfg)
+    wall = time.time() - t0
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    warm = next(r for r in rows if r.get("phase") == "warm_start")
+    grpo = [r for r in rows if "tokens_per_s" in r][warmup:]
+    return {
+        "tokens_per_s": _median(grpo, "tokens_per_s"),
+        "step_s": _median(grpo, "step_s"),
+        "rollout_s": _median(grpo, "rollout_s"),
+        "reward_s": _median(grpo, "reward_s"),
+        "actor_s": _median(grpo, "actor_s"),
+        "tokens_per_step": statistics.median(r["tokens_per_s"] * r["step_s"] for r in grpo),
+        "response_length": _median(grpo, "response_length"),
+        "steps_measured": len(grpo),
+        "per_step_tokens_per_s": [round(r["tokens_per_s"], 1) for r in grpo],
+        "warm_start_s": warm["seconds"],
+        "wall_s": wall,
+        "overrides": overrides,
+        "checkpoint": str(sorted((run_dir / "checkpoints").glob("step_*"))[-1]),
+    }
+
+
+def run_trl(
+    steps: int, warmup: int, threads: int, checkpoint: str, out_dir: Path, attn: str
+) -> dict:
+    """TRL's GRPOTrainer on the same model (``attn``: its attention implementation), data,
+    reward and batch shape."""
+    import datasets
+    import torch
+    import trl
+    from m2flow.workers.llm import load_checkpoint
+    from m2flow.workers.tasks import TaskDataset
+    from transformers import TrainerCallback
+
+    torch.set_num_threads(threads)
+    model, tok = load_checkpoint(checkpoint)
+    model.set_attn_implementation(attn)
+    model.train()
+    train = TaskDataset(
+        "chain_sum",
+        {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+        seed=1,
+        size=20000,
+    )
+    data = datasets.Dataset.from_dict(
+        {"prompt": [it.prompt for it in train.items], "idx": list(range(len(train)))}
+    )
+
+    def reasoning_gym_reward(prompts, completions, idx, **_):
+        return train.score(completions, [train[i] for i in idx])
+
+    args = trl.GRPOConfig(
+        output_dir=str(out_dir),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        use_vllm=False,
+        per_device_train_batch_size=PROMPTS * SAMPLES,  # completions per device step
+        gradient_accumulation_steps=1,
+        num_generations=SAMPLES,
+        max_completion_length=MAX_NEW,
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=LR,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="dapo",  # token mean over the batch, as ours
+        num_iterations=1,
+        max_steps=warmup + steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.rows: list[dict] = []
+            self.t = self.tokens = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.t, self.tokens = time.perf_counter(), state.num_input_tokens_seen
+
+        def on_step_end(self, args, state, control, **kw):
+            now = time.perf_counter()
+            self.rows.append(
+                {
+                    "step_s": now - self.t,
+                    "tokens": state.num_input_tokens_seen - self.tokens,
+                    "rollout_s": phases.pop("rollout", 0.0),
+                    "reward_s": phases.pop("reward", 0.0),
+                }
+            )
+            self.t, self.tokens = now, state.num_input_tokens_seen
+
+    timer, phases = Timer(), {}
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=reasoning_gym_reward,
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[timer],
+    )
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
+        return wrapper
+
+    trainer._generate_single_turn = timed("rollout", trainer._generate_single_turn)
+    trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
+    t0 = time.time()
+    trainer.train()
+    wall = time.time() - t0
+    rows = timer.rows[warmup:]
+    for r in rows:
+        r["tokens_per_s"] = r["tokens"] / r["step_s"]
+        r["actor_s"] = r["step_s"] - r["rollout_s"] - r["reward_s"]
+    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h][warmup:]
+    return {
+        "tokens_per_s": _median(rows, "tokens_per_s"),
+        "step_s": _median(rows, "step_s"),
+        "rollout_s": _median(rows, "rollout_s"),
+        "reward_s": _median(rows, "reward_s"),
+        "actor_s": _median(rows, "actor_s"),
+        "tokens_per_step": statistics.median(r["tokens"] for r in rows),
+        "response_length": statistics.median(h["completions/mean_length"] for h in logs),
+        "steps_measured": len(rows),
+        "per_step_tokens_per_s": [round(r["tokens_per_s"], 1) for r in rows],
+        "wall_s": wall,
+        "trl_version": trl.__version__,
+        "attn_implementation": model.config._attn_implementation,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20, help="measured GRPO steps per side")
+    ap.add_argument("--warmup", type=int, default=5, help="GRPO steps dropped before measuring")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    ap.add_argument("--only", choices=["ours", "trl"], default=None)
+    ap.add_argument("--checkpoint", default=None, help="TRL start weights (--only trl)")
+    ap.add_argument(
+        "--attn", default=None, help="attention kernel for both (default: the workflow's)"
+    )
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grpo_vs_trl.json"))
+    ap.add_argument("overrides", nargs="*", help="extra workflow overrides for ours (key=value)")
+    a = ap.parse_args()
+
+    import torch
+    import transformers
+
+    results: dict = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "batch": {
+            "prompts": PROMPTS,
+            "samples_per_prompt": SAMPLES,
+            "max_new_tokens": MAX_NEW,
+            "temperature": TEMPERATURE,
+        },
+        "steps": a.steps,
+        "warmup": a.warmup,
+    }
+    from m2flow.workers.llm import ModelConfig
+
+    attn = results["attn_implementation"] = a.attn or ModelConfig.attn_implementation
+    overrides = [f"model.attn_implementation={attn}", *a.overrides]
+    with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_") as tmp:
+        checkpoint = a.checkpoint
+        if a.only in (None, "ours"):
+            results["ours"] = run_ours(a.steps, a.warmup, a.threads, Path(tmp) / "ours", overrides)
+            checkpoint = results["ours"]["checkpoint"]
+        if a.only in (None, "trl"):
+            if checkpoint is None:
+                raise SystemExit("--only trl needs --checkpoint (a workflow checkpoint directory)")
+            results["trl"] = run_trl(
+                a.steps, a.warmup, a.threads, checkpoint, Path(tmp) / "trl", attn
+            )
+
+    sides = [s for s in ("ours", "trl") if s in results]
+    cols = ("tokens_per_s", "step_s", "rollout_s", "reward_s", "actor_s", "response_length")
+    print(f"{'':6}" + "".join(f"{c:>16}" for c in cols))
+    for s in sides:
+        print(f"{s:6}" + "".join(f"{results[s][c]:16.3f}" for c in cols))
+    if len(sides) == 2:
+        results["ratio"] = results["ours"]["tokens_per_s"] / results["trl"]["tokens_per_s"]
+        print(f"ours / trl tokens/s: {results['ratio']:.2f}x")
+    if a.only is None:
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {out}")
+    else:
+        print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

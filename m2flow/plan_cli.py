@@ -1,0 +1,322 @@
+"""``m2flow plan``: print the plan the planner picks for a profile (or a workflow, profiled
+first), with the runner-ups, and optionally a Gantt chart of one predicted step.
+
+    m2flow plan grpo_profile.yaml --devices 64
+    m2flow plan workflows/grpo.py --devices 8 cluster.devices_per_node=2
+    m2flow plan benchmarks/profiles/ppo_4_1_1_1_1.yaml --devices 1024 --nodes 128 --json
+    m2flow plan benchmarks/profiles/synthetic_chain3.yaml -n 16 --mode hybrid --gantt step.png
+
+Output: the composition tree, a table of components (device range, device count, nodes,
+granularity of outgoing edges, predicted seconds, predicted peak memory), the profile's fits,
+the predicted step time and throughput, and the runner-up plans (the best plan of each other
+mode and of each other top-level split) with their predicted times. ``--json`` prints one JSON
+document instead (for tools).
+
+``--nodes K``: ``--devices N`` counts all devices, ``N / K`` per node, numbered node-major (as
+the cluster numbers them). Each rank of a group holds one device, so no rank ever spans nodes
+and the planner's split needs no node constraint; the profile's times already include the
+communication they measured (the planner models no separate inter-node cost). So ``K`` is
+checked (``N % K == 0``) and reported: each component's node range.
+
+Bad input (a missing or invalid profile, a component missing from it, memory infeasible at
+every split, fewer devices than a component's minimum, a bad mode or node count) prints one
+line on stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.tree import Tree
+
+GiB = 1 << 30
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+
+def _is_workflow(target: str) -> bool:
+    return target.endswith(".py") or not (target.endswith((".yaml", ".yml", ".json")))
+
+
+def _plan(target, devices, nodes, mode, memory_gb, overrides):
+    """``(profile, PlanResult, step_overhead_s)``; raises ConfigError/ValueError on bad input."""
+    from .config import ConfigError
+    from .planning import profile_to_file
+    from .scheduler.planner import MODES, PlanError, plan_workflow
+    from .scheduler.profile import ProfileError, load_profile, to_workflow
+
+    if mode not in MODES:
+        raise ConfigError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
+    if devices < 1:
+        raise ConfigError(f"--devices {devices}: give at least 1 device")
+    if nodes < 1 or devices % nodes:
+        raise ConfigError(
+            f"--devices {devices} must split evenly over --nodes {nodes} (devices per node = "
+            "devices / nodes)"
+        )
+    if memory_gb is not None and not memory_gb > 0:
+        raise ConfigError(f"--memory-gb {memory_gb}: give a positive capacity (GiB per device)")
+    path = Path(target)
+    if _is_workflow(target):
+        path = Path(f"m2flow-profile-{Path(target).stem}.yaml")
+        err.print(f"profiling {target} first (saved to {path}; plan it again from there)")
+        profile_to_file(target, overrides, [], path, log=err.print)
+    elif overrides:
+        raise ConfigError(f"overrides {overrides} apply to a workflow, not to a profile file")
+    try:
+        prof = load_profile(path)
+    except ProfileError as e:
+        msg = str(e) if str(path) in str(e) else f"profile {str(path)!r}: {e}"
+        raise ConfigError(msg) from None
+    capacity = memory_gb * GiB if memory_gb else (prof.device_memory_bytes or math.inf)
+    try:
+        result = plan_workflow(
+            to_workflow(prof), devices, capacity=capacity, mode=mode, runner_ups=True
+        )
+    except PlanError as e:
+        raise ConfigError(f"no {mode} plan on {devices} devices: {e}") from None
+    return prof, result, float(prof.step_overhead_s or 0.0)
+
+
+def _nodes(devs: range, per_node: int) -> str:
+    a, b = devs.start // per_node, (devs.stop - 1) // per_node
+    return str(a) if a == b else f"{a}-{b}"
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / GiB:.2f}"
+
+
+def components(result, per_node: int) -> dict[str, dict]:
+    """Per component of the best plan: devices, nodes, outgoing granularity, seconds, bytes."""
+    plan = result.plan
+    mem, times, gran = plan.memory(), plan.breakdown(), result.edge_granularity()
+    used = {c: u for lf in plan.leaves() for c, u in zip(lf.components, lf.component_devices)}
+    out_doc = {}
+    for name, rng in plan.placement().items():
+        out_doc[name] = {
+            "devices": [rng.start, rng.stop],
+            "num_devices": len(rng),
+            "devices_used": used.get(name, len(rng)),
+            "nodes": _nodes(rng, per_node),
+            "granularity_out": {d: m for (s, d), m in gran.items() if s == name},
+            "time_s": times[name],
+            "memory_bytes": mem.get(name),
+        }
+    return out_doc
+
+
+def _tree(plan, label: str) -> Tree:
+    from .scheduler.plan import Leaf, Spatial
+
+    def head(node) -> str:
+        span = f"[{node.devices.start}, {node.devices.stop})"
+        if isinstance(node, Leaf):
+            tag = ", time-shared" if node.shared else ""
+            return f"[bold]{node.name}[/] {node.time:.4g} s on {span}{tag}"
+        if isinstance(node, Spatial):
+            return (
+                f"[cyan]spatial[/] {node.time:.4g} s on {span}: split "
+                f"{len(node.upstream.devices)}+{len(node.downstream.devices)}, "
+                f"m={node.granularity} ({node.chunks} chunks)"
+            )
+        return f"[magenta]temporal[/] {node.time:.4g} s on {span}"
+
+    def add(parent: Tree, node) -> None:
+        branch = parent.add(head(node))
+        for child in node._children():
+            add(branch, child)
+
+    root = Tree(label)
+    add(root, plan)
+    return root
+
+
+def _components_table(comps: dict, nodes: int) -> Table:
+    t = Table(title="components")
+    cols = ["component", "devices", "#"] + (["nodes"] if nodes > 1 else [])
+    cols += ["granularity (out)", "predicted s", "memory GiB"]
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("component", "devices") else "right")
+    for name, c in comps.items():
+        n = str(c["num_devices"])
+        if c["devices_used"] != c["num_devices"]:
+            n += f" (uses {c['devices_used']})"
+        outs = ", ".join(f"{d}: {m}" for d, m in c["granularity_out"].items()) or "-"
+        row = [name, f"[{c['devices'][0]}, {c['devices'][1]})", n]
+        row += [c["nodes"]] if nodes > 1 else []
+        row += [outs, f"{c['time_s']:.4f}", _gib(c["memory_bytes"])]
+        t.add_row(*row)
+    return t
+
+
+def _fits(prof) -> dict[str, dict]:
+    from .scheduler.profile import fits
+
+    doc = {}
+    for name, (tf, mf) in fits(prof).items():
+        doc[name] = {
+            "time": {"model": tf.model, "formula": tf.formula(), "error": tf.error},
+            "memory": {"model": mf.model, "formula": mf.formula(), "error": mf.error},
+            "note": tf.note,
+            "error_kind": tf.error_kind,
+        }
+    return doc
+
+
+def _fits_table(fit_doc: dict) -> Table:
+    t = Table(title="profile fits (n = devices)")
+    for col in ("component", "time model", "seconds", "error", "memory model"):
+        t.add_column(col, justify="right" if col == "error" else "left")
+    for name, f in fit_doc.items():
+        e = f["time"]["error"]
+        err_txt = "-" if math.isnan(e) else f"{100 * e:.2g}% ({f['error_kind']})"
+        t.add_row(name, f["time"]["model"], f["time"]["formula"], err_txt, f["memory"]["model"])
+    return t
+
+
+def _shown(runner_ups, limit: int) -> list:
+    """The fastest ``limit`` runner-ups, plus the fastest of every kind (each mode's best)."""
+    firsts = {}
+    for p in runner_ups:
+        firsts.setdefault(p.kind(), p)
+    keep = {id(p) for p in runner_ups[:limit]} | {id(p) for p in firsts.values()}
+    return [p for p in runner_ups if id(p) in keep]
+
+
+def gantt(result, prof, path: Path) -> None:
+    """Draw one predicted step of ``result.plan`` into ``path`` (matplotlib, Agg; PNG by the
+    suffix): one row per device range, bars for compute, switches (offload + onload) and
+    per-chunk overheads, one bar per pipelined chunk."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    from .scheduler.timeline import step_timeline
+
+    switch = {n: c.switch_s for n, c in prof.components.items()}
+    overhead = {n: c.chunk_overhead_s for n, c in prof.components.items()}
+    tl = step_timeline(result.plan, switch, overhead)
+    names = list(prof.components)
+    palette = [
+        "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
+        "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
+    ]  # fmt: skip
+    color = {n: palette[i % len(palette)] for i, n in enumerate(names)}
+    style = {
+        "switch": {"facecolor": "#dddddd", "hatch": "///", "edgecolor": "#888888"},
+        "overhead": {"facecolor": "#444444"},
+    }
+    fig = Figure(figsize=(11, 1.4 + 0.55 * len(tl.rows)))
+    ax = fig.add_subplot()
+    groups: dict[tuple, list] = {}
+    for b in tl.bars:
+        groups.setdefault((b.row, b.kind, b.component), []).append((b.start, b.end - b.start))
+    for (row, kind, comp), spans in groups.items():
+        y = len(tl.rows) - 1 - row
+        kw = style.get(kind, {"facecolor": color.get(comp, "#4e79a7"), "edgecolor": "white"})
+        ax.broken_barh(spans, (y - 0.4, 0.8), linewidth=0.3, **kw)
+    ax.set_yticks(range(len(tl.rows)))
+    ax.set_yticklabels([f"{n}  [{r.start}, {r.stop})" for n, r in reversed(tl.rows)])
+    ax.set_xlabel("seconds within one predicted step")
+    ax.set_xlim(0, tl.end * 1.01)
+    ax.set_title(f"{result.plan.shape()}: {tl.end:.4g} s per step on {result.num_devices} devices")
+    handles = [Patch(facecolor=color[n], label=n) for n in names if n in result.plan.placement()]
+    handles += [Patch(label="switch (offload+onload)", **style["switch"])]
+    handles += [Patch(label="per-chunk overhead", **style["overhead"])]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plan(
+    target: str = typer.Argument(..., help="profile YAML, or a workflow (profiled first)"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="workflow overrides key=value"),
+    devices: int = typer.Option(..., "--devices", "-n", help="devices to plan for (all nodes)"),
+    nodes: int = typer.Option(1, "--nodes", help="nodes the devices are spread over evenly"),
+    mode: str = typer.Option("auto", "--mode", help="auto|temporal|spatial|hybrid"),
+    memory_gb: Optional[float] = typer.Option(
+        None, "--memory-gb", help="memory per device, GiB (default: the profile's)"
+    ),
+    gantt_png: Optional[Path] = typer.Option(None, "--gantt", help="draw one predicted step"),
+    save: Optional[Path] = typer.Option(None, "--save", help="write a plan file for plan=FILE"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON only"),
+) -> None:
+    """Print the plan for N devices: tree, components, prediction, runner-ups."""
+    from .config import ConfigError
+    from .placement import from_plan
+
+    try:
+        prof, result, overhead = _plan(target, devices, nodes, mode, memory_gb, overrides or [])
+    except (ConfigError, ValueError) as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise typer.Exit(2) from None
+    step = result.time + overhead
+    per_node = devices // nodes
+    comps = components(result, per_node)
+    fit_doc = _fits(prof)
+    if save is not None:
+        placement = from_plan(result.plan, list(result.edges), result.batch_size)
+        placement.predicted_step_s = step
+        placement.save(save)
+    if gantt_png is not None:
+        try:
+            gantt(result, prof, gantt_png)
+        except (OSError, ValueError) as e:
+            err.print(f"[bold red]error:[/] cannot write {gantt_png}: {e}", highlight=False)
+            raise typer.Exit(2) from None
+    if as_json:
+        doc = result.to_dict()
+        doc.update(
+            workflow=prof.workflow,
+            item=prof.item,
+            nodes=nodes,
+            devices_per_node=per_node,
+            step_overhead_s=overhead,
+            predicted_step_s=step,
+            throughput_items_per_s=prof.batch_size / step if step > 0 else None,
+            components=comps,
+            fits=fit_doc,
+        )
+        print(json.dumps(doc, indent=2))
+        return
+    out.print(
+        f"[bold]{prof.workflow}[/]: {devices} devices"
+        + (f" on {nodes} nodes ({per_node} per node)" if nodes > 1 else "")
+        + f", mode {mode}, batch {prof.batch_size} {prof.item}s per step, "
+        + f"memory {_gib(result.capacity) if math.isfinite(result.capacity) else 'unlimited'}"
+        + (" GiB per device" if math.isfinite(result.capacity) else ""),
+        highlight=False,
+    )
+    out.print(_tree(result.plan, f"plan ({result.plan.kind()}): {result.plan.shape()}"))
+    out.print(_components_table(comps, nodes))
+    out.print(_fits_table(fit_doc))
+    extra = f" + unattributed {overhead:.4f} s" if overhead else ""
+    out.print(
+        f"predicted step: [bold]{step:.4f} s[/] (plan {result.time:.4f} s{extra}); "
+        f"throughput {prof.batch_size / step:.3f} {prof.item}s/s",
+        highlight=False,
+    )
+    if result.runner_ups:
+        t = Table(title="runner-ups")
+        for col in ("kind", "plan", "predicted s", "vs best"):
+            t.add_column(col, justify="left" if col in ("kind", "plan") else "right")
+        for p in _shown(result.runner_ups, 10):
+            t.add_row(
+                p.kind(), p.shape(), f"{p.time + overhead:.4f}", f"{p.time / result.time:.3f}x"
+            )
+        out.print(t)
+    if gantt_png is not None:
+        out.print(f"Gantt chart: {gantt_png}", highlight=False)
+    if save is not None:
+        out.print(f"plan file: {save} (run it with plan={save})", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``plan`` to the ``m2flow`` Typer app."""
+    app.command("plan")(plan)

@@ -1,0 +1,302 @@
+"""Profile documents: what ``m2flow profile`` measures and the planner plans from.
+
+Schema (YAML; units: seconds, bytes, items per step)::
+
+    workflow: grpo                    # name
+    batch_size: 32                    # items per step, M (e.g. prompts)
+    item: prompt                      # what an item is (display only)
+    device_memory_bytes: 17179869184  # per-device capacity where it was measured (or null)
+    step_overhead_s: 0.1              # seconds per step no component accounts for (default 0)
+    edges:                            # traced channel traffic, group -> group
+      - {src: rollout, dst: reward, items_per_step: 32}
+    components:
+      rollout:
+        min_devices: 1
+        max_devices: null             # null: no limit
+        switch_s: 0.05                # offload + onload when time-shared, per step
+        chunk_overhead_s: 0.01        # fixed seconds per pipelined chunk
+        points:                       # seconds per step of the whole batch on `devices`
+          - {devices: 1, seconds: 0.40, memory_bytes: 1.2e8}
+
+Only ``batch_size`` and ``components`` (each with ``points``) are required. Numbers may be
+written ``1.2e8`` (YAML 1.1 reads that as a string; it is accepted as a number here).
+
+:func:`to_workflow` turns a profile into the planner's :class:`~.planner.Workflow`, each
+component's time and memory fitted over its points (:mod:`.fit`: time over every model,
+memory over ``constant`` and ``amdahl``, i.e. replicated + sharded bytes). Source: RLinf
+section 5 (profiling-guided scheduling). Pure: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .fit import Fit, fit_scaling
+
+MEMORY_MODELS = ("constant", "amdahl")
+
+
+class ProfileError(ValueError):
+    """A profile document that cannot be planned from (the message says what and how to fix)."""
+
+
+@dataclass
+class Point:
+    """One measurement: ``seconds`` per step (whole batch) and peak ``memory_bytes`` per device
+    on ``devices`` devices."""
+
+    devices: int
+    seconds: float
+    memory_bytes: float
+
+
+@dataclass
+class ComponentProfile:
+    """A worker group's measured points and planning constants (see the module schema)."""
+
+    points: list[Point]
+    min_devices: int = 1
+    max_devices: int | None = None
+    switch_s: float = 0.0
+    chunk_overhead_s: float = 0.0
+
+    def time_fit(self) -> Fit:
+        """Seconds per step as a function of devices (:func:`~.fit.fit`)."""
+        return fit_scaling([p.devices for p in self.points], [p.seconds for p in self.points])
+
+    def memory_fit(self) -> Fit:
+        """Peak bytes per device as a function of devices (constant or replicated+sharded)."""
+        return fit_scaling(
+            [p.devices for p in self.points],
+            [p.memory_bytes for p in self.points],
+            models=MEMORY_MODELS,
+            kind="memory",
+        )
+
+
+@dataclass
+class Edge:
+    """Traced channel traffic ``src -> dst`` (group names), items per step."""
+
+    src: str
+    dst: str
+    items_per_step: float = 0.0
+
+
+@dataclass
+class Profile:
+    """A whole profile document (see the module schema)."""
+
+    batch_size: int
+    components: dict[str, ComponentProfile]
+    edges: list[Edge] = field(default_factory=list)
+    workflow: str = "workflow"
+    item: str = "item"
+    device_memory_bytes: float | None = None
+    step_overhead_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The document, keys in schema order (what :func:`save_profile` writes)."""
+        return {
+            "workflow": self.workflow,
+            "batch_size": self.batch_size,
+            "item": self.item,
+            "device_memory_bytes": self.device_memory_bytes,
+            "step_overhead_s": self.step_overhead_s,
+            "edges": [
+                {"src": e.src, "dst": e.dst, "items_per_step": e.items_per_step} for e in self.edges
+            ],
+            "components": {
+                name: {
+                    "min_devices": c.min_devices,
+                    "max_devices": c.max_devices,
+                    "switch_s": c.switch_s,
+                    "chunk_overhead_s": c.chunk_overhead_s,
+                    "points": [
+                        {"devices": p.devices, "seconds": p.seconds, "memory_bytes": p.memory_bytes}
+                        for p in c.points
+                    ],
+                }
+                for name, c in self.components.items()
+            },
+        }
+
+
+_TOP = {
+    "workflow",
+    "batch_size",
+    "item",
+    "device_memory_bytes",
+    "step_overhead_s",
+    "edges",
+    "components",
+}
+_COMP = {"min_devices", "max_devices", "switch_s", "chunk_overhead_s", "points"}
+_POINT = {"devices", "seconds", "memory_bytes"}
+_EDGE = {"src", "dst", "items_per_step"}
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ProfileError(msg)
+
+
+def _keys(doc: Any, known: set[str], required: set[str], where: str) -> dict:
+    _need(isinstance(doc, dict), f"{where}: expected a mapping, got {doc!r}")
+    unknown = sorted(set(doc) - known)
+    _need(not unknown, f"{where}: unknown keys {unknown}; known keys: {sorted(known)}")
+    missing = sorted(required - set(doc))
+    _need(not missing, f"{where}: missing {missing}; add them (see m2flow.scheduler.profile)")
+    return doc
+
+
+def _number(value: Any, where: str, minimum: float = 0.0, integer: bool = False) -> Any:
+    """A finite number >= ``minimum`` (numeric strings such as ``1.2e8`` accepted)."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ProfileError(f"{where} = {value!r} is not a number") from None
+    _need(
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value),
+        f"{where} = {value!r} is not a finite number",
+    )
+    if integer:
+        _need(float(value).is_integer(), f"{where} = {value!r} must be a whole number")
+        value = int(value)
+    _need(value >= minimum, f"{where} = {value!r} must be >= {minimum:g}")
+    return value
+
+
+def _component(name: str, c: Any) -> ComponentProfile:
+    where = f"components.{name}"
+    _keys(c, _COMP, {"points"}, where)
+    pts = c["points"]
+    _need(
+        isinstance(pts, list) and pts,
+        f"{where}.points: no measured points; profile {name!r} on at least one device count "
+        "(three or more for a checked fit)",
+    )
+    points, seen = [], set()
+    for i, p in enumerate(pts):
+        at = f"{where}.points[{i}]"
+        _keys(p, _POINT, _POINT, at)
+        pt = Point(
+            _number(p["devices"], f"{at}.devices", 1, integer=True),
+            float(_number(p["seconds"], f"{at}.seconds")),
+            float(_number(p["memory_bytes"], f"{at}.memory_bytes")),
+        )
+        _need(
+            pt.devices not in seen,
+            f"{at}: devices={pt.devices} measured twice; keep one point per device count",
+        )
+        seen.add(pt.devices)
+        points.append(pt)
+    cp = ComponentProfile(
+        points,
+        _number(c.get("min_devices", 1), f"{where}.min_devices", 1, integer=True),
+        None
+        if c.get("max_devices") is None
+        else _number(c["max_devices"], f"{where}.max_devices", 1, integer=True),
+        float(_number(c.get("switch_s", 0.0), f"{where}.switch_s")),
+        float(_number(c.get("chunk_overhead_s", 0.0), f"{where}.chunk_overhead_s")),
+    )
+    _need(
+        cp.max_devices is None or cp.max_devices >= cp.min_devices,
+        f"{where}: max_devices={cp.max_devices} < min_devices={cp.min_devices}; raise it or "
+        "set it to null",
+    )
+    return cp
+
+
+def profile_from_dict(doc: Any) -> Profile:
+    """Validate and build a :class:`Profile`.
+
+    Raises:
+        ProfileError: not a mapping, unknown or missing keys, a negative or non-numeric number,
+            a component without points (or with a device count measured twice), or an edge
+            naming a component the profile does not measure.
+    """
+    _keys(doc, _TOP, {"batch_size", "components"}, "profile")
+    batch = _number(doc["batch_size"], "batch_size", 1, integer=True)
+    comps_doc = doc["components"]
+    _need(
+        isinstance(comps_doc, dict) and comps_doc,
+        "components: give at least one component (name: {points: [...]})",
+    )
+    comps = {str(name): _component(str(name), c) for name, c in comps_doc.items()}
+    edges = []
+    edges_doc = doc.get("edges") or []
+    _need(isinstance(edges_doc, list), f"edges: expected a list, got {edges_doc!r}")
+    for i, e in enumerate(edges_doc):
+        _keys(e, _EDGE, {"src", "dst"}, f"edges[{i}]")
+        for end in (e["src"], e["dst"]):
+            _need(
+                end in comps,
+                f"edges[{i}]: {e['src']} -> {e['dst']} names {end!r}, which the profile does "
+                f"not measure (components: {sorted(comps)}); profile it or drop the edge",
+            )
+        items = _number(e.get("items_per_step", 0.0), f"edges[{i}].items_per_step")
+        edges.append(Edge(str(e["src"]), str(e["dst"]), float(items)))
+    cap = doc.get("device_memory_bytes")
+    return Profile(
+        batch_size=batch,
+        components=comps,
+        edges=edges,
+        workflow=str(doc.get("workflow", "workflow")),
+        item=str(doc.get("item", "item")),
+        device_memory_bytes=None if cap is None else float(_number(cap, "device_memory_bytes", 1)),
+        step_overhead_s=float(_number(doc.get("step_overhead_s", 0.0) or 0.0, "step_overhead_s")),
+    )
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile YAML file.
+
+    Raises:
+        ProfileError: missing file, bad YAML, or an invalid profile.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ProfileError(f"profile {str(p)!r} does not exist: run `m2flow profile` first")
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ProfileError(f"profile {str(p)!r} is not valid YAML: {e}") from None
+    return profile_from_dict(doc)
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    """Write ``profile`` as YAML (:func:`load_profile` reads back an equal profile)."""
+    Path(path).write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
+
+
+def fits(profile: Profile) -> dict[str, tuple[Fit, Fit]]:
+    """Per component: ``(time fit, memory fit)``."""
+    return {n: (c.time_fit(), c.memory_fit()) for n, c in profile.components.items()}
+
+
+def to_workflow(profile: Profile):
+    """The planner's :class:`~.planner.Workflow`: fitted time and memory per component,
+    the traced edges and ``batch_size``."""
+    from .planner import Component, Workflow
+
+    comps = [
+        Component(
+            name,
+            time=t,
+            memory=m,
+            min_devices=profile.components[name].min_devices,
+            switch_cost=profile.components[name].switch_s,
+            chunk_overhead=profile.components[name].chunk_overhead_s,
+            max_devices=profile.components[name].max_devices,
+        )
+        for name, (t, m) in fits(profile).items()
+    ]
+    edges = [(e.src, e.dst) for e in profile.edges]
+    return Workflow(comps, edges, profile.batch_size)

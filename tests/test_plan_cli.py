@@ -1,0 +1,136 @@
+"""``m2flow plan PROFILE.yaml`` (m2flow/plan_cli.py) on a Typer app of its own: the printed
+tree/table/runner-ups, --json, --gantt, --nodes, and exit code 2 with one line on bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from m2flow.plan_cli import register
+
+PROFILES = Path(__file__).resolve().parents[1] / "benchmarks" / "profiles"
+PPO = str(PROFILES / "ppo_4_1_1_1_1.yaml")
+CHAIN = str(PROFILES / "synthetic_chain3.yaml")
+NAMES = ["rollout", "actor_inference", "critic_inference", "actor_train", "critic_train"]
+
+
+@pytest.fixture(scope="module")
+def app():
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    register(app)
+
+    @app.command()
+    def other() -> None:  # a second command keeps `plan` a subcommand, as in m2flow's app
+        pass
+
+    return app
+
+
+def run(app, *args):
+    return CliRunner().invoke(app, ["plan", *args], env={"COLUMNS": "220"})
+
+
+def test_prints_tree_components_prediction_and_runner_ups(app):
+    res = run(app, PPO, "--devices", "64", "--nodes", "8")
+    assert res.exit_code == 0, res.stderr
+    text = res.stdout
+    assert "64 devices on 8 nodes (8 per node)" in text
+    assert "plan (spatial): S(" in text and "split" in text and "chunks" in text  # the tree
+    assert "components" in text and "granularity (out)" in text and "memory GiB" in text
+    for name in NAMES:
+        assert name in text
+    assert "predicted step:" in text and "prompts/s" in text
+    assert "runner-ups" in text and "temporal" in text and "hybrid" in text
+    assert "profile fits" in text and "amdahl" in text
+
+
+def test_json_is_one_document(app):
+    res = run(app, PPO, "--devices", "1024", "--nodes", "128", "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["num_devices"] == 1024 and doc["nodes"] == 128 and doc["devices_per_node"] == 8
+    assert doc["mode"] == "auto" and doc["time_s"] > 0
+    assert doc["throughput_items_per_s"] == pytest.approx(256 / doc["predicted_step_s"])
+    comps = doc["components"]
+    assert set(comps) == set(NAMES)
+    spans = sorted(tuple(c["devices"]) for c in comps.values())
+    assert spans[0][0] == 0 and spans[-1][1] == 1024
+    for c in comps.values():
+        a, b = c["devices"]
+        assert c["nodes"].split("-")[0] == str(a // 8) and c["memory_bytes"] <= 80 * 2**30
+    assert all(ed["granularity"] >= 1 and 256 % ed["granularity"] == 0 for ed in doc["edges"])
+    assert len(doc["edges"]) == 7 and doc["runner_ups"]
+    assert all(r["time_s"] >= doc["time_s"] for r in doc["runner_ups"])
+    assert doc["fits"]["rollout"]["time"]["model"] == "amdahl"
+
+
+@pytest.mark.parametrize("mode", ["temporal", "spatial", "hybrid"])
+def test_modes(app, mode):
+    res = run(app, CHAIN, "--devices", "8", "--mode", mode, "--json")
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["kind"] == mode
+
+
+def test_gantt_writes_a_png(app, tmp_path):
+    out = tmp_path / "step.png"
+    res = run(app, CHAIN, "-n", "6", "--mode", "hybrid", "--gantt", str(out))
+    assert res.exit_code == 0, res.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+    assert f"Gantt chart: {out}" in res.stdout
+
+
+def test_memory_override(app):
+    ok = run(app, PPO, "--devices", "16", "--memory-gb", "1000", "--json")
+    assert ok.exit_code == 0, ok.stderr
+    assert json.loads(ok.stdout)["capacity_bytes"] == 1000 * 2**30
+    tight = run(app, PPO, "--devices", "1024", "--memory-gb", "10")
+    assert tight.exit_code == 2 and "does not fit in memory" in tight.stderr
+
+
+def _profile(tmp_path, edit):
+    doc = yaml.safe_load(Path(CHAIN).read_text())
+    edit(doc)
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (lambda tp: ["missing.yaml", "-n", "8"], "does not exist"),
+        (lambda tp: [_profile(tp, lambda d: d.update(gpus=1)), "-n", "8"], "unknown keys"),
+        (
+            lambda tp: [
+                _profile(tp, lambda d: d["edges"].append({"src": "train", "dst": "ref"})),
+                "-n",
+                "8",
+            ],
+            "'ref'",
+        ),
+        (lambda tp: [PPO, "-n", "4"], "'actor_train' does not fit in memory"),
+        (
+            lambda tp: [
+                _profile(tp, lambda d: d["components"]["train"].update(min_devices=16)),
+                "-n",
+                "8",
+            ],
+            "needs at least 16 devices",
+        ),
+        (lambda tp: [CHAIN, "-n", "8", "--nodes", "3"], "split evenly over --nodes 3"),
+        (lambda tp: [CHAIN, "-n", "2", "--mode", "spatial"], "at least 3 devices"),
+        (lambda tp: [CHAIN, "-n", "8", "--mode", "fast"], "choose one of"),
+        (lambda tp: [CHAIN, "-n", "0"], "at least 1 device"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(app, tmp_path, args, match):
+    res = run(app, *args(tmp_path))
+    assert res.exit_code == 2, (res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and match in lines[0], lines
+    assert res.stdout == ""

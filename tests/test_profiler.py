@@ -1,0 +1,88 @@
+"""Profiler and planned runs: the unchanged GRPO runner measured, planned and run on the plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from test_workflow import TINY_RUN
+
+from m2flow.config import ConfigError
+from m2flow.planning import load_profile, placement_for, plan_from_profile, report
+from m2flow.profiler import profile
+from m2flow.session import Session
+
+GRPO = str(Path(__file__).resolve().parent.parent / "workflows" / "grpo.py")
+VIRTUAL_DEVICES = 2
+
+
+@pytest.fixture(scope="module")
+def grpo_profile(cluster, tmp_path_factory):
+    """The tiny GRPO runner profiled on 1 and 2 devices (one Ray session, three short runs)."""
+    out = tmp_path_factory.mktemp("prof")
+    prof = profile(
+        GRPO,
+        TINY_RUN
+        + [
+            f"trainer.run_dir={out / 'run'}",
+            "trainer.steps=50",
+            "trainer.save_every=1000",
+            "trainer.eval_every=1000",
+        ],
+        steps=2,
+        warmup=1,
+        chunks=2,
+        log=lambda *a: None,
+    )
+    path = out / "profile.yaml"
+    path.write_text(yaml.safe_dump(prof, sort_keys=False))
+    return prof, path
+
+
+def test_profile_measures_the_traced_graph(grpo_profile):
+    prof, path = grpo_profile
+    assert prof["batch_size"] == 4  # prompts the runner puts per step (trainer.prompts_per_step)
+    assert {(e["src"], e["dst"]) for e in prof["edges"]} == {
+        ("rollout", "reward"),
+        ("reward", "actor"),
+    }
+    comps = prof["components"]
+    assert set(comps) == {"rollout", "reward", "actor"}
+    for name, c in comps.items():
+        assert [p["devices"] for p in c["points"]] == [1, 2], name
+        assert all(p["seconds"] > 0 and p["memory_bytes"] > 0 for p in c["points"]), name
+        assert c["switch_s"] >= 0 and c["chunk_overhead_s"] >= 0
+    # Time-sharing one device, the actor (weights and AdamW state) is really offloaded.
+    assert comps["actor"]["switch_s"] > 0
+    assert prof["step_overhead_s"] >= 0
+    loaded = load_profile(path)  # the planner's schema accepts what the profiler writes
+    assert loaded.batch_size == 4
+
+
+@pytest.mark.parametrize("mode", ["temporal", "hybrid"])
+def test_planned_run_reports_predicted_and_measured(cluster, grpo_profile, tmp_path, mode):
+    """Plan the profile on the cluster's 2 devices, run the runner on that plan, and get the
+    predicted-vs-measured report; groups land where the plan put them."""
+    from m2flow.cli import prepare
+
+    _, path = grpo_profile
+    spec = placement_for(mode, GRPO, [], [], path, log=lambda *a: None)
+    run_dir = tmp_path / mode
+    module, cfg = prepare(GRPO, TINY_RUN + ["trainer.steps=4", f"trainer.run_dir={run_dir}"], [])
+    with Session(placement=spec) as session:
+        module.main(cfg)
+    placed = session.placement
+    assert placed.mode == mode
+    for group, ranks in session.groups.items():
+        assert sorted(d for r in ranks for d in r) == placed.groups[group]
+    rep = report(session, log=lambda *a: None, skip=1)
+    assert rep["predicted_step_s"] > 0 and rep["measured_step_s"] > 0
+    assert set(rep["measured_busy_s"]) == {"rollout", "reward", "actor"}
+    assert (run_dir / "plan_report.json").is_file()
+
+
+def test_spatial_needs_a_device_per_group(grpo_profile):
+    _, path = grpo_profile
+    with pytest.raises(ConfigError, match="spatial"):
+        plan_from_profile(load_profile(path), 2, None, "spatial")

@@ -1,0 +1,44 @@
+"""The GRPO runner scoring through the shared reward service (DistRS) instead of in process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from m2flow.workers.reward.service.app import BackgroundServer
+from m2flow.workers.reward.service.client import RewardClient
+from test_reward_service import TOKENS, _config
+from test_workflow import TINY_RUN
+
+from m2flow.cli import prepare
+
+GRPO = str(Path(__file__).resolve().parent.parent / "workflows" / "grpo.py")
+TOKEN = TOKENS["alice"]
+
+
+def test_grpo_scores_through_the_reward_service(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    with BackgroundServer(_config()) as url:  # the service tests' config: math pipeline
+        module, cfg = prepare(
+            GRPO,
+            TINY_RUN
+            + [
+                "trainer.steps=2",
+                f"trainer.run_dir={run_dir}",
+                f"reward_service.url={url}",
+                f"reward_service.token={TOKEN}",
+                "reward_service.timeout_s=120",
+            ],
+            [],
+        )
+        module.main(cfg)
+        with RewardClient(url, TOKEN) as client:
+            served = client.metrics()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    # math-verify rewards are 0 or 1, so the sample accuracy is the reward mean.
+    for r in records[1:]:
+        assert r["reward_mean"] == r["sample_accuracy"]
+    # Every response of both steps went through the service: 2 steps x 4 prompts x 4 samples.
+    assert served["requests_done"] == 2 * 4 * 4
+    assert served["tasks"]["grpo"]["batches"] >= 2

@@ -1,0 +1,84 @@
+"""Reference worker: the frozen starting policy's logprobs, for the KL penalty of PPO."""
+
+from __future__ import annotations
+
+import torch
+
+from m2flow import Channel, Worker
+
+from ..batch import num_tokens
+from ..critic.data import chunk_key
+from ..llm import ModelConfig, build_char_tokenizer, build_model
+from ..llm.placement import split_evenly, torch_device
+from .losses import sequence_logprobs
+from .trainer import RESPONSE_KEYS
+
+
+class ReferenceWorker(Worker):
+    """A frozen copy of the policy (weights arrive once, with :meth:`sync_weights`).
+
+    Inference only, so data parallel: each rank takes its share of the chunks.
+
+    Args:
+        model: :class:`~m2flow.workers.llm.ModelConfig` fields.
+        alphabet: the character tokenizer's alphabet.
+        temperature: the rollout's sampling temperature (logprobs of ``logits / T``, as the
+            rollout's).
+        micro_batch_size: responses per forward (0: a whole chunk).
+        threads: torch threads; 0 = this rank's share of its node's CPUs.
+    """
+
+    def __init__(
+        self,
+        model: dict,
+        alphabet: str,
+        temperature: float = 1.0,
+        micro_batch_size: int = 0,
+        threads: int = 0,
+    ) -> None:
+        torch.set_num_threads(threads or self.num_threads)
+        self.device = torch_device(self.devices)
+        tokenizer = build_char_tokenizer(alphabet)
+        self.model = build_model(ModelConfig(**model), tokenizer).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.temperature = temperature
+        self.micro = micro_batch_size or None
+
+    def sync_weights(self, src_group: str = "actor", src_rank: int = 0) -> int:
+        """Receive ``(state_dict, version)`` and freeze it. Returns the version."""
+        state, version = self.recv(src_group, src_rank)
+        self.model.load_state_dict(state)
+        return version
+
+    def logprobs(self, inp: Channel, out: Channel, num_chunks: int) -> dict:
+        """For this rank's share of ``num_chunks`` rollout chunks from ``inp``, put
+        ``{"ref_logprobs": [B, R]}`` into ``out`` under the chunk's key.
+
+        Returns:
+            ``samples`` scored.
+        """
+        samples = 0
+        for _ in range(split_evenly(num_chunks, self.world_size)[self.rank]):
+            batch = inp.get()["batch"]
+            ref = self._logprobs(batch)
+            out.put({"ref_logprobs": ref}, weight=num_tokens(batch), key=chunk_key(batch))
+            samples += len(batch)
+        return {"samples": samples}
+
+    @torch.no_grad()
+    def _logprobs(self, batch) -> torch.Tensor:
+        """``[B, R]`` logprobs by the actor's own function (same numerics), micro-batched."""
+        out = []
+        for idx in torch.split(torch.arange(len(batch)), self.micro or len(batch)):
+            mb = [batch[k][idx].to(self.device) for k in RESPONSE_KEYS]
+            out.append(sequence_logprobs(self.model, *mb, temperature=self.temperature).cpu())
+        return torch.cat(out)
+
+    def offload(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)

@@ -1,0 +1,1 @@
+"""Critic: a value head on a causal LM, GAE and the clipped value loss (RLHF-style PPO)."""

@@ -1,0 +1,77 @@
+"""A causal LM with a scalar head: the critic (a value per token) and the reward model (a score
+per sequence) of RLHF-style PPO (InstructGPT, Ouyang et al., 2022, section 3.5: reward model and
+value function are LMs with a scalar output head).
+
+Layout as everywhere in ``workers``: ``[B, P]`` left-padded prompts, ``[B, R]`` right-padded
+responses, positions ``cumsum(mask) - 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from ..llm import ModelConfig, build_model
+
+
+class ValueModel(nn.Module):
+    """The transformer of a tiny Qwen2 (no LM head) plus ``Linear(hidden, 1)``.
+
+    ``forward`` returns one scalar per position, ``[B, L]`` float32.
+    """
+
+    def __init__(self, cfg: ModelConfig | dict, tokenizer: PreTrainedTokenizerBase, seed=None):
+        super().__init__()
+        self.backbone = build_model(cfg, tokenizer, seed=seed).model
+        self.head = nn.Linear(self.backbone.config.hidden_size, 1)
+        # Start from V = 0 everywhere: no made-up values before the first update.
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def load_backbone(self, lm_state: dict[str, torch.Tensor]) -> None:
+        """Copy the transformer weights of a causal LM state dict (``model.*`` keys, e.g. the
+        warm-started policy's); the LM head is ignored and the value head is left as it is.
+
+        Raises:
+            ValueError: the state dict does not match the backbone.
+        """
+        state = {k[len("model.") :]: v for k, v in lm_state.items() if k.startswith("model.")}
+        missing, unexpected = self.backbone.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"policy weights do not fit the value model: missing {missing}, unexpected "
+                f"{unexpected}; give critic/reward model the policy's model shape"
+            )
+
+    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()
+
+
+def _forward(model: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask):
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return model(ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0))
+
+
+def response_values(
+    model: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask
+) -> torch.Tensor:
+    """``[B, R]`` values ``V(s_j)`` of the state before response token ``j`` (prompt plus
+    tokens ``< j``), read where the policy's logit for token ``j`` is; 0 where masked."""
+    out = _forward(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    p = prompt_ids.shape[1]
+    return out[:, p - 1 : -1] * response_mask
+
+
+def sequence_scores(
+    model: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask
+) -> torch.Tensor:
+    """``[B]`` head output (a logit) at the last real token of ``prompt | response`` (the EOS
+    when the response has one): the reward model's score of the whole sample."""
+    out = _forward(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    last = prompt_ids.shape[1] - 1 + response_mask.sum(dim=1).clamp(min=1)
+    return out.gather(1, last.unsqueeze(1)).squeeze(1)

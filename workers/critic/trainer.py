@@ -1,0 +1,106 @@
+"""Training a :class:`~m2flow.workers.critic.model.ValueModel`: the critic's clipped value
+regression and the reward model's fit to verifier labels.
+
+Reuses :class:`~m2flow.workers.actor.trainer.PolicyTrainer` for what is not policy-specific:
+AdamW, gradient clipping, and offload/onload of parameters and optimizer state. Sizes count
+responses (samples), as in the policy trainer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ..actor.trainer import RESPONSE_KEYS, PolicyTrainer, _chunks
+from .losses import clipped_value_loss
+from .model import ValueModel, response_values, sequence_scores
+
+
+class ValueTrainer(PolicyTrainer):
+    """AdamW on a value model (``lr``, ``betas``, ``weight_decay``, ``grad_clip`` as in
+    :class:`PolicyTrainer`)."""
+
+    model: ValueModel
+
+    def _inputs(self, batch: Mapping[str, torch.Tensor], idx: torch.Tensor) -> list:
+        return [batch[k][idx].to(self.device) for k in RESPONSE_KEYS]
+
+    @torch.no_grad()
+    def values(self, batch: Mapping[str, torch.Tensor], micro_batch_size=None) -> torch.Tensor:
+        """``[B, R]`` per-token values (see :func:`response_values`), no grad."""
+        self.model.eval()
+        idx_all = torch.arange(len(batch["response_ids"]))
+        out = [
+            response_values(self.model, *self._inputs(batch, i)).cpu()
+            for i in _chunks(idx_all, micro_batch_size)
+        ]
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def scores(self, batch: Mapping[str, torch.Tensor], micro_batch_size=None) -> torch.Tensor:
+        """``[B]`` sequence scores in (0, 1): sigmoid of :func:`sequence_scores`, no grad."""
+        self.model.eval()
+        idx_all = torch.arange(len(batch["response_ids"]))
+        out = [
+            torch.sigmoid(sequence_scores(self.model, *self._inputs(batch, i))).cpu()
+            for i in _chunks(idx_all, micro_batch_size)
+        ]
+        return torch.cat(out)
+
+    def train_values(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        value_clip: float | None,
+        mini_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        epochs: int = 1,
+        generator: torch.Generator | None = None,
+    ) -> dict[str, float]:
+        """Clipped value regression on ``batch`` (``old_values`` and ``returns`` ``[B, R]``
+        besides the response tensors), ``epochs`` shuffled passes of mini-batches.
+
+        Returns:
+            metrics averaged over optimizer steps: ``vf_loss``, ``vf_clip_frac``,
+            ``value_mean``, ``grad_norm`` (pre-clip), ``steps``.
+        """
+        n = len(batch["response_ids"])
+        self.model.train()
+        sums: dict[str, float] = defaultdict(float)
+        steps = 0
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=generator) if epochs > 1 else torch.arange(n)
+            for mini in _chunks(order, mini_batch_size):
+                num_tokens = float(batch["response_mask"][mini].sum().clamp(min=1))
+                for micro in _chunks(mini, micro_batch_size):
+                    inputs = self._inputs(batch, micro)
+                    loss, m = clipped_value_loss(
+                        response_values(self.model, *inputs),
+                        batch["old_values"][micro].to(self.device),
+                        batch["returns"][micro].to(self.device),
+                        inputs[3],
+                        value_clip,
+                        num_tokens,
+                    )
+                    loss.backward()
+                    share = float(inputs[3].sum()) / num_tokens
+                    for k, v in m.items():
+                        sums[k] += v * share
+                sums["grad_norm"] += self._step()
+                steps += 1
+        out = {k: v / max(steps, 1) for k, v in sums.items()}
+        out["steps"] = steps
+        return out
+
+    def fit_step(self, batch: Mapping[str, torch.Tensor], targets: torch.Tensor) -> float:
+        """One optimizer step of binary cross-entropy between the sequence score and soft
+        labels ``targets [B]`` in [0, 1] (the verifier's partial credit). Returns the loss."""
+        self.model.train()
+        idx = torch.arange(len(targets))
+        logits = sequence_scores(self.model, *self._inputs(batch, idx))
+        loss = F.binary_cross_entropy_with_logits(logits, targets.float().to(self.device))
+        loss.backward()
+        self._step()
+        return loss.item()

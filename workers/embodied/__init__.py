@@ -1,0 +1,1 @@
+"""Embodied RL: vectorised Gymnasium simulators, a neural policy serving actions, a PPO actor."""

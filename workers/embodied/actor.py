@@ -1,0 +1,182 @@
+"""Embodied actor: PPO on environment trajectories for the :class:`ActorCritic` MLP.
+
+PPO as in CleanRL's ``ppo.py`` (Huang et al., 2022): GAE over each environment's time axis,
+advantages whitened over the batch, clipped policy surrogate, clipped value loss weighted by
+``vf_coef``, entropy bonus ``ent_coef``, global gradient clipping, Adam with ``eps=1e-5``. The
+surrogate and the value loss are the LM workflows' own functions
+(:func:`~m2flow.workers.actor.losses.grpo_loss` with one "token" per step, and
+:func:`~m2flow.workers.critic.losses.clipped_value_loss`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from m2flow import Channel, Worker
+
+from ..actor.losses import grpo_loss
+from ..critic.losses import clipped_value_loss, explained_variance, gae, masked_whiten
+from ..llm.placement import torch_device
+from .policy import ActorCritic
+
+
+class EmbodiedActorWorker(Worker):
+    """Trains the policy from trajectories; sends weights to the policy group.
+
+    One rank (``data_parallel = False``: no gradient all-reduce yet).
+
+    Args:
+        obs_dim, n_actions, hidden: the :class:`ActorCritic` shape.
+        lr, grad_clip: Adam (``eps=1e-5``) learning rate and max global grad norm.
+        gamma, lam: GAE discount (per environment step) and lambda.
+        clip_eps: policy ratio clip; value_clip: value clip around the old values (0: none).
+        vf_coef, ent_coef: weights of the value loss and of the entropy bonus.
+        epochs, mini_batch_size: passes over each batch and environment steps per optimizer
+            step (0: the whole batch).
+        threads: torch threads (0: the CPUs of the rank's devices); seed: init and shuffling.
+    """
+
+    data_parallel = False
+
+    def __init__(
+        self,
+        obs_dim: int,
+        n_actions: int,
+        hidden: int = 64,
+        lr: float = 1e-3,
+        grad_clip: float = 0.5,
+        gamma: float = 0.99,
+        lam: float = 0.95,
+        clip_eps: float = 0.2,
+        value_clip: float = 0.2,
+        vf_coef: float = 0.5,
+        ent_coef: float = 0.01,
+        epochs: int = 4,
+        mini_batch_size: int = 512,
+        threads: int = 0,
+        seed: int = 0,
+    ) -> None:
+        torch.set_num_threads(threads or self.num_threads)
+        torch.manual_seed(seed)
+        self.device = torch_device(self.devices)
+        self.net = ActorCritic(obs_dim, n_actions, hidden).to(self.device)
+        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=lr, eps=1e-5)
+        self.grad_clip, self.gamma, self.lam = grad_clip, gamma, lam
+        self.clip_eps, self.value_clip = clip_eps, value_clip
+        self.vf_coef, self.ent_coef = vf_coef, ent_coef
+        self.epochs, self.mini = epochs, mini_batch_size or None
+        self.generator = torch.Generator().manual_seed(seed)
+        self.weight_version = 0
+
+    def train(self, inp: Channel, num_items: int) -> dict:
+        """One PPO update from ``num_items`` trajectories (one per environment rank) taken from
+        ``inp`` (layout: :meth:`EnvWorker.rollout`).
+
+        Returns:
+            ``loss``, ``pg_loss``, ``vf_loss``, ``entropy``, ``clip_frac``, ``approx_kl``
+            (``E[(r - 1) - log r]``), ``grad_norm`` (pre-clip), means over optimizer steps;
+            ``explained_variance`` of the old values; ``samples`` (environment steps);
+            ``update_norm`` (L2 norm of the weight change).
+        """
+        trajs = [inp.get() for _ in range(num_items)]
+        # [T, N] per rank -> [N_total, T]: GAE runs along each simulator's time axis.
+        cat = {k: torch.cat([t[k] for t in trajs], dim=1) for k in trajs[0] if k != "last_value"}
+        last = torch.cat([t["last_value"] for t in trajs])
+        adv, ret = gae(
+            cat["rewards"].T, cat["values"].T, cat["dones"].T, last, self.gamma, self.lam
+        )
+        flat = {
+            "obs": cat["obs"].transpose(0, 1).reshape(-1, cat["obs"].shape[-1]),
+            "actions": cat["actions"].T.reshape(-1),
+            "logprobs": cat["logprobs"].T.reshape(-1),
+            "values": cat["values"].T.reshape(-1),
+            "advantages": adv.reshape(-1),
+            "returns": ret.reshape(-1),
+        }
+        n = len(flat["actions"])
+        ones = torch.ones(n, 1)
+        flat["advantages"] = masked_whiten(flat["advantages"].unsqueeze(1), ones).squeeze(1)
+        before = [p.detach().clone() for p in self.net.parameters()]
+        sums: dict[str, float] = defaultdict(float)
+        steps = 0
+        for _ in range(self.epochs):
+            for idx in torch.split(torch.randperm(n, generator=self.generator), self.mini or n):
+                mb = {k: v[idx].to(self.device) for k, v in flat.items()}
+                sums_step = self._step(mb)
+                for k, v in sums_step.items():
+                    sums[k] += v
+                steps += 1
+        self.weight_version += 1
+        change = sum(
+            float(((p.detach() - b) ** 2).sum()) for p, b in zip(self.net.parameters(), before)
+        )
+        out = {k: v / steps for k, v in sums.items()}
+        out["explained_variance"] = explained_variance(
+            flat["values"], flat["returns"], ones.squeeze(1)
+        )
+        out["samples"], out["update_norm"] = n, change**0.5
+        return out
+
+    def _step(self, mb: dict[str, torch.Tensor]) -> dict[str, float]:
+        dist = self.net.dist(mb["obs"])
+        logprob = dist.log_prob(mb["actions"])
+        mask = torch.ones_like(logprob).unsqueeze(1)
+        pg, m = grpo_loss(
+            logprob.unsqueeze(1), mb["logprobs"].unsqueeze(1), mb["advantages"], mask,
+            self.clip_eps, self.clip_eps,
+        )  # fmt: skip
+        vf, vm = clipped_value_loss(
+            self.net.value(mb["obs"]).unsqueeze(1), mb["values"].unsqueeze(1),
+            mb["returns"].unsqueeze(1), mask, self.value_clip,
+        )  # fmt: skip
+        entropy = dist.entropy().mean()
+        loss = pg + self.vf_coef * vf - self.ent_coef * entropy
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.grad_clip)
+        self.optimizer.step()
+        with torch.no_grad():
+            log_ratio = logprob - mb["logprobs"]
+            approx_kl = float(((log_ratio.exp() - 1) - log_ratio).mean())
+        return {
+            "loss": loss.item(),
+            "pg_loss": m["pg_loss"],
+            "clip_frac": m["clip_frac"],
+            "vf_loss": vm["vf_loss"],
+            "entropy": entropy.item(),
+            "approx_kl": approx_kl,
+            "grad_norm": float(norm),
+        }
+
+    def send_weights(self, dst_group: str, dst_world_size: int) -> int:
+        """Send ``(state_dict, weight_version)`` to every rank of ``dst_group``."""
+        state = self.state_dict()
+        works = [
+            self.send((state, self.weight_version), dst_group, r, async_op=True)
+            for r in range(dst_world_size)
+        ]
+        for w in works:
+            w.wait()
+        return self.weight_version
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The network's weights, on CPU (copies)."""
+        return {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()}
+
+    def offload(self) -> None:
+        if self.device.type == "cuda":
+            self.net.to("cpu")
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and k != "step":
+                        state[k] = v.cpu()
+
+    def onload(self) -> None:
+        if self.device.type == "cuda":
+            self.net.to(self.device)
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and k != "step":
+                        state[k] = v.to(self.device)

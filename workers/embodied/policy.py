@@ -1,0 +1,112 @@
+"""A small actor-critic MLP and the policy worker that turns observations into actions.
+
+The network is CleanRL's PPO agent for classic control (Huang et al., 2022, "The 37
+Implementation Details of PPO", details 2 and 3: separate 64-64 tanh MLPs for policy and value,
+orthogonal init with gains sqrt(2), 0.01 for the policy head and 1 for the value head).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import nn
+
+from m2flow import Channel, Worker
+
+from ..llm.placement import split_evenly, torch_device
+
+
+def _mlp(sizes: list[int], last_gain: float) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        lin = nn.Linear(a, b)
+        last = i == len(sizes) - 2
+        nn.init.orthogonal_(lin.weight, last_gain if last else math.sqrt(2))
+        nn.init.zeros_(lin.bias)
+        layers += [lin] if last else [lin, nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+class ActorCritic(nn.Module):
+    """Categorical policy and state value over ``obs_dim``-dimensional observations.
+
+    Args:
+        obs_dim: observation size; n_actions: discrete actions; hidden: width of both layers.
+    """
+
+    def __init__(self, obs_dim: int, n_actions: int, hidden: int = 64) -> None:
+        super().__init__()
+        self.pi = _mlp([obs_dim, hidden, hidden, n_actions], 0.01)
+        self.v = _mlp([obs_dim, hidden, hidden, 1], 1.0)
+
+    def dist(self, obs: torch.Tensor) -> torch.distributions.Categorical:
+        """Action distribution for ``obs [N, obs_dim]``."""
+        return torch.distributions.Categorical(logits=self.pi(obs))
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        """``[N]`` state values."""
+        return self.v(obs).squeeze(-1)
+
+
+class PolicyWorker(Worker):
+    """Serves actions to environment workers through channels (inference only: data parallel).
+
+    Args:
+        obs_dim, n_actions, hidden: the :class:`ActorCritic` shape (weights come from the
+            actor with :meth:`sync_weights`).
+        threads: torch threads (0: this rank's share of its node's CPUs); seed: sampling.
+    """
+
+    def __init__(
+        self, obs_dim: int, n_actions: int, hidden: int = 64, threads: int = 0, seed: int = 0
+    ) -> None:
+        torch.set_num_threads(threads or self.num_threads)
+        self.device = torch_device(self.devices)
+        self.net = ActorCritic(obs_dim, n_actions, hidden).to(self.device).eval()
+        self.generator = torch.Generator(self.device).manual_seed(seed + 7919 * self.rank)
+        self.weight_version = -1
+
+    def sync_weights(self, src_group: str = "actor", src_rank: int = 0) -> int:
+        """Receive ``(state_dict, version)`` and load it. Returns the version."""
+        state, self.weight_version = self.recv(src_group, src_rank)
+        self.net.load_state_dict(state)
+        return self.weight_version
+
+    @torch.no_grad()
+    def act(self, obs: Channel, actions: Channel, num_items: int) -> dict:
+        """Serve this rank's share of ``num_items`` observation items.
+
+        An item from ``obs`` is ``{"rank": int, "obs": [N, obs_dim] float32}``; the answer,
+        put into ``actions`` under key ``rank``, is ``{"action": [N] int64, "logprob": [N],
+        "value": [N]}`` (a sample of the policy, its log-probability, the state value).
+
+        Returns:
+            ``items`` served, ``observations`` (rows), ``forward_s`` (seconds in the network).
+        """
+        rows, forward_s = 0, 0.0
+        share = split_evenly(num_items, self.world_size)[self.rank]
+        for _ in range(share):
+            item = obs.get()
+            t0 = time.perf_counter()
+            x = item["obs"].to(self.device)
+            dist = self.net.dist(x)
+            action = torch.multinomial(dist.probs, 1, generator=self.generator).squeeze(-1)
+            answer = {
+                "action": action.cpu(),
+                "logprob": dist.log_prob(action).cpu(),
+                "value": self.net.value(x).cpu(),
+            }
+            forward_s += time.perf_counter() - t0
+            actions.put(answer, key=item["rank"])
+            rows += len(x)
+        return {"items": share, "observations": rows, "forward_s": forward_s}
+
+    def offload(self) -> None:
+        if self.device.type == "cuda":
+            self.net.to("cpu")
+
+    def onload(self) -> None:
+        if self.device.type == "cuda":
+            self.net.to(self.device)

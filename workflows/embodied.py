@@ -1,0 +1,164 @@
+"""Embodied RL: vectorised Gymnasium simulators <-> a policy group, every step, then PPO.
+
+    m2flow run workflows/embodied.py trainer.steps=40 env.id=Acrobot-v1
+    m2flow run workflows/embodied.py cluster.devices_per_node=3 \\
+        plan=workflows/plans/embodied_spatial.yaml
+
+Each step, every environment rank runs ``env.steps`` steps of its ``env.num_envs``
+simulators: it puts observations into a channel, the policy group answers with actions on
+another (the env -> policy -> env cycle of the workflow graph), and the finished trajectories
+go to the actor, which runs a PPO update and sends the new weights to the policy. The runner
+holds no placement logic: ``plan=...`` decides devices (see ``workflows/grpo.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from m2flow.workflows.grpo import ClusterConfig, _plain
+
+from m2flow.config import ConfigError
+
+
+@dataclass
+class EnvConfig:
+    id: str = "CartPole-v1"  # Gymnasium id: flat Box observations, Discrete actions
+    num_envs: int = 64  # simulators per environment rank (one vectorised env)
+    steps: int = 32  # environment steps per simulator per PPO update (rollout length T)
+    threads: int = 1
+
+
+@dataclass
+class PolicyConfig:
+    hidden: int = 64  # width of the two tanh layers (policy and value MLPs)
+    threads: int = 1
+
+
+@dataclass
+class AlgorithmConfig:
+    lr: float = 1e-3  # Adam, eps 1e-5
+    gamma: float = 0.98  # discount per environment step (RL Zoo CartPole)
+    lam: float = 0.8  # GAE lambda (RL Zoo CartPole)
+    clip_eps: float = 0.2  # PPO ratio clip: [1 - eps, 1 + eps]
+    value_clip: float = 0.2  # value clip around the old values (0: none)
+    vf_coef: float = 0.5
+    ent_coef: float = 0.0
+    epochs: int = 10  # passes over each batch
+    mini_batch_size: int = 256  # environment steps per optimizer step
+    grad_clip: float = 0.5
+    threads: int = 0  # actor's torch threads; 0 = the CPUs of its devices
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 60  # PPO updates
+    seed: int = 0
+    run_dir: str = "runs/embodied"
+    tensorboard: bool = False
+
+
+@dataclass
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def validate(cfg) -> None:
+    """Value checks the types cannot express. Raises ConfigError."""
+    a = cfg.algorithm
+    checks = [
+        (cfg.trainer.steps >= 0, "trainer.steps must be >= 0"),
+        (cfg.env.num_envs >= 1 and cfg.env.steps >= 1, "env.num_envs and env.steps must be >= 1"),
+        (a.lr > 0 and a.clip_eps > 0, "algorithm.lr and algorithm.clip_eps must be > 0"),
+        (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and algorithm.lam: [0, 1]"),
+        (a.epochs >= 1, "algorithm.epochs must be >= 1"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+
+
+def main(cfg) -> dict:
+    from m2flow.workers.embodied.actor import EmbodiedActorWorker
+    from m2flow.workers.embodied.env import EnvWorker
+    from m2flow.workers.embodied.policy import PolicyWorker
+
+    from m2flow import Channel, Cluster
+    from m2flow.runlog import RunLog
+
+    run_dir, tr, c = Path(cfg.trainer.run_dir), cfg.trainer, cfg.cluster
+    cluster = Cluster(
+        c.address,
+        num_cpus=c.num_cpus,
+        virtual_devices_per_node=c.devices_per_node,
+        device_memory_gb=c.device_memory_gb,
+        run_dir=run_dir,
+    )
+    e = cfg.env
+    env = EnvWorker.launch(
+        cluster, name="env", env_id=e.id, num_envs=e.num_envs, seed=tr.seed, threads=e.threads
+    )
+    spec = env.spec().wait()[0]
+    policy = PolicyWorker.launch(cluster, name="policy", **spec, seed=tr.seed, **_plain(cfg.policy))
+    actor = EmbodiedActorWorker.launch(
+        cluster, name="actor", **spec, hidden=cfg.policy.hidden, seed=tr.seed,
+        **_plain(cfg.algorithm),
+    )  # fmt: skip
+    obs, actions, trajectories = map(Channel.create, ("obs", "actions", "trajectories"))
+
+    def sync_weights():
+        sent = actor.send_weights("policy", policy.world_size)
+        policy.sync_weights("actor").wait()
+        sent.wait()
+
+    summary: dict = {}
+    with RunLog(run_dir, tr.steps, tr.tensorboard) as log:
+        log.print(cluster.describe())
+        sync_weights()
+        for step in range(1, tr.steps + 1):
+            t0 = time.time()
+            roll = env.rollout(obs, actions, trajectories, e.steps)
+            act = policy.act(obs, actions, env.world_size * (e.steps + 1))
+            upd = actor.train(trajectories, env.world_size)
+            e_out, _, a_out = roll.wait(), act.wait(), upd.wait()[0]
+            sync_weights()
+            seconds, env_steps = time.time() - t0, sum(o["env_steps"] for o in e_out)
+            episodes = sum(o["episodes"] for o in e_out)
+            recent = [o["recent_return"] for o in e_out if not math.isnan(o["recent_return"])]
+            metrics = {
+                "episodes": episodes,  # finished this step; their mean return and length:
+                **({"episode_return": sum(o["return_sum"] for o in e_out) / episodes,
+                    "episode_length": sum(o["length_sum"] for o in e_out) / episodes}
+                   if episodes else {}),
+                "recent_return": sum(recent) / len(recent) if recent else 0.0,
+                "env_steps_per_s": env_steps / roll.time(),  # during the rollout
+                "env_steps_per_s_overall": env_steps / seconds,  # whole step, update included
+                "step_s": seconds,
+                "env_s": roll.time(busy=True),
+                "env_sim_s": max(o["env_s"] for o in e_out),
+                "policy_s": act.time(busy=True),
+                "actor_s": upd.time(busy=True),
+                **{k: a_out[k] for k in ("pg_loss", "vf_loss", "entropy", "approx_kl",
+                                         "clip_frac", "explained_variance", "grad_norm")},
+                "actor_update_norm": a_out["update_norm"],
+            }  # fmt: skip
+            if step == 1:
+                summary["first_return"] = metrics.get("episode_return", 0.0)
+            summary["final_recent_return"] = metrics["recent_return"]
+            log.log(step, metrics, echo=step % 5 == 0 or step == 1)
+            log.advance(step, f"return {metrics['recent_return']:.1f}")
+        log.print(f"summary: {summary}")
+    cluster.shutdown()
+    return summary
+
+
+if __name__ == "__main__":
+    from m2flow.cli import run_as_script
+
+    run_as_script(__file__)

@@ -1,0 +1,253 @@
+"""RLHF-style PPO on a reasoning-gym task: rollout, actor, critic, reference and reward model.
+
+    m2flow run workflows/ppo.py trainer.steps=100 algorithm.kl_coef=0.02
+    m2flow run workflows/ppo.py cluster.devices_per_node=5 plan=workflows/plans/ppo_spatial.yaml
+
+Phases: a supervised warm start of the actor (as in GRPO); the warm-started weights go to the
+rollout, the reference (frozen), the critic and the reward model (their transformers); the
+reward model's head is fitted briefly to verifier labels of the policy's own samples. Then PPO
+steps: every rollout chunk goes to the reward model (learned score mixed with the verifier),
+the reference (logprobs) and the critic, which joins the three, computes KL-shaped token
+rewards and GAE, passes the chunk to the actor and fits its values. The runner holds no
+placement logic: ``plan=...`` decides devices and chunking (see ``workflows/grpo.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from m2flow.workflows.grpo import (
+    ClusterConfig,
+    ModelConfig,
+    RolloutConfig,
+    TaskConfig,
+    WarmStartConfig,
+    _plain,
+    _prompt_items,
+)
+
+from m2flow.config import ConfigError
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = 1.0  # GAE discount per token (veRL/OpenRLHF: 1, no discount in a response)
+    lam: float = 0.95  # GAE lambda
+    kl_coef: float = 0.05  # beta of the per-token KL penalty in the reward: -beta*(logp - ref)
+    clip_eps: float = 0.2  # PPO ratio clip: [1 - eps, 1 + eps]
+    value_clip: float = 0.2  # critic: new values kept within old +- value_clip in the loss
+    epochs: int = 2  # passes over each batch (actor and critic), mini-batches shuffled
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    mini_batch_size: int = 128  # responses per optimizer step; 0 = the whole batch
+    micro_batch_size: int = 0  # responses per forward/backward; 0 = the whole mini-batch
+    whiten_advantages: bool = True
+    recompute_old_logprobs: bool = False  # the rollout's logprobs are the same weights'
+    threads: int = 0
+
+
+@dataclass
+class CriticConfig:
+    lr: float = 5e-4  # the head starts at 0: the critic must catch up fast
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    mini_batch_size: int = 128
+    micro_batch_size: int = 0
+    threads: int = 0
+
+
+@dataclass
+class ReferenceConfig:
+    micro_batch_size: int = 0  # responses per forward; 0 = a whole chunk
+    threads: int = 0
+
+
+@dataclass
+class RewardConfig:
+    verifier_weight: float = 0.5  # reward = w * verifier + (1 - w) * reward model
+    lr: float = 1e-3  # reward-model fit
+    grad_clip: float = 1.0
+    batch_size: int = 64  # samples per fit step
+    micro_batch_size: int = 0
+    threads: int = 0
+
+
+@dataclass
+class RewardFitConfig:
+    batches: int = 18  # rollout batches (trainer.prompts_per_step prompts each) to label
+    heldout_batches: int = 2  # of which held out to measure the reward model
+    epochs: int = 3  # passes over the training samples (batches of reward.batch_size)
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 100
+    prompts_per_step: int = 64  # global batch: prompts (x rollout.n_samples responses)
+    eval_every: int = 25
+    seed: int = 0
+    run_dir: str = "runs/ppo"
+    tensorboard: bool = False
+
+
+@dataclass
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n_samples=4))
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_fit: RewardFitConfig = field(default_factory=RewardFitConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def validate(cfg) -> None:
+    """Value checks the types cannot express. Raises ConfigError."""
+    a, f = cfg.algorithm, cfg.reward_fit
+    checks = [
+        (cfg.trainer.steps >= 0, "trainer.steps must be >= 0"),
+        (cfg.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
+        (cfg.rollout.n_samples >= 1, "rollout.n_samples must be >= 1"),
+        (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
+        (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and algorithm.lam: [0, 1]"),
+        (a.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),
+        (a.clip_eps > 0 and a.epochs >= 1, "algorithm.clip_eps > 0 and algorithm.epochs >= 1"),
+        (0 <= cfg.reward.verifier_weight <= 1, "reward.verifier_weight must be in [0, 1]"),
+        (0 <= f.heldout_batches < f.batches, "need 0 <= reward_fit.heldout_batches < batches"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+
+
+def main(cfg) -> dict:
+    from m2flow.workers.actor.ppo import PPOActorWorker
+    from m2flow.workers.actor.reference import ReferenceWorker
+    from m2flow.workers.critic.data import Fanout
+    from m2flow.workers.critic.worker import CriticWorker
+    from m2flow.workers.llm import build_char_tokenizer
+    from m2flow.workers.reward.model import RewardModelWorker
+    from m2flow.workers.rollout.worker import RolloutWorker, num_chunks
+    from m2flow.workers.tasks import TaskDataset
+
+    from m2flow import Channel, Cluster
+    from m2flow.runlog import RunLog
+
+    run_dir, t, tr, alg = Path(cfg.trainer.run_dir), cfg.task, cfg.trainer, cfg.algorithm
+    c = cfg.cluster
+    cluster = Cluster(
+        c.address,
+        num_cpus=c.num_cpus,
+        virtual_devices_per_node=c.devices_per_node,
+        device_memory_gb=c.device_memory_gb,
+        run_dir=run_dir,
+    )
+    model = _plain(cfg.model)
+    lm = {"model": model, "alphabet": model.pop("alphabet")}
+    temp = cfg.rollout.temperature
+    rollout = RolloutWorker.launch(
+        cluster, name="rollout", **lm, task=_plain(t), seed=tr.seed, **_plain(cfg.rollout)
+    )
+    reward = RewardModelWorker.launch(
+        cluster, name="reward", **lm, seed=tr.seed, **_plain(cfg.reward)
+    )
+    reference = ReferenceWorker.launch(
+        cluster, name="reference", **lm, temperature=temp, **_plain(cfg.reference)
+    )
+    critic = CriticWorker.launch(
+        cluster, name="critic", **lm, gamma=alg.gamma, lam=alg.lam, kl_coef=alg.kl_coef,
+        value_clip=alg.value_clip, epochs=alg.epochs, seed=tr.seed, **_plain(cfg.critic),
+    )  # fmt: skip
+    actor = PPOActorWorker.launch(
+        cluster, name="actor", **lm, temperature=temp, clip_eps_low=alg.clip_eps,
+        clip_eps_high=alg.clip_eps, epochs=alg.epochs, seed=tr.seed, **_plain(cfg.actor),
+    )  # fmt: skip
+    names = ("prompts", "fit", "to_reward", "to_reference", "to_critic", "scores", "refs", "adv")
+    prompts, fit, to_reward, to_reference, to_critic, scores, refs, adv = map(Channel.create, names)
+    tokenizer = build_char_tokenizer(lm["alphabet"])
+    train = TaskDataset(t.name, dict(t.config), seed=t.train_seed, size=t.train_size)
+    n = tr.prompts_per_step
+    granularity = cluster.granularity("rollout", default=n)  # finest edge downstream
+    chunks = num_chunks(n, rollout.world_size, granularity)
+
+    def send_weights(group, receive):
+        sent = actor.send_weights(group.name, group.world_size)
+        receive("actor").wait()
+        sent.wait()
+
+    def evaluate() -> float:
+        scores_ = [s for shard in rollout.evaluate().wait() for s in shard]
+        return sum(s == 1.0 for s in scores_) / len(scores_)
+
+    summary = {}
+    with RunLog(run_dir, tr.steps, tr.tensorboard) as log:
+        log.print(cluster.describe())
+        ws = actor.warm_start(_plain(t), seed=tr.seed, **_plain(cfg.warm_start)).wait()[0]
+        for group, receive in ((rollout, rollout.sync_weights), (reference, reference.sync_weights),
+                               (critic, critic.init_from), (reward, reward.init_from)):  # fmt: skip
+            send_weights(group, receive)
+        # Reward model: label the warm-started policy's samples with the verifier, fit, measure.
+        fit_n = cfg.reward_fit.batches * n
+        for item in _prompt_items(train, tokenizer, fit_n, tr.seed, 0):
+            prompts.put(item)
+        gen = rollout.generate(prompts, fit, fit_n, n)
+        held = num_chunks(cfg.reward_fit.heldout_batches * n, rollout.world_size, n)
+        rm = reward.fit(fit, num_chunks(fit_n, rollout.world_size, n), held, cfg.reward_fit.epochs)
+        gen.wait()
+        acc = summary["accuracy_after_warm_start"] = evaluate()
+        log.log(0, {"phase": "warm_start", **ws, **rm.wait()[0], "heldout_accuracy": acc})
+        fanout = Fanout(to_reward, to_reference, to_critic)
+        for step in range(1, tr.steps + 1):
+            t0 = time.time()
+            for item in _prompt_items(train, tokenizer, n, tr.seed, step):
+                prompts.put(item)
+            gen = rollout.generate(prompts, fanout, n, granularity)
+            rew = reward.score(to_reward, scores, chunks)
+            ref = reference.logprobs(to_reference, refs, chunks)
+            val = critic.step(to_critic, scores, refs, adv, chunks)
+            upd = actor.train_ppo(adv, chunks)
+            g_out, r_out, c_out, a_out = gen.wait(), rew.wait()[0], val.wait()[0], upd.wait()[0]
+            ref.wait()
+            send_weights(rollout, rollout.sync_weights)
+            seconds = time.time() - t0
+            metrics = {
+                **{k: r_out[k] for k in ("reward_mean", "verifier_mean", "rm_mean")},
+                "sample_accuracy": r_out["accuracy"],
+                "response_length": g_out[0]["response_length"],
+                "tokens_per_s": sum(o["tokens"] for o in g_out) / seconds,
+                "step_s": seconds,
+                **{f"{name}_s": call.time(busy=True) for name, call in
+                   (("rollout", gen), ("reward", rew), ("reference", ref), ("critic", val),
+                    ("actor", upd))},
+                **{k: c_out[k] for k in ("kl", "explained_variance", "vf_loss", "vf_clip_frac")},
+                "critic_update_norm": c_out["update_norm"],
+                **{k: a_out[k] for k in ("pg_loss", "clip_frac", "ratio_mean", "grad_norm")},
+                "actor_update_norm": a_out["update_norm"],
+            }  # fmt: skip
+            if step % tr.eval_every == 0 or step == tr.steps:
+                metrics["heldout_accuracy"] = summary["final_accuracy"] = evaluate()
+            log.log(step, metrics, echo="heldout_accuracy" in metrics or step % 10 == 0)
+            log.advance(step, f"verifier {metrics['verifier_mean']:.3f}")
+        actor.save_checkpoint(str(run_dir / "checkpoints" / "final")).wait()
+        log.print(f"summary: {summary}")
+    cluster.shutdown()
+    return summary
+
+
+if __name__ == "__main__":
+    from m2flow.cli import run_as_script
+
+    run_as_script(__file__)
