@@ -346,7 +346,7 @@ class PlanResult:
             "batch_size": self.batch_size,
             "capacity_bytes": None if math.isinf(self.capacity) else self.capacity,
             "time_s": self.plan.time,
-            "throughput_items_per_s": self.throughput(),
+            "throughput_items_per_s": self.throughput() if self.plan.time > 0 else None,
             "edges": [
                 {"src": s, "dst": d, "granularity": m}
                 for (s, d), m in self.edge_granularity().items()

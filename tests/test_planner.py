@@ -259,8 +259,8 @@ def test_split_search_matches_exhaustive():
         chunks = np.array([batch // m for m in divisors(batch)[::-1]])
         pu, pd = table(n_max), table(n_max)
         o_u, o_d = (float(rng.choice([0.0, rng.uniform(0, 0.5)])) for _ in range(2))
-        search = best_split_all(pu, pd, o_u, o_d, chunks, exhaustive_work=0)  # bisection
-        direct = best_split_all(pu, pd, o_u, o_d, chunks, exhaustive_work=10**9)
+        search = best_split_all(pu, pd, o_u, o_d, chunks, exhaustive_splits=0)  # bisection
+        direct = best_split_all(pu, pd, o_u, o_d, chunks, exhaustive_splits=10**9)
         for got, want in zip(search, direct):  # same costs, and the same tie-breaks
             assert np.allclose(got, want, rtol=1e-9, equal_nan=True)
         cost, n_u, k_i = search
@@ -300,7 +300,7 @@ def test_planner_search_equals_exhaustive_at_scale(monkeypatch):
     wf = Workflow(comps, edges, 48)
     for mode in ("auto", "hybrid"):
         fast = plan_workflow(wf, 200, capacity=80.0, mode=mode, runner_ups=True)
-        monkeypatch.setattr(cost_module, "EXHAUSTIVE_WORK", 10**12)
+        monkeypatch.setattr(cost_module, "EXHAUSTIVE_SPLITS", 10**12)
         slow = plan_workflow(wf, 200, capacity=80.0, mode=mode, runner_ups=True)
         monkeypatch.undo()
         for p, q in zip((fast.plan, *fast.runner_ups), (slow.plan, *slow.runner_ups)):
