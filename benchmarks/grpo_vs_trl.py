@@ -14,12 +14,18 @@ token-mean loss, no KL, one optimizer step per batch.
    of the same length. Throughput is TRL's own token count (``num_input_tokens_seen``: prompt +
    completion tokens) per step over the wall time between consecutive step ends.
 
+Both use the workflow's model config, attention kernel included (``--attn`` sets it for
+both), ``--threads`` torch threads, and the same niceness (Ray runs our workers at 15; the TRL
+process lowers itself to 15), so that other load on a shared machine hurts both alike.
+
 Reported: median tokens/s over the measured steps (warm-up steps dropped), the ratio, and per
 phase medians (rollout = generation, reward = scoring, actor = the rest of TRL's step: loss
-forward/backward and optimizer; ours: each group's busy time). Writes
+forward/backward and optimizer; ours: each group's busy time, so ours' phases do not add up to
+its step: the rest is Ray calls, prompt puts, device switches and the weight sync). Writes
 ``benchmarks/results/grpo_vs_trl.json``.
 
-    python benchmarks/grpo_vs_trl.py [--steps 20] [--warmup 5] [--threads 2] [--only ours|trl]
+    python benchmarks/grpo_vs_trl.py [--steps 20] [--warmup 5] [--threads 2] [--attn eager]
+        [--only ours|trl [--checkpoint DIR]] [workflow overrides for ours ...]
 
 Needs the ``bench`` extra (``pip install -c constraints.txt -e '.[bench]'``).
 """
@@ -40,6 +46,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
+# Ray starts its workers (ours) at this niceness (raylet's ``worker_niceness``); TRL runs at
+# the same, so background load on a shared machine slows both sides alike.
+RAY_WORKER_NICENESS = 15
 PROMPTS, SAMPLES, MAX_NEW, TEMPERATURE, LR = 32, 16, 6, 0.7, 1e-4
 
 
@@ -101,6 +110,7 @@ def run_trl(
     from transformers import TrainerCallback
 
     torch.set_num_threads(threads)
+    os.nice(max(0, RAY_WORKER_NICENESS - os.nice(0)))
     model, tok = load_checkpoint(checkpoint)
     model.set_attn_implementation(attn)
     model.train()
@@ -213,6 +223,7 @@ def run_trl(
         "wall_s": wall,
         "trl_version": trl.__version__,
         "attn_implementation": model.config._attn_implementation,
+        "niceness": os.nice(0),
     }
 
 

@@ -13,7 +13,7 @@ Targets at 1024 devices: chain <= 0.05 s, PPO <= 1 s. RLinf reports 5.98 s for i
 a 3-node graph at 1024 devices (RLinf paper, planner overhead; printed for reference, a
 different machine and implementation).
 
-    python benchmarks/planner.py [--repeats 3] [--max-devices 1024] \\
+    python benchmarks/planner.py [--repeats 5] [--max-devices 1024] \\
         [--out benchmarks/results/planner.json]
 """
 
@@ -51,7 +51,7 @@ def best_of(repeats: int, *args, **kwargs) -> tuple[float, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-devices", type=int, default=1024)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "planner.json")
     args = ap.parse_args()

@@ -93,7 +93,7 @@ def _span(p: np.ndarray) -> tuple[int, int]:
     return (int(fin[0]) + 1, int(fin[-1]) + 1) if fin.size else (1, 0)
 
 
-EXHAUSTIVE_SPLITS = 80_000  # up to this many splits (N <= 400), the pruned quadratic search
+EXHAUSTIVE_SPLITS = 18_336  # up to this many splits (N <= 192), the pruned quadratic search
 _BLOCK = 1 << 17  # window candidates evaluated at once (bounds temporary memory)
 _K_BLOCK = 4  # chunk counts bisected at once
 

@@ -299,8 +299,9 @@ def test_planner_search_equals_exhaustive_at_scale(monkeypatch):
     edges = [("r", "a"), ("r", "c"), ("r", "t"), ("a", "t"), ("c", "t"), ("c", "u")]
     wf = Workflow(comps, edges, 48)
     for mode in ("auto", "hybrid"):
+        monkeypatch.setattr(cost_module, "EXHAUSTIVE_SPLITS", 0)  # bisection everywhere
         fast = plan_workflow(wf, 200, capacity=80.0, mode=mode, runner_ups=True)
-        monkeypatch.setattr(cost_module, "EXHAUSTIVE_SPLITS", 10**12)
+        monkeypatch.setattr(cost_module, "EXHAUSTIVE_SPLITS", 10**12)  # every split
         slow = plan_workflow(wf, 200, capacity=80.0, mode=mode, runner_ups=True)
         monkeypatch.undo()
         for p, q in zip((fast.plan, *fast.runner_ups), (slow.plan, *slow.runner_ups)):
