@@ -5,18 +5,24 @@ the same reasoning-gym task and reward, with the same batch shape: 32 prompts x 
 at most 6 new tokens, temperature 0.7 (top-p 1, no top-k), AdamW lr 1e-4, clip 0.2 / 0.28,
 token-mean loss, no KL, one optimizer step per batch.
 
-1. Ours: ``workflows/grpo.py`` through the m2flow API (``m2flow.cli.prepare`` + ``main``), in
-   its default placement (temporal: every group on device 0). Its supervised warm start runs
-   first (untimed), then ``--warmup + --steps`` GRPO steps; throughput is the workflow's own
-   ``tokens_per_s`` (real prompt + response tokens of the step / step wall time).
+1. Ours: ``workflows/grpo.py`` through the m2flow API (``m2flow.cli.prepare`` + ``main``)
+   under the planned mode, as ``m2flow run ... plan=auto --profile P`` would run it: one
+   virtual device per core (``--devices``), the plan from this machine's profile
+   (``benchmarks/profiles/grpo_2cpu.yaml``), each rank using its devices' share of the CPUs.
+   ``--plan none`` runs the runner's default instead (temporal, every group on one device with
+   ``--threads`` threads). Its supervised warm start runs first (untimed), then ``--warmup +
+   --steps`` GRPO steps; throughput is the workflow's own ``tokens_per_s`` (real prompt +
+   response tokens of the step / step wall time).
 2. TRL: ``GRPOTrainer`` (``use_cpu``, fp32, no gradient checkpointing, no vLLM; transformers
    ``generate``), started from our run's final checkpoint so that both policies write answers
    of the same length. Throughput is TRL's own token count (``num_input_tokens_seen``: prompt +
    completion tokens) per step over the wall time between consecutive step ends.
 
 Both use the workflow's model config, attention kernel included (``--attn`` sets it for
-both), ``--threads`` torch threads, and the same niceness (Ray runs our workers at 15; the TRL
-process lowers itself to 15), so that other load on a shared machine hurts both alike.
+both), the machine's cores (TRL: one process with ``--threads`` torch threads; ours: the plan's
+ranks, or ``--threads`` with ``--plan none``), and the same niceness (Ray runs our workers at
+15; the TRL process lowers itself to 15), so that other load on a shared machine hurts both
+alike.
 
 Reported: median tokens/s over the measured steps (warm-up steps dropped), the ratio, and per
 phase medians (rollout = generation, reward = scoring, actor = the rest of TRL's step: loss
@@ -25,6 +31,7 @@ its step: the rest is Ray calls, prompt puts, device switches and the weight syn
 ``benchmarks/results/grpo_vs_trl.json``.
 
     python benchmarks/grpo_vs_trl.py [--steps 20] [--warmup 5] [--threads 2] [--attn eager]
+        [--plan auto|none|...] [--profile P] [--devices N]
         [--only ours|trl [--checkpoint DIR]] [workflow overrides for ours ...]
 
 Needs the ``bench`` extra (``pip install -c constraints.txt -e '.[bench]'``).
@@ -56,9 +63,21 @@ def _median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def run_ours(steps: int, warmup: int, threads: int, run_dir: Path, extra: list[str]) -> dict:
-    """The GRPO workflow for ``warmup + steps`` steps; medians over the last ``steps``."""
+def run_ours(
+    steps: int,
+    warmup: int,
+    threads: int,
+    run_dir: Path,
+    extra: list[str],
+    plan: str | None = None,
+    profile: str | None = None,
+) -> dict:
+    """The GRPO workflow for ``warmup + steps`` steps under ``plan`` (as ``m2flow run
+    plan=...``; None: the default, temporal on every device); medians over the last
+    ``steps``."""
     from m2flow.cli import prepare
+    from m2flow.planning import placement_for
+    from m2flow.session import Session
 
     overrides = [
         f"trainer.steps={warmup + steps}",
@@ -68,14 +87,21 @@ def run_ours(steps: int, warmup: int, threads: int, run_dir: Path, extra: list[s
         f"rollout.n_samples={SAMPLES}",
         f"rollout.max_new_tokens={MAX_NEW}",
         f"rollout.temperature={TEMPERATURE}",
-        f"rollout.threads={threads}",
-        f"actor.threads={threads}",
+        # Under a plan each rank gets its devices' share of the CPUs (threads=0).
+        f"rollout.threads={0 if plan else threads}",
+        f"actor.threads={0 if plan else threads}",
         f"actor.lr={LR}",
         *extra,
     ]
-    module, cfg = prepare(str(ROOT / "workflows" / "grpo.py"), overrides, [])
+    workflow = str(ROOT / "workflows" / "grpo.py")
+    module, cfg = prepare(workflow, overrides, [])
+    placement = None
+    if plan is not None:
+        prof = Path(profile) if profile else None
+        placement = placement_for(plan, workflow, overrides, [], prof, log=print)
     t0 = time.time()
-    module.main(cfg)
+    with Session(placement=placement) as session:
+        module.main(cfg)
     wall = time.time() - t0
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     warm = next(r for r in rows if r.get("phase") == "warm_start")
@@ -94,6 +120,7 @@ def run_ours(steps: int, warmup: int, threads: int, run_dir: Path, extra: list[s
         "wall_s": wall,
         "overrides": overrides,
         "checkpoint": str(sorted((run_dir / "checkpoints").glob("step_*"))[-1]),
+        "plan": session.placement.tree if session.placement else "temporal (default)",
     }
 
 
@@ -237,6 +264,20 @@ def main() -> None:
     ap.add_argument(
         "--attn", default=None, help="attention kernel for both (default: the workflow's)"
     )
+    ap.add_argument(
+        "--plan",
+        default="auto",
+        help="ours' plan= (auto|temporal|spatial|hybrid|plan.yaml), or 'none': the runner's "
+        "default placement (temporal on one device with --threads threads)",
+    )
+    ap.add_argument(
+        "--profile",
+        default=str(ROOT / "benchmarks" / "profiles" / "grpo_2cpu.yaml"),
+        help="profile for --plan auto|spatial|hybrid (default: this machine's, 1 core/device)",
+    )
+    ap.add_argument(
+        "--devices", type=int, default=os.cpu_count(), help="virtual devices under --plan"
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grpo_vs_trl.json"))
     ap.add_argument("overrides", nargs="*", help="extra workflow overrides for ours (key=value)")
     a = ap.parse_args()
@@ -263,11 +304,16 @@ def main() -> None:
     from m2flow.workers.llm import ModelConfig
 
     attn = results["attn_implementation"] = a.attn or ModelConfig.attn_implementation
+    plan = None if a.plan == "none" else a.plan
     overrides = [f"model.attn_implementation={attn}", *a.overrides]
+    if plan is not None:
+        overrides.insert(0, f"cluster.devices_per_node={a.devices}")
     with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_") as tmp:
         checkpoint = a.checkpoint
         if a.only in (None, "ours"):
-            results["ours"] = run_ours(a.steps, a.warmup, a.threads, Path(tmp) / "ours", overrides)
+            results["ours"] = run_ours(
+                a.steps, a.warmup, a.threads, Path(tmp) / "ours", overrides, plan, a.profile
+            )
             checkpoint = results["ours"]["checkpoint"]
         if a.only in (None, "trl"):
             if checkpoint is None:

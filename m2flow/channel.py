@@ -98,25 +98,34 @@ class ChannelActor:
             fut.set_result(None)
 
     async def put(self, args: tuple) -> None:
-        client, op, payload, weight, key, producer, timeout = args
+        """Queue items in order: ``args`` is ``(client, op, [(payload, weight)], key,
+        producer, timeout)``. A bounded channel waits for room before each item."""
+        client, op, entries, key, producer, timeout = args
         await self._turn(client, op)
         try:
-            if self.maxsize:
-                async with self.space:
-                    try:
-                        await asyncio.wait_for(
-                            self.space.wait_for(lambda: self.size < self.maxsize), timeout
-                        )
-                    except TimeoutError:
-                        raise TimeoutError(
-                            f"channel '{self.name}' stayed full ({self.maxsize} items) for "
-                            f"{timeout:.0f} s: no consumer is taking items"
-                        ) from None
-            self.keys[key].items.append(_Entry(payload, float(weight), producer, next(self.seq)))
-            self.size += 1
+            for done, (payload, weight) in enumerate(entries):
+                if self.maxsize:
+                    await self._wait_for_room(timeout, done, len(entries))
+                self.keys[key].items.append(
+                    _Entry(payload, float(weight), producer, next(self.seq))
+                )
+                self.size += 1
+                self._dispatch(key)
         finally:
             self._next_turn(client)
-        self._dispatch(key)
+
+    async def _wait_for_room(self, timeout: float, done: int, total: int) -> None:
+        async with self.space:
+            try:
+                await asyncio.wait_for(
+                    self.space.wait_for(lambda: self.size < self.maxsize), timeout
+                )
+            except TimeoutError:
+                queued = f"; the first {done} of these {total} items are queued" if done else ""
+                raise TimeoutError(
+                    f"channel '{self.name}' stayed full ({self.maxsize} items) for "
+                    f"{timeout:.0f} s: no consumer is taking items{queued}"
+                ) from None
 
     async def get(self, args: tuple):
         """Items for one consumer: a list of ``(payload, weight)``."""
@@ -299,12 +308,40 @@ class Channel:
         Raises:
             TimeoutError: a bounded channel stayed full for ``timeout`` seconds.
         """
-        if weight < 0:
-            raise ValueError(f"channel '{self.name}': weight must be >= 0, got {weight}")
-        payload = ("ref", [ray.put(item)]) if _needs_object_store(item) else ("value", item)
+        return self.put_many([item], [weight], key, async_op, timeout)
+
+    def put_many(
+        self,
+        items: list[Any],
+        weights: list[float] | None = None,
+        key: Any = None,
+        async_op: bool = False,
+        timeout: float | None = None,
+    ):
+        """Queue ``items`` under ``key`` in order, in one round trip to the channel: the same
+        as ``put`` for each item (a driver filling a step's prompts pays one call, not one
+        per prompt). ``weights``: one per item (default 1 each).
+
+        Raises:
+            ValueError: a negative weight, or not one weight per item.
+            TimeoutError: a bounded channel stayed full for ``timeout`` seconds.
+        """
+        weights = [1.0] * len(items) if weights is None else list(weights)
+        if len(weights) != len(items):
+            raise ValueError(
+                f"channel '{self.name}': {len(items)} items but {len(weights)} weights; "
+                "pass one weight per item"
+            )
+        bad = [w for w in weights if w < 0]
+        if bad:
+            raise ValueError(f"channel '{self.name}': weight must be >= 0, got {bad[0]}")
+        entries = [
+            (("ref", [ray.put(it)]) if _needs_object_store(it) else ("value", it), float(w))
+            for it, w in zip(items, weights)
+        ]
         producer = _identity().split(":")[0].split("#")[0]
         ref = self._submit(
-            "put", payload, weight, key, producer, wait_timeout() if timeout is None else timeout
+            "put", entries, key, producer, wait_timeout() if timeout is None else timeout
         )
         work = Work(ref)
         return work if async_op else work.wait()

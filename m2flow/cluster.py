@@ -17,10 +17,11 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._env import apply_ray_env_defaults
+from ._env import apply_ray_env_defaults, wait_timeout
 
 if TYPE_CHECKING:
     from .placement import Placement
@@ -30,6 +31,16 @@ logger = logging.getLogger(__name__)
 VIRTUAL_DEVICE_RESOURCE = "m2flow_virtual_device"
 NAMESPACE = "m2flow"
 GiB = 1 << 30
+
+
+class Offload(StrEnum):
+    """What a device switch does to the worker leaving the device (see :class:`Cluster`)."""
+
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
 # Ray resolves "127.0.0.1"/"localhost" to the machine's routable IP; another loopback address
 # keeps the embedded session on loopback.
 _LOOPBACK = "127.0.0.2"
@@ -80,9 +91,15 @@ class Cluster:
             ``m2flow_virtual_device`` resource.
         device_memory_gb: declared capacity of each virtual device, in GiB.
         run_dir: directory for Ray's temp files (embedded mode only).
+        offload: what a device switch does to the worker leaving the device. ``"always"``:
+            offload it (RLinf's context switch, section 4.3); ``"never"``: keep every worker
+            resident (for devices whose memory holds them all); ``"auto"`` (default):
+            ``"always"`` on GPUs, ``"never"`` on virtual devices, whose "device memory" is host
+            RAM either way, so offloading there costs time and frees nothing.
 
     Raises:
-        ValueError: a cluster with no device at all (nothing can be placed).
+        ValueError: a cluster with no device at all (nothing can be placed), or an unknown
+            ``offload`` value.
     """
 
     def __init__(
@@ -93,9 +110,15 @@ class Cluster:
         virtual_devices_per_node: int = 1,
         device_memory_gb: float = 16.0,
         run_dir: str | os.PathLike | None = None,
+        offload: str | Offload = Offload.auto,
     ) -> None:
         import ray
 
+        if offload not in {m.value for m in Offload}:
+            raise ValueError(
+                f"offload={offload!r}: use one of {', '.join(m.value for m in Offload)}"
+            )
+        offload = Offload(offload)
         apply_ray_env_defaults()
         self.run_dir = Path(run_dir) if run_dir else None
         self._owns_ray = False
@@ -131,6 +154,13 @@ class Cluster:
                 "the Ray cluster has no devices: no node has a GPU or an "
                 f"'{VIRTUAL_DEVICE_RESOURCE}' resource; pass virtual_devices_per_node >= 1"
             )
+        self.offload = offload
+        keep = [
+            d.global_id
+            for d in self.devices
+            if offload is Offload.never or (offload is Offload.auto and d.kind == "virtual")
+        ]
+        ray.get(self.lock_service.configure.remote(keep), timeout=wait_timeout())
         from .session import current_session
 
         session = current_session()

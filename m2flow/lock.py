@@ -9,7 +9,9 @@ no lock-order deadlock).
   state may have been offloaded by an earlier switch). Re-acquiring by the worker that used
   the device last moves nothing.
 - Release: frees the devices; the holder stays resident until a *different* worker takes them
-  (lazy offload), so a worker that calls twice in a row pays no switch.
+  (lazy offload), so a worker that calls twice in a row pays no switch. Devices configured to
+  keep everyone resident (:meth:`LockService.configure`; the Cluster's ``offload`` setting)
+  never evict: the lock only serialises the workers' use of the device.
 - Priority follows data dependencies: channels report every producer -> consumer edge they
   see (:meth:`LockService.add_dependency`), and a waiter is not granted while a waiter of an
   upstream group (one that feeds it, directly or not) waits too. So a consumer never takes the
@@ -46,7 +48,13 @@ class LockService:
         self.priority: dict[str, int] = {}  # group -> rank in data-dependency order
         self.grant_log: list[tuple[str, float]] = []
         self.downstream: dict[str, set[str]] = defaultdict(set)  # group -> groups it feeds
+        self.keep_resident: set[int] = set()  # devices whose switches offload no one
         self._seq = itertools.count()
+
+    async def configure(self, keep_resident: list[int]) -> None:
+        """Devices on which a switch leaves the other workers resident (no offload): their
+        memory holds everyone, or offloading frees nothing there (a virtual CPU device)."""
+        self.keep_resident = set(keep_resident)
 
     async def register(
         self, key: str, group: str, devices: list[int], handle, launch_index: int
@@ -148,6 +156,9 @@ class LockService:
                 await self._free_dead_holders(devices)
         evict = set()
         for d in devices:
+            if d in self.keep_resident:
+                self.resident[d].add(key)
+                continue
             evict |= self.resident[d] - {key}
             self.resident[d] = {key}
         for other in evict:  # an evicted worker leaves all its devices' memory

@@ -155,15 +155,26 @@ def temporal() -> Placement:
     return Placement(mode="temporal")
 
 
-def from_plan(plan, edges: list[tuple[str, str]], batch_size: int) -> Placement:
+def from_plan(
+    plan, edges: list[tuple[str, str]], batch_size: int, num_devices: int | None = None
+) -> Placement:
     """The placement of a planner :class:`~m2flow.scheduler.planner.Plan`.
+
+    Each group gets the devices its leaf *uses*: a component the planner gave n devices but
+    that is fastest on k < n of them (``plan_workflow(allow_idle=True)``) launches on those k
+    only, and the devices no leaf uses stay idle.
 
     Args:
         plan: the plan tree (device ranges per component, granularity per spatial cut).
         edges: the workflow's ``(src, dst)`` group edges.
         batch_size: items per step ``M`` (the granularity of a coalesced edge).
+        num_devices: the devices planned for; when given, the idle ones are noted in ``tree``.
     """
     groups = {name: list(devs) for name, devs in plan.placement().items()}
+    tree = str(plan)
+    idle = plan.idle(num_devices) if num_devices is not None else []
+    if idle:
+        tree += "\nidle: " + ", ".join(f"[{r.start}, {r.stop})" for r in idle)
     gran = {f"{s}->{d}": int(m) for (s, d), m in plan.edge_granularity(edges, batch_size).items()}
     kinds = plan.kinds()
     mode = "hybrid" if len(kinds) == 2 else (next(iter(kinds)) if kinds else "temporal")
@@ -173,5 +184,5 @@ def from_plan(plan, edges: list[tuple[str, str]], batch_size: int) -> Placement:
         granularity=gran,
         predicted_step_s=float(plan.time),
         predicted={k: float(v) for k, v in plan.breakdown().items()},
-        tree=str(plan),
+        tree=tree,
     )

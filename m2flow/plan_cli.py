@@ -12,6 +12,11 @@ the predicted step time and throughput, and the runner-up plans (the best plan o
 mode and of each other top-level split) with their predicted times. ``--json`` prints one JSON
 document instead (for tools).
 
+Idle devices: by default a component given n devices may use fewer when it is no faster on more
+(a small model whose profile slows down past one device), so the plan may leave devices idle;
+they are printed under the tree (``idle: [5, 8)``) and listed as ``idle_devices`` in the JSON.
+``--no-idle`` plans as RLinf does, every device used.
+
 ``--nodes K``: ``--devices N`` counts all devices, ``N / K`` per node, numbered node-major (as
 the cluster numbers them). Each rank of a group holds one device, so no rank ever spans nodes
 and the planner's split needs no node constraint; the profile's times already include the
@@ -44,7 +49,7 @@ def _is_workflow(target: str) -> bool:
     return target.endswith(".py") or not (target.endswith((".yaml", ".yml", ".json")))
 
 
-def _plan(target, devices, nodes, mode, memory_gb, overrides):
+def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True):
     """``(profile, PlanResult, step_overhead_s)``; raises ConfigError/ValueError on bad input."""
     from .config import ConfigError
     from .planning import profile_to_file
@@ -77,7 +82,12 @@ def _plan(target, devices, nodes, mode, memory_gb, overrides):
     capacity = memory_gb * GiB if memory_gb else (prof.device_memory_bytes or math.inf)
     try:
         result = plan_workflow(
-            to_workflow(prof), devices, capacity=capacity, mode=mode, runner_ups=True
+            to_workflow(prof),
+            devices,
+            capacity=capacity,
+            mode=mode,
+            runner_ups=True,
+            allow_idle=allow_idle,
         )
     except PlanError as e:
         raise ConfigError(f"no {mode} plan on {devices} devices: {e}") from None
@@ -181,6 +191,21 @@ def _fits_table(fit_doc: dict) -> Table:
     return t
 
 
+def _ranges(rs) -> str:
+    return ", ".join(f"[{r.start}, {r.stop})" for r in rs)
+
+
+def _idle_line(result) -> str:
+    idle = result.idle()
+    if not idle:
+        return ""
+    count = sum(len(r) for r in idle)
+    return (
+        f"idle: {_ranges(idle)} ({count} of {result.num_devices} devices): no component is "
+        "predicted faster on more of them (--no-idle uses every device)"
+    )
+
+
 def _shown(runner_ups, limit: int) -> list:
     """The fastest ``limit`` runner-ups, plus the fastest of every kind (each mode's best)."""
     firsts = {}
@@ -246,13 +271,18 @@ def plan(
     gantt_png: Optional[Path] = typer.Option(None, "--gantt", help="draw one predicted step"),
     save: Optional[Path] = typer.Option(None, "--save", help="write a plan file for plan=FILE"),
     as_json: bool = typer.Option(False, "--json", help="print JSON only"),
+    idle: bool = typer.Option(
+        True, "--idle/--no-idle", help="let a component use fewer devices when that is faster"
+    ),
 ) -> None:
     """Print the plan for N devices: tree, components, prediction, runner-ups."""
     from .config import ConfigError
     from .placement import from_plan
 
     try:
-        prof, result, overhead = _plan(target, devices, nodes, mode, memory_gb, overrides or [])
+        prof, result, overhead = _plan(
+            target, devices, nodes, mode, memory_gb, overrides or [], idle
+        )
     except (ConfigError, ValueError) as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(2) from None
@@ -261,7 +291,7 @@ def plan(
     comps = components(result, per_node)
     fit_doc = _fits(prof)
     if save is not None:
-        placement = from_plan(result.plan, list(result.edges), result.batch_size)
+        placement = from_plan(result.plan, list(result.edges), result.batch_size, devices)
         placement.predicted_step_s = step
         placement.save(save)
     if gantt_png is not None:
@@ -294,6 +324,8 @@ def plan(
         highlight=False,
     )
     out.print(_tree(result.plan, f"plan ({result.plan.kind()}): {result.plan.shape()}"))
+    if _idle_line(result):
+        out.print(_idle_line(result), highlight=False)
     out.print(_components_table(comps, nodes))
     out.print(_fits_table(fit_doc))
     extra = f" + unattributed {overhead:.4f} s" if overhead else ""
@@ -304,11 +336,17 @@ def plan(
     )
     if result.runner_ups:
         t = Table(title="runner-ups")
-        for col in ("kind", "plan", "predicted s", "vs best"):
+        for col in ("kind", "plan", "devices used", "predicted s", "vs best"):
             t.add_column(col, justify="left" if col in ("kind", "plan") else "right")
+        n = result.num_devices
         for p in _shown(result.runner_ups, 10):
+            used = n - sum(len(r) for r in p.idle(n))
             t.add_row(
-                p.kind(), p.shape(), f"{p.time + overhead:.4f}", f"{p.time / result.time:.3f}x"
+                p.kind(),
+                p.shape(),
+                f"{used}/{n}",
+                f"{p.time + overhead:.4f}",
+                f"{p.time / result.time:.3f}x",
             )
         out.print(t)
     if gantt_png is not None:

@@ -76,7 +76,7 @@ def plan_from_profile(prof, num_devices: int, capacity: float | None, mode: str 
         )
     except PlanError as e:
         raise ConfigError(f"plan={mode} on {num_devices} devices: {e}") from None
-    placement = from_plan(plan, list(wf.edges), wf.batch_size)
+    placement = from_plan(plan, list(wf.edges), wf.batch_size, num_devices)
     overhead = float(getattr(prof, "step_overhead_s", 0.0) or 0.0)
     placement.predicted_step_s = float(plan.time) + overhead
     return plan, placement
@@ -118,7 +118,7 @@ def placement_for(
     def resolve(cluster) -> Placement:
         capacity = min(d.memory_bytes for d in cluster.devices)
         plan, placement = plan_from_profile(prof, cluster.num_devices, capacity, spec)
-        log(f"plan={spec} on {cluster.num_devices} devices:\n{plan}")
+        log(f"plan={spec} on {cluster.num_devices} devices:\n{placement.tree}")
         return placement
 
     return resolve

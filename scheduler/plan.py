@@ -3,10 +3,11 @@
 A plan (RLinf section 5, Algorithm 1's output) is a tree: :class:`Leaf` (one component, or a
 collapsed cycle of components, on a device range), :class:`Temporal` (children one after the
 other on the same devices) and :class:`Spatial` (upstream and downstream on disjoint devices,
-pipelined in chunks of ``granularity`` items). Every node carries its concrete device range and
-predicted time (seconds per step). :class:`PlanResult` adds what a runtime or ``m2flow plan``
-needs around the tree: the cluster, the batch size, the granularity of every workflow edge and
-the runner-up plans.
+pipelined in chunks of ``granularity`` items). Every node carries its concrete device range (the
+devices its leaves use) and predicted time (seconds per step). A plan may leave devices idle
+when a component is no faster on more of them (:meth:`Plan.idle`). :class:`PlanResult` adds
+what a runtime or ``m2flow plan`` needs around the tree: the cluster, the batch size, the
+granularity of every workflow edge and the runner-up plans.
 
 ``to_dict`` / ``from_dict`` round-trip exactly (floats included) through JSON and YAML.
 Units: seconds, bytes per device, items (of the step's batch of ``M``).
@@ -45,8 +46,20 @@ class Plan:
         return out
 
     def placement(self) -> dict[str, range]:
-        """Device range of every original component."""
+        """Device range of every original component (the devices it uses)."""
         return {c: leaf.devices for leaf in self.leaves() for c in leaf.components}
+
+    def idle(self, num_devices: int) -> list[range]:
+        """Device ranges of ``[0, num_devices)`` that no leaf uses, in increasing order."""
+        used = sorted((lf.devices.start, lf.devices.stop) for lf in self.leaves())
+        out, pos = [], 0
+        for a, b in used:
+            if a > pos:
+                out.append(range(pos, min(a, num_devices)))
+            pos = max(pos, b)
+        if pos < num_devices:
+            out.append(range(pos, num_devices))
+        return [r for r in out if len(r)]
 
     def memory(self) -> dict[str, float]:
         """Per original component: predicted peak bytes per device on its devices (empty for
@@ -148,11 +161,12 @@ def _base(node: Plan, kind: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Leaf(Plan):
-    """One (collapsed) node on ``devices``; ``components``: original names (several = a cycle).
+    """One (collapsed) node on ``devices`` (the k devices it uses, possibly fewer than its
+    parent gave it: the rest idle); ``components``: original names (several = a cycle).
 
     ``component_times``: each member's busy seconds per step (switch cost included when
     ``shared``); ``component_memory``: each member's predicted peak bytes per device;
-    ``component_devices``: devices each member actually uses (``min(n, max_devices)``).
+    ``component_devices``: devices each member actually uses (``min(k, max_devices)``).
     """
 
     name: str = ""
@@ -313,7 +327,7 @@ class PlanResult:
     ``batch_size`` (``M``, items per step); ``edges``: the workflow's ``(src, dst)`` edges;
     ``capacity``: bytes per device (``inf`` = unlimited); ``runner_ups``: the best plan of each
     other mode and of each other top-level (cut, composition), distinct from ``plan`` and from
-    each other, fastest first.
+    each other, fastest first; ``allow_idle``: whether components could leave devices idle.
     """
 
     plan: Plan
@@ -323,11 +337,16 @@ class PlanResult:
     edges: tuple[tuple[str, str], ...] = ()
     capacity: float = math.inf
     runner_ups: tuple[Plan, ...] = ()
+    allow_idle: bool = True
 
     @property
     def time(self) -> float:
         """Predicted seconds per step of the best plan."""
         return self.plan.time
+
+    def idle(self) -> list[range]:
+        """Device ranges the best plan leaves idle (empty when it uses every device)."""
+        return self.plan.idle(self.num_devices)
 
     def throughput(self) -> float:
         """Predicted items per second of the best plan (``batch_size / time``)."""
@@ -345,6 +364,8 @@ class PlanResult:
             "num_devices": self.num_devices,
             "batch_size": self.batch_size,
             "capacity_bytes": None if math.isinf(self.capacity) else self.capacity,
+            "allow_idle": self.allow_idle,
+            "idle_devices": [[r.start, r.stop] for r in self.idle()],
             "time_s": self.plan.time,
             "throughput_items_per_s": self.throughput() if self.plan.time > 0 else None,
             "edges": [
@@ -373,6 +394,7 @@ class PlanResult:
             batch_size=int(_get(doc, "batch_size", "result")),
             edges=tuple((str(e["src"]), str(e["dst"])) for e in doc.get("edges", [])),
             capacity=math.inf if cap is None else float(cap),
+            allow_idle=bool(doc.get("allow_idle", False)),  # older documents used every device
             runner_ups=tuple(
                 _from_dict(_get(r, "plan", f"runner_ups[{i}]"), f"runner_ups[{i}].plan")
                 for i, r in enumerate(doc.get("runner_ups", []))

@@ -15,29 +15,42 @@ Algorithm:
 2. ``P(S, n)`` for a node subset S on n devices (memoised per (S, time-shared flag, family) as
    an array over n = 0..N, one DP pass per subset):
 
-   * one node: ``time(n)`` if ``n >= min_devices`` and ``memory(n) <= capacity``, else ``inf``.
-     A component with ``max_devices`` uses ``min(n, max_devices)`` of the n devices it is given:
-     ``time(n) = time(max_devices)`` and ``memory(n) = memory(max_devices)`` beyond it.
+   * one node given n devices uses k of them; it is feasible at k iff ``k >= min_devices`` and
+     ``memory(k) <= capacity``. With ``allow_idle`` (the default) k is any feasible ``k <= n``
+     and the node's time on n is the monotone envelope ``min_{feasible k <= n} time(k)``
+     (smallest such k on ties); the other ``n - k`` devices stay idle. A small model measured
+     on few devices often gets *slower* with more (threads, communication): without the
+     envelope the planner would push spare devices onto it. With ``allow_idle=False``
+     (Algorithm 1 as RLinf states it) k = n: ``time(n)`` if feasible at n, else ``inf``. A
+     component with ``max_devices`` uses ``min(k, max_devices)`` of its k devices:
+     ``time(k) = time(max_devices)`` and ``memory(k) = memory(max_devices)`` beyond it.
    * otherwise the best over EVERY s-t cut (U, D = S \\ U), U a nonempty proper subset of S
      closed under predecessors within S (no edge D -> U), of
      - temporal: ``P(U, n) + P(D, n)`` on the same devices, where every component under a
        temporal node is *time-shared* and pays its ``switch_cost`` (offload + onload, seconds)
        once per step: a time-shared leaf costs ``time(n) + switch_cost``. At one temporal node
        of two leaves this is exactly "sum of times + sum of the members' switch costs"; nested
-       temporal nodes do not pay a component's switch twice.
+       temporal nodes do not pay a component's switch twice. Each child may use its own
+       k <= n of the shared range (its first k devices, whose locks they share).
      - spatial: for every split ``n_U + n_D = n`` (each >= 1) and granularity ``m | M``, the
        pipelined cost of :mod:`m2flow.scheduler.cost` with ``T_U = P(U, n_U)``, ``T_D = P(D,
        n_D)`` and per-chunk overhead of a part = sum of its members' ``chunk_overhead``.
+       With the envelope every ``P(S, n)`` is nonincreasing in n (both compositions are
+       nondecreasing in their parts' times), so a sub-plan given n_U devices may use fewer.
    * ties: cuts in increasing bitmask order over a fixed topological order, temporal before
      spatial, then the cheaper split, smallest n_U, largest m. Only strictly better replaces.
 3. Modes restrict the compositions (exactly, by DP over *families* of tables): ``auto``
-   (unrestricted), ``temporal`` (temporal only: every component on all N devices), ``spatial``
+   (unrestricted), ``temporal`` (temporal only: every component given all N devices), ``spatial``
    (spatial only: disjoint devices everywhere) and ``hybrid`` (at least one temporal AND one
    spatial composition). Hybrid needs the helper families "contains a spatial node" and
    "contains a temporal node": a temporal node is hybrid iff a child contains a spatial node,
    a spatial node iff a child contains a temporal node.
-4. The result is a :class:`~m2flow.scheduler.plan.Plan` tree with concrete device ranges:
-   spatial upstream gets ``[start, start + n_U)``, downstream the rest.
+4. The result is a :class:`~m2flow.scheduler.plan.Plan` tree with concrete device ranges,
+   each node's range being the devices its leaves use: a leaf using k devices from ``start``
+   gets ``[start, start + k)``, a spatial node's downstream starts right after the devices its
+   upstream uses. Idle devices are thus packed at the top: the root uses ``[0, u)`` and
+   ``[u, N)`` is idle (:meth:`~m2flow.scheduler.plan.PlanResult.idle`). With every device
+   used, spatial upstream gets ``[start, start + n_U)`` and downstream the rest.
 
 Units: times in seconds (per step, whole batch of M items), memory in bytes per device.
 """
@@ -110,6 +123,8 @@ class _Node:
     cycle_memory: str = "sum"
     times: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
     memory: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
+    raw: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
+    use: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
 
     @property
     def min_devices(self):
@@ -223,8 +238,9 @@ class _Table:
 class _Planner:
     """DP over node subsets (bitmasks) with arrays over device counts 0..N."""
 
-    def __init__(self, nodes, edges, n_devices, capacity, batch_size):
+    def __init__(self, nodes, edges, n_devices, capacity, batch_size, allow_idle=True):
         self.nodes, self.n, self.cap, self.M = nodes, n_devices, capacity, batch_size
+        self.allow_idle = allow_idle
         self.m_list = divisors(batch_size)[::-1]  # largest m first: ties prefer fewer chunks
         self.chunks = np.array([batch_size // m for m in self.m_list])
         self.pred = [0] * len(nodes)
@@ -254,8 +270,16 @@ class _Planner:
                 k, v = int(ns[ok][bad][0]), float(times[bad][0])
                 raise PlanError(f"component {node.name!r}: time({k}) = {v!r} is not >= 0")
             t[1:][ok] = times
-        node.times = t
+        node.raw = t  # time on exactly k devices (inf: infeasible at k)
         node.memory = np.concatenate(([INF], mem))
+        if not self.allow_idle:
+            node.times, node.use = t, np.where(np.isfinite(t), np.arange(self.n + 1), 0)
+            return
+        # Monotone envelope: time on n = min over feasible k <= n, and the smallest such k.
+        env = np.minimum.accumulate(t)
+        drops = t < np.concatenate(([INF], env[:-1]))  # a new strict minimum at k
+        node.times = env
+        node.use = np.maximum.accumulate(np.where(drops, np.arange(self.n + 1), 0))
 
     def _members(self, mask):
         return [i for i in range(len(self.nodes)) if mask >> i & 1]
@@ -369,10 +393,11 @@ class _Planner:
                 (-1, -1, -1, -1) if t.var is None else (t.var[n], t.cut[n], t.nu[n], t.ki[n])
             )
         cost, v_i, c_i, n_u, k_i = choice
-        devices = range(start, start + n)
         if v_i < 0:
             node = self.nodes[mask.bit_length() - 1]
-            used = [int(_used(c, n)) for c in node.members]
+            k = int(node.use[n])  # devices it uses of the n it is given
+            devices = range(start, start + k)
+            used = [int(_used(c, k)) for c in node.members]
             times = tuple(
                 float(c.time(k)) + (c.switch_cost if shared else 0.0)
                 for c, k in zip(node.members, used, strict=True)
@@ -387,16 +412,18 @@ class _Planner:
             kids: list[Plan] = []
             for part in (self.build(u, True, fu, start, n), self.build(d, True, fd, start, n)):
                 kids.extend(part.children if isinstance(part, Temporal) else [part])
-            return Temporal(devices, float(cost), tuple(kids))
+            stop = max(kid.devices.stop for kid in kids)
+            return Temporal(range(start, stop), float(cost), tuple(kids))
         n_u, m = int(n_u), self.m_list[int(k_i)]
         up = self.build(u, shared, fu, start, n_u)
-        down = self.build(d, shared, fd, start + n_u, n - n_u)
-        return Spatial(devices, float(cost), up, down, m, self.M // m)
+        # Downstream right after what upstream uses: its cost depends on its count, not start.
+        down = self.build(d, shared, fd, up.devices.stop, n - n_u)
+        return Spatial(range(start, down.devices.stop), float(cost), up, down, m, self.M // m)
 
 
-def _explain_infeasible(nodes, n_devices, capacity, mode) -> None:
+def _explain_infeasible(nodes, n_devices, capacity, mode, allow_idle) -> None:
     for node in nodes:
-        if np.isfinite(node.times).any():
+        if np.isfinite(node.raw).any():
             continue
         if node.min_devices > n_devices:
             raise PlanError(
@@ -417,15 +444,18 @@ def _explain_infeasible(nodes, n_devices, capacity, mode) -> None:
                     f"no feasible temporal plan: temporal mode runs every component on all "
                     f"{n_devices} devices and component {node.name!r} cannot run on "
                     f"{n_devices} (memory {node.memory[n_devices]:.4g} bytes per device, "
-                    f"capacity {capacity:.4g}); try mode='auto'"
+                    f"capacity {capacity:.4g}); try mode='auto' or allow idle devices "
+                    "(allow_idle=True)"
                 )
     feas = {}
     for nd in nodes:
-        ks = np.flatnonzero(np.isfinite(nd.times))
+        ks = np.flatnonzero(np.isfinite(nd.raw))
         feas[nd.name] = f"{ks[0]}..{ks[-1]}"
+    hint = "add devices" + (" or try mode='auto'" if mode != "auto" else "")
+    hint += "" if allow_idle else ", or allow idle devices (allow_idle=True)"
     raise PlanError(
         f"no feasible {mode} plan on {n_devices} devices (capacity {capacity:.4g} bytes); "
-        f"feasible device counts per component: {feas}; add devices or try mode='auto'"
+        f"feasible device counts per component: {feas}; {hint}"
     )
 
 
@@ -474,6 +504,7 @@ def plan_workflow(
     cycle_memory: str = ...,
     mode: str = ...,
     runner_ups: Literal[False] = ...,
+    allow_idle: bool = ...,
 ) -> Plan: ...
 
 
@@ -485,6 +516,7 @@ def plan_workflow(
     cycle_memory: str = ...,
     mode: str = ...,
     runner_ups: Literal[True] = ...,
+    allow_idle: bool = ...,
 ) -> PlanResult: ...
 
 
@@ -495,6 +527,7 @@ def plan_workflow(
     cycle_memory: str = "sum",
     mode: str = "auto",
     runner_ups: bool = False,
+    allow_idle: bool = True,
 ) -> Plan | PlanResult:
     """Optimal plan of ``workflow`` on ``num_devices`` devices with ``capacity`` bytes each.
 
@@ -504,6 +537,10 @@ def plan_workflow(
         runner_ups: return a :class:`PlanResult` holding the best plan, the best plan of each
             other mode and of each other top-level (cut, composition), and the edge
             granularities, instead of the bare tree.
+        allow_idle: a component given n devices may use any feasible k <= n of them, leaving
+            the rest idle, when fewer are faster (module docstring, point 2). ``False``: every
+            component uses every device it is given (RLinf's Algorithm 1; ``max_devices``
+            aside), so the plan uses all ``num_devices``.
 
     Raises:
         PlanError: bad arguments, or nothing feasible (the message names the component, the
@@ -519,12 +556,12 @@ def plan_workflow(
         raise PlanError(f"cycle_memory must be 'sum' or 'max', got {cycle_memory!r}")
     nodes, edges = condense(workflow, cycle_memory)
     _check_mode(mode, nodes, num_devices)
-    pl = _Planner(nodes, edges, num_devices, capacity, workflow.batch_size)
+    pl = _Planner(nodes, edges, num_devices, capacity, workflow.batch_size, allow_idle)
     full = (1 << len(nodes)) - 1
     fam = _FAMILY[mode]
     choice = pl.root(full, fam)
     if not np.isfinite(choice[0]):
-        _explain_infeasible(nodes, num_devices, capacity, mode)
+        _explain_infeasible(nodes, num_devices, capacity, mode, allow_idle)
     best = pl.build(full, False, fam, 0, num_devices, choice)
     if not runner_ups:
         return best
@@ -536,4 +573,5 @@ def plan_workflow(
         edges=tuple((str(s), str(d)) for s, d in workflow.edges),
         capacity=float(capacity),
         runner_ups=_alternatives(pl, full, best),
+        allow_idle=allow_idle,
     )

@@ -36,7 +36,8 @@ def _short_tmp_dir(prefix: str) -> Path:
 @pytest.fixture(scope="module")
 def cluster(request):
     """A fresh embedded Ray session (2 CPUs; 2 virtual devices, or the module's
-    ``VIRTUAL_DEVICES``) shared by one test module."""
+    ``VIRTUAL_DEVICES``) shared by one test module. Device switches offload (``offload=
+    "always"``, not the virtual-device default) so tests exercise the context switch."""
     import ray
 
     import m2flow
@@ -46,7 +47,9 @@ def cluster(request):
         ray.shutdown()
     run_dir = _short_tmp_dir("m2t-")
     devices = getattr(request.module, "VIRTUAL_DEVICES", 2)
-    c = m2flow.Cluster(run_dir=run_dir, virtual_devices_per_node=devices, num_cpus=2)
+    c = m2flow.Cluster(
+        run_dir=run_dir, virtual_devices_per_node=devices, num_cpus=2, offload="always"
+    )
     try:
         yield c
     finally:

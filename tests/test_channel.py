@@ -128,6 +128,30 @@ def test_get_batch_reaches_target_weight(cluster):
     ch.close()
 
 
+def test_put_many_keeps_order_and_weights(cluster):
+    ch = Channel.create("put-many")
+    ch.put("first", weight=1)
+    ch.put_many(["a", "b", "c"], weights=[2, 2, 5])
+    ch.put("last", weight=1)
+    assert ch.qsize() == 5
+    assert ch.get_batch(5, timeout=10) == ["first", "a", "b"]  # 1 + 2 + 2 >= 5
+    assert ch.get_batch(6, timeout=10) == ["c", "last"]  # weights arrived with the items
+    with pytest.raises(ValueError, match="one weight per item"):
+        ch.put_many([1, 2], weights=[1])
+    with pytest.raises(ValueError, match="weight"):
+        ch.put_many([1, 2], weights=[1, -1])
+    assert ch.qsize() == 0  # a refused call queued nothing
+    ch.close()
+
+
+def test_put_many_bounded_says_what_was_queued(cluster):
+    ch = Channel.create("put-many-bounded", maxsize=2)
+    with pytest.raises(TimeoutError, match="first 2 of these 3 items are queued"):
+        ch.put_many([1, 2, 3], timeout=0.5)
+    assert [ch.get(timeout=10), ch.get(timeout=10)] == [1, 2]
+    ch.close()
+
+
 def test_negative_weight_rejected(cluster):
     ch = Channel.create("negw")
     with pytest.raises(ValueError, match="weight"):

@@ -138,6 +138,38 @@ def test_onload_offload_only_on_holder_change(cluster, svc):
     assert state["resident"][1] == ["sw_x:0"] and 1 not in state["holder"]
 
 
+def test_keep_resident_devices_switch_without_offload(cluster, svc):
+    """offload="never"/"auto" on virtual devices: a switch still serialises the workers but
+    evicts no one (both stay resident, no offload/onload runs)."""
+    from m2flow import Cluster
+
+    x = Recorder.launch(cluster, placement=[1], name="kr_x")
+    y = Recorder.launch(cluster, placement=[1], name="kr_y")
+    try:
+        # A second Cluster on the same Ray session reconfigures the run's lock service.
+        Cluster(virtual_devices_per_node=2, offload="auto")  # virtual devices: keep resident
+        runs = [g.work(0.1).wait(timeout=60)[0] for g in (x, y, x, y)]
+        _assert_disjoint(runs)  # still mutually exclusive
+        stats = [g.load_stats()[0] for g in (x, y)]
+        assert all(s["offloads"] == 0 and s["onloads"] == 0 and s["loaded"] for s in stats)
+        state = ray.get(svc.state.remote(), timeout=60)
+        assert {"kr_x:0", "kr_y:0"} <= set(state["resident"][1])
+        with pytest.raises(ValueError, match="offload='sometimes'"):
+            Cluster(offload="sometimes")
+    finally:
+        Cluster(virtual_devices_per_node=2, offload="always")  # the module's setting again
+        x.shutdown()
+        y.shutdown()
+    # Switching offloads again: the next holder evicts the other.
+    a = Recorder.launch(cluster, placement=[1], name="kr_a")
+    b = Recorder.launch(cluster, placement=[1], name="kr_b")
+    a.work(0).wait(timeout=60)
+    b.work(0).wait(timeout=60)
+    assert a.load_stats()[0]["offloads"] == 1
+    a.shutdown()
+    b.shutdown()
+
+
 def test_collocated_consumer_first_no_deadlock(cluster, svc):
     prod = Prod.launch(cluster, placement=[0], name="pc_prod")
     cons = Cons.launch(cluster, placement=[0], name="pc_cons")

@@ -16,6 +16,8 @@ from m2flow.plan_cli import register
 PROFILES = Path(__file__).resolve().parents[1] / "benchmarks" / "profiles"
 PPO = str(PROFILES / "ppo_4_1_1_1_1.yaml")
 CHAIN = str(PROFILES / "synthetic_chain3.yaml")
+# Measured on a 2-core machine (stop 7): every group slower on 2 devices than on 1.
+GRPO = str(Path(__file__).resolve().parent / "profiles" / "grpo_slower_on_two.yaml")
 NAMES = ["rollout", "actor_inference", "critic_inference", "actor_train", "critic_train"]
 
 
@@ -67,6 +69,23 @@ def test_json_is_one_document(app):
     assert len(doc["edges"]) == 7 and doc["runner_ups"]
     assert all(r["time_s"] >= doc["time_s"] for r in doc["runner_ups"])
     assert doc["fits"]["rollout"]["time"]["model"] == "amdahl"
+
+
+def test_idle_devices_shown_and_no_idle(app):
+    res = run(app, GRPO, "--devices", "8")
+    assert res.exit_code == 0, res.stderr
+    assert "idle: [2, 8) (6 of 8 devices)" in res.stdout and "devices used" in res.stdout
+    doc = json.loads(run(app, GRPO, "--devices", "8", "--json").stdout)
+    assert doc["allow_idle"] is True and doc["idle_devices"] == [[2, 8]]
+    assert max(c["devices"][1] for c in doc["components"].values()) == 2
+    full = run(app, GRPO, "--devices", "8", "--no-idle")
+    assert full.exit_code == 0, full.stderr
+    assert "idle:" not in full.stdout
+    full_doc = json.loads(run(app, GRPO, "--devices", "8", "--no-idle", "--json").stdout)
+    assert full_doc["allow_idle"] is False and full_doc["idle_devices"] == []
+    spans = sorted(tuple(c["devices"]) for c in full_doc["components"].values())
+    assert spans[0][0] == 0 and spans[-1][1] == 8
+    assert full_doc["time_s"] > doc["time_s"]  # idle devices make this plan faster
 
 
 @pytest.mark.parametrize("mode", ["temporal", "spatial", "hybrid"])

@@ -1,5 +1,6 @@
-"""Planner (RLinf Algorithm 1): brute-force agreement in every mode, the split search, cycles,
-memory, every cut, device ranges, max_devices, edge granularity, plan documents, timelines."""
+"""Planner (RLinf Algorithm 1): brute-force agreement in every mode (with and without idle
+devices), the split search, cycles, memory, every cut, device ranges, idle devices, max_devices,
+edge granularity, plan documents, timelines."""
 
 from __future__ import annotations
 
@@ -27,16 +28,21 @@ from m2flow.scheduler.planner import (
 from m2flow.scheduler.timeline import step_timeline
 
 
-def _brute(names, preds, comp, n, M, cap, shared):
+def _brute(names, preds, comp, n, M, cap, shared, idle=True):
     """Independent exhaustive search of the same plan space (no memo, scalar arithmetic).
 
-    Returns {set of compositions used: best cost}, e.g. {frozenset({"T", "S"}): 3.5}."""
+    ``idle``: a leaf given n devices may use any k <= n of them (feasible at k); otherwise
+    k = n. Returns {set of compositions used: best cost}, e.g. {frozenset({"T", "S"}): 3.5}."""
     if len(names) == 1:
         c = comp[names[0]]
-        k = n if c.max_devices is None else min(n, c.max_devices)
-        if n < c.min_devices or c.memory(k) > cap:
+        best_t = math.inf
+        for k in range(1, n + 1) if idle else [n]:
+            u = k if c.max_devices is None else min(k, c.max_devices)
+            if k >= c.min_devices and c.memory(u) <= cap:
+                best_t = min(best_t, c.time(u))
+        if math.isinf(best_t):
             return {}
-        return {frozenset(): c.time(k) + (c.switch_cost if shared else 0.0)}
+        return {frozenset(): best_t + (c.switch_cost if shared else 0.0)}
     best: dict[frozenset, float] = {}
 
     def offer(kinds, value):
@@ -49,15 +55,15 @@ def _brute(names, preds, comp, n, M, cap, shared):
             if any(p in down for u in up for p in preds[u]):
                 continue  # an edge goes D -> U: not an s-t cut
             up = list(up)
-            bu = _brute(up, preds, comp, n, M, cap, True)
-            bd = _brute(down, preds, comp, n, M, cap, True)
+            bu = _brute(up, preds, comp, n, M, cap, True, idle)
+            bd = _brute(down, preds, comp, n, M, cap, True, idle)
             for (ku, vu), (kd, vd) in itertools.product(bu.items(), bd.items()):
                 offer(ku | kd | {"T"}, vu + vd)
             ou = sum(comp[x].chunk_overhead for x in up)
             od = sum(comp[x].chunk_overhead for x in down)
             for nu in range(1, n):
-                bu = _brute(up, preds, comp, nu, M, cap, shared)
-                bd = _brute(down, preds, comp, n - nu, M, cap, shared)
+                bu = _brute(up, preds, comp, nu, M, cap, shared, idle)
+                bd = _brute(down, preds, comp, n - nu, M, cap, shared, idle)
                 for (ku, tu), (kd, td) in itertools.product(bu.items(), bd.items()):
                     for m in range(1, M + 1):
                         if M % m:
@@ -84,11 +90,12 @@ def _random_case(rng: random.Random):
     for name in names:
         a, b, c = rng.uniform(1, 20), rng.uniform(0, 3), rng.choice([0.0, rng.uniform(0, 0.5)])
         mem = rng.uniform(1, 12)
+        grows = rng.random() < 0.25  # a per-device cache: fits on few devices only
         comps.append(
             Component(
                 name,
                 lambda n, a=a, b=b, c=c: a / n + b + c * n,
-                lambda n, mem=mem: mem / n,
+                (lambda n, mem=mem: mem * n / 8) if grows else (lambda n, mem=mem: mem / n),
                 min_devices=rng.choice([1, 1, 1, 2]),
                 switch_cost=rng.choice([0.0, rng.uniform(0, 2)]),
                 chunk_overhead=rng.choice([0.0, rng.uniform(0, 0.3)]),
@@ -99,32 +106,58 @@ def _random_case(rng: random.Random):
     return Workflow(comps, edges, rng.choice([1, 2, 4, 6])), rng.uniform(2, 8)
 
 
-def _cases(seed, count):
+def _cases(seed, count, idle=True):
     rng = random.Random(seed)
     for _ in range(count):
         wf, cap = _random_case(rng)
         comp = {c.name: c for c in wf.components}
         preds = {c.name: [s for s, d in wf.edges if d == c.name] for c in wf.components}
         for n in range(1, 9 if len(comp) < 4 else 6):
-            yield wf, cap, n, _brute(list(comp), preds, comp, n, wf.batch_size, cap, False)
+            yield wf, cap, n, _brute(list(comp), preds, comp, n, wf.batch_size, cap, False, idle)
 
 
+def _check_leaves(plan, wf, n, cap, idle):
+    """Every leaf: its range lies in [0, n), its k devices are feasible (min_devices, memory
+    at the k it uses), its members' times and memory are taken at that k."""
+    comp = {c.name: c for c in wf.components}
+    for lf in plan.leaves():
+        k = len(lf.devices)
+        assert 0 <= lf.devices.start and lf.devices.stop <= n
+        for name, t, mem, u in zip(
+            lf.components, lf.component_times, lf.component_memory, lf.component_devices
+        ):
+            c = comp[name]
+            assert k >= c.min_devices and u == (
+                k if c.max_devices is None else min(k, c.max_devices)
+            )
+            assert mem == c.memory(u) and mem <= cap
+            assert math.isclose(t, c.time(u) + (c.switch_cost if lf.shared else 0.0))
+    if not idle:
+        assert plan.idle(n) == [] and plan.devices == range(0, n)
+
+
+@pytest.mark.parametrize("idle", [True, False], ids=["idle", "no-idle"])
 @pytest.mark.parametrize("mode", ["auto", "temporal", "spatial", "hybrid"])
-def test_brute_force_agreement(mode):
-    checked = 0
-    for wf, cap, n, by_kinds in _cases(0, 60):
+def test_brute_force_agreement(mode, idle):
+    checked = idles = 0
+    for wf, cap, n, by_kinds in _cases(0, 60, idle):
         want = _mode_best(by_kinds, mode)
         if math.isinf(want):
             with pytest.raises(PlanError):
-                plan_workflow(wf, n, cap, mode=mode)
+                plan_workflow(wf, n, cap, mode=mode, allow_idle=idle)
             continue
-        got = plan_workflow(wf, n, cap, mode=mode)
+        got = plan_workflow(wf, n, cap, mode=mode, allow_idle=idle)
         assert math.isclose(got.time, want, rel_tol=1e-9), (wf.edges, n, mode, got.time, want)
         kinds = {"temporal": "T", "spatial": "S"}
         used = {kinds[k] for k in got.kinds()}
         assert _mode_best({frozenset(used): 0.0}, mode) == 0.0, (mode, got.kinds())
+        _check_leaves(got, wf, n, cap, idle)
+        _check_ranges(got)
+        idles += bool(got.idle(n))
         checked += 1
     assert checked > {"auto": 150, "temporal": 150, "spatial": 100, "hybrid": 30}[mode]
+    least = {"auto": 10, "temporal": 20, "spatial": 5, "hybrid": 1}[mode]
+    assert (idles > least) if idle else idles == 0  # the enlarged space is exercised
 
 
 def test_runner_ups_are_mode_bests():
@@ -200,12 +233,16 @@ def test_non_prefix_cut_wins():
 
 
 def _check_ranges(node):
+    """A node's range is the devices its leaves use: temporal children start with it and the
+    widest ends with it; spatial children are adjacent and disjoint."""
     if isinstance(node, Leaf):
+        assert len(node.devices) >= 1
         return
     if isinstance(node, Temporal):
         for ch in node.children:
-            assert ch.devices == node.devices
+            assert ch.devices.start == node.devices.start and ch.devices.stop <= node.devices.stop
             _check_ranges(ch)
+        assert max(ch.devices.stop for ch in node.children) == node.devices.stop
     else:
         up, down = node.upstream.devices, node.downstream.devices
         assert up.start == node.devices.start and up.stop == down.start
@@ -219,15 +256,60 @@ def test_device_ranges():
     kinds = set()
     for _ in range(40):
         wf, cap = _random_case(rng)
-        try:
-            plan = plan_workflow(wf, 8, cap)
-        except PlanError:
-            continue
-        assert plan.devices == range(0, 8)
-        _check_ranges(plan)
-        kinds.add(type(plan).__name__)
-        assert "Temporal" in str(plan) or "Spatial" in str(plan) or isinstance(plan, Leaf)
+        for idle in (True, False):
+            try:
+                plan = plan_workflow(wf, 8, cap, allow_idle=idle)
+            except PlanError:
+                continue
+            assert plan.devices.start == 0 and plan.devices.stop <= 8
+            assert plan.idle(8) == ([range(plan.devices.stop, 8)] if plan.devices.stop < 8 else [])
+            if not idle:
+                assert plan.devices == range(0, 8)
+            _check_ranges(plan)
+            kinds.add(type(plan).__name__)
+            assert "Temporal" in str(plan) or "Spatial" in str(plan) or isinstance(plan, Leaf)
     assert {"Temporal", "Spatial"} <= kinds
+
+
+def test_slower_on_more_devices_leaves_them_idle():
+    """Hand-checked: a and b take n seconds on n devices (slower on more), M = 2."""
+    slow = [Component(x, lambda n: float(n), lambda n: 0.0) for x in ("a", "b")]
+    wf = Workflow(slow, [("a", "b")], 2)
+    # Idle allowed: a on 1 device, b on 1, pipelined in 2 chunks of 1 item:
+    # t_U = t_D = 1/2, T = 1/2 + 1/2 + (2 - 1) * 1/2 = 1.5; devices 2 and 3 idle.
+    res = plan_workflow(wf, 4, runner_ups=True)
+    assert res.time == 1.5 and isinstance(res.plan, Spatial) and res.plan.granularity == 1
+    assert res.plan.placement() == {"a": range(0, 1), "b": range(1, 2)}
+    assert res.idle() == [range(2, 4)] and res.to_dict()["idle_devices"] == [[2, 4]]
+    assert "split 1+1" in str(res.plan)
+    # All devices used (RLinf): the best is the 2+2 split, 1 + 1 + 1 = 3 s.
+    full = plan_workflow(wf, 4, allow_idle=False, runner_ups=True)
+    assert full.time == 3.0 and full.plan.placement() == {"a": range(0, 2), "b": range(2, 4)}
+    assert full.idle() == [] and full.to_dict()["idle_devices"] == [] and not full.allow_idle
+    # One component: 1 s on 1 device beats 4 s on 4; temporal mode may idle devices too.
+    one = plan_workflow(Workflow(slow[:1], [], 2), 4)
+    assert one.time == 1.0 and one.devices == range(0, 1) and one.idle(4) == [range(1, 4)]
+    temporal = plan_workflow(wf, 4, mode="temporal")
+    assert temporal.time == 2.0 and temporal.placement() == {"a": range(0, 1), "b": range(0, 1)}
+
+
+def test_memory_is_checked_at_the_devices_used():
+    # Faster on fewer devices, but needs >= 4 to fit (4/n bytes, capacity 1): uses exactly 4.
+    a = Component("a", lambda n: float(n), lambda n: 4.0 / n)
+    plan = plan_workflow(Workflow([a], [], 1), 6, capacity=1.0)
+    assert plan.devices == range(0, 4) and plan.time == 4.0
+    assert plan.leaves()[0].component_memory == (1.0,)
+    # Faster on more devices, but a per-device cache (n bytes) fits on <= 2 of 6: uses 2.
+    b = Component("b", lambda n: 4.0 / n, lambda n: float(n))
+    plan = plan_workflow(Workflow([b], [], 1), 6, capacity=2.0)
+    assert plan.devices == range(0, 2) and plan.time == 2.0 and plan.memory() == {"b": 2.0}
+    with pytest.raises(PlanError, match=r"feasible device counts.*'b': '1\.\.2'.*allow_idle"):
+        plan_workflow(Workflow([b], [], 1), 6, capacity=2.0, allow_idle=False)
+    # Feasible at 1-2 and 5-6 only, fastest at 6 > 5 > 2 > 1: the envelope skips the hole.
+    c = Component("c", lambda n: 10.0 - n, lambda n: 0.0 if n in (1, 2, 5, 6) else 9.0)
+    for n, k in [(2, 2), (3, 2), (4, 2), (5, 5), (6, 6)]:
+        plan = plan_workflow(Workflow([c], [], 1), n, capacity=1.0)
+        assert plan.devices == range(0, k) and plan.time == 10.0 - k, (n, plan)
 
 
 def test_split_search_matches_exhaustive():
@@ -238,15 +320,20 @@ def test_split_search_matches_exhaustive():
     def table(n_max):
         n = np.arange(n_max + 1, dtype=float)
         n[0] = 1
-        kind = rng.integers(0, 4)
+        kind = rng.integers(0, 6)
         if kind == 0:
             t = rng.uniform(0, 5) + rng.uniform(0, 50) / n + rng.choice([0, 0.2]) * n
         elif kind == 1:
             t = rng.uniform(0, 10, n_max + 1)
         elif kind == 2:
             t = np.maximum.accumulate(rng.uniform(0, 3, n_max + 1)[::-1])[::-1]
-        else:
+        elif kind == 3:
             t = rng.uniform(0, 5) + rng.uniform(0, 50) / np.minimum(n, rng.integers(1, n_max + 1))
+        elif kind == 4:  # planner envelope of a + b/n + c*n: convex, flat after its minimum
+            t = rng.uniform(0, 5) + rng.uniform(0, 20) / n + rng.uniform(0, 2) * n
+            t = np.minimum.accumulate(np.r_[math.inf, t[1:]])
+        else:  # envelope of a rising power law: constant
+            t = np.minimum.accumulate(np.r_[math.inf, rng.uniform(0.1, 1) * n[1:] ** 0.3])
         t[0] = math.inf
         if rng.random() < 0.3:
             t[1 : rng.integers(1, n_max)] = math.inf
@@ -280,33 +367,39 @@ def test_split_search_matches_exhaustive():
 
 
 def test_planner_search_equals_exhaustive_at_scale(monkeypatch):
-    """Whole plans at 200 devices: the bisection split search and trying every split agree."""
+    """Whole plans at 200 devices: the bisection split search and trying every split agree,
+    with and without idle devices (every component is fastest well below 200 devices)."""
     names = ["r", "a", "c", "t", "u"]
     comps = [
         Component(
             n,
-            lambda k, w=w, f=f: w / k + f + 0.002 * k,
+            lambda k, w=w, f=f, g=g: w / k + f + g * k,
             lambda k, w=w: 50.0 + 400.0 * w / 100 / k,
             switch_cost=s,
             chunk_overhead=0.03,
             max_devices=mx,
         )
-        for n, w, f, s, mx in zip(
+        for n, w, f, s, mx, g in zip(
             names, [400, 100, 90, 120, 100], [1, 0.5, 0.4, 1, 0.8], [2, 1, 0, 3, 3],
-            [None, 64, None, None, 150],
+            [None, 64, None, None, 150], [0.1, 0.05, 0.5, 0.1, 0.3],
         )
     ]  # fmt: skip
     edges = [("r", "a"), ("r", "c"), ("r", "t"), ("a", "t"), ("c", "t"), ("c", "u")]
     wf = Workflow(comps, edges, 48)
-    for mode in ("auto", "hybrid"):
+    times = {}
+    for mode, idle in itertools.product(("auto", "hybrid"), (True, False)):
+        kw = {"capacity": 80.0, "mode": mode, "runner_ups": True, "allow_idle": idle}
         monkeypatch.setattr(cost_module, "EXHAUSTIVE_SPLITS", 0)  # bisection everywhere
-        fast = plan_workflow(wf, 200, capacity=80.0, mode=mode, runner_ups=True)
+        fast = plan_workflow(wf, 200, **kw)
         monkeypatch.setattr(cost_module, "EXHAUSTIVE_SPLITS", 10**12)  # every split
-        slow = plan_workflow(wf, 200, capacity=80.0, mode=mode, runner_ups=True)
+        slow = plan_workflow(wf, 200, **kw)
         monkeypatch.undo()
         for p, q in zip((fast.plan, *fast.runner_ups), (slow.plan, *slow.runner_ups)):
             assert math.isclose(p.time, q.time, rel_tol=1e-9), (p.shape(), q.shape())
         assert len(fast.runner_ups) == len(slow.runner_ups)
+        times[mode, idle] = fast.time
+        assert bool(fast.idle()) == idle
+    assert all(times[m, True] < times[m, False] for m in ("auto", "hybrid"))  # idling pays
 
 
 def test_max_devices_uses_only_that_many():
@@ -317,9 +410,11 @@ def test_max_devices_uses_only_that_many():
         return 8.0 / n
 
     wf = Workflow([Component("a", t, lambda n: 0.0, max_devices=2)], [], 4)
-    plan = plan_workflow(wf, 8)
+    plan = plan_workflow(wf, 8, allow_idle=False)
     assert plan.time == 4.0 and max(calls) == 2  # time(8) is time(2): never asked beyond 2
     assert plan.leaves()[0].component_devices == (2,) and plan.devices == range(0, 8)
+    plan = plan_workflow(wf, 8)  # idle allowed: the leaf holds only the 2 it uses
+    assert plan.time == 4.0 and plan.devices == range(0, 2) and plan.idle(8) == [range(2, 8)]
     with pytest.raises(PlanError, match="max_devices=1 is below min_devices=2"):
         plan_workflow(Workflow([Component("a", t, t, min_devices=2, max_devices=1)], [], 4), 4)
 
@@ -337,7 +432,10 @@ def test_modes_explain_infeasibility():
     wf2 = Workflow([grow, _c("b", 4)], [("a", "b")], 4)
     assert len(plan_workflow(wf2, 4, capacity=2.0).placement()["a"]) <= 2
     with pytest.raises(PlanError, match="temporal mode runs every component on all 4 devices"):
-        plan_workflow(wf2, 4, capacity=2.0, mode="temporal")
+        plan_workflow(wf2, 4, capacity=2.0, mode="temporal", allow_idle=False)
+    # idle allowed: temporal, a on the 2 devices it fits on, b on all 4
+    plan = plan_workflow(wf2, 4, capacity=2.0, mode="temporal")
+    assert plan.placement() == {"a": range(0, 2), "b": range(0, 4)} and plan.kind() == "temporal"
     big = Workflow([_c("a", 4, mem=8.0), _c("b", 4)], [("a", "b")], 4)
     with pytest.raises(PlanError, match=r"'a' does not fit in memory.*1\.\.2.*capacity 3"):
         plan_workflow(big, 2, capacity=3.0)

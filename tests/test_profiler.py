@@ -27,6 +27,7 @@ def grpo_profile(cluster, tmp_path_factory):
         + [
             f"trainer.run_dir={out / 'run'}",
             "trainer.steps=50",
+            "cluster.offload=always",  # switches offload on virtual devices too: measurable
             "trainer.save_every=1000",
             "trainer.eval_every=1000",
         ],

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from m2flow.workflows.grpo import ClusterConfig, _plain
+from m2flow.workflows.grpo import ClusterConfig, _plain, start_cluster
 
 from m2flow.config import ConfigError
 
@@ -89,17 +89,11 @@ def main(cfg) -> dict:
     from m2flow.workers.embodied.env import EnvWorker
     from m2flow.workers.embodied.policy import PolicyWorker
 
-    from m2flow import Channel, Cluster
+    from m2flow import Channel
     from m2flow.runlog import RunLog
 
     run_dir, tr, c = Path(cfg.trainer.run_dir), cfg.trainer, cfg.cluster
-    cluster = Cluster(
-        c.address,
-        num_cpus=c.num_cpus,
-        virtual_devices_per_node=c.devices_per_node,
-        device_memory_gb=c.device_memory_gb,
-        run_dir=run_dir,
-    )
+    cluster = start_cluster(c, run_dir)
     e = cfg.env
     env = EnvWorker.launch(
         cluster, name="env", env_id=e.id, num_envs=e.num_envs, seed=tr.seed, threads=e.threads

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from m2flow.workers.llm.config import ModelConfig as LMShape
 
+from m2flow.cluster import Offload
 from m2flow.config import ConfigError
 
 
@@ -28,6 +29,9 @@ class ClusterConfig:
     devices_per_node: int = 1  # virtual devices per node without GPUs
     device_memory_gb: float = 16.0  # declared capacity of a virtual device
     num_cpus: Optional[int] = None  # CPUs of the embedded Ray (default: all)
+    # On a device switch, offload the leaving worker: always, never, or auto (GPUs only; a
+    # virtual device's memory is host RAM, so offloading there frees nothing).
+    offload: Offload = Offload.auto
 
 
 @dataclass
@@ -143,18 +147,12 @@ def main(cfg) -> dict:
     from m2flow.workers.rollout.worker import RolloutWorker, num_chunks
     from m2flow.workers.tasks import TaskDataset
 
-    from m2flow import Channel, Cluster
+    from m2flow import Channel
     from m2flow.runlog import RunLog
 
     run_dir, t, tr = Path(cfg.trainer.run_dir), cfg.task, cfg.trainer
     _check_run_dir(run_dir, cfg.resume)
-    cluster = Cluster(
-        cfg.cluster.address,
-        num_cpus=cfg.cluster.num_cpus,
-        virtual_devices_per_node=cfg.cluster.devices_per_node,
-        device_memory_gb=cfg.cluster.device_memory_gb,
-        run_dir=run_dir,
-    )
+    cluster = start_cluster(cfg.cluster, run_dir)
     model, task = _plain(cfg.model), _plain(cfg.task)
     alphabet = model.pop("alphabet")
     rollout = RolloutWorker.launch(
@@ -206,8 +204,7 @@ def main(cfg) -> dict:
         log.advance(start)
         for step in range(start + 1, tr.steps + 1):
             t0 = time.time()
-            for item in _prompt_items(train, tokenizer, tr.prompts_per_step, tr.seed, step):
-                prompts.put(item)
+            prompts.put_many(_prompt_items(train, tokenizer, tr.prompts_per_step, tr.seed, step))
             gen = rollout.generate(prompts, rollouts, tr.prompts_per_step, granularity)
             rew = reward.score(rollouts, scored, chunks)
             upd = actor.train(scored, chunks)
@@ -237,6 +234,20 @@ def main(cfg) -> dict:
         log.print(f"summary: {summary}")
     cluster.shutdown()
     return summary
+
+
+def start_cluster(c: ClusterConfig, run_dir: Path):
+    """The run's :class:`~m2flow.Cluster` from the ``cluster`` config section."""
+    from m2flow import Cluster
+
+    return Cluster(
+        c.address,
+        num_cpus=c.num_cpus,
+        virtual_devices_per_node=c.devices_per_node,
+        device_memory_gb=c.device_memory_gb,
+        run_dir=run_dir,
+        offload=c.offload,
+    )
 
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:

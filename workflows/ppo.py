@@ -26,6 +26,7 @@ from m2flow.workflows.grpo import (
     WarmStartConfig,
     _plain,
     _prompt_items,
+    start_cluster,
 )
 
 from m2flow.config import ConfigError
@@ -143,18 +144,12 @@ def main(cfg) -> dict:
     from m2flow.workers.rollout.worker import RolloutWorker, num_chunks
     from m2flow.workers.tasks import TaskDataset
 
-    from m2flow import Channel, Cluster
+    from m2flow import Channel
     from m2flow.runlog import RunLog
 
     run_dir, t, tr, alg = Path(cfg.trainer.run_dir), cfg.task, cfg.trainer, cfg.algorithm
     c = cfg.cluster
-    cluster = Cluster(
-        c.address,
-        num_cpus=c.num_cpus,
-        virtual_devices_per_node=c.devices_per_node,
-        device_memory_gb=c.device_memory_gb,
-        run_dir=run_dir,
-    )
+    cluster = start_cluster(c, run_dir)
     model = _plain(cfg.model)
     lm = {"model": model, "alphabet": model.pop("alphabet")}
     temp = cfg.rollout.temperature
@@ -201,8 +196,7 @@ def main(cfg) -> dict:
             send_weights(group, receive)
         # Reward model: label the warm-started policy's samples with the verifier, fit, measure.
         fit_n = cfg.reward_fit.batches * n
-        for item in _prompt_items(train, tokenizer, fit_n, tr.seed, 0):
-            prompts.put(item)
+        prompts.put_many(_prompt_items(train, tokenizer, fit_n, tr.seed, 0))
         gen = rollout.generate(prompts, fit, fit_n, n)
         held = num_chunks(cfg.reward_fit.heldout_batches * n, rollout.world_size, n)
         rm = reward.fit(fit, num_chunks(fit_n, rollout.world_size, n), held, cfg.reward_fit.epochs)
@@ -212,8 +206,7 @@ def main(cfg) -> dict:
         fanout = Fanout(to_reward, to_reference, to_critic)
         for step in range(1, tr.steps + 1):
             t0 = time.time()
-            for item in _prompt_items(train, tokenizer, n, tr.seed, step):
-                prompts.put(item)
+            prompts.put_many(_prompt_items(train, tokenizer, n, tr.seed, step))
             gen = rollout.generate(prompts, fanout, n, granularity)
             rew = reward.score(to_reward, scores, chunks)
             ref = reference.logprobs(to_reference, refs, chunks)
