@@ -2,6 +2,8 @@
 
 Cases (each run on both queues, same items, same workers):
   small/driver    put N small items from the driver, then get them all (items/s)
+  small/batched   the same in batches of 32 (put_many + get_batch; the Ray queue's
+                  put_nowait_batch + get_nowait_batch)
   small/pipeline  producer worker -> consumer worker, N small items (items/s)
   tensor/driver   put + get of one large tensor from the driver, R round trips (MB/s)
   tensor/pipeline producer worker -> consumer worker, R large tensors (MB/s)
@@ -90,6 +92,24 @@ def bench_small_driver(q, n: int) -> float:
     return n / _timeit(run)
 
 
+def bench_small_driver_batched(q, n: int, batch: int = 32) -> float:
+    """Put in batches of ``batch`` (a GRPO step's prompts) and take them back in batches:
+    ``put_many``/``get_batch`` against the Ray queue's ``put_nowait_batch``/``get_nowait_batch``."""
+
+    def run():
+        for s in range(0, n, batch):
+            items = [small_item(i) for i in range(s, min(s + batch, n))]
+            if isinstance(q, Channel):
+                q.put_many(items)
+                got = q.get_batch(len(items), max_items=len(items), timeout=300)
+            else:
+                q.put_nowait_batch(items)
+                got = q.get_nowait_batch(len(items))
+            assert [g["id"] for g in got] == [it["id"] for it in items]
+
+    return n / _timeit(run)
+
+
 def bench_small_pipeline(q, kind: str, prod, cons, n: int) -> float:
     def run():
         c = cons.consume_small(q, kind, n)
@@ -144,6 +164,7 @@ def main(argv=None) -> int:
         n, mb, r = args.items, args.tensor_mb, args.round_trips
         cases = {
             "small/driver (items/s)": lambda q, k: bench_small_driver(q, n),
+            "small/driver, batches of 32 (items/s)": lambda q, k: bench_small_driver_batched(q, n),
             "small/pipeline (items/s)": lambda q, k: bench_small_pipeline(q, k, prod, cons, n),
             "tensor/driver (MB/s)": lambda q, k: bench_tensor_driver(q, mb, r),
             "tensor/pipeline (MB/s)": lambda q, k: bench_tensor_pipeline(q, k, prod, cons, mb, r),

@@ -134,7 +134,7 @@ def profile(
     devices: Optional[list[int]] = typer.Option(
         None, "--devices", help="device counts to measure (default 1, 2, 4, ... up to all)"
     ),
-    steps: int = typer.Option(4, "--steps", help="measured steps per run"),
+    steps: int = typer.Option(10, "--steps", help="measured steps per run (median)"),
     warmup: int = typer.Option(2, "--warmup", help="steps discarded before measuring"),
     chunks: int = typer.Option(4, "--chunks", help="chunks per batch in the overhead run"),
 ) -> None:

@@ -24,7 +24,7 @@ def profile_to_file(
     config_files: list[str],
     output: Path,
     device_counts: list[int] | None = None,
-    steps: int = 4,
+    steps: int = 10,
     warmup: int = 2,
     chunks: int = 4,
     log: Callable = print,

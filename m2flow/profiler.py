@@ -99,7 +99,7 @@ def profile(
     overrides: list[str] | None = None,
     config_files: list[str] | None = None,
     device_counts: list[int] | None = None,
-    steps: int = 4,
+    steps: int = 10,
     warmup: int = 2,
     chunks: int = 4,
     log=print,

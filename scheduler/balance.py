@@ -63,3 +63,13 @@ def largest_first(items: Sequence[QueuedItem], target_weight: float | None) -> l
         taken.append(i)
         total += items[i].weight
     return sorted(taken)
+
+
+def all_queued(items: Sequence[QueuedItem], target_weight: float | None) -> list[int]:
+    """Every queued item, whatever the target (waits only on an empty queue).
+
+    For a consumer that batches whatever has arrived (with ``max_items`` as the cap): chunks
+    already queued are processed together, paying one chunk's fixed cost instead of several,
+    while a consumer that keeps up still starts on the first chunk (adaptive granularity).
+    """
+    return list(range(len(items)))

@@ -7,7 +7,13 @@ step's batch of ``M`` items in ``k = M / m`` chunks of ``m`` items (elastic pipe
 whole-batch times ``T_U``, ``T_D`` (seconds, on their own devices) and fixed per-chunk
 overheads ``o_U``, ``o_D`` (seconds), the per-chunk stage times are
 
-    t_U = T_U * m / M + o_U = T_U / k + o_U,        t_D = T_D / k + o_D,
+    t_U = (T_U - o_U) / k + o_U,        t_D = (T_D - o_D) / k + o_D.
+
+A whole-batch time is measured as one chunk, so it already holds one chunk's fixed cost: ``k``
+chunks cost ``T_U + (k - 1) * o_U`` in all, and ``k = 1`` costs exactly ``T_U`` (the profiler
+measures ``o`` as the cost of each *extra* chunk, :mod:`m2flow.profiler`). This is
+:func:`spatial_time`; the search functions below take the shifted tables ``T - o`` and apply
+:func:`pipelined_time`, the same formula with ``t_U = T_U / k + o_U``.
 
 and the predicted step time is the two-stage pipeline formula
 
@@ -51,6 +57,14 @@ def pipelined_time(t_u, t_d, o_u, o_d, chunks):
     cu = t_u / chunks + o_u
     cd = t_d / chunks + o_d
     return cu + cd + (chunks - 1) * np.maximum(cu, cd)
+
+
+def spatial_time(t_u, t_d, o_u, o_d, chunks):
+    """Predicted step time (seconds) of U -> D pipelined in ``chunks`` chunks, where the
+    whole-batch times ``t_u``/``t_d`` were measured unchunked (one chunk's overhead included):
+    :func:`pipelined_time` of the shifted times ``t - o``. ``chunks = 1`` gives ``t_u + t_d``.
+    """
+    return pipelined_time(t_u - o_u, t_d - o_d, o_u, o_d, chunks)
 
 
 def finite_pipelined(t_u, t_d, o_u, o_d, chunks):
@@ -276,8 +290,9 @@ def _relaxed(s: np.ndarray, o: float, k_lo: float, k_hi: float) -> np.ndarray:
     """min over real k in [k_lo, k_hi] of s/k + k*o (convex in k): a lower bound of the
     minimum over the integer chunk counts in that interval."""
     if o <= 0:
-        return s / k_hi
-    k = np.clip(np.sqrt(s / o), k_lo, k_hi)
+        return np.where(s >= 0, s / k_hi, s / k_lo)
+    # s < 0 (a shifted table, overhead above the whole-batch time): increasing in k.
+    k = np.clip(np.sqrt(np.maximum(s, 0.0) / o), k_lo, k_hi)
     return s / k + k * o
 
 

@@ -33,8 +33,9 @@ Algorithm:
        temporal nodes do not pay a component's switch twice. Each child may use its own
        k <= n of the shared range (its first k devices, whose locks they share).
      - spatial: for every split ``n_U + n_D = n`` (each >= 1) and granularity ``m | M``, the
-       pipelined cost of :mod:`m2flow.scheduler.cost` with ``T_U = P(U, n_U)``, ``T_D = P(D,
-       n_D)`` and per-chunk overhead of a part = sum of its members' ``chunk_overhead``.
+       pipelined cost of :mod:`m2flow.scheduler.cost` (:func:`~.cost.spatial_time`) with
+       ``T_U = P(U, n_U)``, ``T_D = P(D, n_D)`` and per-chunk overhead of a part = sum of its
+       members' ``chunk_overhead`` (paid per extra chunk: one chunk costs ``T_U + T_D``).
        With the envelope every ``P(S, n)`` is nonincreasing in n (both compositions are
        nondecreasing in their parts' times), so a sub-plan given n_U devices may use fewer.
    * ties: cuts in increasing bitmask order over a fixed topological order, temporal before
@@ -347,13 +348,15 @@ class _Planner:
         """Best spatial split of (u, d) for every n (memoised on the two tables)."""
         key = (id(tu), id(td))  # tables live in self.memo, so ids are stable
         if key not in self.splits:
+            o_u, o_d = self.overhead(u), self.overhead(d)
+
+            def hulls():  # the minorant of a shifted table is the shifted minorant
+                (hu, eu), (hd, ed) = self._hull(tu), self._hull(td)
+                return (hu - o_u, eu), (hd - o_d, ed)
+
+            # Shifted tables: spatial_time(T_U, T_D) = pipelined_time(T_U - o_U, T_D - o_D).
             self.splits[key] = best_split_all(
-                tu.cost,
-                td.cost,
-                self.overhead(u),
-                self.overhead(d),
-                self.chunks,
-                lambda: (self._hull(tu), self._hull(td)),
+                tu.cost - o_u, td.cost - o_d, o_u, o_d, self.chunks, hulls
             )
         return self.splits[key]
 
@@ -372,8 +375,9 @@ class _Planner:
                 if kind == _TEMPORAL:
                     out.append((float(tu.cost[self.n] + td.cost[self.n]), v_i, c_i, -1, -1))
                     continue
+                o_u, o_d = self.overhead(u), self.overhead(d)
                 sv, snu, ski = best_split_at(
-                    tu.cost, td.cost, self.overhead(u), self.overhead(d), self.chunks, self.n
+                    tu.cost - o_u, td.cost - o_d, o_u, o_d, self.chunks, self.n
                 )
                 out.append((sv, v_i, c_i, snu, ski))
         return out

@@ -106,6 +106,9 @@ def step_timeline(
         k = node.chunks
         up, down = node.upstream, node.downstream
         o_u, o_d = o(up), o(down)
+        # The whole-batch times hold one chunk's overhead (cost.spatial_time): k chunks add
+        # (k - 1) more, spread over the chunks.
+        o_u, o_d = o_u * (k - 1) / k, o_d * (k - 1) / k
         cu, cd = up.time / k + o_u, down.time / k + o_d
         inner_flat = coarse and k > 1
         end_d = t0

@@ -74,10 +74,10 @@ def test_json_is_one_document(app):
 def test_idle_devices_shown_and_no_idle(app):
     res = run(app, GRPO, "--devices", "8")
     assert res.exit_code == 0, res.stderr
-    assert "idle: [2, 8) (6 of 8 devices)" in res.stdout and "devices used" in res.stdout
+    assert "idle: [3, 8) (5 of 8 devices)" in res.stdout and "devices used" in res.stdout
     doc = json.loads(run(app, GRPO, "--devices", "8", "--json").stdout)
-    assert doc["allow_idle"] is True and doc["idle_devices"] == [[2, 8]]
-    assert max(c["devices"][1] for c in doc["components"].values()) == 2
+    assert doc["allow_idle"] is True and doc["idle_devices"] == [[3, 8]]
+    assert max(c["devices"][1] for c in doc["components"].values()) == 3
     full = run(app, GRPO, "--devices", "8", "--no-idle")
     assert full.exit_code == 0, full.stderr
     assert "idle:" not in full.stdout

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 from m2flow.scheduler import cost as cost_module
-from m2flow.scheduler.cost import best_split_all, divisors, pipelined_time
+from m2flow.scheduler.cost import best_split_all, divisors, pipelined_time, spatial_time
 from m2flow.scheduler.planner import (
     Component,
     Leaf,
@@ -68,7 +68,8 @@ def _brute(names, preds, comp, n, M, cap, shared, idle=True):
                     for m in range(1, M + 1):
                         if M % m:
                             continue
-                        cu, cd = tu * m / M + ou, td * m / M + od
+                        # unchunked times hold one chunk's overhead: k chunks add k - 1
+                        cu, cd = (tu - ou) * m / M + ou, (td - od) * m / M + od
                         offer(ku | kd | {"S"}, cu + cd + (M / m - 1) * max(cu, cd))
     return best
 
@@ -527,3 +528,14 @@ def test_ppo_shape_at_1024_devices():
     assert all(len(r) >= 5 for r in res.plan.placement().values())  # 400/n <= 80
     kinds = {p.kind() for p in res.runner_ups} | {res.plan.kind()}
     assert kinds == {"temporal", "spatial", "hybrid"}
+
+
+def test_spatial_time_pays_overhead_per_extra_chunk():
+    """The profile's whole-batch times were measured as one chunk: one chunk costs exactly
+    T_U + T_D; k chunks add (k - 1) overheads per stage (here: a stage-by-stage check)."""
+    assert spatial_time(2.0, 1.0, 0.5, 0.25, 1) == pytest.approx(3.0)
+    # k = 4: t_U = (2 - .5)/4 + .5 = .875, t_D = (1 - .25)/4 + .25 = .4375;
+    # first chunk through both stages, then 3 more bottleneck stages.
+    assert spatial_time(2.0, 1.0, 0.5, 0.25, 4) == pytest.approx(0.875 + 0.4375 + 3 * 0.875)
+    # Overhead above the whole-batch time (a noisy profile) still gives a positive cost.
+    assert spatial_time(0.02, 0.15, 0.05, 0.1, 4) > 0.02 + 0.15

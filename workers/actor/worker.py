@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from m2flow.scheduler.balance import all_queued
 
 from m2flow import Channel, Worker
 
@@ -168,7 +169,9 @@ class ActorWorker(Worker):
 
         Returns:
             trainer metrics (``loss``, ``clip_frac``, ``grad_norm``, ...), ``samples``,
-            ``stale`` (samples generated with an older weight version than the actor's).
+            ``stale`` (samples generated with an older weight version than the actor's);
+            streaming (no ``mini_batch_size``): ``parts``, the forward/backward passes over
+            arrived chunks (chunks queued together are one part).
         """
         if self.mini_batch_size is None:
             return self._train_streaming(inp, num_chunks)
@@ -183,20 +186,33 @@ class ActorWorker(Worker):
         return self._finish(metrics, len(batch), trained, stale)
 
     def _train_streaming(self, inp: Channel, num_chunks: int) -> dict:
-        """One optimizer step over the whole batch, training on each chunk as it arrives
+        """One optimizer step over the whole batch, training on chunks as they arrive
         (gradients accumulate; :meth:`PolicyTrainer.accumulate`): with a pipelined rollout the
-        actor works while later chunks are still being generated."""
-        samples = trained = stale = 0
-        for _ in range(num_chunks):
-            chunk = inp.get()
-            batch = chunk["batch"]
+        actor works while later chunks are still being generated. Chunks that are already
+        queued when the actor comes for more are trained on together (one part instead of
+        several: the same update, one part's fixed cost), so a coalesced edge fed by several
+        rollout ranks costs one part, and a lagging actor coarsens its own granularity."""
+        samples = trained = stale = parts = 0
+        left = num_chunks
+        while left:
+            chunks = inp.get_batch(1, balance=all_queued, max_items=left)
+            left -= len(chunks)
+            batches = [c["batch"] for c in chunks]
+            batch = (
+                batches[0] if len(batches) == 1 else concat(batches, self.tokenizer.pad_token_id)
+            )
             samples += len(batch)
-            stale += len(batch) if chunk["weight_version"] != self.weight_version else 0
+            stale += sum(
+                len(c["batch"]) for c in chunks if c["weight_version"] != self.weight_version
+            )
             data = self._training_data(batch)  # whole GRPO groups: a chunk is whole prompts
             if len(data["advantages"]):
                 trained += self.trainer.accumulate(data, self.micro_batch_size)
+                parts += 1
         metrics = self.trainer.finish_accumulation()
-        return self._finish(metrics if trained else {}, samples, trained, stale)
+        out = self._finish(metrics if trained else {}, samples, trained, stale)
+        out["parts"] = parts
+        return out
 
     def _training_data(self, batch) -> dict:
         """Training tensors of a scored batch: group-normalised advantages, behaviour (and

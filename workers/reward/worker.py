@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from m2flow.scheduler.balance import all_queued
 
 from m2flow import Channel, Worker
 
@@ -48,6 +49,18 @@ class RewardWorker(Worker):
         got = self.client.rewards(task, batch, self.service["timeout_s"])
         return [float(got[str(i)]) for i in range(len(texts))]
 
+    def _score_chunk(self, chunk: dict) -> list[float]:
+        """Add ``rewards [B]`` to the chunk's batch; returns them."""
+        batch = chunk["batch"]
+        texts = decode_responses(self.tokenizer, batch["response_ids"], batch["response_mask"])
+        entries = [chunk["entries"][int(g)] for g in batch["group_index"]]
+        if self.client is None:
+            rewards = score(texts, entries)
+        else:
+            rewards = self._service_rewards(texts, entries)
+        batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
+        return rewards
+
     def score(self, inp: Channel, out: Channel, num_chunks: int) -> dict:
         """Take this rank's share of ``num_chunks`` rollout chunks from ``inp``, add
         ``rewards [B]`` to each batch, and put it into ``out`` (same weight: its tokens).
@@ -57,18 +70,15 @@ class RewardWorker(Worker):
             ``samples``.
         """
         rewards_all: list[float] = []
-        for _ in range(split_evenly(num_chunks, self.world_size)[self.rank]):
-            chunk = inp.get()
-            batch = chunk["batch"]
-            texts = decode_responses(self.tokenizer, batch["response_ids"], batch["response_mask"])
-            entries = [chunk["entries"][int(g)] for g in batch["group_index"]]
-            if self.client is None:
-                rewards = score(texts, entries)
-            else:
-                rewards = self._service_rewards(texts, entries)
-            batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
-            out.put(chunk, weight=num_tokens(batch))
-            rewards_all += rewards
+        left = split_evenly(num_chunks, self.world_size)[self.rank]
+        while left:
+            # Chunks already queued are taken and passed on together: one get and one put
+            # for all of them (each chunk is still scored and forwarded as its own chunk).
+            chunks = inp.get_batch(1, balance=all_queued, max_items=left)
+            left -= len(chunks)
+            for chunk in chunks:
+                rewards_all += self._score_chunk(chunk)
+            out.put_many(chunks, weights=[num_tokens(c["batch"]) for c in chunks])
         n = max(len(rewards_all), 1)
         return {
             "reward_mean": sum(rewards_all) / n,
