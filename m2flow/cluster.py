@@ -114,11 +114,11 @@ class Cluster:
     ) -> None:
         import ray
 
-        if offload not in {m.value for m in Offload}:
-            raise ValueError(
-                f"offload={offload!r}: use one of {', '.join(m.value for m in Offload)}"
-            )
-        offload = Offload(offload)
+        try:
+            offload = Offload(offload)
+        except ValueError:
+            choices = ", ".join(m.value for m in Offload)
+            raise ValueError(f"offload={offload!r}: use one of {choices}") from None
         apply_ray_env_defaults()
         self.run_dir = Path(run_dir) if run_dir else None
         self._owns_ray = False

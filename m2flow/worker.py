@@ -356,6 +356,23 @@ class Worker:
         Raises:
             ValueError: no such group/rank is running.
         """
+        work = self._m2flow_deliver_to(ray.put(obj), dst_group, dst_rank)
+        return work if async_op else work.wait()
+
+    def broadcast(self, obj, dst_group: str, dst_world_size: int) -> None:
+        """Send ``obj`` to ranks ``0..dst_world_size-1`` of ``dst_group`` and wait until every
+        inbox holds it. The object goes into the object store once; every receiver gets the
+        same reference (``send`` per rank would store one copy per rank).
+
+        Raises:
+            ValueError: no such group/rank is running.
+        """
+        ref = ray.put(obj)
+        works = [self._m2flow_deliver_to(ref, dst_group, r) for r in range(dst_world_size)]
+        for w in works:
+            w.wait()
+
+    def _m2flow_deliver_to(self, ref, dst_group: str, dst_rank: int) -> Work:
         try:
             peer = self._m2flow_peer(dst_group, dst_rank)
         except ValueError:
@@ -363,11 +380,9 @@ class Worker:
                 f"send from {self.worker_key}: no worker '{actor_name(dst_group, dst_rank)}' is "
                 "running; check the group name and rank"
             ) from None
-        ref = ray.put(obj)
         with self._m2flow_send_guard:  # numbers follow submission order
             seq = next(self._m2flow_send_seq[(dst_group, dst_rank)])
-            work = Work(peer._m2flow_deliver.remote(self.group_name, self.rank, seq, [ref]))
-        return work if async_op else work.wait()
+            return Work(peer._m2flow_deliver.remote(self.group_name, self.rank, seq, [ref]))
 
     def recv(
         self,

@@ -75,6 +75,15 @@ class Sender(Worker):
         return float(payload["x"].sum())
 
 
+class Broadcaster(Worker):
+    def broadcast_tensor(self, dst: str, world: int, seed: int):
+        import torch
+
+        t = torch.randn(64, 64, generator=torch.Generator().manual_seed(seed))
+        self.broadcast({"w": t, "version": seed}, dst, world)
+        return float(t.sum())
+
+
 class Receiver(Worker):
     def recv_seq(self, src: str, src_ranks: list[int], n: int, async_op: bool = False):
         out = {}
@@ -295,3 +304,21 @@ def test_send_to_unknown_group(p2p):
     with pytest.raises(WorkerError) as ei:
         snd.on(0).send_seq("nobody", 1).wait(timeout=60)
     assert "nobody:0" in str(ei.value)
+
+
+def test_broadcast_reaches_every_rank_in_order(cluster):
+    """``broadcast`` (one object-store copy) delivers the object to each rank of the group,
+    FIFO with the sender's other sends."""
+    src = Broadcaster.launch(cluster, placement=[0], name="bcast")
+    dst = Receiver.launch(cluster, placement=[0, 1], name="bcast_rcv")
+    try:
+        sums = [src.broadcast_tensor("bcast_rcv", 2, seed).wait(timeout=60)[0] for seed in (3, 4)]
+        got = dst.recv_seq("bcast", [0], 2).wait(timeout=60)  # per rank: {0: [first, second]}
+        for rank_got in got:
+            assert [g["version"] for g in rank_got[0]] == [3, 4]
+            assert [float(g["w"].sum()) for g in rank_got[0]] == pytest.approx(sums)
+        with pytest.raises(WorkerError, match="no worker 'nobody:0'"):
+            src.broadcast_tensor("nobody", 1, 0).wait(timeout=60)
+    finally:
+        src.shutdown()
+        dst.shutdown()

@@ -9,7 +9,7 @@ from m2flow import Channel, Worker
 from ..batch import num_tokens
 from ..critic.data import chunk_key
 from ..llm import ModelConfig, build_char_tokenizer, build_model
-from ..llm.placement import split_evenly, torch_device
+from ..llm.placement import offload_module, onload_module, split_evenly, torch_device
 from .losses import sequence_logprobs
 from .trainer import RESPONSE_KEYS
 
@@ -75,10 +75,7 @@ class ReferenceWorker(Worker):
         return torch.cat(out)
 
     def offload(self) -> None:
-        if self.device.type == "cuda":
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
+        offload_module(self.model, self.device)
 
     def onload(self) -> None:
-        if self.device.type == "cuda":
-            self.model.to(self.device)
+        onload_module(self.model, self.device)

@@ -152,13 +152,7 @@ class EmbodiedActorWorker(Worker):
 
     def send_weights(self, dst_group: str, dst_world_size: int) -> int:
         """Send ``(state_dict, weight_version)`` to every rank of ``dst_group``."""
-        state = self.state_dict()
-        works = [
-            self.send((state, self.weight_version), dst_group, r, async_op=True)
-            for r in range(dst_world_size)
-        ]
-        for w in works:
-            w.wait()
+        self.broadcast((self.state_dict(), self.weight_version), dst_group, dst_world_size)
         return self.weight_version
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from torch import nn
 
 from m2flow import Channel, Worker
 
-from ..llm.placement import split_evenly, torch_device
+from ..llm.placement import offload_module, onload_module, split_evenly, torch_device
 
 
 def _mlp(sizes: list[int], last_gain: float) -> nn.Sequential:
@@ -104,9 +104,7 @@ class PolicyWorker(Worker):
         return {"items": share, "observations": rows, "forward_s": forward_s}
 
     def offload(self) -> None:
-        if self.device.type == "cuda":
-            self.net.to("cpu")
+        offload_module(self.net, self.device)
 
     def onload(self) -> None:
-        if self.device.type == "cuda":
-            self.net.to(self.device)
+        onload_module(self.net, self.device)

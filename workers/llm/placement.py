@@ -15,6 +15,20 @@ def torch_device(devices) -> torch.device:
     return torch.device("cpu")
 
 
+def offload_module(module: torch.nn.Module, device: torch.device) -> None:
+    """Move a module that holds no optimizer state off its GPU (weights to host memory, cache
+    freed). No-op on CPU: a virtual device's memory is host memory already."""
+    if device.type == "cuda":
+        module.to("cpu")
+        torch.cuda.empty_cache()
+
+
+def onload_module(module: torch.nn.Module, device: torch.device) -> None:
+    """Undo :func:`offload_module`."""
+    if device.type == "cuda":
+        module.to(device)
+
+
 def split_evenly(n: int, parts: int) -> list[int]:
     """``n`` items over ``parts`` ranks, the first ``n % parts`` ranks taking one more."""
     if parts <= 0:

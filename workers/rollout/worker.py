@@ -11,7 +11,7 @@ from m2flow import Channel, Worker
 from ..batch import num_tokens, to_batch
 from ..evaluation import greedy_scores
 from ..llm import ModelConfig, build_char_tokenizer, build_model
-from ..llm.placement import split_evenly, torch_device
+from ..llm.placement import offload_module, onload_module, split_evenly, torch_device
 from ..tasks import TaskDataset
 from .generation import generate
 
@@ -149,10 +149,7 @@ class RolloutWorker(Worker):
 
     def offload(self) -> None:
         # Weights can always be re-synced, but moving them is cheaper than a resync here.
-        if self.device.type == "cuda":
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
+        offload_module(self.model, self.device)
 
     def onload(self) -> None:
-        if self.device.type == "cuda":
-            self.model.to(self.device)
+        onload_module(self.model, self.device)
