@@ -1,14 +1,21 @@
 """Predicted vs measured step time of the GRPO runner under each plan mode, side by side.
 
-    python benchmarks/plan_modes.py --profile grpo_profile.yaml [--devices 2] [--steps 20]
+    python benchmarks/plan_modes.py [--profile grpo_profile.yaml] [--devices 2] [--steps 30]
 
-For each mode (temporal, hybrid, spatial and the planner's own pick, ``auto``) the planner plans
-the profiled workflow on ``--devices`` virtual devices; the unchanged ``workflows/grpo.py`` then
-runs ``--steps`` GRPO steps under that plan, every run resuming from one shared warm-started
-checkpoint (so no run pays the warm start and all start from the same weights). The table gives
-the plan, the predicted and measured seconds per step (median after ``--skip`` steps) and the
-error; JSON goes to ``benchmarks/results/plan_modes.json``. A mode the planner finds infeasible
-on this cluster (spatial needs a device per group) is reported as such, not run.
+Every run resumes from one shared warm-started checkpoint (so no run pays the warm start and
+all start from the same weights). Without ``--profile`` the workflow is first profiled here,
+from that checkpoint, side by side with the measurements (same machine, same minutes, same
+policy; the profile is written next to the JSON). For each mode (temporal, hybrid, spatial and
+the planner's own pick, ``auto``) the planner plans the profiled workflow on ``--devices``
+virtual devices; the unchanged ``workflows/grpo.py`` then runs ``--steps`` GRPO steps under
+that plan, ``--repeats`` times, round-robin over the modes. A mode the planner finds
+infeasible on this cluster (spatial needs a device per group) is reported as such, not run.
+
+Measured step time of a mode: the median of its steps pooled over its runs (after ``--skip``
+steps of each). The spread of the per-run medians around it (half the range, relative) is
+the noise floor a prediction error can be judged against. Per group, the measured busy
+seconds per step are printed next to the profile's, to show which component a miss comes
+from. JSON goes to ``benchmarks/results/plan_modes.json``.
 
 RLinf's targets for the prediction error: < 2 % temporal, < 5 % spatial.
 """
@@ -24,7 +31,7 @@ from pathlib import Path
 
 from m2flow.cli import prepare
 from m2flow.config import ConfigError
-from m2flow.planning import load_profile, plan_from_profile
+from m2flow.planning import load_profile, plan_from_profile, profile_to_file
 from m2flow.session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,19 +46,54 @@ def _run(overrides: list[str], placement) -> Session:
     return session
 
 
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """``(steal, total)`` CPU jiffies of this machine so far, or None off Linux."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+    return ticks[7], sum(ticks)
+
+
+def _steal(before, after) -> float | None:
+    """Fraction of CPU time stolen by the hypervisor between two :func:`_cpu_jiffies`."""
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def _busy(session: Session, skip: int) -> dict[str, list[float]]:
+    """Group -> busy seconds of each measured step."""
+    out: dict[str, list[float]] = {}
+    for step in session.busy_per_step()[skip:]:
+        for group, busy in step.items():
+            out.setdefault(group, []).append(busy)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", required=True, help="profile from `m2flow profile`")
+    ap.add_argument("--profile", help="profile from `m2flow profile` (default: profile here)")
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        help="steps per profiled point (default: the measured window, --steps less --skip)",
+    )
     ap.add_argument("--devices", type=int, default=2, help="virtual devices (one per core)")
-    ap.add_argument("--steps", type=int, default=20, help="GRPO steps measured per mode")
-    ap.add_argument("--skip", type=int, default=3, help="steps left out of the median")
-    ap.add_argument("--modes", default="temporal,hybrid,spatial,auto")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per mode, round-robin")
+    ap.add_argument("--steps", type=int, default=30, help="GRPO steps measured per run")
+    ap.add_argument("--skip", type=int, default=3, help="steps of each run left out")
+    ap.add_argument(
+        "--modes",
+        default="temporal@1,temporal,hybrid,spatial,auto",
+        help="modes to plan and run; MODE@N plans on N of the devices (temporal@1 is the "
+        "profile's own 1-device run, the control)",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="runs per mode, round-robin")
     ap.add_argument("--work", default="scratch/plan_modes", help="run directories")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "plan_modes.json"))
     args = ap.parse_args()
 
-    prof = load_profile(args.profile)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     base = work / "warm"
@@ -60,30 +102,56 @@ def main() -> None:
     _run(common + ["trainer.steps=1", "trainer.save_every=1", f"trainer.run_dir={base}"], None)
     print(f"shared warm start: {time.time() - t0:.0f} s")
 
-    plans, rows = {}, []
+    def resumed(name: str) -> list[str]:
+        run_dir = work / name
+        shutil.copytree(base, run_dir, ignore=shutil.ignore_patterns("ray"))
+        return common + [f"trainer.save_every={10**9}", f"trainer.run_dir={run_dir}", "resume=true"]
+
+    profile_path = args.profile
+    if profile_path is None:
+        profile_path = Path(args.out).with_name("plan_modes_profile.yaml")
+        t0 = time.time()
+        # The same steps as each measured run: skip the first --skip, measure the rest.
+        window = args.profile_steps or args.steps - args.skip
+        profile_to_file(GRPO, resumed("profile"), [], profile_path, steps=window, warmup=args.skip)
+        print(f"profiled side by side in {time.time() - t0:.0f} s: {profile_path}")
+    prof = load_profile(profile_path)
+
+    plans, rows, same = {}, [], {}
     for mode in args.modes.split(","):
+        kind, _, n = mode.partition("@")
         try:
-            plans[mode] = plan_from_profile(prof, args.devices, 16 * GiB, mode)
+            plan = plan_from_profile(prof, int(n or args.devices), 16 * GiB, kind)
         except ConfigError as e:
             rows.append({"mode": mode, "feasible": False, "why": str(e)})
             print(f"{mode}: infeasible: {e}")
+            continue
+        twin = next((m for m, (_, pl) in plans.items() if pl.tree == plan[1].tree), None)
+        if twin is None:
+            plans[mode] = plan
+        else:  # e.g. auto picks the hybrid plan: run it once, report it under both names
+            same[mode] = twin
+            print(f"{mode}: the same plan as {twin}, measured once")
     # Round-robin over modes, so slow drift on a shared machine hits every mode alike.
+    steps: dict[str, list[float]] = {m: [] for m in plans}
     runs: dict[str, list[float]] = {m: [] for m in plans}
+    busy: dict[str, dict[str, list[float]]] = {m: {} for m in plans}
+    steal: dict[str, list[float | None]] = {m: [] for m in plans}
     for rep in range(args.repeats):
         for mode, (_, placement) in plans.items():
-            run_dir = work / f"{mode}-{rep}"
-            shutil.copytree(base, run_dir, ignore=shutil.ignore_patterns("ray"))
-            overrides = common + [
-                f"trainer.steps={1 + args.steps}",
-                f"trainer.save_every={10**9}",
-                f"trainer.run_dir={run_dir}",
-                "resume=true",
-            ]
+            overrides = resumed(f"{mode}-{rep}") + [f"trainer.steps={1 + args.steps}"]
+            before = _cpu_jiffies()
             session = _run(overrides, placement)
-            runs[mode].append(statistics.median(session.step_times()[args.skip :]))
-            print(f"{mode} run {rep}: {runs[mode][-1]:.4f} s/step")
+            steal[mode].append(_steal(before, _cpu_jiffies()))
+            times = session.step_times()[args.skip :]
+            steps[mode] += times
+            runs[mode].append(statistics.median(times))
+            for group, xs in _busy(session, args.skip).items():
+                busy[mode].setdefault(group, []).extend(xs)
+            stolen = "" if steal[mode][-1] is None else f", {steal[mode][-1]:.1%} CPU stolen"
+            print(f"{mode} run {rep}: {runs[mode][-1]:.4f} s/step{stolen}")
     for mode, (_, placement) in plans.items():
-        measured = statistics.median(runs[mode])
+        measured = statistics.median(steps[mode])
         predicted = placement.predicted_step_s
         rows.append(
             {
@@ -95,13 +163,20 @@ def main() -> None:
                 "predicted_step_s": predicted,
                 "measured_step_s": measured,
                 "measured_runs_s": runs[mode],
+                "steal_per_run": steal[mode],
+                "run_spread": (max(runs[mode]) - min(runs[mode])) / 2 / measured,
                 "error": (measured - predicted) / measured,
+                "busy_s": {g: statistics.median(xs) for g, xs in busy[mode].items()},
             }
         )
 
+    for mode, twin in same.items():
+        row = next(r for r in rows if r.get("mode") == twin)
+        rows.append({**row, "mode": mode, "same_plan_as": twin})
+
     ran = [r for r in rows if r["feasible"] and r["mode"] != "auto"]
     auto = next((r for r in rows if r["mode"] == "auto" and r["feasible"]), None)
-    print(f"\n{'mode':<10} {'predicted s':>12} {'measured s':>11} {'error':>8}  plan")
+    print(f"\n{'mode':<10} {'predicted s':>12} {'measured s':>11} {'error':>8} {'spread':>7}  plan")
     for r in rows:
         if not r["feasible"]:
             print(f"{r['mode']:<10} {'infeasible':>12}")
@@ -109,9 +184,25 @@ def main() -> None:
         first = r["plan"].splitlines()[0]
         print(
             f"{r['mode']:<10} {r['predicted_step_s']:>12.4f} {r['measured_step_s']:>11.4f} "
-            f"{r['error']:>+8.1%}  {first}"
+            f"{r['error']:>+8.1%} {r['run_spread']:>7.1%}  {first}"
         )
-    summary = {"devices": args.devices, "steps": args.steps, "rows": rows}
+    print("\nbusy seconds per step, measured (profile on 1 device):")
+    for r in rows:
+        if r["feasible"]:
+            shown = ", ".join(
+                f"{g} {b:.3f} ({prof.components[g].points[0].seconds:.3f})"
+                for g, b in r["busy_s"].items()
+                if g in prof.components
+            )
+            print(f"  {r['mode']:<10} {shown}")
+    summary = {
+        "devices": args.devices,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "profile": str(profile_path),
+        "step_overhead_s": prof.step_overhead_s,
+        "rows": rows,
+    }
     if ran and auto is not None:
         fastest = min(ran, key=lambda r: r["measured_step_s"])
         summary["planner_pick"] = auto["plan"].splitlines()[0]

@@ -15,7 +15,10 @@ document instead (for tools).
 Idle devices: by default a component given n devices may use fewer when it is no faster on more
 (a small model whose profile slows down past one device), so the plan may leave devices idle;
 they are printed under the tree (``idle: [5, 8)``) and listed as ``idle_devices`` in the JSON.
-``--no-idle`` plans as RLinf does, every device used.
+A component also uses the fewest devices whose predicted time is within ``--slack`` (a
+fraction, default 0.01) of its fastest: a nearly flat fit would otherwise take every spare
+device for a fraction of a percent. ``--slack 0`` plans the exact minimum; ``--no-idle`` plans
+as RLinf does, every device used.
 
 ``--nodes K``: ``--devices N`` counts all devices, ``N / K`` per node, numbered node-major (as
 the cluster numbers them). Each rank of a group holds one device, so no rank ever spans nodes
@@ -49,7 +52,7 @@ def _is_workflow(target: str) -> bool:
     return target.endswith(".py") or not (target.endswith((".yaml", ".yml", ".json")))
 
 
-def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True):
+def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, slack=None):
     """``(profile, PlanResult, step_overhead_s)``; raises ConfigError/ValueError on bad input."""
     from .config import ConfigError
     from .planning import profile_to_file
@@ -64,6 +67,10 @@ def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True):
         raise ConfigError(
             f"--devices {devices} must split evenly over --nodes {nodes} (devices per node = "
             "devices / nodes)"
+        )
+    if slack is not None and not 0.0 <= slack < 1.0:
+        raise ConfigError(
+            f"--slack {slack}: give a fraction in [0, 1) of the fastest time, e.g. 0.01"
         )
     if memory_gb is not None and not memory_gb > 0:
         raise ConfigError(f"--memory-gb {memory_gb}: give a positive capacity (GiB per device)")
@@ -88,6 +95,7 @@ def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True):
             mode=mode,
             runner_ups=True,
             allow_idle=allow_idle,
+            **({} if slack is None else {"slack": slack}),
         )
     except PlanError as e:
         raise ConfigError(f"no {mode} plan on {devices} devices: {e}") from None
@@ -200,9 +208,10 @@ def _idle_line(result) -> str:
     if not idle:
         return ""
     count = sum(len(r) for r in idle)
+    why = "predicted faster" if result.slack == 0 else f"more than {result.slack:.0%} faster"
     return (
         f"idle: {_ranges(idle)} ({count} of {result.num_devices} devices): no component is "
-        "predicted faster on more of them (--no-idle uses every device)"
+        f"{why} on more of them (--no-idle uses every device)"
     )
 
 
@@ -274,6 +283,12 @@ def plan(
     idle: bool = typer.Option(
         True, "--idle/--no-idle", help="let a component use fewer devices when that is faster"
     ),
+    slack: Optional[float] = typer.Option(
+        None,
+        "--slack",
+        help="use the fewest devices within this fraction of a component's fastest time "
+        "(default 0.01; 0: exact)",
+    ),
 ) -> None:
     """Print the plan for N devices: tree, components, prediction, runner-ups."""
     from .config import ConfigError
@@ -281,7 +296,7 @@ def plan(
 
     try:
         prof, result, overhead = _plan(
-            target, devices, nodes, mode, memory_gb, overrides or [], idle
+            target, devices, nodes, mode, memory_gb, overrides or [], idle, slack
         )
     except (ConfigError, ValueError) as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False)

@@ -3,12 +3,22 @@
 ``m2flow profile WORKFLOW.py [overrides] -o profile.yaml`` runs the unchanged runner a few
 steps at a time under temporal placements on ``n = 1, 2, 4, ...`` devices (every group on
 devices ``0..n-1``, so each group's busy time is measured alone on ``n`` devices) and once more
-on one device with the rollout streaming in chunks (to measure the fixed cost per chunk). From
-the session's records (:mod:`m2flow.session`) it writes, per worker group:
+pipelined in chunks, to measure what each extra chunk costs. From the session's records
+(:mod:`m2flow.session`) it writes, per worker group:
 
 - ``points``: devices -> median busy seconds per step and peak memory bytes per device;
 - ``switch_s``: one offload plus one onload (seconds), what time-sharing costs per step;
-- ``chunk_overhead_s``: extra seconds per additional chunk when the batch is split;
+- ``chunk_overhead_s``: extra seconds per additional chunk when the batch is split and
+  pipelined: ``(busy pipelined in k chunks - busy on 1 device) / (k - 1)``. The pipelined run
+  puts the source groups (fed by the driver only, the rollout) on device 0 and the others on
+  device 1, time-shared, so consumers get chunks one at a time as a spatial plan feeds them.
+  The overhead then holds everything pipelining costs a group: its fixed cost per chunk (or
+  per training part), the lock hand-offs of groups sharing a stage, and the slowdown of
+  running at the same time as the other stage (on virtual devices the cores share caches,
+  memory bandwidth and Ray's own processes). One chunk costs exactly the 1-device time, as a
+  stage that is not pipelined runs alone. With one device, or no source group to split off,
+  the chunked run stays temporal on one device: it measures the producer's cost per chunk
+  only (a consumer there trains queued chunks together);
 
 and for the workflow: the traced graph (channel edges with items per step), the batch size
 ``M`` (items the runner puts into the workflow per step: the driver's edges) and
@@ -94,6 +104,23 @@ def _switch_s(stats: list[dict]) -> float:
     return max(per_rank, default=0.0)
 
 
+def _chunked_placement(first: dict[str, Any], num_devices: int, m: int) -> Placement:
+    """Placement of the chunk-overhead run (module docstring): source groups on device 0, the
+    rest time-shared on device 1, chunks of ``m`` items; temporal on device 0 when the cluster
+    has one device or the graph no source group to split off."""
+    groups = set(first["busy"])
+    fed = {d for s, d, _ in first["edges"] if s != "driver" and s != d}
+    sources = sorted(g for g in groups if g not in fed)
+    if num_devices < 2 or not sources or len(sources) == len(groups):
+        return Placement(mode="temporal", default_devices=[0], default_granularity=m)
+    return Placement(
+        mode="hybrid",
+        groups={g: [0] for g in sources},
+        default_devices=[1],
+        default_granularity=m,
+    )
+
+
 def profile(
     workflow: str,
     overrides: list[str] | None = None,
@@ -141,10 +168,7 @@ def profile(
     chunked = None
     if chunks > 1 and batch >= chunks:
         m = math.ceil(batch / chunks)
-        chunked = run(
-            Placement(mode="temporal", default_devices=[0], default_granularity=m),
-            f"1 device, chunks of {m}",
-        )
+        chunked = run(_chunked_placement(first, n_max, m), f"pipelined, chunks of {m}")
         k = math.ceil(batch / m)
 
     edges: dict[tuple[str, str], int] = defaultdict(int)

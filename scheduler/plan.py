@@ -327,7 +327,9 @@ class PlanResult:
     ``batch_size`` (``M``, items per step); ``edges``: the workflow's ``(src, dst)`` edges;
     ``capacity``: bytes per device (``inf`` = unlimited); ``runner_ups``: the best plan of each
     other mode and of each other top-level (cut, composition), distinct from ``plan`` and from
-    each other, fastest first; ``allow_idle``: whether components could leave devices idle.
+    each other, fastest first; ``allow_idle``: whether components could leave devices idle;
+    ``slack``: the fraction of its fastest time a component could give up to use fewer devices
+    (0: exact).
     """
 
     plan: Plan
@@ -338,6 +340,7 @@ class PlanResult:
     capacity: float = math.inf
     runner_ups: tuple[Plan, ...] = ()
     allow_idle: bool = True
+    slack: float = 0.0
 
     @property
     def time(self) -> float:
@@ -365,6 +368,7 @@ class PlanResult:
             "batch_size": self.batch_size,
             "capacity_bytes": None if math.isinf(self.capacity) else self.capacity,
             "allow_idle": self.allow_idle,
+            "slack": self.slack,
             "idle_devices": [[r.start, r.stop] for r in self.idle()],
             "time_s": self.plan.time,
             "throughput_items_per_s": self.throughput() if self.plan.time > 0 else None,
@@ -395,6 +399,7 @@ class PlanResult:
             edges=tuple((str(e["src"]), str(e["dst"])) for e in doc.get("edges", [])),
             capacity=math.inf if cap is None else float(cap),
             allow_idle=bool(doc.get("allow_idle", False)),  # older documents used every device
+            slack=float(doc.get("slack", 0.0)),
             runner_ups=tuple(
                 _from_dict(_get(r, "plan", f"runner_ups[{i}]"), f"runner_ups[{i}].plan")
                 for i, r in enumerate(doc.get("runner_ups", []))

@@ -20,7 +20,13 @@ Algorithm:
      and the node's time on n is the monotone envelope ``min_{feasible k <= n} time(k)``
      (smallest such k on ties); the other ``n - k`` devices stay idle. A small model measured
      on few devices often gets *slower* with more (threads, communication): without the
-     envelope the planner would push spare devices onto it. With ``allow_idle=False``
+     envelope the planner would push spare devices onto it. With ``slack = s > 0`` the node
+     uses the *fewest* devices whose time is within ``s`` of that minimum: the smallest k <= n
+     with ``time(k) <= (1 + s) * min_{k' <= n} time(k')``. A nearly flat fit (two profiled
+     points, an Amdahl curve ``a + b/k`` with b << a) then stops at a few devices instead of
+     taking every spare one for a fraction of a percent. The table stays nonincreasing in n
+     (the threshold only falls as n grows, so k only moves up, to a faster time). ``s = 0``
+     is the exact envelope. With ``allow_idle=False``
      (Algorithm 1 as RLinf states it) k = n: ``time(n)`` if feasible at n, else ``inf``. A
      component with ``max_devices`` uses ``min(k, max_devices)`` of its k devices:
      ``time(k) = time(max_devices)`` and ``memory(k) = memory(max_devices)`` beyond it.
@@ -67,6 +73,9 @@ import numpy as np
 
 from .cost import INF, best_split_all, best_split_at, convex_minorant, divisors
 from .plan import Leaf, Plan, PlanError, PlanResult, Spatial, Temporal
+
+# A component uses the fewest devices within 1 % of its fastest time (module docstring, point 2).
+DEFAULT_SLACK = 0.01
 
 __all__ = [
     "MODES",
@@ -239,9 +248,9 @@ class _Table:
 class _Planner:
     """DP over node subsets (bitmasks) with arrays over device counts 0..N."""
 
-    def __init__(self, nodes, edges, n_devices, capacity, batch_size, allow_idle=True):
+    def __init__(self, nodes, edges, n_devices, capacity, batch_size, allow_idle=True, slack=0.0):
         self.nodes, self.n, self.cap, self.M = nodes, n_devices, capacity, batch_size
-        self.allow_idle = allow_idle
+        self.allow_idle, self.slack = allow_idle, slack
         self.m_list = divisors(batch_size)[::-1]  # largest m first: ties prefer fewer chunks
         self.chunks = np.array([batch_size // m for m in self.m_list])
         self.pred = [0] * len(nodes)
@@ -278,9 +287,17 @@ class _Planner:
             return
         # Monotone envelope: time on n = min over feasible k <= n, and the smallest such k.
         env = np.minimum.accumulate(t)
-        drops = t < np.concatenate(([INF], env[:-1]))  # a new strict minimum at k
-        node.times = env
-        node.use = np.maximum.accumulate(np.where(drops, np.arange(self.n + 1), 0))
+        if self.slack == 0.0:
+            drops = t < np.concatenate(([INF], env[:-1]))  # a new strict minimum at k
+            node.times = env
+            node.use = np.maximum.accumulate(np.where(drops, np.arange(self.n + 1), 0))
+            return
+        # The fewest devices within the slack: the first k whose envelope (nonincreasing) is
+        # under the threshold; the envelope first drops there, so t[k] is that value.
+        ok = np.isfinite(env)
+        k = np.searchsorted(-env[1:], -(1.0 + self.slack) * env, side="left") + 1
+        node.use = np.where(ok, k, 0)
+        node.times = np.where(ok, t[np.where(ok, k, 0)], INF)
 
     def _members(self, mask):
         return [i for i in range(len(self.nodes)) if mask >> i & 1]
@@ -509,6 +526,7 @@ def plan_workflow(
     mode: str = ...,
     runner_ups: Literal[False] = ...,
     allow_idle: bool = ...,
+    slack: float = ...,
 ) -> Plan: ...
 
 
@@ -521,6 +539,7 @@ def plan_workflow(
     mode: str = ...,
     runner_ups: Literal[True] = ...,
     allow_idle: bool = ...,
+    slack: float = ...,
 ) -> PlanResult: ...
 
 
@@ -532,6 +551,7 @@ def plan_workflow(
     mode: str = "auto",
     runner_ups: bool = False,
     allow_idle: bool = True,
+    slack: float = DEFAULT_SLACK,
 ) -> Plan | PlanResult:
     """Optimal plan of ``workflow`` on ``num_devices`` devices with ``capacity`` bytes each.
 
@@ -545,6 +565,11 @@ def plan_workflow(
             the rest idle, when fewer are faster (module docstring, point 2). ``False``: every
             component uses every device it is given (RLinf's Algorithm 1; ``max_devices``
             aside), so the plan uses all ``num_devices``.
+        slack: with ``allow_idle``, a component uses the fewest devices whose predicted time
+            is within this fraction (0 <= s < 1) of its fastest on the devices it is given
+            (module docstring, point 2). The default, 1 %, keeps a nearly flat profile from
+            taking every spare device; ``0`` plans the exact minimum. Ignored with
+            ``allow_idle=False``.
 
     Raises:
         PlanError: bad arguments, or nothing feasible (the message names the component, the
@@ -558,9 +583,12 @@ def plan_workflow(
         raise PlanError(f"batch_size must be >= 1, got {workflow.batch_size}")
     if cycle_memory not in ("sum", "max"):
         raise PlanError(f"cycle_memory must be 'sum' or 'max', got {cycle_memory!r}")
+    if not 0.0 <= slack < 1.0:
+        raise PlanError(f"slack must be in [0, 1), a fraction of the fastest time; got {slack!r}")
     nodes, edges = condense(workflow, cycle_memory)
     _check_mode(mode, nodes, num_devices)
-    pl = _Planner(nodes, edges, num_devices, capacity, workflow.batch_size, allow_idle)
+    slack = slack if allow_idle else 0.0
+    pl = _Planner(nodes, edges, num_devices, capacity, workflow.batch_size, allow_idle, slack)
     full = (1 << len(nodes)) - 1
     fam = _FAMILY[mode]
     choice = pl.root(full, fam)
@@ -578,4 +606,5 @@ def plan_workflow(
         capacity=float(capacity),
         runner_ups=_alternatives(pl, full, best),
         allow_idle=allow_idle,
+        slack=slack,
     )

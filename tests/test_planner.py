@@ -4,6 +4,7 @@ edge granularity, plan documents, timelines."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -15,6 +16,7 @@ import yaml
 from m2flow.scheduler import cost as cost_module
 from m2flow.scheduler.cost import best_split_all, divisors, pipelined_time, spatial_time
 from m2flow.scheduler.planner import (
+    DEFAULT_SLACK,
     Component,
     Leaf,
     Plan,
@@ -28,18 +30,22 @@ from m2flow.scheduler.planner import (
 from m2flow.scheduler.timeline import step_timeline
 
 
-def _brute(names, preds, comp, n, M, cap, shared, idle=True):
+def _brute(names, preds, comp, n, M, cap, shared, idle=True, slack=0.0):
     """Independent exhaustive search of the same plan space (no memo, scalar arithmetic).
 
-    ``idle``: a leaf given n devices may use any k <= n of them (feasible at k); otherwise
-    k = n. Returns {set of compositions used: best cost}, e.g. {frozenset({"T", "S"}): 3.5}."""
+    ``idle``: a leaf given n devices may use any k <= n of them (feasible at k): the fewest
+    whose time is within ``slack`` of the fastest such k; otherwise k = n. Returns {set of
+    compositions used: best cost}, e.g. {frozenset({"T", "S"}): 3.5}."""
+    rec = functools.partial(_brute, idle=idle, slack=slack)
     if len(names) == 1:
         c = comp[names[0]]
-        best_t = math.inf
+        times = []  # the time of every feasible k, increasing k
         for k in range(1, n + 1) if idle else [n]:
             u = k if c.max_devices is None else min(k, c.max_devices)
             if k >= c.min_devices and c.memory(u) <= cap:
-                best_t = min(best_t, c.time(u))
+                times.append(c.time(u))
+        fastest = min(times, default=math.inf)
+        best_t = next((t for t in times if t <= (1 + slack) * fastest), math.inf)
         if math.isinf(best_t):
             return {}
         return {frozenset(): best_t + (c.switch_cost if shared else 0.0)}
@@ -55,15 +61,15 @@ def _brute(names, preds, comp, n, M, cap, shared, idle=True):
             if any(p in down for u in up for p in preds[u]):
                 continue  # an edge goes D -> U: not an s-t cut
             up = list(up)
-            bu = _brute(up, preds, comp, n, M, cap, True, idle)
-            bd = _brute(down, preds, comp, n, M, cap, True, idle)
+            bu = rec(up, preds, comp, n, M, cap, True)
+            bd = rec(down, preds, comp, n, M, cap, True)
             for (ku, vu), (kd, vd) in itertools.product(bu.items(), bd.items()):
                 offer(ku | kd | {"T"}, vu + vd)
             ou = sum(comp[x].chunk_overhead for x in up)
             od = sum(comp[x].chunk_overhead for x in down)
             for nu in range(1, n):
-                bu = _brute(up, preds, comp, nu, M, cap, shared, idle)
-                bd = _brute(down, preds, comp, n - nu, M, cap, shared, idle)
+                bu = rec(up, preds, comp, nu, M, cap, shared)
+                bd = rec(down, preds, comp, n - nu, M, cap, shared)
                 for (ku, tu), (kd, td) in itertools.product(bu.items(), bd.items()):
                     for m in range(1, M + 1):
                         if M % m:
@@ -107,14 +113,15 @@ def _random_case(rng: random.Random):
     return Workflow(comps, edges, rng.choice([1, 2, 4, 6])), rng.uniform(2, 8)
 
 
-def _cases(seed, count, idle=True):
+def _cases(seed, count, idle=True, slack=0.0):
     rng = random.Random(seed)
     for _ in range(count):
         wf, cap = _random_case(rng)
         comp = {c.name: c for c in wf.components}
         preds = {c.name: [s for s, d in wf.edges if d == c.name] for c in wf.components}
         for n in range(1, 9 if len(comp) < 4 else 6):
-            yield wf, cap, n, _brute(list(comp), preds, comp, n, wf.batch_size, cap, False, idle)
+            by_kinds = _brute(list(comp), preds, comp, n, wf.batch_size, cap, False, idle, slack)
+            yield wf, cap, n, by_kinds
 
 
 def _check_leaves(plan, wf, n, cap, idle):
@@ -137,17 +144,20 @@ def _check_leaves(plan, wf, n, cap, idle):
         assert plan.idle(n) == [] and plan.devices == range(0, n)
 
 
-@pytest.mark.parametrize("idle", [True, False], ids=["idle", "no-idle"])
+@pytest.mark.parametrize(
+    "idle, slack", [(True, 0.0), (True, 0.2), (False, 0.0)], ids=["idle", "idle-slack", "no-idle"]
+)
 @pytest.mark.parametrize("mode", ["auto", "temporal", "spatial", "hybrid"])
-def test_brute_force_agreement(mode, idle):
+def test_brute_force_agreement(mode, idle, slack):
     checked = idles = 0
-    for wf, cap, n, by_kinds in _cases(0, 60, idle):
+    kw = {"mode": mode, "allow_idle": idle, "slack": slack}
+    for wf, cap, n, by_kinds in _cases(0, 60, idle, slack):
         want = _mode_best(by_kinds, mode)
         if math.isinf(want):
             with pytest.raises(PlanError):
-                plan_workflow(wf, n, cap, mode=mode, allow_idle=idle)
+                plan_workflow(wf, n, cap, **kw)
             continue
-        got = plan_workflow(wf, n, cap, mode=mode, allow_idle=idle)
+        got = plan_workflow(wf, n, cap, **kw)
         assert math.isclose(got.time, want, rel_tol=1e-9), (wf.edges, n, mode, got.time, want)
         kinds = {"temporal": "T", "spatial": "S"}
         used = {kinds[k] for k in got.kinds()}
@@ -162,9 +172,10 @@ def test_brute_force_agreement(mode, idle):
 
 
 def test_runner_ups_are_mode_bests():
-    """Runner-ups hold each mode's optimum; the best is the auto optimum; all distinct."""
+    """Runner-ups hold each mode's optimum; the best is the auto optimum; all distinct (with
+    the default slack)."""
     seen_kinds = set()
-    for wf, cap, n, by_kinds in _cases(2, 25):
+    for wf, cap, n, by_kinds in _cases(2, 25, slack=DEFAULT_SLACK):
         if math.isinf(_mode_best(by_kinds, "auto")):
             continue
         res = plan_workflow(wf, n, cap, runner_ups=True)
@@ -389,7 +400,7 @@ def test_planner_search_equals_exhaustive_at_scale(monkeypatch):
     wf = Workflow(comps, edges, 48)
     times = {}
     for mode, idle in itertools.product(("auto", "hybrid"), (True, False)):
-        kw = {"capacity": 80.0, "mode": mode, "runner_ups": True, "allow_idle": idle}
+        kw = {"capacity": 80.0, "mode": mode, "runner_ups": True, "allow_idle": idle, "slack": 0.0}
         monkeypatch.setattr(cost_module, "EXHAUSTIVE_SPLITS", 0)  # bisection everywhere
         fast = plan_workflow(wf, 200, **kw)
         monkeypatch.setattr(cost_module, "EXHAUSTIVE_SPLITS", 10**12)  # every split
@@ -418,6 +429,24 @@ def test_max_devices_uses_only_that_many():
     assert plan.time == 4.0 and plan.devices == range(0, 2) and plan.idle(8) == [range(2, 8)]
     with pytest.raises(PlanError, match="max_devices=1 is below min_devices=2"):
         plan_workflow(Workflow([Component("a", t, t, min_devices=2, max_devices=1)], [], 4), 4)
+
+
+def test_slack_keeps_a_flat_component_lean():
+    """t(k) = 1 + 0.1/k on 1024 devices: the exact optimum takes all 1024 for a 1 % gain over
+    10; with slack = 1 % the component uses the fewest devices within 1 % of its fastest:
+    0.1/k <= 1.01 * (1 + 0.1/1024) - 1 holds from k = 10."""
+    wf = Workflow([Component("rollout", lambda n: 1.0 + 0.1 / n, lambda n: 0.0)], [], 8)
+    exact = plan_workflow(wf, 1024, slack=0.0)
+    assert exact.devices == range(0, 1024) and math.isclose(exact.time, 1.0 + 0.1 / 1024)
+    lean = plan_workflow(wf, 1024, runner_ups=True)  # the default, 1 %
+    assert lean.slack == 0.01 and lean.to_dict()["slack"] == 0.01
+    assert lean.plan.devices == range(0, 10) and lean.idle() == [range(10, 1024)]
+    assert math.isclose(lean.time, 1.01) and lean.time <= 1.01 * exact.time
+    assert plan_workflow(wf, 9).devices == range(0, 5)  # t(5) = 1.02 <= 1.01 * t(9) = 1.0212
+    # Without idle devices the component takes what it is given: the slack has no say.
+    assert plan_workflow(wf, 1024, allow_idle=False, slack=0.5).devices == range(0, 1024)
+    with pytest.raises(PlanError, match=r"slack must be in \[0, 1\)"):
+        plan_workflow(wf, 8, slack=1.0)
 
 
 def test_modes_explain_infeasibility():

@@ -10,7 +10,7 @@ from test_workflow import TINY_RUN
 
 from m2flow.config import ConfigError
 from m2flow.planning import load_profile, placement_for, plan_from_profile, report
-from m2flow.profiler import profile
+from m2flow.profiler import _chunked_placement, profile
 from m2flow.session import Session
 
 GRPO = str(Path(__file__).resolve().parent.parent / "workflows" / "grpo.py")
@@ -87,3 +87,23 @@ def test_spatial_needs_a_device_per_group(grpo_profile):
     _, path = grpo_profile
     with pytest.raises(ConfigError, match="spatial"):
         plan_from_profile(load_profile(path), 2, None, "spatial")
+
+
+def test_chunk_run_pipelines_sources_against_the_rest():
+    """The chunk-overhead run feeds consumers one chunk at a time: sources (fed by the driver
+    only) on device 0, the rest time-shared on device 1; temporal on one device when there is
+    no second device or no source to split off (a cycle)."""
+    chain = {
+        "busy": {"rollout": 1.0, "reward": 0.1, "actor": 1.0},
+        "edges": [("driver", "rollout", 4), ("rollout", "reward", 4), ("reward", "actor", 4)],
+    }
+    pl = _chunked_placement(chain, 2, 2)
+    assert pl.groups == {"rollout": [0]} and pl.default_devices == [1]
+    assert pl.default_granularity == 2
+    one = _chunked_placement(chain, 1, 2)
+    assert one.groups == {} and one.default_devices == [0] and one.default_granularity == 2
+    cycle = {
+        "busy": {"env": 1.0, "policy": 1.0},
+        "edges": [("driver", "env", 1), ("env", "policy", 4), ("policy", "env", 4)],
+    }
+    assert _chunked_placement(cycle, 2, 2).default_devices == [0]
