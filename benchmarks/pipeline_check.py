@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 
 from m2flow.scheduler.cost import spatial_time
-from plan_modes import ROOT, GiB, _busy, _cpu_jiffies, _run, _steal
+from plan_modes import ROOT, GiB, Runs, _run
 
 from m2flow.placement import Placement
 from m2flow.planning import load_profile, plan_from_profile
@@ -76,10 +76,7 @@ def main() -> None:
     common = ["cluster.devices_per_node=2", "trainer.eval_every=100000"]
     warm = work / "warm"
     _run(common + ["trainer.steps=1", "trainer.save_every=1", f"trainer.run_dir={warm}"], None)
-    steps = {n: [] for n in plans}
-    runs = {n: [] for n in plans}
-    stolen = {n: [] for n in plans}
-    busy: dict[str, dict[str, list[float]]] = {n: {} for n in plans}
+    runs = {n: Runs() for n in plans}
     for rep in range(args.repeats):
         for name, (placement, _) in plans.items():
             run_dir = work / f"{name.replace('=', '')}-{rep}"
@@ -90,24 +87,18 @@ def main() -> None:
                 "resume=true",
                 f"trainer.steps={1 + args.steps}",
             ]
-            before = _cpu_jiffies()
-            session = _run(overrides, placement)
-            stolen[name].append(_steal(before, _cpu_jiffies()))
-            times = session.step_times()[args.skip :]
-            steps[name] += times
-            runs[name].append(statistics.median(times))
-            for group, xs in _busy(session, args.skip).items():
-                busy[name].setdefault(group, []).extend(xs)
-            print(f"{name} run {rep}: {runs[name][-1]:.4f} s/step", flush=True)
+            runs[name].measure(overrides, placement, args.skip)
+            print(f"{name} run {rep}: {runs[name].medians[-1]:.4f} s/step", flush=True)
 
     rows = []
     print(
         f"\n{'plan':<8} {'predicted s':>12} {'measured s':>11} {'error':>8}  busy measured (model)"
     )
     for name, (placement, model) in plans.items():
-        measured = statistics.median(steps[name])
+        r = runs[name]
+        measured = statistics.median(r.steps)
         predicted = placement.predicted_step_s
-        med = {g: statistics.median(xs) for g, xs in busy[name].items()}
+        med = r.busy_s()
         rows.append(
             {
                 "plan": name,
@@ -115,8 +106,8 @@ def main() -> None:
                 "predicted_step_s": predicted,
                 "measured_step_s": measured,
                 "error": (measured - predicted) / measured,
-                "measured_runs_s": runs[name],
-                "steal_per_run": stolen[name],
+                "measured_runs_s": r.medians,
+                "steal_per_run": r.steal,
                 "busy_s": med,
                 "model_busy_s": model,
             }

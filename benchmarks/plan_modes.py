@@ -27,6 +27,7 @@ import json
 import shutil
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from m2flow.cli import prepare
@@ -61,6 +62,31 @@ def _steal(before, after) -> float | None:
     if before is None or after is None or after[1] == before[1]:
         return None
     return (after[0] - before[0]) / (after[1] - before[1])
+
+
+@dataclass
+class Runs:
+    """The runs of one plan: steps pooled, run medians, busy seconds per group, CPU stolen."""
+
+    steps: list[float] = field(default_factory=list)
+    medians: list[float] = field(default_factory=list)
+    busy: dict[str, list[float]] = field(default_factory=dict)
+    steal: list[float | None] = field(default_factory=list)
+
+    def measure(self, overrides: list[str], placement, skip: int) -> None:
+        """Run once under ``placement`` and record it, the first ``skip`` steps left out."""
+        before = _cpu_jiffies()
+        session = _run(overrides, placement)
+        self.steal.append(_steal(before, _cpu_jiffies()))
+        times = session.step_times()[skip:]
+        self.steps += times
+        self.medians.append(statistics.median(times))
+        for group, xs in _busy(session, skip).items():
+            self.busy.setdefault(group, []).extend(xs)
+
+    def busy_s(self) -> dict[str, float]:
+        """Group -> median busy seconds per step over every run."""
+        return {g: statistics.median(xs) for g, xs in self.busy.items()}
 
 
 def _busy(session: Session, skip: int) -> dict[str, list[float]]:
@@ -133,25 +159,17 @@ def main() -> None:
             same[mode] = twin
             print(f"{mode}: the same plan as {twin}, measured once")
     # Round-robin over modes, so slow drift on a shared machine hits every mode alike.
-    steps: dict[str, list[float]] = {m: [] for m in plans}
-    runs: dict[str, list[float]] = {m: [] for m in plans}
-    busy: dict[str, dict[str, list[float]]] = {m: {} for m in plans}
-    steal: dict[str, list[float | None]] = {m: [] for m in plans}
+    runs = {m: Runs() for m in plans}
     for rep in range(args.repeats):
         for mode, (_, placement) in plans.items():
             overrides = resumed(f"{mode}-{rep}") + [f"trainer.steps={1 + args.steps}"]
-            before = _cpu_jiffies()
-            session = _run(overrides, placement)
-            steal[mode].append(_steal(before, _cpu_jiffies()))
-            times = session.step_times()[args.skip :]
-            steps[mode] += times
-            runs[mode].append(statistics.median(times))
-            for group, xs in _busy(session, args.skip).items():
-                busy[mode].setdefault(group, []).extend(xs)
-            stolen = "" if steal[mode][-1] is None else f", {steal[mode][-1]:.1%} CPU stolen"
-            print(f"{mode} run {rep}: {runs[mode][-1]:.4f} s/step{stolen}")
+            runs[mode].measure(overrides, placement, args.skip)
+            stolen = runs[mode].steal[-1]
+            shown = "" if stolen is None else f", {stolen:.1%} CPU stolen"
+            print(f"{mode} run {rep}: {runs[mode].medians[-1]:.4f} s/step{shown}")
     for mode, (_, placement) in plans.items():
-        measured = statistics.median(steps[mode])
+        r = runs[mode]
+        measured = statistics.median(r.steps)
         predicted = placement.predicted_step_s
         rows.append(
             {
@@ -162,11 +180,11 @@ def main() -> None:
                 "granularity": placement.granularity,
                 "predicted_step_s": predicted,
                 "measured_step_s": measured,
-                "measured_runs_s": runs[mode],
-                "steal_per_run": steal[mode],
-                "run_spread": (max(runs[mode]) - min(runs[mode])) / 2 / measured,
+                "measured_runs_s": r.medians,
+                "steal_per_run": r.steal,
+                "run_spread": (max(r.medians) - min(r.medians)) / 2 / measured,
                 "error": (measured - predicted) / measured,
-                "busy_s": {g: statistics.median(xs) for g, xs in busy[mode].items()},
+                "busy_s": r.busy_s(),
             }
         )
 
