@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 from pathlib import Path
 
 from m2flow.scheduler.cost import spatial_time
-from plan_modes import ROOT, GiB, Runs, _run
+from plan_modes import ROOT, GiB, Runs, warm_start
 
 from m2flow.placement import Placement
 from m2flow.planning import load_profile, plan_from_profile
@@ -71,21 +70,14 @@ def main() -> None:
             raise SystemExit(f"--granularities: {m} does not divide the batch {prof.batch_size}")
         plans[f"m={m}"] = _pipelined(prof, m)
 
-    work = Path(args.work)
-    shutil.rmtree(work, ignore_errors=True)
-    common = ["cluster.devices_per_node=2", "trainer.eval_every=100000"]
-    warm = work / "warm"
-    _run(common + ["trainer.steps=1", "trainer.save_every=1", f"trainer.run_dir={warm}"], None)
+    resumed = warm_start(
+        Path(args.work), ["cluster.devices_per_node=2", "trainer.eval_every=100000"]
+    )
     runs = {n: Runs() for n in plans}
     for rep in range(args.repeats):
         for name, (placement, _) in plans.items():
-            run_dir = work / f"{name.replace('=', '')}-{rep}"
-            shutil.copytree(warm, run_dir, ignore=shutil.ignore_patterns("ray"))
-            overrides = common + [
-                f"trainer.save_every={10**9}",
-                f"trainer.run_dir={run_dir}",
-                "resume=true",
-                f"trainer.steps={1 + args.steps}",
+            overrides = resumed(f"{name.replace('=', '')}-{rep}") + [
+                f"trainer.steps={1 + args.steps}"
             ]
             runs[name].measure(overrides, placement, args.skip)
             print(f"{name} run {rep}: {runs[name].medians[-1]:.4f} s/step", flush=True)

@@ -89,6 +89,24 @@ class Runs:
         return {g: statistics.median(xs) for g, xs in self.busy.items()}
 
 
+def warm_start(work: Path, common: list[str]):
+    """Warm-start the runner once into ``work/warm`` (the previous ``work`` is removed);
+    returns ``resumed(name) -> overrides``: a fresh run directory ``work/name`` holding a copy
+    of that checkpoint, and the overrides that resume from it without saving."""
+    shutil.rmtree(work, ignore_errors=True)
+    base = work / "warm"
+    t0 = time.time()
+    _run(common + ["trainer.steps=1", "trainer.save_every=1", f"trainer.run_dir={base}"], None)
+    print(f"shared warm start: {time.time() - t0:.0f} s")
+
+    def resumed(name: str) -> list[str]:
+        run_dir = work / name
+        shutil.copytree(base, run_dir, ignore=shutil.ignore_patterns("ray"))
+        return common + [f"trainer.save_every={10**9}", f"trainer.run_dir={run_dir}", "resume=true"]
+
+    return resumed
+
+
 def _busy(session: Session, skip: int) -> dict[str, list[float]]:
     """Group -> busy seconds of each measured step."""
     out: dict[str, list[float]] = {}
@@ -120,18 +138,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "plan_modes.json"))
     args = ap.parse_args()
 
-    work = Path(args.work)
-    shutil.rmtree(work, ignore_errors=True)
-    base = work / "warm"
     common = [f"cluster.devices_per_node={args.devices}", "trainer.eval_every=100000"]
-    t0 = time.time()
-    _run(common + ["trainer.steps=1", "trainer.save_every=1", f"trainer.run_dir={base}"], None)
-    print(f"shared warm start: {time.time() - t0:.0f} s")
-
-    def resumed(name: str) -> list[str]:
-        run_dir = work / name
-        shutil.copytree(base, run_dir, ignore=shutil.ignore_patterns("ray"))
-        return common + [f"trainer.save_every={10**9}", f"trainer.run_dir={run_dir}", "resume=true"]
+    resumed = warm_start(Path(args.work), common)
 
     profile_path = args.profile
     if profile_path is None:
