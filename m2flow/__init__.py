@@ -17,6 +17,11 @@ _EXPORTS = {
     "GroupCall": "m2flow.group",
     "WorkerError": "m2flow.group",
     "Channel": "m2flow.channel",
+    "Fanout": "m2flow.channel",
+    "StreamAborted": "m2flow.channel",
+    "WorkerDied": "m2flow.liveness",
+    "sync_weights": "m2flow.weights",
+    "run_workflow": "m2flow.workflow",
     "workflow_graph": "m2flow.trace",
 }
 

@@ -2,30 +2,28 @@
 
 ``m2flow run WORKFLOW [key=value ...] [plan=...]`` loads a workflow program (a path, or the name
 of a built-in one such as ``grpo``), builds its configuration from the defaults it declares plus
-the overrides, and calls its ``main(cfg)`` inside a run session that applies the plan
-(:mod:`m2flow.session`). ``m2flow profile`` measures a workflow for the planner and ``m2flow
-plan`` prints the plan it would run. A workflow module provides:
+the overrides, and runs ``main(cfg)`` under the plan (:func:`m2flow.workflow.run_workflow`).
+``m2flow profile`` measures a workflow for the planner and ``m2flow plan`` prints the plan it
+would run. Commands of other packages join through the ``m2flow.commands`` entry-point group
+(the reward service's ``m2flow reward-service``), so the runtime imports none of them.
 
-- ``Config``: a dataclass of defaults (nested dataclasses per section);
-- ``main(cfg)``: the runner;
-- optionally ``validate(cfg)``: raises :class:`~m2flow.config.ConfigError` for bad values.
-
-User mistakes (a bad path, an unknown key, a bad value) print one clear line and exit 2.
+Exit codes: 0 done; 2 a user mistake (bad path, key, value, plan or profile: one line on
+stderr, before anything starts); 1 a worker failed or died during the run (one paragraph: which
+group, rank, node and why; the run's checkpoints are intact, ``--resume`` continues).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from .config import ConfigError, load_config, to_yaml
-from .session import Session
+from .config import ConfigError, to_yaml
+from .workflow import prepare, run_workflow, split_plan
 
 app = typer.Typer(
     add_completion=False,
@@ -36,55 +34,13 @@ app = typer.Typer(
 err = Console(stderr=True, soft_wrap=True)
 
 
-def resolve_workflow(spec: str) -> Path:
-    """A workflow path, or a built-in workflow's file by name (``grpo``).
-
-    Raises:
-        ConfigError: neither a file nor a built-in name.
-    """
-    path = Path(spec)
-    if path.is_file():
-        return path.resolve()
-    import m2flow.workflows as builtin
-
-    candidate = Path(builtin.__file__).parent / f"{path.stem}.py"
-    if candidate.is_file() and path.suffix in ("", ".py"):
-        return candidate
-    raise ConfigError(f"workflow {spec!r} is neither a file nor a built-in workflow name")
-
-
-def load_workflow(path: Path) -> ModuleType:
-    """Import a workflow program by path; its classes pickle by value for Ray workers."""
-    name = f"m2flow_workflow_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(module)
-    for attr in ("Config", "main"):
-        if not hasattr(module, attr):
-            raise ConfigError(f"{path} is not a workflow: it defines no '{attr}'")
-    return module
-
-
-def prepare(workflow: str, overrides: list[str], config_files: list[str]):
-    """Load the workflow and build its configuration (validated)."""
-    module = load_workflow(resolve_workflow(workflow))
-    cfg = load_config(module.Config, overrides, config_files)
-    if hasattr(module, "validate"):
-        module.validate(cfg)
-    return module, cfg
-
-
-def split_plan(overrides: list[str]) -> tuple[str, list[str]]:
-    """``plan=...`` is the runtime's, not the workflow's: take it out of the overrides."""
-    plans = [o.split("=", 1)[1] for o in overrides if o.startswith("plan=")]
-    rest = [o for o in overrides if not o.startswith("plan=")]
-    if len(plans) > 1:
-        raise ConfigError(f"plan= given {len(plans)} times; give it once")
-    return (plans[0] if plans else "temporal"), rest
+def fail_run(e) -> None:
+    """Print a :class:`~m2flow.group.WorkerError` as one paragraph and exit 1."""
+    err.print(f"[bold red]run failed:[/] {escape(e.summary)}", highlight=False)
+    if not e.died:  # an exception in the worker's own code: its traceback is the user's
+        err.print(escape(str(e.cause)), style="dim", highlight=False)
+    err.print("Checkpoints written so far are intact: continue with --resume.", highlight=False)
+    raise typer.Exit(1)
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -103,24 +59,29 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="continue from the last checkpoint"),
 ) -> None:
     """Run a workflow: m2flow run workflows/grpo.py trainer.steps=50 plan=auto"""
-    from .planning import placement_for, report
+    from .group import WorkerError
+    from .planning import report
 
     overrides = list(overrides or []) + (["resume=true"] if resume else [])
     try:
         plan_spec, overrides = split_plan(overrides)
-        module, cfg = prepare(workflow, overrides, config or [])
         if show_config:
-            print(to_yaml(cfg))
+            print(to_yaml(prepare(workflow, overrides, config or [])[1]))
             return
-        placement = placement_for(
-            plan_spec, workflow, overrides, config or [], profile_file, log=err.print
+        session = run_workflow(
+            workflow,
+            overrides,
+            plan=plan_spec,
+            config_files=config or [],
+            profile=profile_file,
+            log=err.print,
         )
-        with Session(placement=placement) as session:
-            module.main(cfg)
         report(session, err.print)
     except ConfigError as e:
-        err.print(f"[bold red]config error:[/] {e}", highlight=False)
+        err.print(f"[bold red]config error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
+    except WorkerError as e:
+        fail_run(e)
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -139,17 +100,27 @@ def profile(
     chunks: int = typer.Option(4, "--chunks", help="chunks per batch in the overhead run"),
 ) -> None:
     """Measure a workflow for the planner: m2flow profile workflows/grpo.py -o profile.yaml"""
+    from .group import WorkerError
     from .planning import profile_to_file
 
     try:
         _, rest = split_plan(list(overrides or []))
+        if steps < 1 or warmup < 0 or chunks < 1:
+            raise ConfigError(
+                f"--steps {steps} --warmup {warmup} --chunks {chunks}: measure at least one "
+                "step (--steps >= 1), with --warmup >= 0 and --chunks >= 1"
+            )
+        if devices is not None and any(n < 1 for n in devices):
+            raise ConfigError(f"--devices {devices}: every device count must be >= 1")
         prepare(workflow, rest, config or [])  # config errors before any run starts
         profile_to_file(
             workflow, rest, config or [], output, devices, steps, warmup, chunks, log=err.print
         )
     except (ConfigError, ValueError) as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
+    except WorkerError as e:
+        fail_run(e)
 
 
 @app.command()
@@ -161,12 +132,15 @@ def version() -> None:
 
 
 def _register_commands() -> None:
-    """Commands that live with their feature (imported lazily inside each command)."""
+    """``m2flow plan`` (the runtime's), then every ``m2flow.commands`` entry point: a function
+    ``register(app)`` adding its commands (their imports stay inside the commands)."""
+    from importlib.metadata import entry_points
+
     from .plan_cli import register as register_plan
-    from .workers.reward.service.cli import register as register_reward_service
 
     register_plan(app)
-    register_reward_service(app)
+    for ep in entry_points(group="m2flow.commands"):
+        ep.load()(app)
 
 
 _register_commands()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import weakref
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -145,6 +146,7 @@ class Cluster:
         # The Cluster owns the run's lock service: an actor lives while its owner holds it.
         self.lock_service = get_lock_service()
         self.groups: list = []  # worker groups launched on this cluster, for shutdown
+        self.calls: weakref.WeakSet = weakref.WeakSet()  # group calls not waited yet
         self.virtual_devices_per_node = virtual_devices_per_node
         self.device_memory_bytes = int(device_memory_gb * GiB)
         self.nodes: list[Node] = self._inventory()
@@ -232,16 +234,6 @@ class Cluster:
         if self.placement is not None:
             return self.placement.devices_for(group, self)
         return [d.global_id for d in self.devices]
-
-    def granularity(self, src: str, dst: str | None = None, *, default: int) -> int:
-        """Items per chunk on the channel edge ``src -> dst`` under the run's placement
-        (elastic pipelining, RLinf section 5); ``default`` (the runner's coalesced batch)
-        when there is no placement or it is silent about the edge. ``dst=None``: the finest
-        granularity downstream of ``src`` (what a producer whose consumers forward chunk by
-        chunk must use; :meth:`~m2flow.placement.Placement.granularity_for`)."""
-        if self.placement is None:
-            return default
-        return self.placement.granularity_for(src, dst, default)
 
     def cpus_per_device(self, device: Device) -> float:
         """CPUs of the device's node divided by its devices (threads a rank may use)."""

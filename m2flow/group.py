@@ -22,20 +22,99 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from . import liveness
 from ._env import wait_timeout
+from .calls import CallContext, channels_in
 from .cluster import NAMESPACE, Cluster, wait_name_free
+from .mailbox import IO_GROUP
 from .session import current_session
-from .worker import IO_GROUP, CallStats, Worker, WorkerContext, actor_name, public_methods
+from .worker import (
+    WATCH_GROUP,
+    CallStats,
+    Worker,
+    WorkerContext,
+    actor_name,
+    public_methods,
+)
 
 _launch_counter = itertools.count()
 
 
 class WorkerError(RuntimeError):
-    """A rank of a worker group failed; the message carries the remote traceback."""
+    """A rank of a worker group failed: it raised (the message carries the remote
+    traceback) or its process died (``died`` is True; ``cause`` says why: out of memory, node
+    lost, killed).
 
-    def __init__(self, group: str, rank: int, method: str, cause: BaseException) -> None:
+    Attributes:
+        group, rank, method: where it failed (``method`` is the call that saw it).
+        node: address of the rank's node ("" if unknown).
+        died: the process is gone (as opposed to an exception raised in the method).
+        cause: the exception (raised), or one line saying why the process ended (died).
+        seen_by: another worker whose wait noticed the death, if any.
+    """
+
+    def __init__(
+        self,
+        group: str,
+        rank: int,
+        method: str,
+        cause,
+        node: str = "",
+        died: bool = False,
+        seen_by: str = "",
+    ) -> None:
         self.group, self.rank, self.method, self.cause = group, rank, method, cause
-        super().__init__(f"worker group '{group}' rank {rank} failed in {method}():\n{cause}")
+        self.node, self.died, self.seen_by = node, died, seen_by
+        where = f"worker group '{group}' rank {rank}" + (f" on node {node}" if node else "")
+        if died:
+            seen = f"; {seen_by} noticed while it waited" if seen_by else ""
+            msg = f"{where} died during {method}(): {cause}{seen}"
+        else:
+            msg = f"{where} failed in {method}():\n{cause}"
+        super().__init__(msg)
+
+    def __reduce__(self):
+        return (
+            WorkerError,
+            (self.group, self.rank, self.method, self.cause, self.node, self.died, self.seen_by),
+        )
+
+    @property
+    def summary(self) -> str:
+        """One paragraph for a person: what failed and where, without a traceback."""
+        if self.died:
+            return str(self)
+        head = str(self.cause).strip().splitlines()
+        last = next((ln for ln in reversed(head) if ln.strip()), type(self.cause).__name__)
+        where = f"worker group '{self.group}' rank {self.rank}" + (
+            f" on node {self.node}" if self.node else ""
+        )
+        return f"{where} raised in {self.method}(): {last.strip()}"
+
+
+def _as_worker_error(group: WorkerGroup, rank: int, method: str, e: BaseException) -> WorkerError:
+    """The :class:`WorkerError` for what ``ray.get`` raised for one rank's call."""
+    died = _find_cause(e, liveness.WorkerDied)
+    if died is not None:  # a peer died while this rank waited: report the dead one
+        d = died.death
+        return WorkerError(d.group, d.rank, method, d.cause, d.node, True, died.waiter)
+    if isinstance(e, ray.exceptions.RayTaskError) or getattr(e, "actor_init_failed", False):
+        return WorkerError(group.name, rank, method, e, group.node_of(rank))
+    return WorkerError(
+        group.name, rank, method, liveness.death_cause(e), group.node_of(rank), died=True
+    )
+
+
+def _find_cause(e: BaseException, kind: type):
+    """``e`` or the first exception of type ``kind`` in its cause chain (Ray wraps a remote
+    exception as ``RayTaskError``, with the original as ``cause``)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, kind):
+            return e
+        e = getattr(e, "cause", None) or e.__cause__
+    return None
 
 
 def normalize_placement(placement, cluster: Cluster) -> list[list[int]]:
@@ -79,6 +158,7 @@ class WorkerGroup:
         self._ranks = list(range(len(actors))) if ranks is None else list(ranks)
         self._methods = public_methods(worker_cls)
         self.history: dict[str, list[float]] = defaultdict(list)  # method -> max durations
+        self._epochs: dict[str, int] = defaultdict(int)  # channel -> calls given it so far
 
     @property
     def world_size(self) -> int:
@@ -89,6 +169,11 @@ class WorkerGroup:
         """Every device the group uses, sorted."""
         return sorted({d for r in self.placement for d in r})
 
+    def node_of(self, rank: int) -> str:
+        """Address of the node rank ``rank`` runs on."""
+        dev = self.cluster.device(self.placement[rank][0])
+        return self.cluster.nodes[dev.node_index].address
+
     def on(self, ranks: int | Sequence[int]) -> WorkerGroup:
         """A view of this group that dispatches to ``ranks`` only."""
         ranks = [ranks] if isinstance(ranks, int) else list(ranks)
@@ -98,7 +183,7 @@ class WorkerGroup:
         view = WorkerGroup(
             self.name, self.worker_cls, self.actors, self.placement, self.cluster, ranks
         )
-        view.history = self.history
+        view.history, view._epochs = self.history, self._epochs
         return view
 
     def __getattr__(self, method: str):
@@ -110,9 +195,20 @@ class WorkerGroup:
         return _GroupMethod(self, method)
 
     def call(self, method: str, *args, **kwargs) -> GroupCall:
-        """Dispatch ``method(*args, **kwargs)`` to the selected ranks."""
-        refs = [self.actors[r]._m2flow_call.remote(method, args, kwargs) for r in self._ranks]
-        return GroupCall(self, method, self._ranks, refs)
+        """Dispatch ``method(*args, **kwargs)`` to the selected ranks, with the call's
+        context (channel epochs, participants, planned granularity; :mod:`m2flow.calls`)."""
+        ctx = CallContext(participants=len(self._ranks), granularity=self._granularity())
+        for ch in channels_in((*args, *kwargs.values())):
+            self._epochs[ch.name] += 1
+            ctx.channels[ch.name] = (ch, self._epochs[ch.name])
+        refs = [self.actors[r]._m2flow_call.remote(method, args, kwargs, ctx) for r in self._ranks]
+        call = GroupCall(self, method, self._ranks, refs)
+        self.cluster.calls.add(call)
+        return call
+
+    def _granularity(self) -> int | None:
+        placement = self.cluster.placement
+        return None if placement is None else placement.granularity_for(self.name, None, None)
 
     def load_stats(self) -> list[dict]:
         """Per rank ``{"loaded", "onloads", "offloads", "onload_s", "offload_s",
@@ -121,11 +217,12 @@ class WorkerGroup:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Kill every rank and wait until their names are free (a group of the same name can
-        then be launched again)."""
+        then be launched again). The ranks are unregistered first, so stopping them is not
+        reported as a death (:mod:`m2flow.liveness`)."""
         keys = [actor_name(self.name, r) for r in range(self.world_size)]
+        ray.get(self.cluster.lock_service.unregister.remote(keys), timeout=timeout)
         for a in self.actors:
             ray.kill(a, no_restart=True)
-        ray.get(self.cluster.lock_service.unregister.remote(keys), timeout=timeout)
         for key in keys:
             wait_name_free(key, timeout)
 
@@ -176,7 +273,9 @@ class GroupCall:
         """Wait for every rank; results and timings.
 
         Raises:
-            WorkerError: a rank raised or died (raised as soon as it is seen).
+            WorkerError: a rank raised or died, or any worker of the run died, or another
+                call of the run failed (fail fast: raised within about a second of the
+                failure, naming the worker that failed first).
             TimeoutError: not all ranks finished within ``timeout`` seconds (default
                 ``M2FLOW_WAIT_TIMEOUT``).
         """
@@ -186,20 +285,25 @@ class GroupCall:
         deadline = time.monotonic() + timeout
         rank_of = {ref: r for ref, r in zip(self.refs, self.ranks)}
         pending, values = list(self.refs), {}
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                late = sorted(rank_of[p] for p in pending)
-                raise TimeoutError(
-                    f"worker group '{self.group.name}' {self.method}(): ranks {late} did not "
-                    f"finish in {timeout:.0f} s"
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    late = sorted(rank_of[p] for p in pending)
+                    raise TimeoutError(
+                        f"worker group '{self.group.name}' {self.method}(): ranks {late} did "
+                        f"not finish in {timeout:.0f} s"
+                    )
+                ready, pending = ray.wait(
+                    pending, num_returns=1, timeout=min(left, liveness.POLL_S)
                 )
-            ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
-            for ref in ready:
-                try:
-                    values[ref] = ray.get(ref)
-                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-                    raise WorkerError(self.group.name, rank_of[ref], self.method, e) from None
+                for ref in ready:
+                    values[ref] = self._get(ref, rank_of[ref])
+                if pending and not ready:
+                    self._check_run()
+        finally:
+            if not pending:
+                self.group.cluster.calls.discard(self)
         pairs = [values[ref] for ref in self.refs]
         self._result = GroupResult([p[0] for p in pairs], [p[1] for p in pairs])
         self.group.history[self.method].append(self._result.time("max"))
@@ -208,6 +312,32 @@ class GroupCall:
             r = self._result
             session.record_call(self.group.name, self.method, r.time(busy=True), r.time())
         return self._result
+
+    def _get(self, ref, rank: int):
+        try:
+            return ray.get(ref)
+        except ray.exceptions.GetTimeoutError:
+            raise
+        except ray.exceptions.RayError as e:
+            raise _as_worker_error(self.group, rank, self.method, e) from None
+
+    def _check_run(self) -> None:
+        """Fail fast: another call of the run that failed, or a dead worker, ends this wait."""
+        for other in list(self.group.cluster.calls):
+            if other is self:
+                continue
+            done, _ = ray.wait(other.refs, num_returns=len(other.refs), timeout=0)
+            for ref in done:
+                rank = other.ranks[other.refs.index(ref)]
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    raise _as_worker_error(other.group, rank, other.method, e) from None
+        try:
+            liveness.check("the driver")
+        except liveness.WorkerDied as e:
+            d = e.death
+            raise WorkerError(d.group, d.rank, self.method, d.cause, d.node, True) from None
 
     def wait(self, timeout: float | None = None) -> list[Any]:
         """Per-rank return values, in rank order (see :meth:`wait_result` for errors)."""
@@ -236,9 +366,10 @@ def launch(
         devices = cluster.devices_for(name)
         placement = devices if worker_cls.data_parallel else [devices]
     ranks = normalize_placement(placement, cluster)
-    lock_service = cluster.lock_service if lock else None
     launch_index = next(_launch_counter)
-    actor_cls = ray.remote(concurrency_groups={IO_GROUP: 8})(_actor_class(worker_cls))
+    actor_cls = ray.remote(concurrency_groups={IO_GROUP: 8, WATCH_GROUP: 1})(
+        _actor_class(worker_cls)
+    )
     actors = []
     for rank, devices in enumerate(ranks):
         aname = actor_name(name, rank)
@@ -250,7 +381,10 @@ def launch(
             raise ValueError(f"a worker group named '{name}' is already running; pick another name")
         devs = [cluster.device(d) for d in devices]
         cpus = sum(cluster.cpus_per_device(d) for d in devs)
-        ctx = WorkerContext(name, rank, len(ranks), devs, lock_service, launch_index, cpus)
+        node = cluster.nodes[devs[0].node_index].address
+        ctx = WorkerContext(
+            name, rank, len(ranks), devs, cluster.lock_service, lock, launch_index, cpus, node
+        )
         actors.append(
             actor_cls.options(
                 name=aname,
@@ -270,9 +404,9 @@ def launch(
     for rank, ref in enumerate(ready):
         try:
             ray.get(ref, timeout=wait_timeout())
-        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+        except ray.exceptions.RayError as e:
             group.shutdown()
-            raise WorkerError(name, rank, "__init__", e) from None
+            raise _as_worker_error(group, rank, "__init__", e) from None
     return group
 
 

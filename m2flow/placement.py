@@ -61,7 +61,7 @@ class Placement:
             return list(self.default_devices)
         return [d.global_id for d in cluster.devices]
 
-    def granularity_for(self, src: str, dst: str | None, default: int) -> int:
+    def granularity_for(self, src: str, dst: str | None, default: int | None) -> int | None:
         """Items per chunk on the edge ``src -> dst`` (``default`` when the plan is silent).
 
         ``dst=None``: the finest granularity on any edge downstream of ``src``. Intermediate
@@ -131,14 +131,22 @@ class Placement:
         """Read a placement YAML file.
 
         Raises:
-            PlacementError: missing file, not a mapping, or unknown keys.
+            PlacementError: missing, empty or unparsable file, not a mapping, or unknown keys.
         """
         import yaml
 
         p = Path(path)
         if not p.is_file():
             raise PlacementError(f"plan file {str(p)!r} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise PlacementError(f"plan file {str(p)!r} is not valid YAML: {e}") from None
+        if not data:
+            raise PlacementError(
+                f"plan file {str(p)!r} is empty: write one with m2flow plan --save, or use "
+                "plan=temporal"
+            )
         if not isinstance(data, dict):
             raise PlacementError(f"plan file {str(p)!r} is not a YAML mapping")
         known = set(cls.__dataclass_fields__)

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from .placement import Placement
-from .session import Session, StopRun
 
 
 def _median(xs: list[float]) -> float:
@@ -60,40 +59,41 @@ def run_steps(
         items)`` traced, driver included), ``steps`` (steps measured), ``num_devices``,
         ``memory_capacity`` (bytes per device), ``data_parallel`` (group -> bool).
     """
-    from .cli import prepare
     from .trace import workflow_graph
+    from .workflow import run_workflow
 
-    module, cfg = prepare(workflow, overrides, config_files)
-    with Session(placement=placement, max_steps=warmup + steps) as session:
-        try:
-            module.main(cfg)
-        except StopRun:
-            pass
-        cluster = session.cluster
-        if cluster is None:
-            raise RuntimeError(f"{workflow}: the runner never built an m2flow Cluster")
-        try:
-            busy = session.busy_per_step()[warmup:]
-            step_s = session.step_times()[warmup:]
-            if not busy:
-                raise RuntimeError(
-                    f"{workflow}: the runner logged fewer than {warmup + 1} steps; profile "
-                    "needs a runner that logs each step with m2flow.runlog.RunLog"
-                )
-            groups = {g.name: g for g in cluster.groups}
-            out = {
-                "busy": {n: _median([b.get(n, 0.0) for b in busy]) for n in groups},
-                "step_s": _median(step_s),
-                "stats": {n: g.load_stats() for n, g in groups.items()},
-                "data_parallel": {n: g.worker_cls.data_parallel for n, g in groups.items()},
-                "edges": [(e.src, e.dst, e.items) for e in workflow_graph(include_driver=True)],
-                "steps": len(busy),
-                "num_devices": cluster.num_devices,
-                "memory_capacity": min(d.memory_bytes for d in cluster.devices),
-            }
-        finally:
-            cluster.shutdown()
-    return out
+    session = run_workflow(
+        workflow,
+        overrides,
+        plan=placement,
+        config_files=config_files,
+        max_steps=warmup + steps,
+        keep_cluster=True,
+    )
+    cluster = session.cluster
+    if cluster is None:
+        raise RuntimeError(f"{workflow}: the runner never built an m2flow Cluster")
+    try:
+        busy = session.busy_per_step()[warmup:]
+        step_s = session.step_times()[warmup:]
+        if not busy:
+            raise RuntimeError(
+                f"{workflow}: the runner logged fewer than {warmup + 1} steps; profile "
+                "needs a runner that logs each step with m2flow.runlog.RunLog"
+            )
+        groups = {g.name: g for g in cluster.groups}
+        return {
+            "busy": {n: _median([b.get(n, 0.0) for b in busy]) for n in groups},
+            "step_s": _median(step_s),
+            "stats": {n: g.load_stats() for n, g in groups.items()},
+            "data_parallel": {n: g.worker_cls.data_parallel for n, g in groups.items()},
+            "edges": [(e.src, e.dst, e.items) for e in workflow_graph(include_driver=True)],
+            "steps": len(busy),
+            "num_devices": cluster.num_devices,
+            "memory_capacity": min(d.memory_bytes for d in cluster.devices),
+        }
+    finally:
+        cluster.shutdown()
 
 
 def _switch_s(stats: list[dict]) -> float:

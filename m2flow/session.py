@@ -6,7 +6,7 @@ A runner (``workflows/grpo.py``) holds no placement logic. ``m2flow run ... plan
 - :class:`~m2flow.cluster.Cluster` resolves the session's :class:`~m2flow.placement.Placement`
   once it knows its devices (a plan needs the device count and capacity);
 - ``Worker.launch`` without an explicit placement puts the group where the placement says;
-- ``cluster.granularity(src, dst, default)`` gives the chunk size of a channel edge;
+- a group call carries the plan's granularity for its group (``Worker.chunk_size``);
 - every waited group call and every logged step is recorded, which is what the profiler
   (:mod:`m2flow.profiler`) and the predicted-vs-measured report read.
 
@@ -21,7 +21,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -62,7 +62,9 @@ class Session:
     calls: list[CallRecord] = field(default_factory=list)
     marks: list[tuple[int, float]] = field(default_factory=list)  # (step, wall time)
     groups: dict[str, list[list[int]]] = field(default_factory=dict)  # launched: device ids/rank
+    weight_versions: dict[str, int] = field(default_factory=dict)  # group -> last synced version
     cluster: Cluster | None = None
+    result: Any = None  # what the runner's main(cfg) returned
 
     def __enter__(self) -> Session:
         global _current

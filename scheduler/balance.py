@@ -10,7 +10,7 @@ serves the consumer with the least weight taken so far first; the policy decides
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -26,21 +26,32 @@ class QueuedItem:
 BalancePolicy = Callable[[Sequence[QueuedItem], "float | None"], list[int]]
 
 
+def serve_order(waiters: Sequence[tuple[float, int]]) -> list[int]:
+    """Which waiting consumer is served first: ``waiters`` are ``(weight taken so far, arrival
+    number)``; returns their indices, least-loaded first, then by arrival (the channel's
+    load balancing across consumers, RLinf section 4.2)."""
+    return sorted(range(len(waiters)), key=lambda i: waiters[i])
+
+
+def fifo_count(weights: Iterable[float], target_weight: float | None) -> int:
+    """How many of the oldest items :func:`fifo` takes, from their weights alone (the
+    channel's fast path: no :class:`QueuedItem` views). 0 = keep waiting."""
+    if target_weight is None:
+        return 1 if next(iter(weights), None) is not None else 0
+    total = 0.0
+    for i, w in enumerate(weights):
+        total += w
+        if total >= target_weight:
+            return i + 1
+    return 0
+
+
 def fifo(items: Sequence[QueuedItem], target_weight: float | None) -> list[int]:
     """Oldest items first until their weight reaches ``target_weight`` (default policy).
 
     Waits (returns ``[]``) while the queue holds less than the target.
     """
-    if not items:
-        return []
-    if target_weight is None:
-        return [0]
-    total = 0.0
-    for i, item in enumerate(items):
-        total += item.weight
-        if total >= target_weight:
-            return list(range(i + 1))
-    return []
+    return list(range(fifo_count((it.weight for it in items), target_weight)))
 
 
 def largest_first(items: Sequence[QueuedItem], target_weight: float | None) -> list[int]:

@@ -16,11 +16,18 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from m2flow.workflows.grpo import ClusterConfig, _plain, start_cluster
-
-from m2flow.config import ConfigError
+from m2flow.recipe import (
+    Checkpoints,
+    ClusterConfig,
+    TrainerConfig,
+    finite_positive,
+    plain,
+    require,
+    start_cluster,
+    validate_cluster,
+    validate_trainer,
+)
 
 
 @dataclass
@@ -53,35 +60,31 @@ class AlgorithmConfig:
 
 
 @dataclass
-class TrainerConfig:
-    steps: int = 60  # PPO updates
-    seed: int = 0
-    run_dir: str = "runs/embodied"
-    tensorboard: bool = False
-
-
-@dataclass
 class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: TrainerConfig = field(
+        default_factory=lambda: TrainerConfig(steps=60, save_every=20, run_dir="runs/embodied")
+    )
+    resume: bool = False  # continue from the last checkpoint in trainer.run_dir
 
 
 def validate(cfg) -> None:
-    """Value checks the types cannot express. Raises ConfigError."""
+    """Value checks the types cannot express, before anything starts. Raises ConfigError."""
     a = cfg.algorithm
-    checks = [
-        (cfg.trainer.steps >= 0, "trainer.steps must be >= 0"),
-        (cfg.env.num_envs >= 1 and cfg.env.steps >= 1, "env.num_envs and env.steps must be >= 1"),
-        (a.lr > 0 and a.clip_eps > 0, "algorithm.lr and algorithm.clip_eps must be > 0"),
-        (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and algorithm.lam: [0, 1]"),
-        (a.epochs >= 1, "algorithm.epochs must be >= 1"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ConfigError(msg)
+    validate_cluster(cfg.cluster)
+    validate_trainer(cfg.trainer, cfg.resume)
+    require(
+        [
+            (cfg.env.num_envs >= 1 and cfg.env.steps >= 1, "env.num_envs, env.steps: >= 1"),
+            (finite_positive(a.lr), "algorithm.lr must be a finite number > 0"),
+            (a.clip_eps > 0, "algorithm.clip_eps must be > 0"),
+            (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and algorithm.lam: [0, 1]"),
+            (a.epochs >= 1 and a.mini_batch_size >= 1, "algorithm.epochs, mini_batch_size: >= 1"),
+        ]
+    )
 
 
 def main(cfg) -> dict:
@@ -89,39 +92,38 @@ def main(cfg) -> dict:
     from m2flow.workers.embodied.env import EnvWorker
     from m2flow.workers.embodied.policy import PolicyWorker
 
-    from m2flow import Channel
+    from m2flow import Channel, sync_weights
     from m2flow.runlog import RunLog
 
-    run_dir, tr, c = Path(cfg.trainer.run_dir), cfg.trainer, cfg.cluster
-    cluster = start_cluster(c, run_dir)
+    tr = cfg.trainer
+    cluster = start_cluster(cfg.cluster, tr.run_dir)
     e = cfg.env
     env = EnvWorker.launch(
         cluster, name="env", env_id=e.id, num_envs=e.num_envs, seed=tr.seed, threads=e.threads
     )
     spec = env.spec().wait()[0]
-    policy = PolicyWorker.launch(cluster, name="policy", **spec, seed=tr.seed, **_plain(cfg.policy))
+    policy = PolicyWorker.launch(cluster, name="policy", **spec, seed=tr.seed, **plain(cfg.policy))
     actor = EmbodiedActorWorker.launch(
         cluster, name="actor", **spec, hidden=cfg.policy.hidden, seed=tr.seed,
-        **_plain(cfg.algorithm),
+        **plain(cfg.algorithm),
     )  # fmt: skip
     obs, actions, trajectories = map(Channel.create, ("obs", "actions", "trajectories"))
-
-    def sync_weights():
-        sent = actor.send_weights("policy", policy.world_size)
-        policy.sync_weights("actor").wait()
-        sent.wait()
+    trained = {"env": env, "policy": policy, "actor": actor}
+    checkpoints = Checkpoints(tr.run_dir)
 
     summary: dict = {}
-    with RunLog(run_dir, tr.steps, tr.tensorboard) as log:
+    start = checkpoints.restore(trained)[0] if cfg.resume else 0
+    with RunLog(tr.run_dir, tr.steps, tr.tensorboard) as log:
         log.print(cluster.describe())
-        sync_weights()
-        for step in range(1, tr.steps + 1):
+        sync_weights(actor, policy)
+        log.advance(start)
+        for step in range(start + 1, tr.steps + 1):
             t0 = time.time()
             roll = env.rollout(obs, actions, trajectories, e.steps)
-            act = policy.act(obs, actions, env.world_size * (e.steps + 1))
-            upd = actor.train(trajectories, env.world_size)
+            act = policy.act(obs, actions)
+            upd = actor.train(trajectories)
             e_out, _, a_out = roll.wait(), act.wait(), upd.wait()[0]
-            sync_weights()
+            sync_weights(actor, policy)
             seconds, env_steps = time.time() - t0, sum(o["env_steps"] for o in e_out)
             episodes = sum(o["episodes"] for o in e_out)
             recent = [o["recent_return"] for o in e_out if not math.isnan(o["recent_return"])]
@@ -145,6 +147,8 @@ def main(cfg) -> dict:
             if step == 1:
                 summary["first_return"] = metrics.get("episode_return", 0.0)
             summary["final_recent_return"] = metrics["recent_return"]
+            if step % tr.save_every == 0 or step == tr.steps:
+                checkpoints.save(step, trained)
             log.log(step, metrics, echo=step % 5 == 0 or step == 1)
             log.advance(step, f"return {metrics['recent_return']:.1f}")
         log.print(f"summary: {summary}")

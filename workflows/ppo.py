@@ -16,20 +16,28 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from m2flow.workflows.grpo import (
-    ClusterConfig,
+from m2flow.workers.recipe import (
+    LLMTrainerConfig,
     ModelConfig,
+    OptimConfig,
     RolloutConfig,
     TaskConfig,
     WarmStartConfig,
-    _plain,
-    _prompt_items,
-    start_cluster,
+    prompt_items,
+    validate_llm,
+    validate_optim,
 )
 
-from m2flow.config import ConfigError
+from m2flow.recipe import (
+    Checkpoints,
+    ClusterConfig,
+    plain,
+    require,
+    start_cluster,
+    validate_cluster,
+    validate_trainer,
+)
 
 
 @dataclass
@@ -43,27 +51,16 @@ class AlgorithmConfig:
 
 
 @dataclass
-class ActorConfig:
-    lr: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+class ActorConfig(OptimConfig):
     mini_batch_size: int = 128  # responses per optimizer step; 0 = the whole batch
-    micro_batch_size: int = 0  # responses per forward/backward; 0 = the whole mini-batch
     whiten_advantages: bool = True
     recompute_old_logprobs: bool = False  # the rollout's logprobs are the same weights'
-    threads: int = 0
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(OptimConfig):
     lr: float = 5e-4  # the head starts at 0: the critic must catch up fast
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
     mini_batch_size: int = 128
-    micro_batch_size: int = 0
-    threads: int = 0
 
 
 @dataclass
@@ -90,16 +87,6 @@ class RewardFitConfig:
 
 
 @dataclass
-class TrainerConfig:
-    steps: int = 100
-    prompts_per_step: int = 64  # global batch: prompts (x rollout.n_samples responses)
-    eval_every: int = 25
-    seed: int = 0
-    run_dir: str = "runs/ppo"
-    tensorboard: bool = False
-
-
-@dataclass
 class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -112,109 +99,110 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: LLMTrainerConfig = field(
+        default_factory=lambda: LLMTrainerConfig(
+            steps=100, prompts_per_step=64, eval_every=25, save_every=25, run_dir="runs/ppo"
+        )
+    )
+    resume: bool = False  # continue from the last checkpoint in trainer.run_dir
 
 
 def validate(cfg) -> None:
-    """Value checks the types cannot express. Raises ConfigError."""
+    """Value checks the types cannot express, before anything starts. Raises ConfigError."""
     a, f = cfg.algorithm, cfg.reward_fit
-    checks = [
-        (cfg.trainer.steps >= 0, "trainer.steps must be >= 0"),
-        (cfg.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
-        (cfg.rollout.n_samples >= 1, "rollout.n_samples must be >= 1"),
-        (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
-        (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and algorithm.lam: [0, 1]"),
-        (a.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),
-        (a.clip_eps > 0 and a.epochs >= 1, "algorithm.clip_eps > 0 and algorithm.epochs >= 1"),
-        (0 <= cfg.reward.verifier_weight <= 1, "reward.verifier_weight must be in [0, 1]"),
-        (0 <= f.heldout_batches < f.batches, "need 0 <= reward_fit.heldout_batches < batches"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ConfigError(msg)
+    validate_cluster(cfg.cluster)
+    validate_trainer(cfg.trainer, cfg.resume)
+    validate_llm(cfg)
+    validate_optim(cfg.actor, "actor")
+    validate_optim(cfg.critic, "critic")
+    require(
+        [
+            (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and algorithm.lam: [0, 1]"),
+            (a.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),
+            (a.clip_eps > 0 and a.epochs >= 1, "algorithm.clip_eps > 0 and algorithm.epochs >= 1"),
+            (0 <= cfg.reward.verifier_weight <= 1, "reward.verifier_weight must be in [0, 1]"),
+            (0 <= f.heldout_batches < f.batches, "need 0 <= reward_fit.heldout_batches < batches"),
+        ]
+    )
 
 
 def main(cfg) -> dict:
     from m2flow.workers.actor.ppo import PPOActorWorker
     from m2flow.workers.actor.reference import ReferenceWorker
-    from m2flow.workers.critic.data import Fanout
     from m2flow.workers.critic.worker import CriticWorker
     from m2flow.workers.llm import build_char_tokenizer
     from m2flow.workers.reward.model import RewardModelWorker
-    from m2flow.workers.rollout.worker import RolloutWorker, num_chunks
+    from m2flow.workers.rollout.worker import RolloutWorker
     from m2flow.workers.tasks import TaskDataset
 
-    from m2flow import Channel
+    from m2flow import Channel, Fanout, sync_weights
     from m2flow.runlog import RunLog
 
-    run_dir, t, tr, alg = Path(cfg.trainer.run_dir), cfg.task, cfg.trainer, cfg.algorithm
-    c = cfg.cluster
-    cluster = start_cluster(c, run_dir)
-    model = _plain(cfg.model)
+    t, tr, alg = cfg.task, cfg.trainer, cfg.algorithm
+    cluster = start_cluster(cfg.cluster, tr.run_dir)
+    model = plain(cfg.model)
     lm = {"model": model, "alphabet": model.pop("alphabet")}
     temp = cfg.rollout.temperature
     rollout = RolloutWorker.launch(
-        cluster, name="rollout", **lm, task=_plain(t), seed=tr.seed, **_plain(cfg.rollout)
+        cluster, name="rollout", **lm, task=plain(t), seed=tr.seed, **plain(cfg.rollout)
     )
     reward = RewardModelWorker.launch(
-        cluster, name="reward", **lm, seed=tr.seed, **_plain(cfg.reward)
+        cluster, name="reward", **lm, seed=tr.seed, **plain(cfg.reward)
     )
     reference = ReferenceWorker.launch(
-        cluster, name="reference", **lm, temperature=temp, **_plain(cfg.reference)
+        cluster, name="reference", **lm, temperature=temp, **plain(cfg.reference)
     )
     critic = CriticWorker.launch(
         cluster, name="critic", **lm, gamma=alg.gamma, lam=alg.lam, kl_coef=alg.kl_coef,
-        value_clip=alg.value_clip, epochs=alg.epochs, seed=tr.seed, **_plain(cfg.critic),
+        value_clip=alg.value_clip, epochs=alg.epochs, seed=tr.seed, **plain(cfg.critic),
     )  # fmt: skip
     actor = PPOActorWorker.launch(
         cluster, name="actor", **lm, temperature=temp, clip_eps_low=alg.clip_eps,
-        clip_eps_high=alg.clip_eps, epochs=alg.epochs, seed=tr.seed, **_plain(cfg.actor),
+        clip_eps_high=alg.clip_eps, epochs=alg.epochs, seed=tr.seed, **plain(cfg.actor),
     )  # fmt: skip
     names = ("prompts", "fit", "to_reward", "to_reference", "to_critic", "scores", "refs", "adv")
     prompts, fit, to_reward, to_reference, to_critic, scores, refs, adv = map(Channel.create, names)
     tokenizer = build_char_tokenizer(lm["alphabet"])
     train = TaskDataset(t.name, dict(t.config), seed=t.train_seed, size=t.train_size)
     n = tr.prompts_per_step
-    granularity = cluster.granularity("rollout", default=n)  # finest edge downstream
-    chunks = num_chunks(n, rollout.world_size, granularity)
-
-    def send_weights(group, receive):
-        sent = actor.send_weights(group.name, group.world_size)
-        receive("actor").wait()
-        sent.wait()
+    trained = {"actor": actor, "critic": critic, "reward": reward, "reference": reference}
+    checkpoints = Checkpoints(tr.run_dir)
 
     def evaluate() -> float:
         scores_ = [s for shard in rollout.evaluate().wait() for s in shard]
         return sum(s == 1.0 for s in scores_) / len(scores_)
 
     summary = {}
-    with RunLog(run_dir, tr.steps, tr.tensorboard) as log:
+    start = checkpoints.restore(trained)[0] if cfg.resume else 0
+    with RunLog(tr.run_dir, tr.steps, tr.tensorboard) as log:
         log.print(cluster.describe())
-        ws = actor.warm_start(_plain(t), seed=tr.seed, **_plain(cfg.warm_start)).wait()[0]
-        for group, receive in ((rollout, rollout.sync_weights), (reference, reference.sync_weights),
-                               (critic, critic.init_from), (reward, reward.init_from)):  # fmt: skip
-            send_weights(group, receive)
-        # Reward model: label the warm-started policy's samples with the verifier, fit, measure.
-        fit_n = cfg.reward_fit.batches * n
-        prompts.put_many(_prompt_items(train, tokenizer, fit_n, tr.seed, 0))
-        gen = rollout.generate(prompts, fit, fit_n, n)
-        held = num_chunks(cfg.reward_fit.heldout_batches * n, rollout.world_size, n)
-        rm = reward.fit(fit, num_chunks(fit_n, rollout.world_size, n), held, cfg.reward_fit.epochs)
-        gen.wait()
-        acc = summary["accuracy_after_warm_start"] = evaluate()
-        log.log(0, {"phase": "warm_start", **ws, **rm.wait()[0], "heldout_accuracy": acc})
+        if start == 0:
+            ws = actor.warm_start(plain(t), seed=tr.seed, **plain(cfg.warm_start)).wait()[0]
+            for group in (rollout, reference, critic, reward):
+                sync_weights(actor, group)
+            # Reward model: label the warm-started policy's samples with the verifier, fit it.
+            fit_n = cfg.reward_fit.batches * n
+            prompts.put_many(prompt_items(train, tokenizer, fit_n, tr.seed, 0))
+            gen = rollout.generate(prompts, fit, fit_n)
+            rm = reward.fit(fit, cfg.reward_fit.heldout_batches * n, cfg.reward_fit.epochs)
+            gen.wait()
+            acc = summary["accuracy_after_warm_start"] = evaluate()
+            log.log(0, {"phase": "warm_start", **ws, **rm.wait()[0], "heldout_accuracy": acc})
+        else:
+            sync_weights(actor, rollout)
+        log.advance(start)
         fanout = Fanout(to_reward, to_reference, to_critic)
-        for step in range(1, tr.steps + 1):
+        for step in range(start + 1, tr.steps + 1):
             t0 = time.time()
-            prompts.put_many(_prompt_items(train, tokenizer, n, tr.seed, step))
-            gen = rollout.generate(prompts, fanout, n, granularity)
-            rew = reward.score(to_reward, scores, chunks)
-            ref = reference.logprobs(to_reference, refs, chunks)
-            val = critic.step(to_critic, scores, refs, adv, chunks)
-            upd = actor.train_ppo(adv, chunks)
+            prompts.put_many(prompt_items(train, tokenizer, n, tr.seed, step))
+            gen = rollout.generate(prompts, fanout, n)
+            rew = reward.score(to_reward, scores)
+            ref = reference.logprobs(to_reference, refs)
+            val = critic.step(to_critic, scores, refs, adv)
+            upd = actor.train_ppo(adv)
             g_out, r_out, c_out, a_out = gen.wait(), rew.wait()[0], val.wait()[0], upd.wait()[0]
             ref.wait()
-            send_weights(rollout, rollout.sync_weights)
+            sync_weights(actor, rollout)
             seconds = time.time() - t0
             metrics = {
                 **{k: r_out[k] for k in ("reward_mean", "verifier_mean", "rm_mean")},
@@ -232,9 +220,10 @@ def main(cfg) -> dict:
             }  # fmt: skip
             if step % tr.eval_every == 0 or step == tr.steps:
                 metrics["heldout_accuracy"] = summary["final_accuracy"] = evaluate()
+            if step % tr.save_every == 0 or step == tr.steps:
+                checkpoints.save(step, trained)
             log.log(step, metrics, echo="heldout_accuracy" in metrics or step % 10 == 0)
             log.advance(step, f"verifier {metrics['verifier_mean']:.3f}")
-        actor.save_checkpoint(str(run_dir / "checkpoints" / "final")).wait()
         log.print(f"summary: {summary}")
     cluster.shutdown()
     return summary

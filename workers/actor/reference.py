@@ -7,9 +7,10 @@ import torch
 from m2flow import Channel, Worker
 
 from ..batch import num_tokens
+from ..checkpoint import load_state, save_state
 from ..critic.data import chunk_key
 from ..llm import ModelConfig, build_char_tokenizer, build_model
-from ..llm.placement import offload_module, onload_module, split_evenly, torch_device
+from ..llm.placement import offload_module, onload_module, torch_device
 from .losses import sequence_logprobs
 from .trainer import RESPONSE_KEYS
 
@@ -44,22 +45,20 @@ class ReferenceWorker(Worker):
         self.temperature = temperature
         self.micro = micro_batch_size or None
 
-    def sync_weights(self, src_group: str = "actor", src_rank: int = 0) -> int:
-        """Receive ``(state_dict, version)`` and freeze it. Returns the version."""
-        state, version = self.recv(src_group, src_rank)
-        self.model.load_state_dict(state)
-        return version
+    def load_weights(self, weights: dict) -> None:
+        """The frozen reference: the policy's weights when synced (``m2flow.sync_weights``)."""
+        self.model.load_state_dict(weights)
 
-    def logprobs(self, inp: Channel, out: Channel, num_chunks: int) -> dict:
-        """For this rank's share of ``num_chunks`` rollout chunks from ``inp``, put
-        ``{"ref_logprobs": [B, R]}`` into ``out`` under the chunk's key.
+    def logprobs(self, inp: Channel, out: Channel) -> dict:
+        """For the step's rollout chunks from ``inp`` (until the rollout's end of step; ranks
+        share them), put ``{"ref_logprobs": [B, R]}`` into ``out`` under the chunk's key.
 
         Returns:
             ``samples`` scored.
         """
         samples = 0
-        for _ in range(split_evenly(num_chunks, self.world_size)[self.rank]):
-            batch = inp.get()["batch"]
+        for (chunk,) in inp.stream():
+            batch = chunk["batch"]
             ref = self._logprobs(batch)
             out.put({"ref_logprobs": ref}, weight=num_tokens(batch), key=chunk_key(batch))
             samples += len(batch)
@@ -73,6 +72,14 @@ class ReferenceWorker(Worker):
             mb = [batch[k][idx].to(self.device) for k in RESPONSE_KEYS]
             out.append(sequence_logprobs(self.model, *mb, temperature=self.temperature).cpu())
         return torch.cat(out)
+
+    def save_checkpoint(self, path: str) -> str:
+        """The frozen reference weights under ``path``."""
+        return save_state(path, self.rank, {"model": self.model.state_dict()})
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote."""
+        self.model.load_state_dict(load_state(path, self.rank)["model"])
 
     def offload(self) -> None:
         offload_module(self.model, self.device)

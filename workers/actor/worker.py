@@ -161,8 +161,9 @@ class ActorWorker(Worker):
         if self.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
-    def train(self, inp: Channel, num_chunks: int) -> dict:
-        """One GRPO update from ``num_chunks`` scored rollout chunks taken from ``inp``.
+    def train(self, inp: Channel) -> dict:
+        """One GRPO update from the step's scored rollout chunks, read from ``inp`` until the
+        producer's end of step.
 
         Advantages are group-normalised rewards (DeepSeekMath GRPO, section 4.1.2); the loss
         is the PPO clipped surrogate with an optional k3 KL to the reference.
@@ -174,8 +175,8 @@ class ActorWorker(Worker):
             arrived chunks (chunks queued together are one part).
         """
         if self.mini_batch_size is None:
-            return self._train_streaming(inp, num_chunks)
-        chunks = [inp.get() for _ in range(num_chunks)]
+            return self._train_streaming(inp)
+        chunks = [c for part in inp.stream(balance=all_queued, target_weight=1) for c in part]
         batch = concat([c["batch"] for c in chunks], self.tokenizer.pad_token_id)
         stale = sum(len(c["batch"]) for c in chunks if c["weight_version"] != self.weight_version)
         data = self._training_data(batch)
@@ -185,7 +186,7 @@ class ActorWorker(Worker):
             metrics = self.trainer.train_on_batch(data, self.mini_batch_size, self.micro_batch_size)
         return self._finish(metrics, len(batch), trained, stale)
 
-    def _train_streaming(self, inp: Channel, num_chunks: int) -> dict:
+    def _train_streaming(self, inp: Channel) -> dict:
         """One optimizer step over the whole batch, training on chunks as they arrive
         (gradients accumulate; :meth:`PolicyTrainer.accumulate`): with a pipelined rollout the
         actor works while later chunks are still being generated. Chunks that are already
@@ -193,10 +194,7 @@ class ActorWorker(Worker):
         several: the same update, one part's fixed cost), so a coalesced edge fed by several
         rollout ranks costs one part, and a lagging actor coarsens its own granularity."""
         samples = trained = stale = parts = 0
-        left = num_chunks
-        while left:
-            chunks = inp.get_batch(1, balance=all_queued, max_items=left)
-            left -= len(chunks)
+        for chunks in inp.stream(balance=all_queued, target_weight=1):
             batches = [c["batch"] for c in chunks]
             batch = (
                 batches[0] if len(batches) == 1 else concat(batches, self.tokenizer.pad_token_id)
@@ -250,14 +248,9 @@ class ActorWorker(Worker):
 
     # -- weights and checkpoints ------------------------------------------------------------
 
-    def send_weights(self, dst_group: str, dst_world_size: int) -> int:
-        """Send ``(state_dict, weight_version)`` to every rank of ``dst_group`` (object store:
-        one copy, referenced by each receiver). Returns the version sent."""
-        self.broadcast((self.state_dict(), self.weight_version), dst_group, dst_world_size)
-        return self.weight_version
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's weights, on CPU (detached copies)."""
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights, on CPU (detached copies): the source of
+        ``m2flow.sync_weights(actor, ...)``."""
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def save_checkpoint(self, path: str) -> str:

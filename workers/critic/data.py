@@ -1,5 +1,5 @@
 """PPO batch plumbing: joining a rollout chunk with its scores and reference logprobs, the
-KL-shaped token rewards, and one producer feeding several channels.
+KL-shaped token rewards (one producer feeds the three consumers through ``m2flow.Fanout``).
 
 A PPO step sends every rollout chunk to three consumers at once (reward model, reference,
 critic); the reward model and the reference put their outputs under the chunk's key
@@ -7,8 +7,6 @@ critic); the reward model and the reference put their outputs under the chunk's 
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -18,23 +16,6 @@ def chunk_key(batch) -> int:
     ids are unique within a step and chunks hold disjoint prompts, so keys are unique in a
     step."""
     return int(batch["group_index"][0])
-
-
-class Fanout:
-    """Duck-types a channel's ``put``: each item goes into every channel given (one producer,
-    several consumers; each channel records the producer's edge to its own consumer).
-
-    ``RolloutWorker.generate(prompts, Fanout(a, b, c), ...)`` feeds three groups at once.
-    """
-
-    def __init__(self, *channels) -> None:
-        if not channels:
-            raise ValueError("Fanout needs at least one channel")
-        self.channels = channels
-
-    def put(self, item: Any, weight: float = 1.0, key: Any = None) -> None:
-        for work in [ch.put(item, weight, key, async_op=True) for ch in self.channels]:
-            work.wait()
 
 
 def token_rewards(

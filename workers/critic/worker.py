@@ -13,6 +13,7 @@ import torch
 from m2flow import Channel, Worker
 
 from ..batch import concat, num_tokens
+from ..checkpoint import load_state, save_state
 from ..llm import build_char_tokenizer
 from ..llm.placement import torch_device
 from .data import chunk_key, token_rewards
@@ -74,15 +75,13 @@ class CriticWorker(Worker):
         self.mini, self.micro = mini_batch_size or None, micro_batch_size or None
         self.generator = torch.Generator().manual_seed(seed)
 
-    def init_from(self, src_group: str = "actor", src_rank: int = 0) -> None:
-        """Receive ``(state_dict, version)`` of the policy and start from its transformer."""
-        state, _ = self.recv(src_group, src_rank)
-        self.trainer.model.load_backbone(state)
+    def load_weights(self, weights: dict) -> None:
+        """Start from the policy's transformer (``m2flow.sync_weights(actor, critic)``)."""
+        self.trainer.model.load_backbone(weights)
 
-    def step(
-        self, rollouts: Channel, scores: Channel, refs: Channel, out: Channel, num_chunks: int
-    ) -> dict:
-        """Advantages for ``num_chunks`` rollout chunks, then one value update on them.
+    def step(self, rollouts: Channel, scores: Channel, refs: Channel, out: Channel) -> dict:
+        """Advantages for the step's rollout chunks (until the rollout's end of step), then one
+        value update on them (chunks in a fixed order: by their first prompt id).
 
         Each chunk from ``rollouts`` is joined with the ``{"scores": [B]}`` item from
         ``scores`` and the ``{"ref_logprobs": [B, R]}`` item from ``refs`` put under its key.
@@ -96,8 +95,7 @@ class CriticWorker(Worker):
             weight change).
         """
         batches = []
-        for _ in range(num_chunks):
-            chunk = rollouts.get()
+        for (chunk,) in rollouts.stream():
             batch, key = chunk["batch"], chunk_key(chunk["batch"])
             score = scores.get(key=key)["scores"]
             ref = refs.get(key=key)["ref_logprobs"]
@@ -111,6 +109,7 @@ class CriticWorker(Worker):
             batch["old_values"], batch["kl"], batch["scores"] = values, kl, score.float()
             out.put(chunk, weight=num_tokens(batch))
             batches.append(batch)
+        batches.sort(key=chunk_key)
         data = concat(batches, self.tokenizer.pad_token_id)
         mask = data["response_mask"]
         n_tok = float(mask.sum().clamp(min=1))
@@ -130,6 +129,25 @@ class CriticWorker(Worker):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The value model's weights, on CPU (copies)."""
         return {k: v.detach().cpu().clone() for k, v in self.trainer.model.state_dict().items()}
+
+    def save_checkpoint(self, path: str) -> str:
+        """Value model, optimizer state and the shuffling RNG under ``path``."""
+        return save_state(
+            path,
+            self.rank,
+            {
+                "model": self.trainer.model.state_dict(),
+                "optimizer": self.trainer.optimizer.state_dict(),
+                "generator": self.generator.get_state(),
+            },
+        )
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote."""
+        state = load_state(path, self.rank)
+        self.trainer.model.load_state_dict(state["model"])
+        self.trainer.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
 
     def offload(self) -> None:
         self.trainer.offload()

@@ -17,6 +17,7 @@ import torch
 from m2flow import Channel, Worker
 
 from ..actor.losses import grpo_loss
+from ..checkpoint import load_state, save_state
 from ..critic.losses import clipped_value_loss, explained_variance, gae, masked_whiten
 from ..llm.placement import torch_device
 from .policy import ActorCritic
@@ -70,9 +71,9 @@ class EmbodiedActorWorker(Worker):
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_version = 0
 
-    def train(self, inp: Channel, num_items: int) -> dict:
-        """One PPO update from ``num_items`` trajectories (one per environment rank) taken from
-        ``inp`` (layout: :meth:`EnvWorker.rollout`).
+    def train(self, inp: Channel) -> dict:
+        """One PPO update from the step's trajectories (one per environment rank, read from
+        ``inp`` until the environments' end of step; layout: :meth:`EnvWorker.rollout`).
 
         Returns:
             ``loss``, ``pg_loss``, ``vf_loss``, ``entropy``, ``clip_frac``, ``approx_kl``
@@ -80,9 +81,13 @@ class EmbodiedActorWorker(Worker):
             ``explained_variance`` of the old values; ``samples`` (environment steps);
             ``update_norm`` (L2 norm of the weight change).
         """
-        trajs = [inp.get() for _ in range(num_items)]
+        trajs = sorted((t for (t,) in inp.stream()), key=lambda t: t["rank"])
         # [T, N] per rank -> [N_total, T]: GAE runs along each simulator's time axis.
-        cat = {k: torch.cat([t[k] for t in trajs], dim=1) for k in trajs[0] if k != "last_value"}
+        cat = {
+            k: torch.cat([t[k] for t in trajs], dim=1)
+            for k in trajs[0]
+            if k not in ("last_value", "rank")
+        }
         last = torch.cat([t["last_value"] for t in trajs])
         adv, ret = gae(
             cat["rewards"].T, cat["values"].T, cat["dones"].T, last, self.gamma, self.lam
@@ -150,14 +155,30 @@ class EmbodiedActorWorker(Worker):
             "grad_norm": float(norm),
         }
 
-    def send_weights(self, dst_group: str, dst_world_size: int) -> int:
-        """Send ``(state_dict, weight_version)`` to every rank of ``dst_group``."""
-        self.broadcast((self.state_dict(), self.weight_version), dst_group, dst_world_size)
-        return self.weight_version
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def get_weights(self) -> dict[str, torch.Tensor]:
         """The network's weights, on CPU (copies)."""
         return {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()}
+
+    def save_checkpoint(self, path: str) -> str:
+        """Network, optimizer, shuffling RNG and weight version under ``path``."""
+        return save_state(
+            path,
+            self.rank,
+            {
+                "net": self.net.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "generator": self.generator.get_state(),
+                "weight_version": self.weight_version,
+            },
+        )
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote."""
+        state = load_state(path, self.rank)
+        self.net.load_state_dict(state["net"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        self.weight_version = state["weight_version"]
 
     def offload(self) -> None:
         if self.device.type == "cuda":

@@ -17,6 +17,8 @@ import torch
 
 from m2flow import Channel, Worker
 
+from ..checkpoint import load_state, save_state
+
 
 class EnvWorker(Worker):
     """``num_envs`` simulators of ``env_id`` per rank.
@@ -54,6 +56,29 @@ class EnvWorker(Worker):
         self.ep_return = np.zeros(num_envs)
         self.ep_length = np.zeros(num_envs, dtype=np.int64)
         self.recent: deque[float] = deque(maxlen=100)  # returns of the last 100 episodes
+
+    def save_checkpoint(self, path: str) -> str:
+        """The simulators mid-episode (the vector env pickled with its RNGs), the current
+        observations and the episode statistics under ``path``."""
+        return save_state(
+            path,
+            self.rank,
+            {
+                "envs": self.envs,
+                "obs": self.obs,
+                "ep_return": self.ep_return,
+                "ep_length": self.ep_length,
+                "recent": list(self.recent),
+            },
+        )
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote."""
+        state = load_state(path, self.rank)
+        self.envs.close()
+        self.envs, self.obs = state["envs"], state["obs"]
+        self.ep_return, self.ep_length = state["ep_return"], state["ep_length"]
+        self.recent = deque(state["recent"], maxlen=100)
 
     def spec(self) -> dict:
         """``{"obs_dim", "n_actions"}`` of the environment."""
@@ -101,6 +126,7 @@ class EnvWorker(Worker):
         item = {k: torch.stack(v) for k, v in traj.items()}
         item["rewards"], item["dones"] = item["rewards"].float(), item["dones"].float()
         item["last_value"] = answer["value"]
+        item["rank"] = self.rank
         out.put(item, weight=steps * len(self.obs))
         return {
             "env_steps": steps * len(self.obs),

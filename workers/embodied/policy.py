@@ -15,7 +15,8 @@ from torch import nn
 
 from m2flow import Channel, Worker
 
-from ..llm.placement import offload_module, onload_module, split_evenly, torch_device
+from ..checkpoint import load_state, save_state
+from ..llm.placement import offload_module, onload_module, torch_device
 
 
 def _mlp(sizes: list[int], last_gain: float) -> nn.Sequential:
@@ -55,7 +56,7 @@ class PolicyWorker(Worker):
 
     Args:
         obs_dim, n_actions, hidden: the :class:`ActorCritic` shape (weights come from the
-            actor with :meth:`sync_weights`).
+            actor by ``m2flow.sync_weights``).
         threads: torch threads (0: this rank's share of its node's CPUs); seed: sampling.
     """
 
@@ -66,17 +67,13 @@ class PolicyWorker(Worker):
         self.device = torch_device(self.devices)
         self.net = ActorCritic(obs_dim, n_actions, hidden).to(self.device).eval()
         self.generator = torch.Generator(self.device).manual_seed(seed + 7919 * self.rank)
-        self.weight_version = -1
 
-    def sync_weights(self, src_group: str = "actor", src_rank: int = 0) -> int:
-        """Receive ``(state_dict, version)`` and load it. Returns the version."""
-        state, self.weight_version = self.recv(src_group, src_rank)
-        self.net.load_state_dict(state)
-        return self.weight_version
+    def load_weights(self, weights: dict) -> None:
+        self.net.load_state_dict(weights)
 
     @torch.no_grad()
-    def act(self, obs: Channel, actions: Channel, num_items: int) -> dict:
-        """Serve this rank's share of ``num_items`` observation items.
+    def act(self, obs: Channel, actions: Channel) -> dict:
+        """Serve observation items until the environments' end of step (ranks share them).
 
         An item from ``obs`` is ``{"rank": int, "obs": [N, obs_dim] float32}``; the answer,
         put into ``actions`` under key ``rank``, is ``{"action": [N] int64, "logprob": [N],
@@ -85,10 +82,9 @@ class PolicyWorker(Worker):
         Returns:
             ``items`` served, ``observations`` (rows), ``forward_s`` (seconds in the network).
         """
-        rows, forward_s = 0, 0.0
-        share = split_evenly(num_items, self.world_size)[self.rank]
-        for _ in range(share):
-            item = obs.get()
+        rows, forward_s, served = 0, 0.0, 0
+        for (item,) in obs.stream():
+            served += 1
             t0 = time.perf_counter()
             x = item["obs"].to(self.device)
             dist = self.net.dist(x)
@@ -101,7 +97,14 @@ class PolicyWorker(Worker):
             forward_s += time.perf_counter() - t0
             actions.put(answer, key=item["rank"])
             rows += len(x)
-        return {"items": share, "observations": rows, "forward_s": forward_s}
+        return {"items": served, "observations": rows, "forward_s": forward_s}
+
+    def save_checkpoint(self, path: str) -> str:
+        """This rank's action-sampling RNG (the weights come from the actor)."""
+        return save_state(path, self.rank, {"generator": self.generator.get_state()})
+
+    def load_checkpoint(self, path: str) -> None:
+        self.generator.set_state(load_state(path, self.rank)["generator"])
 
     def offload(self) -> None:
         offload_module(self.net, self.device)

@@ -11,10 +11,12 @@ comparisons instead; no humans here). The reward of a sample is then
 from __future__ import annotations
 
 import torch
+from m2flow.scheduler.balance import all_queued
 
 from m2flow import Channel, Worker
 
 from ..batch import concat, num_tokens
+from ..checkpoint import load_state, save_state
 from ..critic.data import chunk_key
 from ..critic.model import ValueModel
 from ..critic.trainer import ValueTrainer
@@ -67,10 +69,9 @@ class RewardModelWorker(Worker):
         self.micro = micro_batch_size or None
         self.generator = torch.Generator().manual_seed(seed)
 
-    def init_from(self, src_group: str = "actor", src_rank: int = 0) -> None:
-        """Receive ``(state_dict, version)`` of the policy and start from its transformer."""
-        state, _ = self.recv(src_group, src_rank)
-        self.trainer.model.load_backbone(state)
+    def load_weights(self, weights: dict) -> None:
+        """Start from the policy's transformer (``m2flow.sync_weights(actor, reward)``)."""
+        self.trainer.model.load_backbone(weights)
 
     def _verify(self, chunk: dict) -> torch.Tensor:
         batch = chunk["batch"]
@@ -78,10 +79,11 @@ class RewardModelWorker(Worker):
         entries = [chunk["entries"][int(g)] for g in batch["group_index"]]
         return torch.tensor(score(texts, entries), dtype=torch.float32)
 
-    def fit(self, inp: Channel, num_chunks: int, heldout_chunks: int, epochs: int) -> dict:
-        """Fit the reward model to verifier labels: the first ``num_chunks - heldout_chunks``
-        rollout chunks from ``inp`` train it (``epochs`` shuffled passes, ``batch_size``
-        samples a step), the last ``heldout_chunks`` measure it, before and after.
+    def fit(self, inp: Channel, heldout_prompts: int, epochs: int) -> dict:
+        """Fit the reward model to verifier labels of the rollout chunks read from ``inp``
+        (until the rollout's end of step): the samples of the last ``heldout_prompts``
+        prompts (by prompt id) measure it, before and after; the others train it (``epochs``
+        shuffled passes, ``batch_size`` samples a step).
 
         Returns:
             ``rm_train_samples``, ``rm_heldout_samples``, ``rm_label_mean`` (mean verifier
@@ -91,18 +93,24 @@ class RewardModelWorker(Worker):
             above an incorrect one; NaN without both kinds).
 
         Raises:
-            ValueError: no chunk left to train on.
+            ValueError: no prompt left to train on.
         """
-        if not 0 <= heldout_chunks < num_chunks:
-            raise ValueError(f"heldout_chunks must be in [0, {num_chunks}), got {heldout_chunks}")
-        chunks = [inp.get() for _ in range(num_chunks)]
-        labels = [self._verify(c) for c in chunks]
-        cut = num_chunks - heldout_chunks
+        chunks = sorted(
+            (c for part in inp.stream(balance=all_queued, target_weight=1) for c in part),
+            key=lambda c: chunk_key(c["batch"]),
+        )
         pad = self.tokenizer.pad_token_id
-        train = concat([c["batch"] for c in chunks[:cut]], pad)
-        y = torch.cat(labels[:cut])
-        held = concat([c["batch"] for c in chunks[cut:]], pad) if heldout_chunks else None
-        y_held = torch.cat(labels[cut:]) if heldout_chunks else None
+        batch = concat([c["batch"] for c in chunks], pad)
+        labels = torch.cat([self._verify(c) for c in chunks])
+        prompts = batch["group_index"]
+        n_prompts = int(prompts.max()) + 1 if len(prompts) else 0
+        if not 0 <= heldout_prompts < n_prompts:
+            raise ValueError(f"heldout_prompts must be in [0, {n_prompts}), got {heldout_prompts}")
+        is_held = prompts >= n_prompts - heldout_prompts
+        train = {k: v[~is_held] for k, v in batch.items()}
+        y = labels[~is_held]
+        held = {k: v[is_held] for k, v in batch.items()} if heldout_prompts else None
+        y_held = labels[is_held] if heldout_prompts else None
         out = {"rm_train_samples": len(y), "rm_label_mean": float(y.mean())}
         if held is not None:
             out |= _quality(self.trainer.scores(held, self.micro), y_held, "before")
@@ -120,8 +128,9 @@ class RewardModelWorker(Worker):
         self.trainer.optimizer.state.clear()
         return out
 
-    def score(self, inp: Channel, out: Channel, num_chunks: int) -> dict:
-        """Score ``num_chunks`` rollout chunks from ``inp``; put ``{"scores": [B],
+    def score(self, inp: Channel, out: Channel) -> dict:
+        """Score the step's rollout chunks from ``inp`` (until the rollout's end of step); put
+        ``{"scores": [B],
         "verifier": [B], "rm": [B]}`` into ``out`` under each chunk's key.
 
         Returns:
@@ -130,8 +139,7 @@ class RewardModelWorker(Worker):
             (share of samples the verifier scores 1); ``samples``.
         """
         mixed, ver, rm = [], [], []
-        for _ in range(num_chunks):
-            chunk = inp.get()
+        for (chunk,) in inp.stream():
             batch = chunk["batch"]
             v = self._verify(chunk)
             r = self.trainer.scores(batch, self.micro)
@@ -148,6 +156,20 @@ class RewardModelWorker(Worker):
             "accuracy": accuracy(v_all.tolist()),
             "samples": len(v_all),
         }
+
+    def save_checkpoint(self, path: str) -> str:
+        """The fitted reward model and the shuffling RNG under ``path``."""
+        return save_state(
+            path,
+            self.rank,
+            {"model": self.trainer.model.state_dict(), "generator": self.generator.get_state()},
+        )
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote."""
+        state = load_state(path, self.rank)
+        self.trainer.model.load_state_dict(state["model"])
+        self.generator.set_state(state["generator"])
 
     def offload(self) -> None:
         self.trainer.offload()

@@ -9,7 +9,6 @@ from m2flow import Channel, Worker
 
 from ..batch import num_tokens
 from ..llm import build_char_tokenizer
-from ..llm.placement import split_evenly
 from ..rollout.generation import decode_responses
 from ..tasks import accuracy, score
 
@@ -61,21 +60,19 @@ class RewardWorker(Worker):
         batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
         return rewards
 
-    def score(self, inp: Channel, out: Channel, num_chunks: int) -> dict:
-        """Take this rank's share of ``num_chunks`` rollout chunks from ``inp``, add
-        ``rewards [B]`` to each batch, and put it into ``out`` (same weight: its tokens).
+    def score(self, inp: Channel, out: Channel) -> dict:
+        """Score the step's rollout chunks from ``inp`` until the rollout's end of step (ranks
+        share them), add ``rewards [B]`` to each batch, and put it into ``out`` (same weight:
+        its tokens).
 
         Returns:
             ``reward_mean`` (mean partial credit), ``accuracy`` (share with score == 1),
             ``samples``.
         """
         rewards_all: list[float] = []
-        left = split_evenly(num_chunks, self.world_size)[self.rank]
-        while left:
-            # Chunks already queued are taken and passed on together: one get and one put
-            # for all of them (each chunk is still scored and forwarded as its own chunk).
-            chunks = inp.get_batch(1, balance=all_queued, max_items=left)
-            left -= len(chunks)
+        # Chunks already queued are taken and passed on together: one get and one put for all
+        # of them (each chunk is still scored and forwarded as its own chunk).
+        for chunks in inp.stream(balance=all_queued, target_weight=1):
             for chunk in chunks:
                 rewards_all += self._score_chunk(chunk)
             out.put_many(chunks, weights=[num_tokens(c["batch"]) for c in chunks])

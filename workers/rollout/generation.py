@@ -23,8 +23,17 @@ positions are ``cumsum(mask) - 1``, which is also what ``generate`` uses under l
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from .sampling import CounterSampler, counter_uniforms
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +93,8 @@ def generate(
     top_p: float = 1.0,
     greedy: bool = False,
     shared_prefix: bool = True,
+    sample_keys: list[tuple[int, int]] | None = None,
+    seed: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Sample ``n_samples`` responses for each prompt; see the module docstring for the output.
 
@@ -98,6 +109,11 @@ def generate(
         greedy: argmax decoding; logprobs are then under ``T = 1``.
         shared_prefix: with ``n_samples > 1``, prefill each prompt once (see
             :func:`prefill_shared`) instead of ``n_samples`` times.
+        sample_keys: per prompt, ``(step, prompt id)``: draw every token from
+            :func:`~.sampling.counter_uniforms` keyed by ``(seed, step, prompt id, sample,
+            position)`` (a response is then the same wherever and whenever it is generated);
+            ``None``: torch's global RNG.
+        seed: the run seed for ``sample_keys``.
 
     Returns:
         dict of tensors on CPU: ``prompt_ids``, ``prompt_mask``, ``response_ids``,
@@ -112,10 +128,20 @@ def generate(
     mask = mask.repeat_interleave(n_samples, dim=0)
     group_index = torch.arange(len(prompt_ids)).repeat_interleave(n_samples)
 
+    processors = []
+    seeded = sample_keys is not None and not greedy
+    if seeded:
+        if len(sample_keys) != len(prompt_ids):
+            raise ValueError(f"{len(sample_keys)} sample keys for {len(prompt_ids)} prompts")
+        keys = np.array(
+            [(s, p, j) for s, p in sample_keys for j in range(n_samples)], dtype=np.int64
+        ).reshape(-1, 3)
+        u = torch.from_numpy(counter_uniforms(seed, keys, np.arange(max_new_tokens)))
+        processors.append(CounterSampler(u, ids.shape[1], temperature, top_p))
     gen_cfg = GenerationConfig(
         do_sample=not greedy,
-        temperature=None if greedy else temperature,
-        top_p=None if greedy else top_p,
+        temperature=None if greedy else (1.0 if seeded else temperature),
+        top_p=None if greedy else (1.0 if seeded else top_p),
         # transformers 5 replaces top_k=None by its global default 50; 0 really disables it.
         top_k=None if greedy else 0,
         max_new_tokens=max_new_tokens,
@@ -137,6 +163,7 @@ def generate(
             attention_mask=mask.to(device),
             past_key_values=cache,
             generation_config=gen_cfg,
+            logits_processor=LogitsProcessorList(processors),
         )
     finally:
         model.train(was_training)

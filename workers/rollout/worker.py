@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from m2flow import Channel, Worker
@@ -16,18 +14,12 @@ from ..tasks import TaskDataset
 from .generation import generate
 
 
-def num_chunks(num_prompts: int, rollout_world: int, granularity: int) -> int:
-    """Chunks the rollout group puts for ``num_prompts`` prompts at ``granularity`` prompts
-    per chunk (each rank chunks its own share)."""
-    return sum(math.ceil(s / granularity) for s in split_evenly(num_prompts, rollout_world) if s)
-
-
 class RolloutWorker(Worker):
     """Generates GRPO groups: ``n_samples`` responses per prompt (HF ``generate``, KV cache).
 
     Args:
-        model: :class:`~m2flow.workers.llm.ModelConfig` fields (weights arrive with
-            :meth:`sync_weights`).
+        model: :class:`~m2flow.workers.llm.ModelConfig` fields (weights arrive by
+            ``m2flow.sync_weights(actor, rollout)``).
         alphabet: the character tokenizer's alphabet.
         n_samples: responses per prompt (GRPO group size).
         max_new_tokens: response cap in tokens (EOS included).
@@ -36,7 +28,9 @@ class RolloutWorker(Worker):
         shared_prefix: prefill each prompt once for its ``n_samples`` samples
             (:func:`.generation.prefill_shared`) instead of once per sample.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
-        seed: sampling seed (offset by rank).
+        seed: the run seed: token ``t`` of sample ``j`` of prompt ``p`` in step ``s`` is drawn
+            from a counter keyed by ``(seed, s, p, j, t)`` (:mod:`.sampling`), so responses do
+            not depend on the rank, chunk or plan that generated them.
     """
 
     def __init__(
@@ -53,7 +47,6 @@ class RolloutWorker(Worker):
         seed: int = 0,
     ) -> None:
         torch.set_num_threads(threads or self.num_threads)
-        torch.manual_seed(seed + 1000 * self.rank)
         self.device = torch_device(self.devices)
         self.tokenizer = build_char_tokenizer(alphabet)
         self.model = build_model(ModelConfig(**model), self.tokenizer).to(self.device).eval()
@@ -61,23 +54,26 @@ class RolloutWorker(Worker):
         self.temperature, self.top_p = temperature, top_p
         self.shared_prefix = shared_prefix
         self.task = task
+        self.seed = seed
         self._heldout: TaskDataset | None = None
-        self.weight_version = -1
 
     # -- generation -------------------------------------------------------------------------
 
-    def generate(self, prompts: Channel, out: Channel, num_prompts: int, granularity: int) -> dict:
-        """Take this rank's share of ``num_prompts`` prompts from ``prompts`` in chunks of
-        ``granularity`` prompts; put one rollout chunk per prompt chunk into ``out``.
+    def generate(self, prompts: Channel, out: Channel, num_prompts: int) -> dict:
+        """Take this rank's share of ``num_prompts`` prompts from ``prompts`` in chunks of the
+        plan's granularity (:meth:`~m2flow.Worker.chunk_size`; the whole share without a
+        plan); put one rollout chunk per prompt chunk into ``out``.
 
-        A prompt item is ``{"prompt_ids": list[int], "group": int, "entry": dict}``. A rollout
-        chunk is ``{"batch": TensorDict [chunk * n_samples], "entries": {group: entry},
-        "weight_version": int}`` put with weight = its token count.
+        A prompt item is ``{"prompt_ids": list[int], "group": int, "entry": dict}`` plus
+        optionally ``"step": int`` (the sampling key; 0 if absent); ``group`` is unique within
+        the step. A rollout chunk is ``{"batch": TensorDict [chunk * n_samples], "entries":
+        {group: entry}, "weight_version": int}`` put with weight = its token count.
 
         Returns:
             ``samples``, ``tokens`` (prompt + response), ``response_length`` (mean tokens).
         """
         share = split_evenly(num_prompts, self.world_size)[self.rank]
+        granularity = self.chunk_size(default=share)
         samples = tokens = resp_tokens = 0
         while share > 0:
             size = min(granularity, share)
@@ -92,6 +88,8 @@ class RolloutWorker(Worker):
                 temperature=self.temperature,
                 top_p=self.top_p,
                 shared_prefix=self.shared_prefix,
+                sample_keys=[(it.get("step", 0), it["group"]) for it in items],
+                seed=self.seed,
             )
             groups = torch.tensor([it["group"] for it in items])
             gen["group_index"] = groups[gen["group_index"]]
@@ -116,16 +114,9 @@ class RolloutWorker(Worker):
 
     # -- weights ----------------------------------------------------------------------------
 
-    def sync_weights(self, src_group: str = "actor", src_rank: int = 0) -> int:
-        """Receive ``(state_dict, version)`` from the actor and load it in place.
-
-        Returns:
-            the new weight version.
-        """
-        state, version = self.recv(src_group, src_rank)
-        self.model.load_state_dict(state)
-        self.weight_version = version
-        return version
+    def load_weights(self, weights: dict) -> None:
+        """Load the policy's weights in place (``m2flow.sync_weights``)."""
+        self.model.load_state_dict(weights)
 
     # -- evaluation -------------------------------------------------------------------------
 

@@ -1,0 +1,184 @@
+"""What every workflow runner shares: config sections, value checks, checkpoints.
+
+Runners (``workflows/*.py``) declare their configuration from these sections plus their own,
+check values with :func:`require` in ``validate(cfg)`` (before anything starts), and save and
+resume through :class:`Checkpoints`::
+
+    @dataclass
+    class Config:
+        cluster: ClusterConfig = field(default_factory=ClusterConfig)
+        trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(run_dir="runs/x"))
+        resume: bool = False
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from .cluster import Offload
+from .config import ConfigError
+
+
+@dataclass
+class ClusterConfig:
+    address: Optional[str] = None  # None: embedded local Ray; "auto"/"host:port": join one
+    devices_per_node: int = 1  # virtual devices per node without GPUs
+    device_memory_gb: float = 16.0  # declared capacity of a virtual device
+    num_cpus: Optional[int] = None  # CPUs of the embedded Ray (default: all)
+    # On a device switch, offload the leaving worker: always, never, or auto (GPUs only; a
+    # virtual device's memory is host RAM, so offloading there frees nothing).
+    offload: Offload = Offload.auto
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 100  # training steps (updates)
+    eval_every: int = 25  # held-out evaluation every this many steps (and at the last)
+    save_every: int = 25  # checkpoint every this many steps (and at the last)
+    seed: int = 0
+    run_dir: str = "runs/run"
+    tensorboard: bool = False
+
+
+def require(checks: list[tuple[bool, str]]) -> None:
+    """Raise :class:`~m2flow.config.ConfigError` with the message of the first failed check.
+
+    Raises:
+        ConfigError: a check is False.
+    """
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+
+
+def finite_positive(x: float) -> bool:
+    """True for a finite number > 0 (learning rates, temperatures)."""
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def validate_cluster(c: ClusterConfig) -> None:
+    """Raises ConfigError for impossible cluster values."""
+    require(
+        [
+            (c.devices_per_node >= 1, "cluster.devices_per_node must be >= 1"),
+            (finite_positive(c.device_memory_gb), "cluster.device_memory_gb must be > 0"),
+            (c.num_cpus is None or c.num_cpus >= 1, "cluster.num_cpus must be >= 1"),
+        ]
+    )
+
+
+def validate_trainer(tr: TrainerConfig, resume: bool) -> None:
+    """Value checks of the trainer section and the run directory, before anything starts.
+
+    Raises:
+        ConfigError: non-positive ``eval_every``/``save_every``, negative ``steps``, a
+            ``run_dir`` that is a file, ``--resume`` without a checkpoint, or a fresh run
+            over an earlier run's checkpoints (nothing would be lost, but nothing is mixed).
+    """
+    require(
+        [
+            (tr.steps >= 0, "trainer.steps must be >= 0"),
+            (tr.eval_every >= 1, "trainer.eval_every must be >= 1 (steps between evaluations)"),
+            (tr.save_every >= 1, "trainer.save_every must be >= 1 (steps between checkpoints)"),
+        ]
+    )
+    run_dir = Path(tr.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(
+            f"trainer.run_dir={tr.run_dir!r} is a file, not a directory: pick another path"
+        )
+    latest = Checkpoints(run_dir).latest()
+    if resume and latest is None:
+        raise ConfigError(
+            f"--resume: no checkpoint under {run_dir / 'checkpoints'}; run without --resume "
+            "to start fresh"
+        )
+    if not resume and latest is not None:
+        raise ConfigError(
+            f"{run_dir} already holds checkpoints: pass --resume to continue that run, or set "
+            "trainer.run_dir to start a new one"
+        )
+
+
+def plain(section) -> dict[str, Any]:
+    """A config section as a plain dict (for worker constructors)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(section, resolve=True)
+
+
+def start_cluster(c: ClusterConfig, run_dir: str | Path):
+    """The run's :class:`~m2flow.cluster.Cluster` from the ``cluster`` section."""
+    from .cluster import Cluster
+
+    return Cluster(
+        c.address,
+        num_cpus=c.num_cpus,
+        virtual_devices_per_node=c.devices_per_node,
+        device_memory_gb=c.device_memory_gb,
+        run_dir=run_dir,
+        offload=c.offload,
+    )
+
+
+class Checkpoints:
+    """Checkpoints of a run: ``<run_dir>/checkpoints/step_NNNNNN/<group>/`` per trained group,
+    plus ``runner.json`` (the step and the runner's own state).
+
+    A checkpoint is written under a ``.partial`` name and renamed when complete, so a run
+    killed while saving leaves the previous checkpoint as the latest: ``--resume`` never
+    loads a half-written one.
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.dir = Path(run_dir) / "checkpoints"
+
+    def latest(self) -> tuple[int, Path] | None:
+        """``(step, path)`` of the newest complete checkpoint, or ``None``."""
+        done = sorted(p for p in self.dir.glob("step_*") if p.is_dir() and "." not in p.name)
+        return (int(done[-1].name.split("_")[1]), done[-1]) if done else None
+
+    def save(self, step: int, groups: dict[str, Any], state: dict | None = None) -> Path:
+        """Save every group (its ranks' ``save_checkpoint(path)``) and the runner ``state``.
+
+        Returns:
+            the checkpoint directory.
+        """
+        final = self.dir / f"step_{step:06d}"
+        partial = final.with_name(final.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        calls = [g.save_checkpoint(str(partial / name)) for name, g in groups.items()]
+        for call in calls:
+            call.wait()
+        (partial / "runner.json").write_text(json.dumps({"step": step, **(state or {})}))
+        os.replace(partial, final)
+        return final
+
+    def restore(self, groups: dict[str, Any]) -> tuple[int, dict]:
+        """Load the newest checkpoint into ``groups``; returns ``(step, runner state)``.
+
+        Raises:
+            ConfigError: no checkpoint, or one without a group of ``groups``.
+        """
+        latest = self.latest()
+        if latest is None:
+            raise ConfigError(f"--resume: no checkpoint under {self.dir}")
+        step, path = latest
+        missing = [n for n in groups if not (path / n).is_dir()]
+        if missing:
+            raise ConfigError(
+                f"checkpoint {path} has no state for {missing}: it was written by another "
+                "workflow or version; start a new run_dir"
+            )
+        calls = [g.load_checkpoint(str(path / name)) for name, g in groups.items()]
+        for call in calls:
+            call.wait()
+        state = json.loads((path / "runner.json").read_text())
+        return step, state

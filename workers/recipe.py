@@ -1,0 +1,127 @@
+"""Config sections and helpers shared by the LLM workflows (GRPO, PPO).
+
+Runner-level sections (cluster, trainer, checkpoints) are in :mod:`m2flow.recipe`; these are
+the LLM ones: the reasoning-gym task, the tiny model, the supervised warm start, rollout
+sampling, the optimiser settings every trained model shares, and the step's prompts.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from m2flow.recipe import TrainerConfig, finite_positive, require
+
+from .llm.config import ModelConfig as LMShape
+
+
+@dataclass
+class TaskConfig:
+    name: str = "chain_sum"
+    config: dict[str, Any] = field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
+    )
+    train_seed: int = 1
+    train_size: int = 20000
+    val_seed: int = 2  # warm start stops on this split, never on the held-out one
+    val_size: int = 300
+    heldout_seed: int = 3
+    heldout_size: int = 500  # greedy accuracy = share of items with score == 1
+
+
+@dataclass
+class ModelConfig(LMShape):  # hidden_size, num_hidden_layers, ...: a tiny Qwen2
+    alphabet: str = "0123456789+-="  # character tokenizer (+ pad/eos/bos/unk)
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = 2000  # supervised steps at most
+    batch_size: int = 256  # samples per step
+    lr: float = 3e-3
+    # Stop early on purpose: an uncertain policy gives GRPO groups with mixed rewards.
+    target_accuracy: Optional[float] = 0.15  # greedy accuracy on the val split
+    eval_every: int = 10
+    time_budget_s: Optional[float] = 360.0
+
+
+@dataclass
+class RolloutConfig:
+    n_samples: int = 16  # GRPO group size (responses per prompt)
+    max_new_tokens: int = 6
+    temperature: float = 0.7  # 1.0 samples too far from the greedy policy to learn from
+    top_p: float = 1.0
+    shared_prefix: bool = True  # prefill each prompt once per group, not once per sample
+    threads: int = 0  # torch threads; 0 = the rank's share of its node's CPUs
+
+
+@dataclass
+class OptimConfig:
+    """What every trained model's optimiser shares (AdamW, clipping, batch split)."""
+
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    mini_batch_size: int = 0  # responses per optimizer step; 0 = the whole global batch
+    micro_batch_size: int = 0  # responses per forward/backward; 0 = the whole mini-batch
+    threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
+
+
+@dataclass
+class LLMTrainerConfig(TrainerConfig):
+    prompts_per_step: int = 32  # global batch: prompts (x rollout.n_samples responses)
+
+
+def validate_llm(cfg, min_samples: int = 1) -> None:
+    """Value checks of the shared LLM sections (``task``, ``rollout``, ``warm_start``, the
+    ``prompts_per_step``) before anything starts.
+
+    Raises:
+        ConfigError: the first bad value, named.
+    """
+    r, w = cfg.rollout, cfg.warm_start
+    why = " (GRPO compares a group)" if min_samples > 1 else ""
+    require(
+        [
+            (cfg.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
+            (r.n_samples >= min_samples, f"rollout.n_samples must be >= {min_samples}{why}"),
+            (finite_positive(r.temperature), "rollout.temperature must be a finite number > 0"),
+            (0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+            (r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
+            (finite_positive(w.lr), "warm_start.lr must be a finite number > 0"),
+            (w.steps >= 0 and w.batch_size >= 1, "warm_start.steps >= 0, batch_size >= 1"),
+            (w.eval_every >= 1, "warm_start.eval_every must be >= 1"),
+            (cfg.task.train_size >= 1, "task.train_size must be >= 1"),
+        ]
+    )
+
+
+def validate_optim(section, name: str) -> None:
+    """Raises ConfigError for a non-finite or non-positive learning rate, negative batch
+    sizes or a non-positive clip of the optimiser section ``name``."""
+    require(
+        [
+            (finite_positive(section.lr), f"{name}.lr must be a finite number > 0"),
+            (section.mini_batch_size >= 0, f"{name}.mini_batch_size must be >= 0 (0 = all)"),
+            (section.micro_batch_size >= 0, f"{name}.micro_batch_size must be >= 0 (0 = all)"),
+            (section.grad_clip > 0, f"{name}.grad_clip must be > 0"),
+        ]
+    )
+
+
+def prompt_items(train, tokenizer, n: int, seed: int, step: int) -> list[dict]:
+    """The step's ``n`` prompts (prompt ids ``0..n-1``); the draw depends only on ``seed`` and
+    ``step``, so a resumed run sees the same data. Each item: ``{"prompt_ids", "group",
+    "entry", "step"}`` (``(step, group)`` keys the rollout's sampling)."""
+    rng = random.Random(seed * 1_000_003 + step)
+    return [
+        {
+            "prompt_ids": tokenizer(train[i].prompt).input_ids,
+            "group": g,
+            "entry": train[i].entry,
+            "step": step,
+        }
+        for g, i in enumerate(rng.sample(range(len(train)), n))
+    ]
