@@ -20,6 +20,12 @@ pick the fewest workers per stage that keep that batch-level constraint ``d <= D
 - :func:`zq_dedicated_workers` -- ZQ-Dedicated: each task's own pool, sized for zero queueing.
 
 Sampling is deterministic (evenly spaced quantiles) so the same state gives the same decision.
+A decision's cost is bounded: with ``max_jobs``, when the active batches hold more outstanding
+requests than that, every category is sampled down by the same fraction ``f`` (at least one
+request of each non-empty category), the search runs on the sample with caps scaled by ``f``,
+and the counts are scaled back up by ``1 / f`` (a fluid approximation: ``f`` of the requests on
+``f`` of the workers see the same queueing). Counts then match the full simulation to within
+about ``1 / f`` workers per stage (tests/test_reward_policy.py measures it).
 Pure Python: no Ray, no HTTP, no torch. Times are seconds; worker counts are integers.
 """
 
@@ -86,7 +92,16 @@ def batch_deadline(view: BatchView) -> float:
     return earliest_completion(view.start_s, _reference(view))
 
 
-def estimate_jobs(view: BatchView, now_s: float, n_stages: int) -> list[SimJob]:
+def outstanding(view: BatchView) -> int:
+    """Requests of the batch still to finish: not arrived yet, queued, running."""
+    return max(view.size - view.arrived, 0) + len(view.queued) + len(view.running)
+
+
+def _keep(n: int, keep: float) -> int:
+    return n if keep >= 1.0 else min(n, math.ceil(n * keep))
+
+
+def estimate_jobs(view: BatchView, now_s: float, n_stages: int, keep: float = 1.0) -> list[SimJob]:
     """Algorithm 2 (DistRS section 5.2): the outstanding requests of one batch as sim jobs.
 
     - Future: ``size - arrived`` requests drawn from the history requests after the first
@@ -99,7 +114,9 @@ def estimate_jobs(view: BatchView, now_s: float, n_stages: int) -> list[SimJob]:
       elapsed``; if none ran that long, the request is assumed to run to its stage timeout
       (the caller passes that as history with the timeout recorded).
 
-    With ``view.truth`` (Ideal), the real requests replace the samples.
+    With ``view.truth`` (Ideal), the real requests replace the samples. With ``keep < 1``,
+    only ``ceil(keep * n)`` evenly spaced requests of each category (``n`` of them) are
+    returned: the cost is that of the sample, not of the batch size.
 
     Raises:
         ValueError: the batch has neither history nor truth (no estimate possible).
@@ -112,14 +129,16 @@ def estimate_jobs(view: BatchView, now_s: float, n_stages: int) -> list[SimJob]:
     exact = view.truth is not None
     # Future
     n_future = max(view.size - view.arrived, 0)
+    n_keep = _keep(n_future, keep)
     if exact:
         future = list(ref[view.arrived : view.arrived + n_future])
+        future = future if n_keep == len(future) else _spread(future, n_keep)
     else:
         by_offset = sorted(ref, key=lambda r: r.offset_s)
         # history requests not matched by an arrival yet, then the elapsed-time condition
         pool = by_offset[view.arrived :] or by_offset[-1:]
         late = [r for r in pool if r.offset_s >= elapsed] or pool[-1:]
-        future = late if len(late) == n_future else _spread(late, n_future)
+        future = late if len(late) == n_keep else _spread(late, n_keep)
     for r in future:
         jobs.append(SimJob(view.key, max(view.start_s + r.offset_s, now_s), 0, r.stage_s))
     # Queuing_k
@@ -129,6 +148,7 @@ def estimate_jobs(view: BatchView, now_s: float, n_stages: int) -> list[SimJob]:
         by_stage.setdefault(k, []).append((idx, since))
     for k, items in by_stage.items():
         items.sort(key=lambda x: x[1])
+        items = _spread(items, _keep(len(items), keep)) if keep < 1.0 else items
         if exact:
             picks = [ref[i] for i, _ in items]
         else:
@@ -137,7 +157,8 @@ def estimate_jobs(view: BatchView, now_s: float, n_stages: int) -> list[SimJob]:
             times = r.stage_s[k:] or (r.stage_s[-1],)
             jobs.append(SimJob(view.key, min(since, now_s), k, times))
     # Running_k
-    for k, el, idx in view.running:
+    running = view.running if keep >= 1.0 else _spread(view.running, _keep(len(view.running), keep))
+    for k, el, idx in running:
         if exact:
             r = ref[idx]
             times = r.stage_s[k:] or (el,)
@@ -264,6 +285,8 @@ class DistRSPolicy:
         cold_workers: per stage, the count used while an active batch has no history yet
             (its first batch): the policy cannot estimate it, so it provisions this much on
             top of the estimate of the others (default: the caps).
+        max_jobs: most requests a decision simulates (``None``: all); beyond, a sample
+            scaled up (module docstring), so one huge batch cannot make decisions slow.
     """
 
     def __init__(
@@ -273,9 +296,13 @@ class DistRSPolicy:
         timeout_check: bool = True,
         caps: Sequence[int] | None = None,
         cold_workers: Sequence[int] | None = None,
+        max_jobs: int | None = None,
     ) -> None:
         if any(t <= 0 for t in timeouts_s):
             raise ValueError(f"stage timeouts must be > 0 seconds, got {list(timeouts_s)}")
+        if max_jobs is not None and max_jobs < 1:
+            raise ValueError(f"max_jobs must be >= 1 (or None), got {max_jobs}")
+        self.max_jobs = max_jobs
         self.timeouts_s = list(timeouts_s)
         self.ebf = ebf
         self.timeout_check = timeout_check
@@ -297,13 +324,23 @@ class DistRSPolicy:
         cold = [v for v in views if not _reference(v)]
         jobs: list[SimJob] = []
         bounds: dict = {}
+        total = sum(outstanding(v) for v in known)
+        keep = 1.0
+        if self.max_jobs is not None and total > self.max_jobs:
+            keep = self.max_jobs / total
         for v in known:
-            jobs += estimate_jobs(v, now_s, n)
+            jobs += estimate_jobs(v, now_s, n, keep)
             bounds[v.key] = (batch_deadline(v), v.delay_bound_s)
         prio = self.priorities(known) if self.ebf else None
-        dec = search_workers(
-            jobs, bounds, self.timeouts_s, prio, self.timeout_check, self.caps, now_s
-        )
+        caps = self.caps
+        f = len(jobs) / total if keep < 1.0 else 1.0  # the sample's real fraction
+        if f < 1.0 and caps is not None:
+            caps = [max(1, math.ceil(c * f)) for c in caps]
+        dec = search_workers(jobs, bounds, self.timeouts_s, prio, self.timeout_check, caps, now_s)
+        if f < 1.0:
+            dec.workers = [math.ceil(w / f) for w in dec.workers]
+            if self.caps is not None:
+                dec.workers = [min(w, c) for w, c in zip(dec.workers, self.caps)]
         if cold:
             extra = self.cold_workers or [max(v.size for v in cold)] * n
             dec.workers = [w + e for w, e in zip(dec.workers, extra)]

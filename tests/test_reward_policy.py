@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -186,3 +187,38 @@ def test_replay_distrs_from_history_stays_close_to_the_bound():
     assert res.requests_done == 2 * 3 * 150
     delays = [b.extra_delay_s for b in res.batches]
     assert sum(delays) / len(delays) < 3.0
+
+
+def test_a_huge_announced_batch_is_decided_in_bounded_time():
+    # one tenant announces a million requests after a one-request batch: without a bound the
+    # decision simulates a million jobs (~30 s here); with max_jobs it simulates a sample
+    import time
+
+    huge = BatchView("huge", 0.0, 1_000_000, [R(0.0, (0.1, 0.2))], 1.0)
+    small = BatchView("small", 0.0, 4, [R(0.0, (0.1, 0.2))] * 4, 1.0)
+    t0 = time.perf_counter()
+    dec = DistRSPolicy([5.0, 5.0], caps=[8, 8], max_jobs=2048).decide([huge, small], 0.0)
+    assert time.perf_counter() - t0 < 1.0
+    assert dec.workers == [8, 8]  # a million requests at once: every worker there is
+    with pytest.raises(ValueError, match="max_jobs"):
+        DistRSPolicy([5.0], max_jobs=0)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_sampled_decision_stays_within_its_granularity_of_the_full_one(seed):
+    rng = random.Random(seed)
+    hist = [
+        R(rng.expovariate(1 / 60), (rng.uniform(0.2, 1), rng.uniform(2, 8))) for _ in range(4000)
+    ]
+    queued = [(0, i, 1.0) for i in range(300)]
+    running = [(1, 1.0, i) for i in range(40)]
+    views = [
+        BatchView(("a", 0), 0.0, 4000, hist, 5.0, 1000, queued, running),
+        BatchView(("b", 0), 0.0, 3000, hist[:3000], 5.0),
+    ]
+    total = 3000 + 300 + 40 + 3000
+    full = DistRSPolicy([5, 10], caps=[64, 256]).decide(views, 30.0)
+    sampled = DistRSPolicy([5, 10], caps=[64, 256], max_jobs=1000).decide(views, 30.0)
+    step = math.ceil(total / 1000) + 1  # one sampled worker stands for ~total/max_jobs
+    assert all(abs(s - f) <= step for s, f in zip(sampled.workers, full.workers)), (sampled, full)
+    assert sampled.probes <= full.probes + 2

@@ -130,7 +130,10 @@ def test_sandbox_contains_hostile_code_and_the_service_survives(alice):
         assert res[name]["status"] == "failed" and res[name]["stage"] == "execute"
     assert "BlockingIOError" in res["fork"]["detail"]
     assert "MemoryError" in res["memory"]["detail"]
-    assert "timeout" in res["sleep"]["detail"] and "killed" in res["loop"]["detail"]
+    assert "timeout" in res["sleep"]["detail"]
+    # RLIMIT_CPU (2 s) kills the loop, unless a loaded machine gives it < 2 s of CPU within
+    # the 4 s wall clock: then the wall clock does; contained either way
+    assert "killed" in res["loop"]["detail"] or "timeout" in res["loop"]["detail"]
     assert not os.path.exists("/tmp/m2flow_sandbox_escape")
     if isolation() == "namespaces":
         assert "Read-only" in res["write"]["detail"]

@@ -1,9 +1,11 @@
 """The HTTP API of the reward service (FastAPI). See docs/reward_service.md.
 
 Every route except ``/healthz`` needs ``Authorization: Bearer <tenant token>``; a tenant sees
-only its own tasks. Errors are JSON ``{"detail": "..."}`` with a status naming the problem:
-401 (no/unknown token), 404 (unknown task, batch or pipeline), 409 (conflict: batch full,
-id reused, task of another tenant), 422 (malformed body).
+only its own tasks (metrics included). Errors are JSON ``{"detail": "..."}`` with a status
+naming the problem: 401 (no/unknown token), 404 (unknown task, batch or pipeline), 409
+(conflict: batch full, id reused, task of another tenant), 413 (body over ``max_body_bytes``),
+422 (malformed body, a batch over ``max_batch_size``, sandbox limits that are not positive
+numbers within the service's own).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .bodylimit import BodyLimit
 from .core import RewardService, ServiceError
 from .schemas import AnnounceBatch, RegisterTask, ServiceConfig, SubmitMany, SubmitRequest
 
@@ -34,6 +37,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
 
     app = FastAPI(title="m2flow reward service (DistRS)", version="1", lifespan=lifespan)
     app.state.service = service
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):
@@ -74,6 +78,9 @@ def create_app(config: ServiceConfig) -> FastAPI:
 
     @app.post("/v1/tasks/{task}/batches/{batch}/requests:bulk")
     async def submit_many(task: str, batch: str, body: SubmitMany, who: str = Depends(tenant)):
+        b = service.batch(who, task, batch)
+        for r in body.requests:  # all or nothing: a bad one refuses the whole call
+            service.validate(b.task, r.payload)
         return {"ids": [service.submit(who, task, batch, r.payload, r.id) for r in body.requests]}
 
     @app.post("/v1/tasks/{task}/batches/{batch}/close")
@@ -139,7 +146,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
 
     @app.get("/v1/metrics")
     async def metrics(who: str = Depends(tenant)):
-        return service.metrics()
+        return service.metrics(who)
 
     return app
 

@@ -10,6 +10,9 @@ from typing import Optional
 
 import typer
 
+#: seconds open connections get on SIGTERM before the service shuts its workers down
+GRACEFUL_S = 5
+
 
 def serve(
     config: str = typer.Option(..., "--config", "-c", help="service config (YAML or JSON)"),
@@ -19,7 +22,8 @@ def serve(
     ),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level"),
 ) -> None:
-    """Run the elastic multi-tenant reward service (DistRS) until interrupted."""
+    """Run the elastic multi-tenant reward service (DistRS) until interrupted (SIGINT or
+    SIGTERM: every worker and sandbox is stopped and the scratch space removed)."""
     from pydantic import ValidationError
 
     from .schemas import ServiceConfig
@@ -42,7 +46,15 @@ def serve(
         f"reward service on http://{cfg.host}:{cfg.port} ({len(cfg.tenants)} tenants, "
         f"pipelines {sorted(cfg.pipelines)}, policy {cfg.policy}, sandbox {isolation()})"
     )
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=log_level)
+    # SIGTERM/SIGINT: uvicorn stops accepting, gives open requests (long polls) a few seconds,
+    # then the app's lifespan stops every worker and sandbox and removes the scratch root
+    uvicorn.run(
+        create_app(cfg),
+        host=cfg.host,
+        port=cfg.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=GRACEFUL_S,
+    )
 
 
 def register(app: typer.Typer) -> None:

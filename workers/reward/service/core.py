@@ -14,18 +14,25 @@ Scaling (DistRS section 5.2): at each batch announcement and completion the poli
 of every stage of the pipeline from the active batches and their tasks' histories. Scale-up
 starts processes right away, so announcing a batch before its first response is ready hides
 their start-up (cold start). Scale-down stops idle workers at once and busy ones when their
-request ends. While a batch of a pipeline is active, each of its stages keeps >= 1 worker.
+request ends. While a batch of a pipeline is active, each of its stages keeps >= 1 worker
+(applied at once, before the decision).
+
+No tenant can stall another's scaling: decisions run one at a time per pipeline, outside the
+event loop, on a snapshot of the state, and events that arrive meanwhile are coalesced into
+one follow-up decision; nothing waits on a decision (an announcement returns at once). A
+decision simulates at most ``max_decision_jobs`` requests (sampled, then scaled up), and a
+batch holds at most ``max_batch_size`` requests, so a decision's cost is bounded.
+
+Trust (docs/DESIGN.md, "Reward service trust model"): rewards are clamped to the pipeline
+kind's documented range; a request's sandbox limits are validated when it is submitted (only
+tighter than the service's); a tenant sees only its own tasks, in every view.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
-import itertools
-import json
-import os
-import signal
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -33,6 +40,8 @@ from dataclasses import dataclass, field
 from m2flow.scheduler.reward_scaling import BatchView, DistRSPolicy
 from m2flow.scheduler.reward_sim import RequestRecord, ebf_priority
 
+from .pipelines import clamp_reward, validate_payload
+from .pools import Pool, Proc, ScratchRoot
 from .schemas import PipelineConfig, ServiceConfig
 
 
@@ -87,76 +96,6 @@ class Task:
     batches: dict[str, Batch] = field(default_factory=dict)
 
 
-class Proc:
-    """One worker process (its own process group, so a kill takes its sandbox children)."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.retire = False
-
-    @classmethod
-    async def start(cls, kind: str, stage: str, options: dict) -> Proc:
-        mod = "m2flow.workers.reward.service.worker"
-        p = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            mod,
-            kind,
-            stage,
-            json.dumps(options),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
-        self = cls(p)
-        line = await p.stdout.readline()
-        if not line or not json.loads(line).get("ready"):
-            self.kill()
-            raise RuntimeError(f"worker for {kind}.{stage} failed to start")
-        return self
-
-    async def call(self, payload: dict, carry: dict) -> dict:
-        self.proc.stdin.write((json.dumps({"payload": payload, "carry": carry}) + "\n").encode())
-        await self.proc.stdin.drain()
-        line = await self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker exited (code {self.proc.returncode})")
-        return json.loads(line)
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-class Pool:
-    """The elastic worker pool and EBF queue of one pipeline stage."""
-
-    def __init__(self, kind: str, stage: str, index: int, timeout_s: float, options: dict):
-        self.kind, self.stage, self.index = kind, stage, index
-        self.timeout_s, self.options = timeout_s, options
-        self.idle: list[Proc] = []
-        self.busy: set[Proc] = set()
-        self.starting = 0
-        self.target = 0
-        self.queue: list = []
-        self.seq = itertools.count()
-        self.worker_s = 0.0
-        self.busy_s = 0.0
-        self._t = time.monotonic()
-        self.timeline: list[tuple[float, int]] = []
-
-    @property
-    def alive(self) -> int:
-        return len(self.idle) + len([p for p in self.busy if not p.retire]) + self.starting
-
-    def account(self) -> None:
-        now = time.monotonic()
-        self.worker_s += (len(self.idle) + len(self.busy) + self.starting) * (now - self._t)
-        self._t = now
-
-
 class RewardService:
     """The engine behind the HTTP app. All methods run on one asyncio loop."""
 
@@ -167,15 +106,20 @@ class RewardService:
         self.pools: dict[str, list[Pool]] = {}
         for name, p in config.pipelines.items():
             self.pools[name] = [
-                Pool(p.kind, s, i, c.timeout_s, c.options)
+                Pool(p.kind, s, i, c.timeout_s, c.options, c.memory_bytes)
                 for i, (s, c) in enumerate(p.stages.items())
             ]
         self.policies = {n: self._policy(p) for n, p in config.pipelines.items()}
-        self.decisions: list[dict] = []
+        self.scratch = ScratchRoot(config.scratch_dir)
+        #: the last decisions (bounded: the service runs for days)
+        self.decisions: collections.deque[dict] = collections.deque(maxlen=1000)
+        self.n_decisions = 0
+        self.decision_s_max = 0.0
         self.t0 = time.monotonic()
         self.requests_done = 0
+        self.closing = False
         self._bg: set[asyncio.Task] = set()
-        self._lock = asyncio.Lock()
+        self._deciding: dict[str, str | None] = {}  # pipeline -> pending reason, while deciding
 
     def _policy(self, p: PipelineConfig) -> DistRSPolicy | None:
         if self.config.policy == "static":
@@ -190,6 +134,7 @@ class RewardService:
                 s.initial_workers if s.initial_workers is not None else s.max_workers
                 for s in stages
             ],
+            max_jobs=self.config.max_decision_jobs,
         )
 
     # ---- tenants and tasks -------------------------------------------------------------
@@ -228,7 +173,18 @@ class RewardService:
 
     # ---- batches and requests ----------------------------------------------------------
     async def announce(self, tenant: str, task: str, size: int, batch: str | None) -> Batch:
+        """A new batch of ``size`` requests; scaling for it starts at once (not awaited).
+
+        Raises:
+            ServiceError: 422 for a size over ``max_batch_size``; 404/409 as named.
+        """
         t = self.task(tenant, task)
+        if size > self.config.max_batch_size:
+            raise ServiceError(
+                422,
+                f"batch size {size} is over the service's max_batch_size "
+                f"{self.config.max_batch_size}: split the batch",
+            )
         bid = batch or uuid.uuid4().hex[:12]
         if bid in t.batches:
             raise ServiceError(409, f"batch {bid!r} of task {task!r} exists: use a new id")
@@ -236,7 +192,7 @@ class RewardService:
         prio = ebf_priority(now, t.history) if t.history else float("inf")
         b = Batch(t, bid, size, now, list(t.history), prio)
         t.batches[bid] = b
-        await self.rescale(t.pipeline, "announce")
+        self.rescale(t.pipeline, "announce")
         return b
 
     async def close(self, tenant: str, task: str, batch: str) -> Batch:
@@ -246,8 +202,21 @@ class RewardService:
         self._maybe_complete(b)
         return b
 
+    def validate(self, task: Task, payload: dict) -> None:
+        """What the trainer set in ``payload`` (e.g. sandbox limits) is valid.
+
+        Raises:
+            ServiceError: 422 naming the problem.
+        """
+        pipe = self.config.pipelines[task.pipeline]
+        try:
+            validate_payload(pipe.kind, payload, {n: s.options for n, s in pipe.stages.items()})
+        except ValueError as e:
+            raise ServiceError(422, str(e)) from None
+
     def submit(self, tenant: str, task: str, batch: str, payload: dict, rid: str | None) -> str:
         b = self.batch(tenant, task, batch)
+        self.validate(b.task, payload)
         if b.submitted >= b.size:
             raise ServiceError(
                 409,
@@ -279,6 +248,11 @@ class RewardService:
             req.running, req.since = True, time.monotonic()
             self._spawn(self._run(pool, proc, req))
 
+    def _stop(self, proc: Proc) -> None:
+        """Kill ``proc`` now; wait for it and remove its scratch directory in the background."""
+        proc.kill()
+        self._spawn(proc.stop())
+
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._bg.add(task)
@@ -300,10 +274,10 @@ class RewardService:
         pool.busy.discard(proc)
         pool.busy_s += dt
         if not healthy:
-            proc.kill()
+            self._stop(proc)
             self._ensure(pool)
-        elif proc.retire:  # scaled down while it was busy
-            proc.kill()
+        elif proc.retire or self.closing:  # scaled down while it was busy
+            self._stop(proc)
         else:
             pool.idle.append(proc)
         stages = list(pipe.stages)
@@ -312,7 +286,8 @@ class RewardService:
             req.stage += 1
             self._enqueue(req)
         elif status == "ok" and out.get("ok"):
-            self._finish(req, float(out.get("reward") or 0.0), "ok", out.get("detail", ""))
+            reward = clamp_reward(pipe.kind, out.get("reward"))
+            self._finish(req, reward, "ok", out.get("detail", ""))
         else:
             detail = (
                 (out or {}).get("detail", "")
@@ -350,7 +325,7 @@ class RewardService:
         if b.records:
             b.task.history = list(b.records)
         b.changed.set()
-        self._spawn(self.rescale(b.task.pipeline, "complete"))
+        self.rescale(b.task.pipeline, "complete")
 
     # ---- scaling -----------------------------------------------------------------------
     def _active(self, pipeline: str) -> list[Batch]:
@@ -367,34 +342,59 @@ class RewardService:
         cfg = list(self.config.pipelines[pipe].stages.values())[pool.index]
         return max(cfg.min_workers, 1 if self._active(pipe) else 0)
 
-    async def rescale(self, pipeline: str, why: str) -> None:
-        """Decide and apply the worker counts of ``pipeline``'s stages (Algorithm 2 + 1)."""
-        async with self._lock:
-            pools = self.pools[pipeline]
-            cfgs = list(self.config.pipelines[pipeline].stages.values())
-            active = self._active(pipeline)
-            now = time.monotonic()
-            policy = self.policies[pipeline]
-            if policy is None:
-                counts, secs, probes = [c.max_workers if active else 0 for c in cfgs], 0.0, 0
-            else:
-                views = [self._view(b, now) for b in active]
-                dec = await asyncio.to_thread(policy.decide, views, now)
-                counts, secs, probes = dec.workers, dec.seconds, dec.probes
-            for pool, c, cfg in zip(pools, counts, cfgs):
-                pool.target = min(max(c, self._floor(pool)), cfg.max_workers)
+    def rescale(self, pipeline: str, why: str) -> None:
+        """Schedule a decision of the worker counts of ``pipeline``'s stages (Algorithm 2 +
+        1); returns at once. The floor (>= 1 worker per stage while a batch is active) is
+        applied now. One decision runs at a time per pipeline; a call while one runs is
+        coalesced into a single follow-up decision on the newer state."""
+        for pool in self.pools[pipeline]:
+            if pool.target < self._floor(pool):
+                pool.target = self._floor(pool)
                 self._ensure(pool)
-            self.decisions.append(
-                {
-                    "t_s": now - self.t0,
-                    "pipeline": pipeline,
-                    "why": why,
-                    "batches": len(active),
-                    "workers": [p.target for p in pools],
-                    "seconds": secs,
-                    "probes": probes,
-                }
-            )
+        if pipeline in self._deciding:
+            self._deciding[pipeline] = why
+            return
+        self._deciding[pipeline] = None
+        self._spawn(self._decide_until_current(pipeline, why))
+
+    async def _decide_until_current(self, pipeline: str, why: str | None) -> None:
+        try:
+            while why is not None and not self.closing:
+                await self._decide(pipeline, why)
+                why, self._deciding[pipeline] = self._deciding[pipeline], None
+        finally:
+            del self._deciding[pipeline]
+
+    async def _decide(self, pipeline: str, why: str) -> None:
+        pools = self.pools[pipeline]
+        cfgs = list(self.config.pipelines[pipeline].stages.values())
+        active = self._active(pipeline)
+        now = time.monotonic()
+        policy = self.policies[pipeline]
+        if policy is None:
+            counts, secs, probes = [c.max_workers if active else 0 for c in cfgs], 0.0, 0
+        else:
+            views = [self._view(b, now) for b in active]  # a snapshot, taken on the loop
+            dec = await asyncio.to_thread(policy.decide, views, now)
+            counts, secs, probes = dec.workers, dec.seconds, dec.probes
+        if self.closing:
+            return
+        for pool, c, cfg in zip(pools, counts, cfgs):
+            pool.target = min(max(c, self._floor(pool)), cfg.max_workers)
+            self._ensure(pool)
+        self.n_decisions += 1
+        self.decision_s_max = max(self.decision_s_max, secs)
+        self.decisions.append(
+            {
+                "t_s": now - self.t0,
+                "pipeline": pipeline,
+                "why": why,
+                "batches": len(active),
+                "workers": [p.target for p in pools],
+                "seconds": secs,
+                "probes": probes,
+            }
+        )
 
     def _view(self, b: Batch, now: float) -> BatchView:
         queued, running = [], []
@@ -417,6 +417,8 @@ class RewardService:
 
     def _ensure(self, pool: Pool) -> None:
         """Move the pool towards its target: start or stop processes."""
+        if self.closing:
+            return
         pool.account()
         while pool.alive < pool.target:
             retiring = next((p for p in pool.busy if p.retire), None)
@@ -426,7 +428,7 @@ class RewardService:
             pool.starting += 1
             self._spawn(self._start(pool))
         while pool.alive > pool.target and pool.idle:
-            pool.idle.pop().kill()
+            self._stop(pool.idle.pop())
         for p in pool.busy:
             if pool.alive <= pool.target:
                 break
@@ -436,7 +438,9 @@ class RewardService:
 
     async def _start(self, pool: Pool) -> None:
         try:
-            proc = await Proc.start(pool.kind, pool.stage, pool.options)
+            proc = await Proc.start(
+                pool.kind, pool.stage, pool.options, self.scratch.worker_dir(), pool.memory_bytes
+            )
         except Exception:
             pool.account()
             pool.starting -= 1
@@ -445,21 +449,29 @@ class RewardService:
             return
         pool.account()
         pool.starting -= 1
-        if pool.alive >= pool.target:  # scaled down while starting
-            proc.kill()
+        if self.closing or pool.alive >= pool.target:  # scaled down while starting
+            await proc.stop()
         else:
             pool.idle.append(proc)
             self._dispatch(pool)
 
     async def shutdown(self) -> None:
+        """Stop every worker (and so every sandbox), wait for them, remove the scratch root."""
+        self.closing = True
+        procs = []
         for pools in self.pools.values():
             for pool in pools:
                 pool.target = 0
-                for p in [*pool.idle, *pool.busy]:
-                    p.kill()
+                procs += [*pool.idle, *pool.busy]
                 pool.idle.clear()
-        for t in list(self._bg):
+        for p in procs:
+            p.kill()
+        others = [t for t in self._bg if t is not asyncio.current_task()]
+        for t in others:
             t.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
+        await asyncio.to_thread(self.scratch.close)
 
     # ---- views -------------------------------------------------------------------------
     def status(self, b: Batch) -> dict:
@@ -485,7 +497,10 @@ class RewardService:
             "elapsed_s": (b.completed_at or time.monotonic()) - b.start,
         }
 
-    def metrics(self) -> dict:
+    def metrics(self, tenant: str | None = None) -> dict:
+        """Pool-level numbers (shared by all tenants) and ``tenant``'s own tasks only
+        (``None``: every task, for the operator in-process; the HTTP API always passes the
+        caller)."""
         pools = {}
         for name, ps in self.pools.items():
             for p in ps:
@@ -500,15 +515,16 @@ class RewardService:
                     "worker_s": p.worker_s,
                     "busy_s": p.busy_s,
                 }
-        secs = [d["seconds"] for d in self.decisions]
         return {
             "uptime_s": time.monotonic() - self.t0,
             "requests_done": self.requests_done,
             "pools": pools,
-            "decisions": len(self.decisions),
-            "decision_s_max": max(secs, default=0.0),
-            "last_decisions": self.decisions[-10:],
+            "decisions": self.n_decisions,
+            "decision_s_max": self.decision_s_max,
+            "last_decisions": list(self.decisions)[-10:],
             "tasks": {
-                t.name: {"tenant": t.tenant, "batches": len(t.batches)} for t in self.tasks.values()
+                t.name: {"tenant": t.tenant, "batches": len(t.batches)}
+                for t in self.tasks.values()
+                if tenant is None or t.tenant == tenant
             },
         }

@@ -1,82 +1,61 @@
-"""Run untrusted generated Python against test cases in a contained child process.
+"""Run untrusted generated Python against test cases; the verdict is decided outside it.
 
-Containment, from strongest available:
+Trust model (docs/DESIGN.md, "Reward service trust model"; DistRS section 4's sandboxed code
+reward). Submitted programs are hostile. What is guaranteed, when the service runs as root
+with ``unshare`` (the deployment this is built and tested for; :func:`isolation` says
+``namespaces``):
 
-- a fresh *user + mount + network namespace* (``unshare -rmn``, no root needed where the kernel
-  allows unprivileged user namespaces): the network namespace has no interfaces up, so every
-  connection fails; every mount is remounted read-only except a bind mount of the scratch
-  directory, so the code can write nowhere else;
-- resource limits set in the child before the code runs: ``RLIMIT_CPU`` (CPU seconds),
-  ``RLIMIT_AS`` (address space, bytes), ``RLIMIT_FSIZE`` (largest file, bytes),
-  ``RLIMIT_NOFILE`` (open files) and ``RLIMIT_NPROC = 0`` (no fork: the user already has
-  a process, so any fork fails with EAGAIN). Real root ignores ``RLIMIT_NPROC``, so when the
-  service runs as root the child drops to ``nobody`` (uid 65534) first, which also loses the
-  capabilities that could undo the read-only remounts;
-- the scratch directory (a fresh temp dir) as the working directory, an empty environment;
-- a hard wall-clock timeout: the child's whole process group is killed (SIGKILL).
+- **The reward cannot be forged.** The program never runs in a process that can reach the
+  verdict. Each test runs in its own child, forked by a trusted harness (:mod:`.harness`,
+  which never runs submitted code); the child has only /dev/null and a value pipe. For every
+  top-level ``assert`` of a test the child sends back the *values* of the program-dependent
+  sub-expressions; the constants, comparisons and verdict stay in the worker
+  (:mod:`.verdict`), and the sandbox never receives the constants. Forging the value pipe
+  (``os.write`` to any fd, ``os._exit(0)``, patched builtins, a replaced ``AssertionError``)
+  is worth exactly what an honest program returning the forged values would get; an object
+  whose ``__eq__`` always returns True is a non-built-in value and passes nothing. The reward
+  is the share of tests passed, in [0, 1] by construction (and clamped again by the service).
+  Residual: a test with no top-level ``assert`` (e.g. ``check(f)``) is self-reported by the
+  child and so forgeable; :attr:`RunResult.sealed` counts the tests that are not.
+- **Sandboxes cannot touch each other or the service.** Each run has its own PID namespace
+  (the harness is its init: when it dies, the kernel kills everything in it), mount namespace
+  (every mount read-only except the run's scratch directory; ``/proc`` shows only the run)
+  and network namespace (no interfaces). Each child runs under a uid of its own
+  (``100000 + 8 * worker pid + n``), so it can signal, ptrace or read the files of no other
+  process; its scratch directory is ``0700`` under that uid.
+- **Limits** are set in the child before the program runs: ``RLIMIT_CPU`` (CPU seconds per
+  test), ``RLIMIT_AS`` (bytes), ``RLIMIT_FSIZE`` (bytes), ``RLIMIT_NOFILE`` (files),
+  ``RLIMIT_NPROC = 0`` (no fork: its uid already has a process) and a wall-clock budget for
+  the whole run (the harness kills the child at the deadline; the worker kills the harness's
+  namespace a little later if the harness itself hangs).
+- **Bounded reads.** The worker reads at most ``output_bytes`` (+ a small envelope) of the
+  harness's report and 16 KiB of its stderr; the program's own stdout/stderr go to /dev/null.
+- **Nothing outlives a run.** The sandbox is in the worker's process group and dies with the
+  worker (``setpriv --pdeathsig``, ``unshare --kill-child``), and its scratch directory is
+  removed by the worker, or by the service when it kills the worker (a per-worker scratch
+  root, see :mod:`.pools`).
 
-Without ``unshare`` (or where user namespaces are disabled), :func:`run_tests` falls back to
-rlimits plus an in-child patch of :mod:`socket` that refuses to create sockets: a best-effort
-block that determined code (e.g. ctypes) can get around, and writes outside the scratch dir
-are then only size-limited, not prevented. :func:`isolation` reports which one is in use.
+Weaker modes: without root, ``unshare -r`` gives a user namespace in which the child keeps the
+namespace's root (no per-sandbox uid; it could undo the read-only remounts); without
+``unshare``, only the rlimits, the per-sandbox uid (as root) and an in-child patch of
+:mod:`socket` (``rlimits+socket-patch``) remain: no PID or mount isolation.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
+import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-# Runs inside the sandbox (stdlib only, python -I -S). Reads {"code", "tests", limits} on stdin.
-_RUNNER = r"""
-import json, os, resource, sys
-spec = json.loads(sys.stdin.read())
-lim = spec["limits"]
-def setl(res, v):
-    try:
-        resource.setrlimit(res, (v, v))
-    except (ValueError, OSError):
-        pass
-setl(resource.RLIMIT_CPU, lim["cpu_s"])
-setl(resource.RLIMIT_AS, lim["memory_bytes"])
-setl(resource.RLIMIT_FSIZE, lim["file_bytes"])
-setl(resource.RLIMIT_NOFILE, lim["open_files"])
-setl(resource.RLIMIT_NPROC, 0)
-if spec["drop_to"] is not None:  # real root: RLIMIT_NPROC binds only unprivileged users
-    os.setgroups([])
-    os.setgid(spec["drop_to"])
-    os.setuid(spec["drop_to"])
-if spec["patch_socket"]:
-    import socket
-    class _NoNet(socket.socket):
-        def __init__(self, *a, **k):
-            raise PermissionError("network access is disabled in the sandbox")
-    socket.socket = _NoNet
-    socket.create_connection = lambda *a, **k: _NoNet()
-out = sys.stdout
-sys.stdout = sys.stderr = open(os.devnull, "w")
-result = {"module_error": None, "passed": 0, "errors": []}
-env = {"__name__": "__main__"}
-try:
-    exec(compile(spec["code"], "<solution>", "exec"), env)
-except BaseException as e:
-    result["module_error"] = type(e).__name__ + ": " + str(e)[:200]
-if result["module_error"] is None:
-    for t in spec["tests"]:
-        try:
-            exec(compile(t, "<test>", "exec"), dict(env))
-            result["passed"] += 1
-        except BaseException as e:
-            result["errors"].append(type(e).__name__ + ": " + str(e)[:200])
-out.write(json.dumps(result))
-out.flush()
-"""
+from .verdict import TestFailed, decide, decode, plan
 
 # Inside the new namespaces: keep the scratch dir writable, make every other mount read-only.
 _CONFINE = r"""
@@ -91,16 +70,63 @@ shift
 exec "$@"
 """
 
+_HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
+#: first uid handed to sandboxes (each worker process owns 8 consecutive uids from here)
+UID_BASE = 100000
+_STDERR_CAP = 16 * 2**10
+_GRACE_S = 3.0  # the harness enforces wall_s itself; the worker only backs it up
+
 
 @dataclass(frozen=True)
 class Limits:
-    """Sandbox limits: wall-clock and CPU seconds, address space / file size bytes, files."""
+    """Sandbox limits.
+
+    Attributes:
+        wall_s: wall-clock budget of the whole run (all tests), seconds.
+        cpu_s: CPU seconds per test (``RLIMIT_CPU``).
+        memory_bytes: address space per test (``RLIMIT_AS``), bytes.
+        file_bytes: largest file the program may write (``RLIMIT_FSIZE``), bytes.
+        open_files: most open files (``RLIMIT_NOFILE``).
+        output_bytes: most bytes read back from the sandbox per run (the values of all
+            tests; per test at most 64 KiB), bytes.
+
+    Raises:
+        ValueError: a limit that is not a positive number (or not an integer where the
+            kernel takes one).
+    """
 
     wall_s: float = 10.0
     cpu_s: int = 5
     memory_bytes: int = 512 * 2**20
     file_bytes: int = 1 * 2**20
     open_files: int = 64
+    output_bytes: int = 1 * 2**20
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            check_limit(name, value)
+
+
+#: the integer limits (rlimits and byte counts); ``wall_s`` may be fractional
+_INT_LIMITS = {"cpu_s", "memory_bytes", "file_bytes", "open_files", "output_bytes"}
+_MIN_LIMITS = {"open_files": 8, "output_bytes": 1024}  # below these nothing can run
+
+
+def check_limit(name: str, value) -> None:
+    """Raise ValueError unless ``value`` is a valid ``name`` limit: a finite positive number
+    (not a bool), an integer for the integer limits, within 2**62 (no overflow into
+    RLIM_INFINITY)."""
+    if name not in _INT_LIMITS and name != "wall_s":
+        known = sorted(_INT_LIMITS | {"wall_s"})
+        raise ValueError(f"unknown sandbox limit {name!r}: known {known}")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"sandbox limit {name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0 or value > 2**62:
+        raise ValueError(f"sandbox limit {name} must be > 0 and finite, got {value!r}")
+    if name in _INT_LIMITS and value != int(value):
+        raise ValueError(f"sandbox limit {name} must be an integer, got {value!r}")
+    if value < _MIN_LIMITS.get(name, 0):
+        raise ValueError(f"sandbox limit {name} must be >= {_MIN_LIMITS[name]}, got {value!r}")
 
 
 @dataclass
@@ -109,11 +135,12 @@ class RunResult:
 
     Attributes:
         status: ``ok`` (ran; see ``passed``), ``module_error`` (the code raised at top level),
-            ``timeout`` (wall clock), ``killed`` (a signal, e.g. SIGXCPU/SIGKILL from limits),
-            ``crashed`` (no result from the child).
-        passed: tests passed; total: tests run.
+            ``timeout`` (wall clock), ``killed`` (a signal, e.g. SIGXCPU from limits),
+            ``crashed`` (no result from the harness).
+        passed: tests passed; total: tests given.
         detail: short reason.
         seconds: wall time.
+        sealed: tests whose pass the sandbox cannot forge (:mod:`.verdict`).
     """
 
     status: str
@@ -121,105 +148,195 @@ class RunResult:
     total: int
     detail: str
     seconds: float
+    sealed: int = 0
 
 
 _ISOLATION: str | None = None
-_NOBODY = 65534
+_SEQ = itertools.count()
 
 
 def isolation() -> str:
-    """``namespaces`` when ``unshare -rmn`` works here, else ``rlimits+socket-patch``."""
+    """``namespaces`` when ``unshare`` gives PID + mount + network namespaces here, else
+    ``rlimits+socket-patch``."""
     global _ISOLATION
     if _ISOLATION is None:
         ok = False
         if shutil.which("unshare") and shutil.which("mount"):
             try:
-                ok = (
-                    subprocess.run(
-                        ["unshare", "-rmn", "sh", "-c", "mount -o remount,bind,ro / && true"],
-                        capture_output=True,
-                        timeout=10,
-                    ).returncode
-                    == 0
-                )
+                probe = "mount -o remount,bind,ro / && true"
+                ok = subprocess.run(
+                    [*_unshare(), "sh", "-c", probe], capture_output=True, timeout=10
+                ).returncode == 0  # fmt: skip
             except (OSError, subprocess.SubprocessError):
                 ok = False
         _ISOLATION = "namespaces" if ok else "rlimits+socket-patch"
     return _ISOLATION
 
 
-def run_tests(code: str, tests: list[str], limits: Limits = Limits()) -> RunResult:
-    """Run ``code`` then each test snippet (e.g. ``"assert f(2) == 4"``) in a sandbox.
+def _unshare() -> list[str]:
+    # real root needs no user namespace (and must keep real uids to drop to per-run uids)
+    user = [] if os.geteuid() == 0 else ["-r"]
+    return ["unshare", *user, "-p", "-f", "--kill-child", "--mount-proc", "-m", "-n"]
+
+
+def sandbox_uid() -> int | None:
+    """A uid no other live sandbox uses (``None`` unless root): 8 per worker pid."""
+    if os.geteuid() != 0:
+        return None
+    return UID_BASE + 8 * os.getpid() + next(_SEQ) % 8
+
+
+def run_tests(
+    code: str, tests: list[str], limits: Limits = Limits(), scratch_root: str | None = None
+) -> RunResult:
+    """Run ``code`` against each test snippet (e.g. ``"assert f(2) == 4"``) in a sandbox.
+
+    Args:
+        scratch_root: where the run's scratch directory goes (default: the temp dir); the
+            service gives each worker its own, so it can remove what a killed worker left.
 
     Returns:
         :class:`RunResult`; never raises for anything the code does.
+
+    Raises:
+        SyntaxError: a test does not parse (the check stage catches that first).
     """
     t0 = time.perf_counter()
-    scratch = tempfile.mkdtemp(prefix="m2flow-sbx-")
-    spec = {
-        "code": code,
-        "tests": list(tests),
-        "limits": {
-            "cpu_s": int(limits.cpu_s),
-            "memory_bytes": int(limits.memory_bytes),
-            "file_bytes": int(limits.file_bytes),
-            "open_files": int(limits.open_files),
-        },
-        "patch_socket": isolation() != "namespaces",
-        "drop_to": _NOBODY if os.geteuid() == 0 else None,
-    }
-    runner = os.path.join(scratch, ".runner.py")
-    with open(runner, "w") as f:
-        f.write(_RUNNER)
-    py = [_python(), "-I", "-S", runner]
-    if os.geteuid() == 0:
-        os.chmod(scratch, 0o777)  # the code runs as nobody
-    if isolation() == "namespaces":
-        # real root needs no user namespace (and must keep real uids to drop to nobody)
-        ns = "-mn" if os.geteuid() == 0 else "-rmn"
-        cmd = ["unshare", ns, "sh", "-c", _CONFINE, "confine", scratch, *py]
-    else:
-        cmd = py
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    plans = [plan(t) for t in tests]
+    uid = sandbox_uid()
+    scratch = tempfile.mkdtemp(prefix="sbx-" if scratch_root else "m2flow-sbx-", dir=scratch_root)
+    try:
+        if uid is not None:
+            os.chown(scratch, uid, uid)
+        os.chmod(scratch, 0o700)
+        ns = isolation() == "namespaces"
+        spec = {
+            "code": code,
+            "tests": [p.steps for p in plans],
+            "limits": {k: int(v) for k, v in asdict(limits).items() if k != "wall_s"},
+            "uid": uid,
+            "value_bytes": min(64 * 2**10, limits.output_bytes),
+            "output_bytes": limits.output_bytes,
+            "wall_s": limits.wall_s,
+            "patch_socket": not ns,
+        }
+        harness = [_python(), "-I", "-S", _HARNESS]
+        cmd = [*_unshare(), "sh", "-c", _CONFINE, "confine", scratch, *harness] if ns else harness
+        if shutil.which("setpriv"):  # the sandbox dies with this worker, however it dies
+            cmd = ["setpriv", "--pdeathsig", "KILL", *cmd]
+        out, err, rc, timed_out = _exchange(
+            cmd, scratch, json.dumps(spec).encode(), limits.wall_s + _GRACE_S, limits
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    dt = time.perf_counter() - t0
+    if timed_out:
+        return RunResult("timeout", 0, len(tests), "wall-clock limit", dt)
+    try:
+        report = json.loads(out)["tests"]
+    except (ValueError, KeyError, TypeError):
+        tail = err.decode(errors="replace")[-200:]
+        return RunResult("crashed", 0, len(tests), f"harness exit {rc}: {tail}", dt)
+    return _score(plans, report, len(tests), dt)
+
+
+def _score(plans: list, report: list, total: int, dt: float) -> RunResult:
+    passed, errors = 0, []
+    for p, res in zip(plans, report):
+        if res["timeout"]:
+            return RunResult("timeout", 0, total, "wall-clock limit", dt)
+        if res["signal"]:
+            return RunResult("killed", 0, total, f"killed by {res['signal']}", dt)
+        if res["status"] in (97, 98) and not res["out"]:
+            return RunResult("crashed", 0, total, "sandbox set-up failed", dt)
+        try:
+            if res["overflow"]:
+                raise TestFailed("values over the sandbox's output limit")
+            if not res["out"]:
+                raise TestFailed(f"no result (exit {res['status']})")
+            rep = decode(res["out"])
+            if "m" in rep:
+                return RunResult("module_error", 0, total, str(rep["m"])[:300], dt)
+            decide(p, rep)
+            passed += 1
+        except TestFailed as e:
+            errors.append(str(e))
+    errors += ["not run"] * (total - len(report))
+    sealed = sum(p.sealed for p in plans)
+    detail = "; ".join(errors[:3])
+    return RunResult("ok", min(passed, total), total, detail, dt, sealed)
+
+
+def _exchange(cmd: list[str], cwd: str, data: bytes, wait_s: float, limits: Limits):
+    """Start ``cmd``, feed it ``data``, read its stdout (capped at ``output_bytes`` plus the
+    report's envelope) and stderr (16 KiB); whatever is over a cap is read and discarded.
+    Kills it (and so its namespace) after ``wait_s``. Returns (out, err, returncode,
+    timed_out)."""
+    # the report is base64 (4/3) of at most output_bytes, plus ~150 bytes per test
+    out_cap = limits.output_bytes * 2 + 64 * 2**10 + 200 * data.count(b'"check"')
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        cwd=scratch,
-        env=env,
-        start_new_session=True,  # its own process group: the timeout kills everything in it
+        cwd=cwd,
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
     )
+    deadline = time.monotonic() + wait_s
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    caps = {proc.stdout: out_cap, proc.stderr: _STDERR_CAP}
+    sel = selectors.DefaultSelector()
+    os.set_blocking(proc.stdin.fileno(), False)
+    sel.register(proc.stdin, selectors.EVENT_WRITE)
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(proc.stderr, selectors.EVENT_READ)
+    view, timed_out = memoryview(data), False
     try:
-        out, err = proc.communicate(json.dumps(spec).encode(), timeout=limits.wall_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        proc.communicate()
-        shutil.rmtree(scratch, ignore_errors=True)
-        return RunResult("timeout", 0, len(tests), "wall-clock limit", time.perf_counter() - t0)
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(left):
+                f = key.fileobj
+                if f is proc.stdin:
+                    try:
+                        view = view[os.write(f.fileno(), view[: 1 << 16]) :]
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:  # it exited early: its report says why
+                        view = view[:0]
+                    if not view:
+                        sel.unregister(f)
+                        f.close()
+                    continue
+                chunk = os.read(f.fileno(), 1 << 16)
+                if not chunk:
+                    sel.unregister(f)
+                    continue
+                room = caps[f] - len(bufs[f])
+                if room > 0:
+                    bufs[f] += chunk[:room]
+        if not timed_out:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                timed_out = True
     finally:
-        _kill_group(proc)  # anything left in the group (should be nothing: no fork)
-    shutil.rmtree(scratch, ignore_errors=True)
-    dt = time.perf_counter() - t0
-    if proc.returncode and proc.returncode < 0:
-        sig = signal.Signals(-proc.returncode).name
-        return RunResult("killed", 0, len(tests), f"killed by {sig}", dt)
-    try:
-        res = json.loads(out.decode() or "null")
-    except ValueError:
-        res = None
-    if not isinstance(res, dict):
-        tail = err.decode(errors="replace")[-200:]
-        return RunResult("crashed", 0, len(tests), f"exit {proc.returncode}: {tail}", dt)
-    if res["module_error"]:
-        return RunResult("module_error", 0, len(tests), res["module_error"], dt)
-    detail = "; ".join(res["errors"][:3])
-    return RunResult("ok", res["passed"], len(tests), detail, dt)
+        if proc.poll() is None:
+            proc.kill()  # unshare: --kill-child takes the harness, and its namespace with it
+            proc.wait()
+        sel.close()
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            if not f.closed:
+                f.close()
+    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), proc.returncode, timed_out
 
 
 def _python() -> str:
-    """The interpreter for the child: this one, unless it sits where ``nobody`` cannot read
-    (e.g. under /root) while the child drops to ``nobody``; then the system ``python3``."""
+    """The interpreter for the harness: this one, unless it sits where a sandbox uid cannot
+    read (e.g. under /root: the children import modules as that uid); then the system
+    ``python3``."""
     exe = os.path.realpath(sys.executable)
     if os.geteuid() != 0 or _world_readable(sys.base_prefix):
         return exe
@@ -238,10 +355,3 @@ def _world_readable(path: str) -> bool:
         if parent == path:
             return True
         path = parent
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

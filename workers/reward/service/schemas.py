@@ -7,17 +7,24 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from .pipelines import PIPELINES
+from .pipelines import PIPELINES, check_options
 
 
 class StageConfig(BaseModel):
-    """One stage's pool: timeout (seconds), worker bounds, stage options (e.g. sandbox)."""
+    """One stage's pool: timeout (seconds), worker bounds, the address-space limit of each
+    worker process (bytes), stage options (e.g. sandbox limits)."""
 
     timeout_s: float = Field(30.0, gt=0)
     max_workers: int = Field(4, ge=1)
     min_workers: int = Field(0, ge=0)
     initial_workers: int | None = Field(
         None, ge=0, description="workers for a batch without history (default: max_workers)"
+    )
+    memory_bytes: int | None = Field(
+        1 * 2**30,
+        ge=128 * 2**20,
+        description="RLIMIT_AS of each worker process, bytes (None: unlimited); bounds what "
+        "a worker itself parses (source code, answers), not the sandboxes (own limits)",
     )
     options: dict[str, Any] = Field(default_factory=dict)
 
@@ -36,6 +43,8 @@ class PipelineConfig(BaseModel):
         if unknown:
             raise ValueError(f"{self.kind} pipeline has stages {names}; unknown: {unknown}")
         self.stages = {n: self.stages.get(n, StageConfig()) for n in names}
+        for name, stage in self.stages.items():
+            check_options(self.kind, name, stage.options)
         return self
 
 
@@ -44,7 +53,14 @@ class TenantConfig(BaseModel):
 
 
 class ServiceConfig(BaseModel):
-    """The service configuration (YAML or JSON file)."""
+    """The service configuration (YAML or JSON file).
+
+    Bounds that keep one tenant from exhausting the service: ``max_body_bytes`` (largest HTTP
+    request body; 413 beyond), ``max_batch_size`` (most requests a batch may announce; 422
+    beyond), ``max_decision_jobs`` (most requests a scaling decision simulates; sampled and
+    scaled up beyond, DistRS section 5.2). ``scratch_dir``: where the service's scratch root
+    goes (default: the system temp dir).
+    """
 
     host: str = "127.0.0.1"
     port: int = 8765
@@ -52,6 +68,22 @@ class ServiceConfig(BaseModel):
     pipelines: dict[str, PipelineConfig]
     default_delay_bound_s: float = Field(5.0, ge=0)
     policy: Literal["distrs", "history-only", "fcfs", "static"] = "distrs"
+    max_body_bytes: int = Field(8 * 2**20, ge=1024)
+    max_batch_size: int = Field(65536, ge=1)
+    max_decision_jobs: int = Field(2048, ge=16)
+    scratch_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _unique_tokens(self) -> ServiceConfig:
+        seen: dict[str, str] = {}
+        for name, t in self.tenants.items():
+            if t.token in seen:
+                raise ValueError(
+                    f"tenants {seen[t.token]!r} and {name!r} have the same token: each tenant "
+                    "needs its own (a token is the tenant's identity)"
+                )
+            seen[t.token] = name
+        return self
 
     @classmethod
     def load(cls, path: str | Path) -> ServiceConfig:

@@ -1,0 +1,238 @@
+"""The trusted harness inside a sandbox: one child per test, values back on a private pipe.
+
+Started by :mod:`.sandbox` as ``python -I -S harness.py``: PID 1 of a fresh PID namespace and
+still root (or, without namespaces, a plain child of the worker). It reads the spec as JSON
+on stdin -- ``{"code", "tests": [[step, ...], ...], "limits", "uid", "value_bytes",
+"output_bytes", "wall_s", "patch_socket"}``, each step ``["exec", source]`` or ``["check",
+[expression, ...]]`` -- and, for each test, forks a child that
+
+1. points fds 0-2 at /dev/null, moves its value pipe to fd 3 and closes every other fd (so
+   it cannot reach the harness's stdout, the verdict channel);
+2. sets ``RLIMIT_CPU``/``AS``/``FSIZE``/``NOFILE``/``CORE`` and ``RLIMIT_NPROC = 0`` (no
+   fork), then drops to ``uid`` (a uid of its own, so it can signal, ptrace or read nothing
+   of any other sandbox or of this harness);
+3. runs the program, then the test's steps: ``exec`` runs a statement, ``check`` evaluates
+   the expressions of one ``assert`` and records their *values* as tagged JSON (never the
+   verdict: the comparisons are made outside, by :mod:`.verdict`);
+4. writes ``{"v": [...]}`` (or ``{"m": error}`` for a program that raises at top level, or
+   ``{"e": error, "v": [...]}`` for a step that raises) to fd 3 and exits.
+
+The harness reads at most ``value_bytes`` per test (and ``output_bytes`` per run) from the
+pipe, waits for the child's exit (pidfd) until the run's wall-clock deadline, kills it then,
+and writes one report to its stdout: ``{"tests": [{"out": base64, "status": int | None,
+"signal": str | None, "timeout": bool, "overflow": bool}, ...]}``. It never interprets what a
+child wrote (nothing in the harness depends on it). Stdlib only: it runs under the system
+python with ``-I -S``.
+"""
+
+import base64
+import json
+import os
+import resource
+import select
+import signal
+import sys
+import time
+
+
+def _setlimit(res: int, value: int) -> None:
+    """Set ``res`` to ``value`` (soft = hard), or to the current hard limit if that is lower;
+    exits the child (status 97) if neither works, so no run goes unlimited."""
+    try:
+        resource.setrlimit(res, (value, value))
+    except (ValueError, OSError):
+        hard = resource.getrlimit(res)[1]
+        low = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        try:
+            resource.setrlimit(res, (low, low))
+        except (ValueError, OSError):
+            os._exit(97)
+
+
+def _fmt(e: BaseException) -> str:
+    try:
+        return (type(e).__name__ + ": " + str(e))[:300]
+    except BaseException:
+        return type(e).__name__
+
+
+def _enc(v, depth=0):
+    """Plain data as tagged JSON; subclasses of built-in types as their built-in value (so an
+    overridden ``__eq__`` is lost); anything else as an opaque marker that equals nothing."""
+    if depth > 64:
+        raise ValueError("value nested too deep")
+    t = type(v)
+    if v is None or t is bool or t is str or t is float:
+        return v
+    if t is int:
+        return v if -(2**63) <= v < 2**63 else {"i": hex(v)}
+    d = depth + 1
+    if t is list:
+        return [_enc(x, d) for x in v]
+    if t is tuple:
+        return {"t": [_enc(x, d) for x in v]}
+    if t is dict:
+        return {"d": [[_enc(k, d), _enc(x, d)] for k, x in v.items()]}
+    if t is set or t is frozenset:
+        return {"s" if t is set else "f": [_enc(x, d) for x in v]}
+    if t is bytes:
+        return {"b": v.hex()}
+    if t is complex:
+        return {"c": [v.real, v.imag]}
+    # subclasses: their built-in value, read through the base type's own slots
+    if isinstance(v, bool):
+        return bool(int.__index__(v))
+    if isinstance(v, int):
+        return _enc(int.__index__(v), depth)
+    if isinstance(v, float):
+        return float.__float__(v)
+    if isinstance(v, str):
+        return str.__str__(v)
+    if isinstance(v, tuple):
+        return {"t": [_enc(x, d) for x in tuple.__iter__(v)]}
+    if isinstance(v, list):
+        return [_enc(x, d) for x in list.__iter__(v)]
+    if isinstance(v, dict):
+        return {"d": [[_enc(k, d), _enc(x, d)] for k, x in dict.items(v)]}
+    return {"o": t.__name__[:64]}
+
+
+def _child(spec: dict, steps: list, wfd: int) -> None:
+    """Runs in the forked child; never returns."""
+    try:
+        pipe = os.dup(wfd)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.dup2(pipe, 3)
+        os.closerange(4, 1 << 16)
+        lim = spec["limits"]
+        _setlimit(resource.RLIMIT_CPU, lim["cpu_s"])
+        _setlimit(resource.RLIMIT_AS, lim["memory_bytes"])
+        _setlimit(resource.RLIMIT_FSIZE, lim["file_bytes"])
+        _setlimit(resource.RLIMIT_NOFILE, lim["open_files"])
+        _setlimit(resource.RLIMIT_CORE, 0)
+        _setlimit(resource.RLIMIT_NPROC, 0)
+        if spec["uid"] is not None:  # the uid has no other process, so NPROC = 0 bites
+            os.setgroups([])
+            os.setgid(spec["uid"])
+            os.setuid(spec["uid"])
+        os.umask(0o077)
+        if spec["patch_socket"]:
+            import socket
+
+            class _NoNet(socket.socket):
+                def __init__(self, *a, **k):
+                    raise PermissionError("network access is disabled in the sandbox")
+
+            socket.socket = _NoNet
+            socket.create_connection = lambda *a, **k: _NoNet()
+    except BaseException:
+        os._exit(98)
+    report = _run(spec["code"], steps)
+    try:
+        data = json.dumps(report).encode()
+    except BaseException as e:
+        data = json.dumps({"e": "value not serialisable: " + _fmt(e), "v": []}).encode()
+    if len(data) > spec["value_bytes"]:
+        data = json.dumps({"e": f"values over {spec['value_bytes']} bytes", "v": []}).encode()
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(3, view) :]
+    except OSError:
+        pass
+    os._exit(0)
+
+
+def _run(code: str, steps: list) -> dict:
+    env = {"__name__": "__main__"}
+    try:
+        exec(compile(code, "<solution>", "exec"), env)
+    except BaseException as e:
+        return {"m": _fmt(e)}
+    values = []
+    for kind, body in steps:
+        try:
+            if kind == "exec":
+                exec(compile(body, "<test>", "exec"), env)
+                continue
+            for expr in body:
+                try:
+                    values.append(_enc(eval(compile(expr, "<test>", "eval"), env)))
+                except BaseException as e:
+                    values.append({"x": _fmt(e)})
+        except BaseException as e:
+            return {"e": _fmt(e), "v": values}
+    return {"v": values}
+
+
+def _one(spec: dict, steps: list, deadline: float, cap: int) -> dict:
+    """Run one test's child; its output (at most ``cap`` bytes), exit and timing."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        _child(spec, steps, w)
+    os.close(w)
+    pidfd = os.pidfd_open(pid)
+    buf, eof, exited, timeout, overflow = bytearray(), False, False, False, False
+    while not (eof and exited):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timeout = True
+            break
+        watch = ([] if eof else [r]) + ([] if exited else [pidfd])
+        ready, _, _ = select.select(watch, [], [], left)
+        if pidfd in ready:
+            exited = True
+        if r in ready:
+            chunk = os.read(r, 65536)
+            if not chunk:
+                eof = True
+            elif len(buf) + len(chunk) > cap:
+                overflow = True  # a flood: stop it here, the test fails
+                break
+            else:
+                buf += chunk
+    if not exited:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _, status = os.waitpid(pid, 0)
+    os.close(r)
+    os.close(pidfd)
+    sig = None
+    if os.WIFSIGNALED(status) and not (timeout or overflow):
+        sig = signal.Signals(os.WTERMSIG(status)).name
+    return {
+        "out": base64.b64encode(bytes(buf)).decode(),
+        "module_error": buf.startswith(b'{"m"'),
+        "status": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+        "signal": sig,
+        "timeout": timeout,
+        "overflow": overflow,
+        "bytes": len(buf),
+    }
+
+
+def main() -> None:
+    spec = json.loads(sys.stdin.buffer.read())
+    deadline = time.monotonic() + spec["wall_s"]
+    budget = spec["output_bytes"]
+    results = []
+    for steps in spec["tests"]:
+        res = _one(spec, steps, deadline, max(0, min(spec["value_bytes"], budget)))
+        budget -= res.pop("bytes")
+        results.append(res)
+        # later tests cannot change the outcome of a run that timed out, was killed by a
+        # limit, or whose program raised at top level (the same program runs every time)
+        if res.pop("module_error") or res["timeout"] or res["signal"]:
+            break
+    sys.stdout.write(json.dumps({"tests": results}))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
