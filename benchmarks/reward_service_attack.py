@@ -142,7 +142,7 @@ while time.time() < end:
             if libc.ptrace(16, int(p), 0, 0) == 0:
                 hits.append('ptrace')
     if n % 20 == 0:
-        for pat in ('/tmp/m2flow-sbx-*/*', root + '/*/*/*'):  # other sandboxes' files
+        for pat in ('/tmp/*/secret', '/tmp/*/*/secret', root + '/*/*/secret'):  # others' files
             for path in glob.glob(pat):
                 try:
                     open(path).read(1)

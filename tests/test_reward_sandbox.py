@@ -140,3 +140,29 @@ def test_a_run_sees_only_its_own_processes():
     # the harness (PID 1) and the test's child: nothing else is visible
     res = run_tests(code, ["assert len(f(0)) == 2 and f(0)[0] == '1'"], LIMITS)
     assert res.passed == 1, res
+
+
+@pytest.mark.skipif(isolation() != "namespaces", reason="needs mount namespaces (unshare)")
+def test_host_files_do_not_exist_in_the_sandbox():
+    # e.g. a world-readable service config: read, it would leak every tenant's token
+    import os
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp()
+    try:
+        os.chmod(d, 0o755)
+        path = os.path.join(d, "service.yaml")
+        with open(path, "w") as f:
+            f.write("token: secret-token")
+        os.chmod(path, 0o644)
+        code = f"def f(x):\n    return open({path!r}).read()\n"
+        res = run_tests(code, ["assert f(0) == 'token: secret-token'"], LIMITS)
+        assert res.passed == 0 and "FileNotFoundError" in res.detail, res
+        allowed = {"bin", "dev", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "scratch"}
+        allowed |= {"tmp", "usr"}
+        listing = "import os\ndef f(x):\n    return set(os.listdir('/'))\n"
+        res = run_tests(listing, [f"assert f(0) <= {allowed!r}", "assert 'usr' in f(0)"], LIMITS)
+        assert res.passed == 2, res
+    finally:
+        shutil.rmtree(d)

@@ -1,10 +1,11 @@
 """The trusted harness inside a sandbox: one child per test, values back on a private pipe.
 
-Started by :mod:`.sandbox` as ``python -I -S harness.py``: PID 1 of a fresh PID namespace and
-still root (or, without namespaces, a plain child of the worker). It reads the spec as JSON
-on stdin -- ``{"code", "tests": [[step, ...], ...], "limits", "uid", "value_bytes",
-"output_bytes", "wall_s", "patch_socket"}``, each step ``["exec", source]`` or ``["check",
-[expression, ...]]`` -- and, for each test, forks a child that
+Started by :mod:`.sandbox` as ``python -I -S harness.py``: PID 1 of a fresh PID, mount and
+network namespace and still root (or, without namespaces, a plain child of the worker). With
+``confine`` it first moves into a root file system of its own (:func:`_confine`). It reads the
+spec as JSON on stdin -- ``{"code", "tests": [[step, ...], ...], "limits", "uid",
+"value_bytes", "output_bytes", "wall_s", "patch_socket", "confine"}``, each step ``["exec",
+source]`` or ``["check", [expression, ...]]`` -- and, for each test, forks a child that
 
 1. points fds 0-2 at /dev/null, moves its value pipe to fd 3 and closes every other fd (so
    it cannot reach the harness's stdout, the verdict channel);
@@ -217,8 +218,53 @@ def _one(spec: dict, steps: list, deadline: float, cap: int) -> dict:
     }
 
 
+_MS = {"RDONLY": 1, "NOSUID": 2, "NODEV": 4, "NOEXEC": 8, "REMOUNT": 32, "BIND": 4096, "REC": 16384}
+
+
+def _confine(mnt: str, scratch: str, prefix: str) -> None:
+    """Build the run's own root file system on a tmpfs at ``mnt`` and chroot into it (as
+    root, in the run's fresh mount namespace): read-only binds of /usr, /bin, /lib... and of
+    the interpreter's ``prefix``; /dev/{null,zero,urandom}; a /proc of this PID namespace; an
+    empty read-only /tmp; ``scratch`` as /scratch, the only writable place. Nothing else of
+    the host (configs, repositories, home directories, other sandboxes) exists in it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def mount(src, dst: str, fstype, flags: int, data=None) -> None:
+        args = [x.encode() if isinstance(x, str) else x for x in (src, dst, fstype)]
+        if libc.mount(*args, flags, data.encode() if data else None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), dst)
+
+    bind, ro = _MS["BIND"], _MS["RDONLY"] | _MS["NOSUID"] | _MS["NODEV"]
+    mount("m2flow-sandbox", mnt, "tmpfs", _MS["NOSUID"] | _MS["NODEV"], "size=1m,mode=755")
+    for d in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", prefix):
+        target = mnt + d
+        if os.path.lexists(target) or not os.path.lexists(d):
+            continue
+        if os.path.islink(d):
+            os.symlink(os.readlink(d), target)
+        elif os.path.isdir(d):
+            os.makedirs(target)
+            mount(d, target, None, bind | _MS["REC"])
+            mount(None, target, None, _MS["REMOUNT"] | bind | ro)
+    for d in ("dev", "proc", "tmp", "scratch"):
+        os.makedirs(os.path.join(mnt, d), exist_ok=True)
+    for n in ("null", "zero", "urandom"):
+        open(os.path.join(mnt, "dev", n), "w").close()
+        mount("/dev/" + n, os.path.join(mnt, "dev", n), None, bind)
+    mount("proc", mnt + "/proc", "proc", _MS["NOSUID"] | _MS["NODEV"] | _MS["NOEXEC"])
+    mount(scratch, mnt + "/scratch", None, bind)
+    mount(None, mnt, None, _MS["REMOUNT"] | ro)
+    os.chroot(mnt)
+    os.chdir("/scratch")
+
+
 def main() -> None:
     spec = json.loads(sys.stdin.buffer.read())
+    if spec.get("confine"):
+        _confine(**spec["confine"])
     deadline = time.monotonic() + spec["wall_s"]
     budget = spec["output_bytes"]
     results = []

@@ -17,12 +17,15 @@ with ``unshare`` (the deployment this is built and tested for; :func:`isolation`
   is the share of tests passed, in [0, 1] by construction (and clamped again by the service).
   Residual: a test with no top-level ``assert`` (e.g. ``check(f)``) is self-reported by the
   child and so forgeable; :attr:`RunResult.sealed` counts the tests that are not.
-- **Sandboxes cannot touch each other or the service.** Each run has its own PID namespace
-  (the harness is its init: when it dies, the kernel kills everything in it), mount namespace
-  (every mount read-only except the run's scratch directory; ``/proc`` shows only the run)
-  and network namespace (no interfaces). Each child runs under a uid of its own
-  (``100000 + 8 * worker pid + n``), so it can signal, ptrace or read the files of no other
-  process; its scratch directory is ``0700`` under that uid.
+- **Sandboxes cannot touch each other, the service or the host's files.** Each run has its
+  own PID namespace (the harness is its init: when it dies, the kernel kills everything in
+  it), network namespace (no interfaces) and mount namespace with a root file system of its
+  own (a tmpfs with read-only binds of /usr, /bin, /lib..., /dev/null, a /proc that shows only
+  the run, and the scratch directory as /scratch, the only writable place): host configs
+  (the service's tokens), repositories, home directories and other sandboxes do not exist
+  there. Each child runs under a uid of its own (``100000 + 8 * worker pid + n``), so it can
+  signal, ptrace or read the files of no other process; its scratch directory is ``0700``
+  under that uid.
 - **Limits** are set in the child before the program runs: ``RLIMIT_CPU`` (CPU seconds per
   test), ``RLIMIT_AS`` (bytes), ``RLIMIT_FSIZE`` (bytes), ``RLIMIT_NOFILE`` (files),
   ``RLIMIT_NPROC = 0`` (no fork: its uid already has a process) and a wall-clock budget for
@@ -36,9 +39,11 @@ with ``unshare`` (the deployment this is built and tested for; :func:`isolation`
   root, see :mod:`.pools`).
 
 Weaker modes: without root, ``unshare -r`` gives a user namespace in which the child keeps the
-namespace's root (no per-sandbox uid; it could undo the read-only remounts); without
+namespace's root (no per-sandbox uid; it could undo the read-only mounts); without
 ``unshare``, only the rlimits, the per-sandbox uid (as root) and an in-child patch of
-:mod:`socket` (``rlimits+socket-patch``) remain: no PID or mount isolation.
+:mod:`socket` (``rlimits+socket-patch``) remain: no PID or mount isolation, the host's
+world-readable files are readable, and a child that leaves its session can outlive a killed
+worker.
 """
 
 from __future__ import annotations
@@ -56,19 +61,6 @@ import time
 from dataclasses import asdict, dataclass
 
 from .verdict import TestFailed, decide, decode, plan
-
-# Inside the new namespaces: keep the scratch dir writable, make every other mount read-only.
-_CONFINE = r"""
-set -e
-mount --bind "$1" "$1"
-awk '{print $2}' /proc/self/mounts | while read -r m; do
-  [ "$m" = "$1" ] && continue
-  mount -o remount,bind,ro "$m" 2>/dev/null || true
-done
-cd "$1"
-shift
-exec "$@"
-"""
 
 _HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
 #: first uid handed to sandboxes (each worker process owns 8 consecutive uids from here)
@@ -210,6 +202,9 @@ def run_tests(
             os.chown(scratch, uid, uid)
         os.chmod(scratch, 0o700)
         ns = isolation() == "namespaces"
+        mnt = scratch + ".root"  # the mount point of the run's own root file system
+        os.mkdir(mnt, 0o700)
+        py, prefix = _python()
         spec = {
             "code": code,
             "tests": [p.steps for p in plans],
@@ -219,9 +214,9 @@ def run_tests(
             "output_bytes": limits.output_bytes,
             "wall_s": limits.wall_s,
             "patch_socket": not ns,
+            "confine": {"scratch": scratch, "mnt": mnt, "prefix": prefix} if ns else None,
         }
-        harness = [_python(), "-I", "-S", _HARNESS]
-        cmd = [*_unshare(), "sh", "-c", _CONFINE, "confine", scratch, *harness] if ns else harness
+        cmd = [*(_unshare() if ns else []), py, "-I", "-S", _HARNESS]
         if shutil.which("setpriv"):  # the sandbox dies with this worker, however it dies
             cmd = ["setpriv", "--pdeathsig", "KILL", *cmd]
         out, err, rc, timed_out = _exchange(
@@ -229,6 +224,7 @@ def run_tests(
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch + ".root", ignore_errors=True)
     dt = time.perf_counter() - t0
     if timed_out:
         return RunResult("timeout", 0, len(tests), "wall-clock limit", dt)
@@ -333,17 +329,17 @@ def _exchange(cmd: list[str], cwd: str, data: bytes, wait_s: float, limits: Limi
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), proc.returncode, timed_out
 
 
-def _python() -> str:
-    """The interpreter for the harness: this one, unless it sits where a sandbox uid cannot
-    read (e.g. under /root: the children import modules as that uid); then the system
-    ``python3``."""
+def _python() -> tuple[str, str]:
+    """The interpreter for the harness and its prefix (what the sandbox's root file system
+    must show): this one, unless it sits where a sandbox uid cannot read (e.g. under /root:
+    the test children import modules as that uid); then the system ``python3``."""
     exe = os.path.realpath(sys.executable)
     if os.geteuid() != 0 or _world_readable(sys.base_prefix):
-        return exe
+        return exe, os.path.realpath(sys.base_prefix)
     for cand in ("/usr/bin/python3", "/usr/local/bin/python3"):
         if os.path.exists(cand) and _world_readable(os.path.dirname(os.path.realpath(cand))):
-            return cand
-    return exe
+            return os.path.realpath(cand), "/usr"
+    return exe, os.path.realpath(sys.base_prefix)
 
 
 def _world_readable(path: str) -> bool:
