@@ -75,9 +75,7 @@ def run_ours(
     """The GRPO workflow for ``warmup + steps`` steps under ``plan`` (as ``m2flow run
     plan=...``; None: the default, temporal on every device); medians over the last
     ``steps``."""
-    from m2flow.cli import prepare
-    from m2flow.planning import placement_for
-    from m2flow.session import Session
+    from m2flow.workflow import run_workflow
 
     overrides = [
         f"trainer.steps={warmup + steps}",
@@ -94,14 +92,8 @@ def run_ours(
         *extra,
     ]
     workflow = str(ROOT / "workflows" / "grpo.py")
-    module, cfg = prepare(workflow, overrides, [])
-    placement = None
-    if plan is not None:
-        prof = Path(profile) if profile else None
-        placement = placement_for(plan, workflow, overrides, [], prof, log=print)
     t0 = time.time()
-    with Session(placement=placement) as session:
-        module.main(cfg)
+    session = run_workflow(workflow, overrides, plan=plan, profile=profile)
     wall = time.time() - t0
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     warm = next(r for r in rows if r.get("phase") == "warm_start")
@@ -119,7 +111,7 @@ def run_ours(
         "warm_start_s": warm["seconds"],
         "wall_s": wall,
         "overrides": overrides,
-        "checkpoint": str(sorted((run_dir / "checkpoints").glob("step_*"))[-1]),
+        "checkpoint": str(sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "actor"),
         "plan": session.placement.tree if session.placement else "temporal (default)",
     }
 

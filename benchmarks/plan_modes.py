@@ -30,10 +30,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from m2flow.cli import prepare
 from m2flow.config import ConfigError
 from m2flow.planning import load_profile, plan_from_profile, profile_to_file
 from m2flow.session import Session
+from m2flow.workflow import run_workflow
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = str(ROOT / "workflows" / "grpo.py")
@@ -41,10 +41,7 @@ GiB = 1 << 30
 
 
 def _run(overrides: list[str], placement) -> Session:
-    module, cfg = prepare(GRPO, overrides, [])
-    with Session(placement=placement) as session:
-        module.main(cfg)
-    return session
+    return run_workflow(GRPO, overrides, plan=placement)
 
 
 def _cpu_jiffies() -> tuple[int, int] | None:

@@ -35,10 +35,23 @@ err = Console(stderr=True, soft_wrap=True)
 
 
 def fail_run(e) -> None:
-    """Print a :class:`~m2flow.group.WorkerError` as one paragraph and exit 1."""
-    err.print(f"[bold red]run failed:[/] {escape(e.summary)}", highlight=False)
-    if not e.died:  # an exception in the worker's own code: its traceback is the user's
-        err.print(escape(str(e.cause)), style="dim", highlight=False)
+    """Print a run failure as one paragraph and exit 1: a
+    :class:`~m2flow.group.WorkerError`, or a Ray error of the runtime's own actors (the lock
+    service or a channel died)."""
+    from .group import WorkerError
+
+    if isinstance(e, WorkerError):
+        err.print(f"[bold red]run failed:[/] {escape(e.summary)}", highlight=False)
+        if not e.died:  # an exception in the worker's own code: its traceback is the user's
+            err.print(escape(str(e.cause)), style="dim", highlight=False)
+    else:
+        from .liveness import death_cause
+
+        err.print(
+            f"[bold red]run failed:[/] a runtime process of m2flow (device locks or a channel) "
+            f"died: {escape(death_cause(e))}",
+            highlight=False,
+        )
     err.print("Checkpoints written so far are intact: continue with --resume.", highlight=False)
     raise typer.Exit(1)
 
@@ -80,8 +93,10 @@ def run(
     except ConfigError as e:
         err.print(f"[bold red]config error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
-    except WorkerError as e:
-        fail_run(e)
+    except Exception as e:  # noqa: BLE001 (worker and Ray failures: one paragraph, exit 1)
+        if isinstance(e, WorkerError) or _is_ray_error(e):
+            fail_run(e)
+        raise
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -119,8 +134,14 @@ def profile(
     except (ConfigError, ValueError) as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
-    except WorkerError as e:
-        fail_run(e)
+    except Exception as e:  # noqa: BLE001 (worker and Ray failures: one paragraph, exit 1)
+        if isinstance(e, WorkerError) or _is_ray_error(e):
+            fail_run(e)
+        raise
+
+
+def _is_ray_error(e: BaseException) -> bool:
+    return "ray" in sys.modules and isinstance(e, sys.modules["ray"].exceptions.RayError)
 
 
 @app.command()

@@ -10,10 +10,12 @@ import torch
 from m2flow.scheduler.planner import Component, Workflow, condense
 from m2flow.workers.embodied.policy import ActorCritic
 
-from m2flow.cli import prepare
+from m2flow.config import ConfigError
 from m2flow.placement import Placement
-from m2flow.session import Session, StopRun
 from m2flow.trace import workflow_graph
+from m2flow.workflow import prepare, run_workflow
+
+pytestmark = pytest.mark.e2e
 
 VIRTUAL_DEVICES = 3  # the cluster fixture's devices: one per group for the spatial plan
 
@@ -33,21 +35,16 @@ def test_one_step_changes_weights_and_traces_the_cycle(cluster, tmp_path):
     after step 1 with its groups still up. The actor's weights before the step are its seeded
     init, rebuilt here."""
     run_dir = tmp_path / "spatial"
-    module, cfg = prepare(
-        str(EMBODIED), TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={run_dir}"], []
-    )
     plan = Placement(mode="spatial", groups={"env": [0], "policy": [1], "actor": [2]})
-    session = Session(placement=plan, max_steps=1)
+    overrides = TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={run_dir}"]
+    session = run_workflow(EMBODIED, overrides, plan=plan, max_steps=1, keep_cluster=True)
     try:
-        with session, pytest.raises(StopRun):
-            module.main(cfg)
         assert session.groups == {"env": [[0]], "policy": [[1]], "actor": [[2]]}
         edges = workflow_graph()
         groups = {g.name: g for g in session.cluster.groups}
-        after = groups["actor"].state_dict().wait()[0]
+        after = groups["actor"].get_weights().wait()[0]
     finally:
-        if session.cluster is not None:
-            session.cluster.shutdown()
+        session.cluster.shutdown()
     # One env rank: 8 steps + 1 bootstrap round trip (each item a [4, 4] observation batch and
     # its answer), then one trajectory.
     items = {(e.src, e.dst): e.items for e in edges}
@@ -66,27 +63,59 @@ def test_one_step_changes_weights_and_traces_the_cycle(cluster, tmp_path):
     assert record["actor_update_norm"] > 0
 
 
+def _records(run_dir: Path) -> list[dict]:
+    by_step = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        by_step[r["step"]] = r
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def test_runner_completes_under_temporal_plan(cluster, tmp_path):
     run_dir = tmp_path / "temporal"
-    module, cfg = prepare(
-        str(EMBODIED), TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={run_dir}"], []
-    )
-    with Session(placement=Placement(mode="temporal")) as session:
-        summary = module.main(cfg)
+    session = run_workflow(
+        EMBODIED, TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={run_dir}"],
+        plan=Placement(mode="temporal"),
+    )  # fmt: skip
     # Env and policy are data parallel (a rank per device), the actor one rank over all.
     assert session.groups["env"] == session.groups["policy"] == [[0], [1], [2]]
     assert session.groups["actor"] == [[0, 1, 2]]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = _records(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
-    # Three env ranks of 4 simulators, 24 steps each in all: a random CartPole policy ends
-    # episodes after ~20 steps, so some finish.
+    # 3 env ranks x 4 simulators x 8 steps per update; CartPole pays 1 per step, so every
+    # finished episode's return is its length (a bookkeeping check that can fail).
     assert all(r["env_steps_per_s"] > 0 for r in records)
-    assert sum(r["episodes"] for r in records) > 0 and summary["final_recent_return"] > 0
+    finished = [r for r in records if r["episodes"]]
+    assert finished, "no episode ended in 3 x 96 steps of a random CartPole policy"
+    assert all(r["episode_return"] == pytest.approx(r["episode_length"]) for r in finished)
+    assert session.result["final_recent_return"] == records[-1]["recent_return"]
+
+
+COMPARED = ("episodes", "episode_return", "recent_return", "pg_loss", "vf_loss", "entropy",
+            "approx_kl", "grad_norm", "actor_update_norm")  # fmt: skip
+
+
+def test_resumed_run_matches_an_uninterrupted_one(cluster, tmp_path):
+    """One device (one env rank, one policy rank: no data-dependent routing). A run stopped
+    after step 2 and resumed to step 3 logs the same step-3 metrics as an uninterrupted run:
+    the checkpoint holds the simulators mid-episode, the policy's sampling RNG and the actor."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    one = Placement(mode="temporal", default_devices=[0])
+    base = TINY_RUN + ["trainer.save_every=1"]
+    run_workflow(EMBODIED, base + ["trainer.steps=3", f"trainer.run_dir={whole}"], plan=one)
+    run_workflow(EMBODIED, base + ["trainer.steps=2", f"trainer.run_dir={parts}"], plan=one)
+    with pytest.raises(ConfigError, match="--resume"):
+        prepare(EMBODIED, base + ["trainer.steps=3", f"trainer.run_dir={parts}"])
+    run_workflow(EMBODIED, base + ["trainer.steps=3", f"trainer.run_dir={parts}",
+                                   "resume=true"], plan=one)  # fmt: skip
+    resumed, uninterrupted = _records(parts), _records(whole)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for key in COMPARED:
+        assert resumed[2].get(key) == uninterrupted[2].get(key), key
 
 
 def test_bad_environment_is_a_clear_error(cluster, tmp_path):
     from m2flow.group import WorkerError
 
-    module, cfg = prepare(str(EMBODIED), ["env.id=Pendulum-v1", f"trainer.run_dir={tmp_path}"], [])
     with pytest.raises(WorkerError, match="actions must be Discrete"):
-        module.main(cfg)
+        run_workflow(EMBODIED, ["env.id=Pendulum-v1", f"trainer.run_dir={tmp_path}"])

@@ -13,10 +13,11 @@ from m2flow.workers.critic.data import token_rewards
 from m2flow.workers.critic.losses import clipped_value_loss, gae
 from m2flow.workers.llm import build_char_tokenizer, build_model
 
-from m2flow.cli import prepare
 from m2flow.placement import Placement
-from m2flow.session import Session, StopRun
 from m2flow.trace import workflow_graph
+from m2flow.workflow import run_workflow
+
+pytestmark = pytest.mark.e2e
 
 VIRTUAL_DEVICES = 5  # the cluster fixture's devices: one per role for the spatial plan
 
@@ -94,29 +95,32 @@ def test_token_rewards_and_value_clip():
     assert loss.item() == pytest.approx(0.5 * 0.8**2) and m["vf_clip_frac"] == 1.0
 
 
+def _records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl, the last record of each step (a resumed run appends)."""
+    by_step = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        by_step[r["step"]] = r
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def test_one_step_changes_weights_and_traces_the_graph(cluster, tmp_path):
     """One PPO step of the runner under a spatial plan (one device per role, chunks of 2
     prompts). The warm start is skipped, so the weights before the step are the seeded init,
     rebuilt here; the run stops after step 1 with its groups still up."""
     run_dir = tmp_path / "spatial"
-    module, cfg = prepare(
-        str(PPO),
-        TINY_RUN + ["warm_start.steps=0", "trainer.steps=3", f"trainer.run_dir={run_dir}"],
-        [],
-    )
-    session = Session(placement=SPATIAL, max_steps=1)
+    overrides = ["warm_start.steps=0", "trainer.steps=3", f"trainer.run_dir={run_dir}"]
+    session = run_workflow(PPO, TINY_RUN + overrides, plan=SPATIAL, max_steps=1,
+                           keep_cluster=True)  # fmt: skip
     try:
-        with session, pytest.raises(StopRun):
-            module.main(cfg)
         assert session.groups == {g: [d] for g, d in SPATIAL.groups.items()}
         assert {(e.src, e.dst) for e in workflow_graph()} == EDGES
         groups = {g.name: g for g in session.cluster.groups}
-        actor_after = groups["actor"].state_dict().wait()[0]
+        actor_after = groups["actor"].get_weights().wait()[0]
         critic_after = groups["critic"].state_dict().wait()[0]
     finally:
-        if session.cluster is not None:
-            session.cluster.shutdown()
-    tok = build_char_tokenizer(cfg.model.alphabet)
+        session.cluster.shutdown()
+    tok = build_char_tokenizer("0123456789+-=")
     init = build_model(TINY_MODEL, tok, seed=0).state_dict()
     changed = [k for k in init if not torch.equal(init[k], actor_after[k])]
     assert changed, "one PPO step left every actor weight unchanged"
@@ -124,30 +128,38 @@ def test_one_step_changes_weights_and_traces_the_graph(cluster, tmp_path):
     assert critic_after["head.weight"].abs().sum() > 0
     backbone = [k for k in critic_after if k.startswith("backbone.")]
     assert any(not torch.equal(critic_after[k], init["model." + k[9:]]) for k in backbone)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = _records(run_dir)
     assert [r["step"] for r in records] == [0, 1]
     assert records[0]["rm_train_samples"] == 16  # one batch of 4 prompts x 4 samples
     assert records[1]["actor_update_norm"] > 0 and records[1]["critic_update_norm"] > 0
 
 
-def test_runner_completes_under_temporal_plan(cluster, tmp_path):
-    run_dir = tmp_path / "temporal"
-    module, cfg = prepare(
-        str(PPO),
-        TINY_RUN + ["warm_start.steps=2", "trainer.steps=1", f"trainer.run_dir={run_dir}"],
-        [],
-    )
-    # Temporal on one device: the five groups take turns, switched by its device lock.
-    with Session(placement=Placement(mode="temporal", default_devices=[0])) as session:
-        summary = module.main(cfg)
+COMPARED = ("reward_mean", "verifier_mean", "rm_mean", "kl", "explained_variance", "vf_loss",
+            "pg_loss", "clip_frac", "grad_norm", "actor_update_norm", "critic_update_norm",
+            "heldout_accuracy")  # fmt: skip
+
+
+def test_resumed_run_matches_an_uninterrupted_one(cluster, tmp_path):
+    """Temporal on one device (the five groups take turns under its lock). A run stopped
+    after step 1 and resumed to step 2 logs the same step-2 metrics as an uninterrupted run:
+    every trained group (actor, critic, reward model, reference) and its RNGs are in the
+    checkpoint."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    one_device = Placement(mode="temporal", default_devices=[0])
+    base = TINY_RUN + ["warm_start.steps=2", "trainer.save_every=1"]
+    session = run_workflow(PPO, base + ["trainer.steps=2", f"trainer.run_dir={whole}"],
+                           plan=one_device)  # fmt: skip
     assert session.groups == {g: [[0]] for g in SPATIAL.groups}
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1]
-    for key in ("reward_mean", "verifier_mean", "kl", "vf_loss", "critic_s", "reference_s"):
-        assert key in records[1]
-    assert 0.0 <= summary["final_accuracy"] <= 1.0
-    assert records[1]["actor_update_norm"] > 0 and records[1]["critic_update_norm"] > 0
-    assert (run_dir / "checkpoints" / "final" / "actor_state.pt").is_file()
+    run_workflow(PPO, base + ["trainer.steps=1", f"trainer.run_dir={parts}"], plan=one_device)
+    for g in ("actor", "critic", "reward", "reference"):
+        assert (parts / "checkpoints" / "step_000001" / g).is_dir(), g
+    run_workflow(PPO, base + ["trainer.steps=2", f"trainer.run_dir={parts}", "resume=true"],
+                 plan=one_device)  # fmt: skip
+    resumed, uninterrupted = _records(parts), _records(whole)
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    assert resumed[2]["actor_update_norm"] > 0 and resumed[2]["critic_update_norm"] > 0
+    for key in COMPARED:
+        assert resumed[2][key] == uninterrupted[2][key], key
 
 
 def test_bad_value_exits_2():

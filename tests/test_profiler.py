@@ -9,9 +9,10 @@ import yaml
 from test_workflow import TINY_RUN
 
 from m2flow.config import ConfigError
-from m2flow.planning import load_profile, placement_for, plan_from_profile, report
+from m2flow.planning import load_profile, plan_from_profile, report
 from m2flow.profiler import _chunked_placement, profile
-from m2flow.session import Session
+
+pytestmark = pytest.mark.e2e
 
 GRPO = str(Path(__file__).resolve().parent.parent / "workflows" / "grpo.py")
 VIRTUAL_DEVICES = 2
@@ -53,10 +54,8 @@ def test_profile_measures_the_traced_graph(grpo_profile):
     for name, c in comps.items():
         assert [p["devices"] for p in c["points"]] == [1, 2], name
         assert all(p["seconds"] > 0 and p["memory_bytes"] > 0 for p in c["points"]), name
-        assert c["switch_s"] >= 0 and c["chunk_overhead_s"] >= 0
     # Time-sharing one device, the actor (weights and AdamW state) is really offloaded.
     assert comps["actor"]["switch_s"] > 0
-    assert prof["step_overhead_s"] >= 0
     loaded = load_profile(path)  # the planner's schema accepts what the profiler writes
     assert loaded.batch_size == 4
 
@@ -65,14 +64,14 @@ def test_profile_measures_the_traced_graph(grpo_profile):
 def test_planned_run_reports_predicted_and_measured(cluster, grpo_profile, tmp_path, mode):
     """Plan the profile on the cluster's 2 devices, run the runner on that plan, and get the
     predicted-vs-measured report; groups land where the plan put them."""
-    from m2flow.cli import prepare
+    from m2flow.workflow import run_workflow
 
     _, path = grpo_profile
-    spec = placement_for(mode, GRPO, [], [], path, log=lambda *a: None)
     run_dir = tmp_path / mode
-    module, cfg = prepare(GRPO, TINY_RUN + ["trainer.steps=4", f"trainer.run_dir={run_dir}"], [])
-    with Session(placement=spec) as session:
-        module.main(cfg)
+    session = run_workflow(
+        GRPO, TINY_RUN + ["trainer.steps=4", f"trainer.run_dir={run_dir}"], plan=mode,
+        profile=path, log=lambda *a: None,
+    )  # fmt: skip
     placed = session.placement
     assert placed.mode == mode
     for group, ranks in session.groups.items():

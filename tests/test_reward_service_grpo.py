@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from m2flow.workers.reward.service.app import BackgroundServer
 from m2flow.workers.reward.service.client import RewardClient
 from test_reward_service import TOKENS, _config
 from test_workflow import TINY_RUN
 
-from m2flow.cli import prepare
+from m2flow.workflow import run_workflow
+
+pytestmark = pytest.mark.e2e
 
 GRPO = str(Path(__file__).resolve().parent.parent / "workflows" / "grpo.py")
 TOKEN = TOKENS["alice"]
@@ -19,7 +22,7 @@ TOKEN = TOKENS["alice"]
 def test_grpo_scores_through_the_reward_service(cluster, tmp_path):
     run_dir = tmp_path / "run"
     with BackgroundServer(_config()) as url:  # the service tests' config: math pipeline
-        module, cfg = prepare(
+        run_workflow(
             GRPO,
             TINY_RUN
             + [
@@ -29,9 +32,7 @@ def test_grpo_scores_through_the_reward_service(cluster, tmp_path):
                 f"reward_service.token={TOKEN}",
                 "reward_service.timeout_s=120",
             ],
-            [],
         )
-        module.main(cfg)
         with RewardClient(url, TOKEN) as client:
             served = client.metrics()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

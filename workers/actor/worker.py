@@ -176,7 +176,12 @@ class ActorWorker(Worker):
         """
         if self.mini_batch_size is None:
             return self._train_streaming(inp)
-        chunks = [c for part in inp.stream(balance=all_queued, target_weight=1) for c in part]
+        # A fixed order (by first prompt id), whichever rank or chunk arrived first: the
+        # mini-batches, hence the update, do not depend on the plan.
+        chunks = sorted(
+            (c for part in inp.stream(balance=all_queued, target_weight=1) for c in part),
+            key=lambda c: int(c["batch"]["group_index"][0]),
+        )
         batch = concat([c["batch"] for c in chunks], self.tokenizer.pad_token_id)
         stale = sum(len(c["batch"]) for c in chunks if c["weight_version"] != self.weight_version)
         data = self._training_data(batch)

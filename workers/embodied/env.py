@@ -9,11 +9,13 @@ env -> policy -> env cycle of the workflow graph (RLinf section 3, embodied RL).
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections import deque
 
 import numpy as np
 import torch
+from ray import cloudpickle
 
 from m2flow import Channel, Worker
 
@@ -64,7 +66,8 @@ class EnvWorker(Worker):
             path,
             self.rank,
             {
-                "envs": self.envs,
+                # cloudpickle: the vector env keeps its constructors as local functions
+                "envs": cloudpickle.dumps(self.envs),
                 "obs": self.obs,
                 "ep_return": self.ep_return,
                 "ep_length": self.ep_length,
@@ -76,7 +79,7 @@ class EnvWorker(Worker):
         """Restore what :meth:`save_checkpoint` wrote."""
         state = load_state(path, self.rank)
         self.envs.close()
-        self.envs, self.obs = state["envs"], state["obs"]
+        self.envs, self.obs = pickle.loads(state["envs"]), state["obs"]
         self.ep_return, self.ep_length = state["ep_return"], state["ep_length"]
         self.recent = deque(state["recent"], maxlen=100)
 

@@ -24,19 +24,21 @@ def serve(
 ) -> None:
     """Run the elastic multi-tenant reward service (DistRS) until interrupted (SIGINT or
     SIGTERM: every worker and sandbox is stopped and the scratch space removed)."""
-    from pydantic import ValidationError
+    import socket
 
     from .schemas import ServiceConfig
 
     try:
-        cfg = ServiceConfig.load(config)
-    except (ValueError, ValidationError) as e:
+        cfg = ServiceConfig.load(config, port=port, host=host)
+    except ValueError as e:
         typer.echo(f"error: bad reward-service config {config}: {e}", err=True)
         raise typer.Exit(2) from None
-    if port is not None:
-        cfg.port = port
-    if host is not None:
-        cfg.host = host
+    try:  # a port in use or a host not on this machine: say so before starting anything
+        with socket.socket() as s:
+            s.bind((cfg.host, cfg.port))
+    except OSError as e:
+        typer.echo(f"error: cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}", err=True)
+        raise typer.Exit(2) from None
     import uvicorn
 
     from .app import create_app

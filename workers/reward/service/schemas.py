@@ -63,7 +63,7 @@ class ServiceConfig(BaseModel):
     """
 
     host: str = "127.0.0.1"
-    port: int = 8765
+    port: int = Field(8765, ge=0, le=65535, description="TCP port (0: any free one)")
     tenants: dict[str, TenantConfig]
     pipelines: dict[str, PipelineConfig]
     default_delay_bound_s: float = Field(5.0, ge=0)
@@ -86,15 +86,33 @@ class ServiceConfig(BaseModel):
         return self
 
     @classmethod
-    def load(cls, path: str | Path) -> ServiceConfig:
-        """Read a YAML/JSON file. Raises ValueError naming the problem."""
-        from omegaconf import OmegaConf
+    def load(cls, path: str | Path, **overrides: Any) -> ServiceConfig:
+        """Read a YAML/JSON file, then apply ``overrides`` (e.g. ``port=``), validated.
+
+        Raises:
+            ValueError: missing file, unparsable YAML, not a mapping, or a bad value (one line
+                naming each bad field).
+        """
+        import yaml
+        from pydantic import ValidationError
 
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"config file {p} not found")
-        data = OmegaConf.to_container(OmegaConf.load(p), resolve=True)
-        return cls.model_validate(data)
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ValueError(f"{p} is not valid YAML: {' '.join(str(e).split())}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{p} must be a YAML mapping with 'tenants' and 'pipelines'")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            problems = "; ".join(
+                f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors()
+            )
+            raise ValueError(problems) from None
 
 
 class RegisterTask(BaseModel):

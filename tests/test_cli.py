@@ -1,0 +1,180 @@
+"""The CLI's failure contract: a user mistake is one line on stderr and exit code 2, found
+before anything starts (no Ray session, no worker); a worker failure is one paragraph and
+exit code 1 (tests/test_liveness.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GRPO = ROOT / "workflows" / "grpo.py"
+RAY_STARTED = "Started a local Ray instance"
+
+
+def m2flow(*args: str, cwd: Path | None = None, timeout: float = 120) -> tuple[int, str, float]:
+    """Run ``m2flow ARGS``; ``(exit code, stderr, seconds)``."""
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "m2flow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+    return proc.returncode, proc.stderr + proc.stdout, time.monotonic() - t0
+
+
+def assert_one_line_exit_2(code: int, out: str, message: str) -> None:
+    assert code == 2, out
+    assert message in out, out
+    assert "Traceback" not in out, out
+    assert RAY_STARTED not in out, "a user mistake must be found before Ray starts"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["trainer.stepz=3"], "unknown config key 'trainer.stepz'"),
+        (["trainer.steps=many"], "bad value for 'trainer.steps'"),
+        (["rollout.temperature=0"], "rollout.temperature must be a finite number > 0"),
+        (["plan=sideways"], "plan='sideways': give one of auto, temporal"),
+        (["plan=no/such/plan.yaml"], "plan file 'no/such/plan.yaml' does not exist"),
+        (["trainer.steps"], "not of the form key=value"),
+        # issue 11, item 12: validation that was missing or late
+        (["trainer.eval_every=0"], "trainer.eval_every must be >= 1"),
+        (["trainer.save_every=0"], "trainer.save_every must be >= 1"),
+        (["actor.lr=inf"], "actor.lr must be a finite number > 0"),
+        (["actor.lr=nan"], "actor.lr must be a finite number > 0"),
+        (["warm_start.lr=-1"], "warm_start.lr must be a finite number > 0"),
+        (["cluster.devices_per_node=0"], "cluster.devices_per_node must be >= 1"),
+        # the list of choices is printed whole (rich markup ate "[auto, always, never]")
+        (["cluster.offload=bogus"], "expected one of [auto, always, never]"),
+    ],
+)
+def test_config_errors_exit_2(tmp_path, args, message):
+    code, out, _ = m2flow("run", str(GRPO), *args, f"trainer.run_dir={tmp_path / 'r'}")
+    assert_one_line_exit_2(code, out, message)
+
+
+def test_unknown_workflow_exit_2():
+    code, out, _ = m2flow("run", "no_such_flow.py")
+    assert_one_line_exit_2(code, out, "neither a file nor a built-in")
+
+
+def test_workflow_with_a_syntax_error_exit_2(tmp_path):
+    bad = tmp_path / "broken.py"
+    bad.write_text("from dataclasses import dataclass\n\ndef main(cfg:\n    pass\n")
+    code, out, _ = m2flow("run", str(bad))
+    assert_one_line_exit_2(code, out, f"{bad}:3: syntax error")
+
+
+def test_workflow_with_a_missing_import_exit_2(tmp_path):
+    bad = tmp_path / "imports.py"
+    bad.write_text("import no_such_module_xyz\n")
+    code, out, _ = m2flow("run", str(bad))
+    assert_one_line_exit_2(code, out, "cannot import no_such_module_xyz")
+
+
+def test_run_dir_that_is_a_file_exit_2(tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    code, out, _ = m2flow("run", str(GRPO), f"trainer.run_dir={f}")
+    assert_one_line_exit_2(code, out, "is a file, not a directory")
+
+
+def test_resume_without_a_checkpoint_exit_2_before_ray(tmp_path):
+    code, out, _ = m2flow("run", str(GRPO), f"trainer.run_dir={tmp_path}", "--resume")
+    assert_one_line_exit_2(code, out, "--resume: no checkpoint under")
+
+
+def test_empty_plan_file_exit_2(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("")
+    code, out, _ = m2flow("run", str(GRPO), f"plan={plan}", f"trainer.run_dir={tmp_path}")
+    assert_one_line_exit_2(code, out, "is empty")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--steps", "0"], "measure at least one step (--steps >= 1)"),
+        (["--warmup", "-1"], "--warmup >= 0"),
+        (["--devices", "0"], "every device count must be >= 1"),
+    ],
+)
+def test_profile_bad_arguments_exit_2_before_ray(tmp_path, args, message):
+    code, out, _ = m2flow("profile", str(GRPO), *args, "-o", str(tmp_path / "p.yaml"))
+    assert_one_line_exit_2(code, out, message)
+
+
+def test_plan_and_reward_service_commands_are_registered():
+    code, out, _ = m2flow("--help")
+    assert code == 0 and "plan" in out and "reward-service" in out
+
+
+def _imports(path: Path) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add(("." * node.level) + (node.module or ""))
+    return names
+
+
+def test_layers_import_only_downwards():
+    """DESIGN's layering: the runtime (m2flow/) imports no workers (the reward service's CLI
+    joins through an entry point); the planner (scheduler/) imports neither the runtime nor
+    Ray nor torch."""
+    for f in sorted((ROOT / "m2flow").glob("*.py")):
+        bad = [n for n in _imports(f) if "workers" in n.split(".")]
+        assert not bad, f"{f.name} imports {bad}"
+    for f in sorted((ROOT / "scheduler").glob("*.py")):
+        bad = [
+            n
+            for n in _imports(f)
+            if n.split(".")[0] in ("ray", "torch", "m2flow") and not n.startswith("m2flow.sch")
+        ]
+        assert not bad, f"scheduler/{f.name} imports {bad}"
+    code = "import sys, m2flow.cli; sys.exit('torch' in sys.modules or 'ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+SERVICE_OK = 'tenants: {a: {token: "aaaaaaaaaa"}}\npipelines: {m: {kind: math}}\n'
+
+
+@pytest.mark.parametrize(
+    "text,args,message",
+    [
+        ("tenants: [\n  bad", [], "is not valid YAML"),
+        ("- a list\n", [], "must be a YAML mapping"),
+        (SERVICE_OK, ["--port", "99999"], "port: Input should be less than or equal to 65535"),
+        (SERVICE_OK.replace("math", "cobol"), [], "pipelines.m.kind"),
+    ],
+)
+def test_reward_service_bad_config_exit_2(tmp_path, text, args, message):
+    cfg = tmp_path / "service.yaml"
+    cfg.write_text(text)
+    code, out, _ = m2flow("reward-service", "-c", str(cfg), *args, timeout=60)
+    assert code == 2 and message in out and "Traceback" not in out, out
+    assert len(out.strip().splitlines()) == 1, out
+
+
+def test_reward_service_port_in_use_exit_2(tmp_path):
+    import socket
+
+    cfg = tmp_path / "service.yaml"
+    cfg.write_text(SERVICE_OK)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, out, _ = m2flow("reward-service", "-c", str(cfg), "--port", str(port), timeout=60)
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in out, out
