@@ -26,9 +26,13 @@ and the planner's split needs no node constraint; the profile's times already in
 communication they measured (the planner models no separate inter-node cost). So ``K`` is
 checked (``N % K == 0``) and reported: each component's node range.
 
+``--save`` and ``--gantt`` create missing parent directories (``mkdir -p``).
+
 Bad input (a missing or invalid profile, a component missing from it, memory infeasible at
-every split, fewer devices than a component's minimum, a bad mode or node count) prints one
-line on stderr and exits 2.
+every split, fewer devices than a component's minimum, more than ``MAX_DEVICES`` (65,536)
+devices, a bad mode or node count, a ``--save``/``--gantt`` path that cannot be written)
+prints one line on stderr and exits 2. A profile at ``seconds: 0`` everywhere plans (a
+component that costs nothing); a 0 s predicted step prints its throughput as unbounded.
 """
 
 from __future__ import annotations
@@ -56,13 +60,18 @@ def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, s
     """``(profile, PlanResult, step_overhead_s)``; raises ConfigError/ValueError on bad input."""
     from .config import ConfigError
     from .planning import profile_to_file
-    from .scheduler.planner import MODES, PlanError, plan_workflow
+    from .scheduler.planner import MAX_DEVICES, MODES, PlanError, plan_workflow
     from .scheduler.profile import ProfileError, load_profile, to_workflow
 
     if mode not in MODES:
         raise ConfigError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
     if devices < 1:
         raise ConfigError(f"--devices {devices}: give at least 1 device")
+    if devices > MAX_DEVICES:
+        raise ConfigError(
+            f"--devices {devices}: at most {MAX_DEVICES} (MAX_DEVICES: the planner keeps a "
+            "table over every device count 0..N, so its memory and time grow with N)"
+        )
     if nodes < 1 or devices % nodes:
         raise ConfigError(
             f"--devices {devices} must split evenly over --nodes {nodes} (devices per node = "
@@ -258,7 +267,7 @@ def gantt(result, prof, path: Path) -> None:
     ax.set_yticks(range(len(tl.rows)))
     ax.set_yticklabels([f"{n}  [{r.start}, {r.stop})" for n, r in reversed(tl.rows)])
     ax.set_xlabel("seconds within one predicted step")
-    ax.set_xlim(0, tl.end * 1.01)
+    ax.set_xlim(0, tl.end * 1.01 or 1.0)  # a 0 s step (profile at seconds: 0) still draws
     ax.set_title(f"{result.plan.shape()}: {tl.end:.4g} s per step on {result.num_devices} devices")
     handles = [Patch(facecolor=color[n], label=n) for n in names if n in result.plan.placement()]
     handles += [Patch(label="switch (offload+onload)", **style["switch"])]
@@ -266,6 +275,26 @@ def gantt(result, prof, path: Path) -> None:
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _write(path: Path, write) -> None:
+    """``write(path)``, creating missing parent directories first (``mkdir -p``: ``--save
+    runs/today/plan.yaml`` just works); a path that cannot be written (a parent that is a file,
+    no permission) prints one line and exits 2."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+    except (OSError, ValueError) as e:
+        err.print(f"[bold red]error:[/] cannot write {path}: {e}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+def _throughput(prof, step: float) -> str:
+    """Items per second, or why there is none: a profile measured at ``seconds: 0`` (below the
+    profiler's 1 us resolution) can predict a 0 s step, which bounds nothing."""
+    if step > 0:
+        return f"throughput {prof.batch_size / step:.3f} {prof.item}s/s"
+    return "throughput unbounded: the profile predicts 0 s for this plan's components"
 
 
 def plan(
@@ -278,7 +307,9 @@ def plan(
         None, "--memory-gb", help="memory per device, GiB (default: the profile's)"
     ),
     gantt_png: Optional[Path] = typer.Option(None, "--gantt", help="draw one predicted step"),
-    save: Optional[Path] = typer.Option(None, "--save", help="write a plan file for plan=FILE"),
+    save: Optional[Path] = typer.Option(
+        None, "--save", help="write a plan file for plan=FILE (missing directories created)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print JSON only"),
     idle: bool = typer.Option(
         True, "--idle/--no-idle", help="let a component use fewer devices when that is faster"
@@ -308,13 +339,9 @@ def plan(
     if save is not None:
         placement = from_plan(result.plan, list(result.edges), result.batch_size, devices)
         placement.predicted_step_s = step
-        placement.save(save)
+        _write(save, placement.save)
     if gantt_png is not None:
-        try:
-            gantt(result, prof, gantt_png)
-        except (OSError, ValueError) as e:
-            err.print(f"[bold red]error:[/] cannot write {gantt_png}: {e}", highlight=False)
-            raise typer.Exit(2) from None
+        _write(gantt_png, lambda path: gantt(result, prof, path))
     if as_json:
         doc = result.to_dict()
         doc.update(
@@ -346,7 +373,7 @@ def plan(
     extra = f" + unattributed {overhead:.4f} s" if overhead else ""
     out.print(
         f"predicted step: [bold]{step:.4f} s[/] (plan {result.time:.4f} s{extra}); "
-        f"throughput {prof.batch_size / step:.3f} {prof.item}s/s",
+        + _throughput(prof, step),
         highlight=False,
     )
     if result.runner_ups:
@@ -361,7 +388,7 @@ def plan(
                 p.shape(),
                 f"{used}/{n}",
                 f"{p.time + overhead:.4f}",
-                f"{p.time / result.time:.3f}x",
+                f"{p.time / result.time:.3f}x" if result.time > 0 else "-",
             )
         out.print(t)
     if gantt_png is not None:

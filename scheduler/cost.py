@@ -38,6 +38,7 @@ from functools import lru_cache
 import numpy as np
 
 INF = float("inf")
+_HULL_PASSES = 64  # vectorised pruning passes of convex_minorant before its exact loop
 
 
 def divisors(m: int) -> list[int]:
@@ -90,6 +91,14 @@ def convex_minorant(p: np.ndarray) -> tuple[np.ndarray, bool]:
     seg = p[lo : hi + 1]
     if fin.size == hi - lo + 1 and (seg.size < 3 or bool(np.all(np.diff(seg, 2) >= 0))):
         return p, True
+    # Vectorised passes first: a point on or above the chord of its neighbours is no hull
+    # vertex, so dropping every such point keeps the hull (3-10x faster than the loop alone).
+    for _ in range(_HULL_PASSES):
+        a, b, c = fin[:-2], fin[1:-1], fin[2:]
+        above = np.flatnonzero((p[b] - p[a]) * (c - b) >= (p[c] - p[b]) * (b - a))
+        if not above.size:
+            break
+        fin = np.delete(fin, above + 1)
     hx: list[int] = []
     hy: list[float] = []
     for x, y in zip(fin.tolist(), p[fin].tolist()):  # Andrew's monotone chain, lower hull
@@ -110,6 +119,7 @@ def _span(p: np.ndarray) -> tuple[int, int]:
 EXHAUSTIVE_SPLITS = 18_336  # up to this many splits (N <= 192), the pruned quadratic search
 _BLOCK = 1 << 17  # window candidates evaluated at once (bounds temporary memory)
 _K_BLOCK = 4  # chunk counts bisected at once
+_CELLS = 1 << 15  # (k, row) cells bisected at once
 
 
 def best_split_all(
@@ -146,6 +156,9 @@ def best_split_all(
     the interval ``{j : L_k(j) <= ub(n)}`` (two more bisections) can do better: those are
     evaluated exactly. Non-convex tables thus cost more time, never exactness. Small problems
     (``N(N-1)/2 <= exhaustive_splits``) search every split, pruned by a cheaper lower bound.
+
+    Memory: O(K N) plus blocks of at most :data:`_BLOCK` window candidates (:func:`_windows`),
+    however long the windows: step-shaped tables (slack) make their total grow as N^2.
     """
     n_max = len(pu) - 1
     empty = _select(n_max, *(np.empty(0, np.int64),) * 3, np.empty(0))
@@ -172,55 +185,149 @@ def best_split_all(
     n = rows[None, :]
     shape = (kk.size, rows.size)
 
-    def lower(j, n=n, inv=inv, c_u=c_u, c_d=c_d):  # L_k(j) (module docstring), inf-safe
+    def lower(j, n, inv, c_u, c_d):  # L_k(j) (module docstring), inf-safe
         a, b = hu[j], hd[n - j]
         return np.maximum(a + b * inv + c_u, b + a * inv + c_d)
 
-    def lift(pos, limit, keep_going):
-        """Largest p in [pos, limit] reachable while ``keep_going`` holds (binary lifting; the
-        predicate is monotone true -> false on the range)."""
-        step = 1 << max(int((limit - pos).max()), 1).bit_length()
-        while step:
-            cand = pos + step
-            pos = pos + step * ((cand <= limit) & keep_going(np.minimum(cand, limit)))
-            step >>= 1
-        return pos
-
-    # j*: the smallest minimiser of the convex L = first j with L(j+1) >= L(j). A few k at a
-    # time: the temporaries then stay in cache (measured 1.3-1.7x faster at N = 1024).
+    # j*: the smallest minimiser of the convex L = first j with L(j+1) >= L(j). A few thousand
+    # (k, row) cells at a time: the temporaries then stay in cache (measured 1.3-1.7x faster at
+    # N = 1024, 3x at N = 32,768).
     j_star = np.empty(shape, np.int64)
+    step = _top_step(lo_j, hi_j)
+    width = _CELLS // _K_BLOCK
     for s in range(0, kk.size, _K_BLOCK):
-        b = slice(s, s + _K_BLOCK)
-        lo = np.broadcast_to(lo_j, j_star[b].shape)
-        hi = np.broadcast_to(hi_j, j_star[b].shape)
-        args = {"inv": inv[b], "c_u": c_u[b], "c_d": c_d[b]}
-        j_star[b] = lift(lo - 1, hi - 1, lambda j, a=args: lower(j + 1, **a) < lower(j, **a)) + 1
+        m = (inv[s : s + _K_BLOCK], c_u[s : s + _K_BLOCK], c_d[s : s + _K_BLOCK])
+        for c in range(0, rows.size, width):
+            nc, cells = n[:, c : c + width], (m[0].shape[0], min(width, rows.size - c))
+            lo = np.broadcast_to(lo_j[c : c + width] - 1, cells)
+            hi = np.broadcast_to(hi_j[c : c + width] - 1, cells)
+            j_star[s : s + _K_BLOCK, c : c + width] = 1 + _lift(
+                lo, hi, lambda j, nc=nc, m=m: lower(j + 1, nc, *m) < lower(j, nc, *m), step
+            )
     v_star = finite_pipelined(pu[j_star], pd[n - j_star], o_u, o_d, kk)
-    k_all = np.broadcast_to(np.arange(kk.size)[:, None], shape)
-    cand = [(np.broadcast_to(rows, shape), j_star, k_all, v_star)]
+    best = _column_best(n_max, rows, j_star, v_star)
     if not (ex_u and ex_d):
         ub = v_star.min(axis=0)
         thr = np.where(np.isfinite(ub), ub * (1 + 1e-9) + 1e-12, np.finfo(float).max)
-        live = np.flatnonzero(lower(j_star) <= thr[None, :])  # (k, row) that may do better
+        live = np.flatnonzero(lower(j_star, n, inv, c_u, c_d) <= thr[None, :])  # may do better
         if live.size:
             ki, ri = np.divmod(live, rows.size)
             js, t = j_star.ravel()[live], thr[ri]
-            args = {"n": rows[ri], "inv": inv[ki, 0], "c_u": c_u[ki, 0], "c_d": c_d[ki, 0]}
-            # {j : L(j) <= thr} is an interval around j*: bisect both ends.
-            left = lift(lo_j[ri] - 1, js - 1, lambda j: lower(j, **args) > t) + 1
-            right = lift(js, hi_j[ri], lambda j: lower(j, **args) <= t)
-            lens = right - left + 1
-            total = int(lens.sum())
-            e = np.repeat(np.arange(live.size), lens)
-            j_all = np.arange(total) - np.repeat(np.cumsum(lens) - lens - left, lens)
-            for s in range(0, total, _BLOCK):
-                f, j = e[s : s + _BLOCK], j_all[s : s + _BLOCK]
-                r = rows[ri[f]]
-                v = finite_pipelined(pu[j], pd[r - j], o_u, o_d, kk[ki[f], 0])
-                keep = np.flatnonzero(v <= t[f])
-                cand.append((r[keep], j[keep], ki[f][keep], v[keep]))
-    r, j, ki, v = (np.concatenate([np.ravel(c[i]) for c in cand]) for i in range(4))
-    return _select(n_max, r, j, ki, v)
+            left, right = np.empty_like(js), np.empty_like(js)
+            steps = _top_step(lo_j[ri], js), _top_step(js, hi_j[ri])
+            for c in range(0, live.size, _CELLS):  # {j : L(j) <= thr}: an interval around j*
+                w, x = slice(c, c + _CELLS), (ri[c : c + _CELLS], ki[c : c + _CELLS])
+                m = (rows[x[0]], inv[x[1], 0], c_u[x[1], 0], c_d[x[1], 0])
+                tw = t[w]
+                left[w] = 1 + _lift(
+                    lo_j[x[0]] - 1, js[w] - 1, lambda j, m=m, tw=tw: lower(j, *m) > tw, steps[0]
+                )
+                right[w] = _lift(
+                    js[w], hi_j[x[0]], lambda j, m=m, tw=tw: lower(j, *m) <= tw, steps[1]
+                )
+            _windows(best, pu, pd, (o_u, o_d, kk[:, 0]), (rows[ri], ki, left, right, t))
+    return best
+
+
+def _top_step(lo: np.ndarray, hi: np.ndarray) -> int:
+    """First step of :func:`_lift` over the ranges ``[lo, hi]`` (a power of two above every
+    width; one step for all, so blocks of them lift exactly as the whole)."""
+    return 1 << max(int((hi - lo).max()), 1).bit_length()
+
+
+def _lift(pos, limit, keep_going, step: int):
+    """Largest p in [pos, limit] reachable while ``keep_going`` holds (binary lifting; the
+    predicate is monotone true -> false on the range)."""
+    while step:
+        cand = pos + step
+        pos = pos + step * ((cand <= limit) & keep_going(np.minimum(cand, limit)))
+        step >>= 1
+    return pos
+
+
+def _windows(best, pu, pd, model, windows) -> None:
+    """Fold the splits of every window into ``best`` (``(cost, n_u, k_index)``, updated in
+    place to the per-row least (cost, n_U, k)), evaluated exactly in blocks of about
+    :data:`_BLOCK` splits: memory O(N K + _BLOCK), whatever the windows' total length (which
+    grows as N^2 for flat tables: 9 M splits at N = 16,384 on the chain profile).
+
+    ``model = (o_u, o_d, chunk counts)``; ``windows = (row n, k index, first j, last j,
+    threshold)`` arrays: splits costlier than the threshold cannot be a row's best.
+
+    When ``pd`` is nonincreasing (every table is, with idle devices allowed), only the first j
+    of each run of equal ``pu[j]`` inside a window can win: along the run ``pd[n - j]`` only
+    grows, and the cost is nondecreasing in it (rounding is monotone, so in floating point
+    too), so the run's first j costs least and has the smallest n_U. Those js are the window's
+    first and every j inside it where ``pu`` changes; the result is the same as evaluating
+    every split, in O(number of distinct ``pu`` values) per window instead of its length.
+    """
+    o_u, o_d, chunks = model
+    rows, ki, left, right, thr = windows
+    if np.all(pd[1:-1] >= pd[2:]):
+        steps = np.flatnonzero(pu[2:] != pu[1:-1]) + 2  # j with pu[j] != pu[j - 1]
+        first = np.searchsorted(steps, left, side="right")
+        counts = np.searchsorted(steps, right, side="right") - first + 1
+    else:
+        steps, first, counts = None, left, right - left + 1
+    ends = np.cumsum(counts)
+    cut = np.searchsorted(ends, np.arange(_BLOCK, int(ends[-1]), _BLOCK), side="right")
+    bounds = np.unique(np.r_[0, cut, counts.size])
+    cost, n_u, k_idx = best
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        c = counts[a:b]
+        w = np.repeat(np.arange(a, b), c)
+        start = np.cumsum(c) - c
+        pos = np.arange(w.size) - np.repeat(start, c)  # index within the window
+        j = left[w] + pos if steps is None else left[w]
+        if steps is not None:
+            inner = np.flatnonzero(pos)
+            j[inner] = steps[first[w[inner]] + pos[inner] - 1]
+        v = finite_pipelined(pu[j], pd[rows[w] - j], o_u, o_d, chunks[ki[w]])
+        # Per window (j increasing): its least cost, at its smallest j.
+        v_w = np.minimum.reduceat(v, start)
+        at = np.flatnonzero(v == np.repeat(v_w, c))
+        j_w = j[at[np.searchsorted(at, start)]]
+        # Windows run k-major, so a row appears once per k: fold one k at a time.
+        k_w = ki[a:b]
+        for lo, hi in _runs(k_w):
+            ok = lo + np.flatnonzero(v_w[lo:hi] <= thr[a + lo : a + hi])
+            r, v, j, k = rows[a + ok], v_w[ok], j_w[ok], k_w[ok]
+            cv, cj, ck = cost[r], n_u[r], k_idx[r]
+            win = (v < cv) | ((v == cv) & ((j < cj) | ((j == cj) & (k < ck))))
+            cost[r[win]], n_u[r[win]], k_idx[r[win]] = v[win], j[win], k[win]
+
+
+def _runs(x: np.ndarray) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of every run of equal values in ``x``."""
+    edges = np.flatnonzero(x[1:] != x[:-1]) + 1
+    return list(zip(np.r_[0, edges].tolist(), np.r_[edges, x.size].tolist()))
+
+
+def _column_best(n_max: int, rows, j, v):
+    """:func:`_select` of the candidates ``(rows[c], j[k, c], k, v[k, c])``, one per (k, c):
+    per column, least v, then smallest j, then smallest k, without sorting."""
+    cost = np.full(n_max + 1, INF)
+    n_u = np.full(n_max + 1, -1, dtype=np.int64)
+    k_idx = np.full(n_max + 1, -1, dtype=np.int64)
+    vmin = v.min(axis=0)
+    at = v == vmin[None, :]
+    jmin = np.where(at, j, np.iinfo(np.int64).max).min(axis=0)
+    kmin = np.argmax(at & (j == jmin[None, :]), axis=0)
+    fin = np.isfinite(vmin)
+    cost[rows[fin]], n_u[rows[fin]], k_idx[rows[fin]] = vmin[fin], jmin[fin], kmin[fin]
+    return cost, n_u, k_idx
+
+
+def _row_best(r, j, ki, v):
+    """Per distinct row r, its candidate of least cost v, then smallest n_U = j, then
+    smallest k index ki (finite v only): four arrays, rows increasing."""
+    r, j, ki, v = (np.ravel(x) for x in (r, j, ki, v))
+    fin = np.isfinite(v)
+    r, j, ki, v = r[fin], j[fin], ki[fin], v[fin]
+    order = np.lexsort((ki, j, v, r))  # by row, then cost, then n_U, then k
+    r, j, ki, v = r[order], j[order], ki[order], v[order]
+    first = np.flatnonzero(np.r_[True, r[1:] != r[:-1]]) if r.size else r
+    return r[first], j[first], ki[first], v[first]
 
 
 def _select(n_max: int, r, j, ki, v):
@@ -229,16 +336,8 @@ def _select(n_max: int, r, j, ki, v):
     cost = np.full(n_max + 1, INF)
     n_u = np.full(n_max + 1, -1, dtype=np.int64)
     k_idx = np.full(n_max + 1, -1, dtype=np.int64)
-    fin = np.isfinite(v)
-    r, j, ki, v = r[fin], j[fin], ki[fin], v[fin]
-    if r.size == 0:
-        return cost, n_u, k_idx
-    order = np.lexsort((ki, j, v, r))  # by row, then cost, then n_U, then k
-    r, j, ki, v = r[order], j[order], ki[order], v[order]
-    first = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
-    cost[r[first]] = v[first]
-    n_u[r[first]] = j[first]
-    k_idx[r[first]] = ki[first]
+    r, j, ki, v = _row_best(r, j, ki, v)
+    cost[r], n_u[r], k_idx[r] = v, j, ki
     return cost, n_u, k_idx
 
 

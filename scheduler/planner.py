@@ -58,6 +58,9 @@ Algorithm:
    upstream uses. Idle devices are thus packed at the top: the root uses ``[0, u)`` and
    ``[u, N)`` is idle (:meth:`~m2flow.scheduler.plan.PlanResult.idle`). With every device
    used, spatial upstream gets ``[start, start + n_U)`` and downstream the rest.
+5. Scale: the tables (:mod:`.tables`) are arrays over n = 0..N, so memory grows linearly in
+   N; the split search streams its candidates (:func:`~.cost.best_split_all`). Clusters above
+   :data:`MAX_DEVICES` are refused.
 
 Units: times in seconds (per step, whole batch of M items), memory in bytes per device.
 """
@@ -71,13 +74,19 @@ from typing import Literal, overload
 import networkx as nx
 import numpy as np
 
-from .cost import INF, best_split_all, best_split_at, convex_minorant, divisors
+from .cost import INF
 from .plan import Leaf, Plan, PlanError, PlanResult, Spatial, Temporal
+from .tables import FAMILY, Planner
 
 # A component uses the fewest devices within 1 % of its fastest time (module docstring, point 2).
 DEFAULT_SLACK = 0.01
+# Largest cluster planned. Tables hold every device count 0..N, so memory grows linearly in N
+# (the 5-component PPO graph with runner-ups: 0.5 GB peak here) and time faster (2 minutes on
+# this 2-core machine); benchmarks/planner.py measures both (docs/planning.md).
+MAX_DEVICES = 65_536
 
 __all__ = [
+    "MAX_DEVICES",
     "MODES",
     "Component",
     "Leaf",
@@ -149,21 +158,6 @@ class _Node:
         return sum(c.chunk_overhead for c in self.members)
 
 
-def _used(c: Component, n):
-    """Devices component ``c`` uses when given ``n`` (int or int array)."""
-    return n if c.max_devices is None else np.minimum(n, c.max_devices)
-
-
-def _evaluate(fn: Callable, ns: np.ndarray) -> np.ndarray:
-    """``fn`` at every device count in ``ns`` (floats; one call per distinct count)."""
-    if getattr(fn, "vectorized", False):
-        out = np.asarray(fn(ns), dtype=float)
-        if out.shape == ns.shape:
-            return out
-    uniq, inv = np.unique(ns, return_inverse=True)
-    return np.array([float(fn(int(x))) for x in uniq])[inv]
-
-
 def condense(
     workflow: Workflow, cycle_memory: str = "sum"
 ) -> tuple[list[_Node], list[tuple[int, int]]]:
@@ -206,240 +200,6 @@ def condense(
     ]
     edges = sorted((index[u], index[v]) for u, v in cg.edges)
     return nodes, edges
-
-
-# Families of DP tables: for each, the (composition, upstream family, downstream family)
-# variants tried at every cut, in tie-break order (temporal first). "A": any plan, "T"/"S":
-# temporal/spatial compositions only, "CS"/"CT": contains a spatial/temporal node, "H": both.
-_TEMPORAL, _SPATIAL = 1, 2
-_VARIANTS: dict[str, tuple[tuple[int, str, str], ...]] = {
-    "A": ((_TEMPORAL, "A", "A"), (_SPATIAL, "A", "A")),
-    "T": ((_TEMPORAL, "T", "T"),),
-    "S": ((_SPATIAL, "S", "S"),),
-    "CS": ((_TEMPORAL, "CS", "A"), (_TEMPORAL, "A", "CS"), (_SPATIAL, "A", "A")),
-    "CT": ((_TEMPORAL, "A", "A"), (_SPATIAL, "CT", "A"), (_SPATIAL, "A", "CT")),
-    "H": (
-        (_TEMPORAL, "CS", "A"),
-        (_TEMPORAL, "A", "CS"),
-        (_SPATIAL, "CT", "A"),
-        (_SPATIAL, "A", "CT"),
-    ),
-}
-_LEAF_FAMILIES = {"A", "T", "S"}  # a single leaf has no composition: CS/CT/H are infeasible
-_FAMILY = {"auto": "A", "temporal": "T", "spatial": "S", "hybrid": "H"}
-
-
-@dataclass(eq=False)
-class _Table:
-    """P(S, n) for n = 0..N and, per n, the winning variant, cut index, n_U and k index."""
-
-    cost: np.ndarray
-    var: np.ndarray | None = None
-    cut: np.ndarray | None = None
-    nu: np.ndarray | None = None
-    ki: np.ndarray | None = None
-    hull: tuple | None = None
-
-    @property
-    def feasible(self) -> bool:
-        return bool(np.isfinite(self.cost).any())
-
-
-class _Planner:
-    """DP over node subsets (bitmasks) with arrays over device counts 0..N."""
-
-    def __init__(self, nodes, edges, n_devices, capacity, batch_size, allow_idle=True, slack=0.0):
-        self.nodes, self.n, self.cap, self.M = nodes, n_devices, capacity, batch_size
-        self.allow_idle, self.slack = allow_idle, slack
-        self.m_list = divisors(batch_size)[::-1]  # largest m first: ties prefer fewer chunks
-        self.chunks = np.array([batch_size // m for m in self.m_list])
-        self.pred = [0] * len(nodes)
-        for u, v in edges:
-            self.pred[v] |= 1 << u
-        self.switch_mask = sum(1 << i for i, nd in enumerate(nodes) if nd.switch_cost > 0)
-        self.memo: dict[tuple, _Table] = {}
-        self.splits: dict[tuple[int, int], tuple] = {}
-        self._cuts: dict[int, list[int]] = {}
-        self.inf = _Table(np.full(n_devices + 1, INF))
-        for node in nodes:
-            self._leaf_arrays(node)
-
-    def _leaf_arrays(self, node):
-        ns = np.arange(1, self.n + 1)
-        mems = [_evaluate(c.memory, _used(c, ns)) for c in node.members]
-        mem = np.max(mems, axis=0) if node.cycle_memory == "max" else np.sum(mems, axis=0)
-        if np.isnan(mem).any():
-            k = int(ns[np.isnan(mem)][0])
-            raise PlanError(f"component {node.name!r}: memory({k}) is NaN")
-        ok = (ns >= node.min_devices) & (mem <= self.cap)
-        t = np.full(self.n + 1, INF)
-        if ok.any():
-            times = np.sum([_evaluate(c.time, _used(c, ns[ok])) for c in node.members], axis=0)
-            bad = ~(times >= 0)  # also catches NaN
-            if bad.any():
-                k, v = int(ns[ok][bad][0]), float(times[bad][0])
-                raise PlanError(f"component {node.name!r}: time({k}) = {v!r} is not >= 0")
-            t[1:][ok] = times
-        node.raw = t  # time on exactly k devices (inf: infeasible at k)
-        node.memory = np.concatenate(([INF], mem))
-        if not self.allow_idle:
-            node.times, node.use = t, np.where(np.isfinite(t), np.arange(self.n + 1), 0)
-            return
-        # Monotone envelope: time on n = min over feasible k <= n, and the smallest such k.
-        env = np.minimum.accumulate(t)
-        if self.slack == 0.0:
-            drops = t < np.concatenate(([INF], env[:-1]))  # a new strict minimum at k
-            node.times = env
-            node.use = np.maximum.accumulate(np.where(drops, np.arange(self.n + 1), 0))
-            return
-        # The fewest devices within the slack: the first k whose envelope (nonincreasing) is
-        # under the threshold; the envelope first drops there, so t[k] is that value.
-        ok = np.isfinite(env)
-        k = np.searchsorted(-env[1:], -(1.0 + self.slack) * env, side="left") + 1
-        node.use = np.where(ok, k, 0)
-        node.times = np.where(ok, t[np.where(ok, k, 0)], INF)
-
-    def _members(self, mask):
-        return [i for i in range(len(self.nodes)) if mask >> i & 1]
-
-    def overhead(self, mask):
-        return sum(self.nodes[i].chunk_overhead for i in self._members(mask))
-
-    def cuts(self, mask):
-        """Down-sets U of ``mask`` (closed under predecessors within it), increasing order."""
-        if mask in self._cuts:
-            return self._cuts[mask]
-        out, sub = [], (mask - 1) & mask
-        while sub:
-            if all(not (self.pred[i] & mask & ~sub) for i in self._members(sub)):
-                out.append(sub)
-            sub = (sub - 1) & mask
-        self._cuts[mask] = out[::-1]
-        return self._cuts[mask]
-
-    def table(self, mask: int, shared: bool, fam: str) -> _Table:
-        """P(mask, n) for all n within family ``fam``; ``shared``: under a temporal node."""
-        shared = shared and bool(mask & self.switch_mask)  # no switch cost: same table
-        if mask & (mask - 1) == 0:
-            if fam not in _LEAF_FAMILIES:
-                return self.inf
-            key: tuple = (mask, shared)
-        else:
-            key = (mask, shared, fam)
-        if key in self.memo:
-            return self.memo[key]
-        if len(key) == 2:
-            node = self.nodes[mask.bit_length() - 1]
-            self.memo[key] = _Table(node.times + (node.switch_cost if shared else 0.0))
-            return self.memo[key]
-        size = self.n + 1
-        cost = np.full(size, INF)
-        var, cut, nu, ki = (np.full(size, -1, np.int64) for _ in range(4))
-        for c_i, u in enumerate(self.cuts(mask)):
-            d = mask & ~u
-            for v_i, (kind, fu, fd) in enumerate(_VARIANTS[fam]):
-                sub = True if kind == _TEMPORAL else shared
-                tu, td = self.table(u, sub, fu), self.table(d, sub, fd)
-                if not (tu.feasible and td.feasible):
-                    continue
-                if kind == _TEMPORAL:
-                    val, snu, ski = tu.cost + td.cost, None, None
-                else:
-                    val, snu, ski = self.split(tu, td, u, d)
-                better = val < cost
-                if not better.any():
-                    continue
-                cost = np.where(better, val, cost)
-                var[better], cut[better] = v_i, c_i
-                if snu is not None:
-                    nu[better], ki[better] = snu[better], ski[better]
-        self.memo[key] = _Table(cost, var, cut, nu, ki)
-        return self.memo[key]
-
-    def _hull(self, t: _Table):
-        if t.hull is None:
-            t.hull = convex_minorant(t.cost)
-        return t.hull
-
-    def split(self, tu: _Table, td: _Table, u: int, d: int):
-        """Best spatial split of (u, d) for every n (memoised on the two tables)."""
-        key = (id(tu), id(td))  # tables live in self.memo, so ids are stable
-        if key not in self.splits:
-            o_u, o_d = self.overhead(u), self.overhead(d)
-
-            def hulls():  # the minorant of a shifted table is the shifted minorant
-                (hu, eu), (hd, ed) = self._hull(tu), self._hull(td)
-                return (hu - o_u, eu), (hd - o_d, ed)
-
-            # Shifted tables: spatial_time(T_U, T_D) = pipelined_time(T_U - o_U, T_D - o_D).
-            self.splits[key] = best_split_all(
-                tu.cost - o_u, td.cost - o_d, o_u, o_d, self.chunks, hulls
-            )
-        return self.splits[key]
-
-    def options(self, mask: int, fam: str) -> list[tuple]:
-        """Every (cost, variant, cut, n_u, k_index) at the root (n = N only, skipping the
-        all-n table of the root itself), in tie-break order."""
-        if mask & (mask - 1) == 0:
-            t = self.table(mask, False, fam)
-            return [(float(t.cost[self.n]), -1, -1, -1, -1)]
-        out = []
-        for c_i, u in enumerate(self.cuts(mask)):
-            d = mask & ~u
-            for v_i, (kind, fu, fd) in enumerate(_VARIANTS[fam]):
-                sub = kind == _TEMPORAL
-                tu, td = self.table(u, sub, fu), self.table(d, sub, fd)
-                if kind == _TEMPORAL:
-                    out.append((float(tu.cost[self.n] + td.cost[self.n]), v_i, c_i, -1, -1))
-                    continue
-                o_u, o_d = self.overhead(u), self.overhead(d)
-                sv, snu, ski = best_split_at(
-                    tu.cost - o_u, td.cost - o_d, o_u, o_d, self.chunks, self.n
-                )
-                out.append((sv, v_i, c_i, snu, ski))
-        return out
-
-    def root(self, mask: int, fam: str) -> tuple:
-        best = (INF, -1, -1, -1, -1)
-        for opt in self.options(mask, fam):
-            if opt[0] < best[0]:
-                best = opt
-        return best
-
-    def build(self, mask, shared, fam, start, n, choice=None) -> Plan:
-        """The Plan subtree of ``mask`` in family ``fam`` on devices [start, start + n)."""
-        if choice is None:
-            t = self.table(mask, shared, fam)
-            choice = (t.cost[n],) + (
-                (-1, -1, -1, -1) if t.var is None else (t.var[n], t.cut[n], t.nu[n], t.ki[n])
-            )
-        cost, v_i, c_i, n_u, k_i = choice
-        if v_i < 0:
-            node = self.nodes[mask.bit_length() - 1]
-            k = int(node.use[n])  # devices it uses of the n it is given
-            devices = range(start, start + k)
-            used = [int(_used(c, k)) for c in node.members]
-            times = tuple(
-                float(c.time(k)) + (c.switch_cost if shared else 0.0)
-                for c, k in zip(node.members, used, strict=True)
-            )
-            mem = tuple(float(c.memory(k)) for c, k in zip(node.members, used, strict=True))
-            names = tuple(c.name for c in node.members)
-            return Leaf(devices, float(cost), node.name, names, times, shared, mem, tuple(used))
-        kind, fu, fd = _VARIANTS[fam][int(v_i)]
-        u = self.cuts(mask)[int(c_i)]
-        d = mask & ~u
-        if kind == _TEMPORAL:
-            kids: list[Plan] = []
-            for part in (self.build(u, True, fu, start, n), self.build(d, True, fd, start, n)):
-                kids.extend(part.children if isinstance(part, Temporal) else [part])
-            stop = max(kid.devices.stop for kid in kids)
-            return Temporal(range(start, stop), float(cost), tuple(kids))
-        n_u, m = int(n_u), self.m_list[int(k_i)]
-        up = self.build(u, shared, fu, start, n_u)
-        # Downstream right after what upstream uses: its cost depends on its count, not start.
-        down = self.build(d, shared, fd, up.devices.stop, n - n_u)
-        return Spatial(range(start, down.devices.stop), float(cost), up, down, m, self.M // m)
 
 
 def _explain_infeasible(nodes, n_devices, capacity, mode, allow_idle) -> None:
@@ -497,7 +257,7 @@ def _check_mode(mode, nodes, n_devices) -> None:
         )
 
 
-def _alternatives(pl: _Planner, full: int, best: Plan) -> tuple[Plan, ...]:
+def _alternatives(pl: Planner, full: int, best: Plan) -> tuple[Plan, ...]:
     """Best plan of every mode and of every top-level (cut, composition), deduplicated."""
     found: list[Plan] = []
     for fam in ("T", "S", "H"):
@@ -572,11 +332,17 @@ def plan_workflow(
             ``allow_idle=False``.
 
     Raises:
-        PlanError: bad arguments, or nothing feasible (the message names the component, the
-            memory shortfall or the mode's requirement).
+        PlanError: bad arguments (``num_devices`` outside 1..:data:`MAX_DEVICES`, ...), or
+            nothing feasible (the message names the component, the memory shortfall or the
+            mode's requirement).
     """
     if num_devices < 1:
         raise PlanError(f"num_devices must be >= 1, got {num_devices}")
+    if num_devices > MAX_DEVICES:
+        raise PlanError(
+            f"num_devices={num_devices} is above MAX_DEVICES={MAX_DEVICES}: the planner keeps a "
+            "table over every device count 0..N, so its memory and time grow with N"
+        )
     if not workflow.components:
         raise PlanError("workflow has no components")
     if workflow.batch_size < 1:
@@ -588,9 +354,9 @@ def plan_workflow(
     nodes, edges = condense(workflow, cycle_memory)
     _check_mode(mode, nodes, num_devices)
     slack = slack if allow_idle else 0.0
-    pl = _Planner(nodes, edges, num_devices, capacity, workflow.batch_size, allow_idle, slack)
+    pl = Planner(nodes, edges, num_devices, capacity, workflow.batch_size, allow_idle, slack)
     full = (1 << len(nodes)) - 1
-    fam = _FAMILY[mode]
+    fam = FAMILY[mode]
     choice = pl.root(full, fam)
     if not np.isfinite(choice[0]):
         _explain_infeasible(nodes, num_devices, capacity, mode, allow_idle)

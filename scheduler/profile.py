@@ -19,7 +19,12 @@ Schema (YAML; units: seconds, bytes, items per step)::
           - {devices: 1, seconds: 0.40, memory_bytes: 1.2e8}
 
 Only ``batch_size`` and ``components`` (each with ``points``) are required. Numbers may be
-written ``1.2e8`` (YAML 1.1 reads that as a string; it is accepted as a number here).
+written ``1.2e8`` (YAML 1.1 reads that as a string; it is accepted as a number here). Every
+number must be finite and >= 0 (device counts and ``batch_size`` >= 1, whole). ``seconds: 0``
+(the profiler rounds to 1 us, so a group with nothing measurable to do) or ``memory_bytes: 0``
+(a group holding no device memory) at *every* point of a component means it costs nothing;
+0 at some points only is rejected: the relative-error fit (:mod:`.fit`) would take the 0 as
+exact and predict about 0 at every device count.
 
 :func:`to_workflow` turns a profile into the planner's :class:`~.planner.Workflow`, each
 component's time and memory fitted over its points (:mod:`.fit`: time over every model,
@@ -197,6 +202,14 @@ def _component(name: str, c: Any) -> ComponentProfile:
         )
         seen.add(pt.devices)
         points.append(pt)
+    for what in ("seconds", "memory_bytes"):
+        zero = [pt.devices for pt in points if getattr(pt, what) == 0]
+        _need(
+            len(zero) in (0, len(points)),
+            f"{where}.points: {what} = 0 at devices {zero} but > 0 at the others; the fit "
+            f"would pull {name!r} to 0 everywhere: re-measure those counts or drop them (0 at "
+            "every point is fine: a component that costs nothing)",
+        )
     cp = ComponentProfile(
         points,
         _number(c.get("min_devices", 1), f"{where}.min_devices", 1, integer=True),
@@ -218,9 +231,10 @@ def profile_from_dict(doc: Any) -> Profile:
     """Validate and build a :class:`Profile`.
 
     Raises:
-        ProfileError: not a mapping, unknown or missing keys, a negative or non-numeric number,
-            a component without points (or with a device count measured twice), or an edge
-            naming a component the profile does not measure.
+        ProfileError: not a mapping, unknown or missing keys, a negative, non-finite or
+            non-numeric number, a device count or batch size below 1, a component without
+            points (or with a device count measured twice, or 0 seconds or bytes at some of its
+            points only), or an edge naming a component the profile does not measure.
     """
     _keys(doc, _TOP, {"batch_size", "components"}, "profile")
     batch = _number(doc["batch_size"], "batch_size", 1, integer=True)

@@ -88,3 +88,12 @@ def test_fit_scaling_and_bad_input():
         fit([(1, 1.0)], models=["cubic"])
     with pytest.raises(ValueError, match="2 device counts but 1"):
         fit_scaling([1, 2], [1.0])
+
+
+def test_zero_values_fit_without_dividing_by_zero():
+    """A component measured at 0 everywhere (seconds below the profiler's 1 us, or no device
+    memory) fits the constant 0, with no division by zero anywhere (numpy would raise)."""
+    with np.errstate(all="raise"):
+        for pts in ([(1, 0.0)], [(1, 0.0), (2, 0.0)], [(1, 0.0), (2, 0.0), (4, 0.0)]):
+            f = fit(pts)
+            assert f.model == "constant" and f(np.arange(1, 9)).tolist() == [0.0] * 8

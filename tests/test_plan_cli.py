@@ -4,6 +4,7 @@ tree/table/runner-ups, --json, --gantt, --nodes, and exit code 2 with one line o
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
+from m2flow.placement import Placement
 from m2flow.plan_cli import register
 
 PROFILES = Path(__file__).resolve().parents[1] / "benchmarks" / "profiles"
@@ -132,6 +134,11 @@ def test_memory_override(app):
     assert tight.exit_code == 2 and "does not fit in memory" in tight.stderr
 
 
+def _point(tmp_path, **values):
+    """The chain profile with its inference component's first point (1 device) edited."""
+    return _profile(tmp_path, lambda d: d["components"]["inference"]["points"][0].update(values))
+
+
 def _profile(tmp_path, edit):
     doc = yaml.safe_load(Path(CHAIN).read_text())
     edit(doc)
@@ -166,6 +173,24 @@ def _profile(tmp_path, edit):
         (lambda tp: [CHAIN, "-n", "2", "--mode", "spatial"], "at least 3 devices"),
         (lambda tp: [CHAIN, "-n", "8", "--mode", "fast"], "choose one of"),
         (lambda tp: [CHAIN, "-n", "0"], "at least 1 device"),
+        (lambda tp: [CHAIN, "-n", "65537"], "at most 65536 (MAX_DEVICES"),
+        # Degenerate profile values: caught when the profile is loaded, named with the fix.
+        (lambda tp: [_point(tp, seconds=math.nan), "-n", "8"], "seconds = nan is not a finite"),
+        (lambda tp: [_point(tp, seconds=math.inf), "-n", "8"], "seconds = inf is not a finite"),
+        (lambda tp: [_point(tp, seconds=-0.5), "-n", "8"], "seconds = -0.5 must be >= 0"),
+        (lambda tp: [_point(tp, devices=0), "-n", "8"], "devices = 0 must be >= 1"),
+        (lambda tp: [_point(tp, memory_bytes=-1), "-n", "8"], "memory_bytes = -1 must be >= 0"),
+        (lambda tp: [_point(tp, seconds=0), "-n", "8"], "seconds = 0 at devices [1] but > 0"),
+        (lambda tp: [_point(tp, memory_bytes=0), "-n", "8"], "memory_bytes = 0 at devices [1]"),
+        (lambda tp: [_profile(tp, lambda d: d.update(batch_size=0)), "-n", "8"], "batch_size = 0"),
+        (
+            lambda tp: [
+                _profile(tp, lambda d: d["components"]["inference"].update(points=[])),
+                "-n",
+                "8",
+            ],
+            "'inference' on at least one device count",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(app, tmp_path, args, match):
@@ -174,3 +199,49 @@ def test_bad_input_exits_2_with_one_line(app, tmp_path, args, match):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and match in lines[0], lines
     assert res.stdout == ""
+
+
+def test_save_and_gantt_create_missing_directories(app, tmp_path):
+    """``--save``/``--gantt`` into directories that do not exist yet create them (mkdir -p)."""
+    plan_file, png = tmp_path / "runs" / "a" / "plan.yaml", tmp_path / "figs" / "step.png"
+    res = run(app, CHAIN, "-n", "8", "--save", str(plan_file), "--gantt", str(png))
+    assert res.exit_code == 0, res.stderr
+    placement = Placement.load(plan_file)
+    assert set(placement.groups) == {"rollout", "inference", "train"}
+    assert placement.predicted_step_s > 0 and png.stat().st_size > 5000
+    assert f"plan file: {plan_file}" in res.stdout
+
+
+@pytest.mark.parametrize("flag", ["--save", "--gantt"])
+def test_unwritable_output_exits_2_with_one_line(app, tmp_path, flag):
+    (tmp_path / "file").write_text("not a directory")
+    target = tmp_path / "file" / "out.png"
+    res = run(app, CHAIN, "-n", "8", flag, str(target))
+    assert res.exit_code == 2, (res.stdout, res.stderr, res.exception)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot write {target}"), lines
+
+
+def test_zero_second_profile_plans(app, tmp_path):
+    """Every point at ``seconds: 0`` (the profiler's rounding of a group with nothing
+    measurable to do) is a component that costs nothing: it plans; a predicted 0 s step has
+    no throughput to print (no division by zero), in text, JSON and the Gantt chart."""
+
+    def free(doc):
+        for comp in doc["components"].values():
+            for pt in comp["points"]:
+                pt["seconds"] = 0
+
+    path = _profile(tmp_path, free)
+    png = tmp_path / "zero.png"
+    res = run(app, path, "-n", "8", "--gantt", str(png))
+    assert res.exit_code == 0, (res.stderr, res.exception)
+    assert "predicted step: 0.0000 s" in res.stdout and "throughput unbounded" in res.stdout
+    assert png.stat().st_size > 5000
+    doc = json.loads(run(app, path, "-n", "8", "--json").stdout)
+    assert doc["time_s"] == 0 and doc["throughput_items_per_s"] is None
+    zero = {"devices": 1, "seconds": 0, "memory_bytes": 0}
+    one = _profile(tmp_path, lambda d: d["components"]["inference"].update(points=[zero]))
+    doc = json.loads(run(app, one, "-n", "8", "--json").stdout)
+    inference = doc["components"]["inference"]  # costs its switch (0.2 s) when time-shared
+    assert inference["time_s"] in (0.0, 0.2) and doc["time_s"] > 0

@@ -9,11 +9,14 @@ import itertools
 import json
 import math
 import random
+import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 from m2flow.scheduler import cost as cost_module
+from m2flow.scheduler import planner as planner_module
 from m2flow.scheduler.cost import best_split_all, divisors, pipelined_time, spatial_time
 from m2flow.scheduler.planner import (
     DEFAULT_SLACK,
@@ -27,7 +30,10 @@ from m2flow.scheduler.planner import (
     Workflow,
     plan_workflow,
 )
+from m2flow.scheduler.profile import load_profile, to_workflow
 from m2flow.scheduler.timeline import step_timeline
+
+PROFILES = Path(__file__).resolve().parents[1] / "benchmarks" / "profiles"
 
 
 def _brute(names, preds, comp, n, M, cap, shared, idle=True, slack=0.0):
@@ -568,3 +574,84 @@ def test_spatial_time_pays_overhead_per_extra_chunk():
     assert spatial_time(2.0, 1.0, 0.5, 0.25, 4) == pytest.approx(0.875 + 0.4375 + 3 * 0.875)
     # Overhead above the whole-batch time (a noisy profile) still gives a positive cost.
     assert spatial_time(0.02, 0.15, 0.05, 0.1, 4) > 0.02 + 0.15
+
+
+def _staircase(rng, n_max):
+    """A planner leaf table with slack (module docstring, point 2): nonincreasing, with steps."""
+    n = np.arange(n_max + 1, dtype=float)
+    n[0] = 1
+    raw = rng.uniform(0.1, 5) + rng.uniform(1, 500) / n + rng.choice([0.0, 0.01]) * n
+    raw[0] = math.inf
+    env = np.minimum.accumulate(raw)
+    slack = rng.choice([0.001, 0.01, 0.05])
+    k = np.searchsorted(-env[1:], -(1.0 + slack) * env, side="left") + 1
+    return np.r_[math.inf, raw[np.minimum(k, n_max)][1:]]
+
+
+def _split_table(rng, n_max):
+    """A staircase, a flat-run, a jagged nonincreasing or a non-monotone table."""
+    n = np.arange(n_max + 1, dtype=float)
+    n[0] = 1
+    kind = rng.integers(0, 4)
+    if kind == 0:
+        return _staircase(rng, n_max)
+    if kind == 1:  # rounded (long flat runs), then the envelope
+        t = np.round(rng.uniform(0.5, 5) + rng.uniform(1, 100) / n, 1)
+        return np.minimum.accumulate(np.r_[math.inf, t[1:]])
+    if kind == 2:
+        return np.r_[math.inf, np.sort(rng.uniform(0, 3, n_max))[::-1]]
+    return np.r_[math.inf, rng.uniform(0, 10, n_max)]
+
+
+def test_split_search_streams_exactly(monkeypatch):
+    """The window search evaluates its candidates in blocks (here of 50, so many per call) and,
+    where the downstream table is nonincreasing, only where the upstream table changes: the
+    same (cost, n_U, k) for every n, bit for bit, as trying every split."""
+    monkeypatch.setattr(cost_module, "_BLOCK", 50)
+    rng = np.random.default_rng(7)
+    checked = 0
+    for _ in range(40):
+        n_max = int(rng.integers(60, 300))
+        batch = int(rng.choice([4, 12, 64]))
+        chunks = np.array([batch // m for m in divisors(batch)[::-1]])
+        pu, pd = _split_table(rng, n_max), _split_table(rng, n_max)
+        o_u, o_d = (float(rng.choice([0.0, rng.uniform(0, 0.3)])) for _ in range(2))
+        search = best_split_all(pu, pd, o_u, o_d, chunks, exhaustive_splits=0)
+        direct = best_split_all(pu, pd, o_u, o_d, chunks, exhaustive_splits=10**9)
+        for got, want in zip(search, direct):
+            np.testing.assert_array_equal(got, want)
+        checked += bool(np.isfinite(search[0]).any())
+    assert checked > 30
+
+
+def test_large_plan_memory_is_bounded():
+    """``m2flow plan --devices 16384`` on the chain profile (runner-ups included) allocates a
+    few tables' worth: the split search streams its candidates instead of holding them all
+    (606 MiB at this size before; tracemalloc sees numpy's allocations). More devices never
+    make the plan slower (idle devices allowed)."""
+    prof = load_profile(PROFILES / "synthetic_chain3.yaml")
+    wf = to_workflow(prof)
+    smaller = plan_workflow(wf, 8192, prof.device_memory_bytes)
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        res = plan_workflow(wf, 16_384, prof.device_memory_bytes, runner_ups=True)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB"  # 4 KiB per device
+    assert set(res.plan.placement()) == {"rollout", "inference", "train"}
+    assert res.plan.time <= smaller.time and res.runner_ups
+
+
+def test_above_max_devices_is_refused():
+    """Past MAX_DEVICES the planner refuses at once (its tables grow with N), naming it."""
+    top = planner_module.MAX_DEVICES
+    assert top >= 65_536
+    wf = Workflow([_c("a", 10.0, 1.0)], [], 4)
+    with pytest.raises(PlanError, match=f"above MAX_DEVICES={top}"):
+        plan_workflow(wf, top + 1)

@@ -52,6 +52,11 @@ def _doc():
     return yaml.safe_load(DOC)
 
 
+def _pt(doc, **values):
+    """Edit the rollout's first point (1 device)."""
+    doc["components"]["rollout"]["points"][0].update(values)
+
+
 def test_schema_loads_and_round_trips(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text(DOC)
@@ -102,6 +107,18 @@ def test_to_workflow_fits_and_plans():
         (lambda d: d["components"]["rollout"]["points"][0].update(seconds="fast"), "not a num"),
         (lambda d: d["components"]["rollout"]["points"][0].update(seconds=True), "not a finite"),
         (lambda d: d.update(components={}), "at least one component"),
+        (lambda d: _pt(d, seconds=math.nan), r"seconds = nan is not a finite"),
+        (lambda d: _pt(d, seconds=math.inf), r"seconds = inf is not a finite"),
+        (lambda d: _pt(d, devices=0), r"points\[0\]\.devices = 0 must be >= 1"),
+        (lambda d: _pt(d, devices=1.5), "whole number"),
+        (lambda d: _pt(d, memory_bytes=-1), r"memory_bytes = -1 must be >= 0"),
+        (lambda d: _pt(d, memory_bytes=math.nan), r"memory_bytes = nan is not a finite"),
+        (lambda d: _pt(d, seconds=0), r"rollout\.points: seconds = 0 at devices \[1\] but > 0"),
+        (lambda d: _pt(d, memory_bytes=0), r"memory_bytes = 0 at devices \[1\].*drop them"),
+        (lambda d: d["components"]["rollout"].update(min_devices=0), "min_devices = 0"),
+        (lambda d: d["components"]["rollout"].update(chunk_overhead_s=-1), "chunk_overhead_s"),
+        (lambda d: d.update(step_overhead_s=-0.1), "step_overhead_s = -0.1 must be >= 0"),
+        (lambda d: d.update(device_memory_bytes=0), "device_memory_bytes = 0 must be >= 1"),
     ],
 )
 def test_validation_errors_name_problem_and_fix(edit, match):
@@ -136,3 +153,18 @@ def test_example_profiles(name):
             assert comps[n].memory(4) > prof.device_memory_bytes >= comps[n].memory(8)
     plan = plan_workflow(wf, 64, prof.device_memory_bytes)
     assert set(plan.placement()) == set(prof.components)
+
+
+def test_zero_everywhere_is_a_free_component():
+    """``seconds: 0`` and ``memory_bytes: 0`` at every point: a component that costs nothing
+    (the profiler rounds below 1 us to 0); its fits are 0 and it plans at no cost."""
+    doc = _doc()
+    for pt in doc["components"]["rollout"]["points"]:
+        pt.update(seconds=0, memory_bytes=0)
+    prof = profile_from_dict(doc)
+    comps = {c.name: c for c in to_workflow(prof).components}
+    assert comps["rollout"].time(1) == comps["rollout"].time(64) == 0.0
+    assert comps["rollout"].memory(3) == 0.0
+    plan = plan_workflow(to_workflow(prof), 8, prof.device_memory_bytes, slack=0.0)
+    rollout = next(lf for lf in plan.leaves() if "rollout" in lf.components)
+    assert rollout.time == (0.05 if rollout.shared else 0.0)  # its switch, if time-shared
