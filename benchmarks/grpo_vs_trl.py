@@ -5,18 +5,22 @@ the same reasoning-gym task and reward, with the same batch shape: 32 prompts x 
 at most 6 new tokens, temperature 0.7 (top-p 1, no top-k), AdamW lr 1e-4, clip 0.2 / 0.28,
 token-mean loss, no KL, one optimizer step per batch.
 
-1. Ours: ``workflows/grpo.py`` through the m2flow API (``m2flow.cli.prepare`` + ``main``)
+Runs are interleaved: one shared supervised warm start (untimed), then ``--repeats`` rounds of
+ours and TRL, each starting from the warm-started weights; the ratio reported is the median of
+the per-round ratios, with half their range as the spread.
+
+1. Ours: ``workflows/grpo.py`` through ``m2flow.run_workflow``, resumed from the warm start,
    under the planned mode, as ``m2flow run ... plan=auto --profile P`` would run it: one
    virtual device per core (``--devices``), the plan from this machine's profile
    (``benchmarks/profiles/grpo_2cpu.yaml``), each rank using its devices' share of the CPUs.
    ``--plan none`` runs the runner's default instead (temporal, every group on one device with
-   ``--threads`` threads). Its supervised warm start runs first (untimed), then ``--warmup +
-   --steps`` GRPO steps; throughput is the workflow's own ``tokens_per_s`` (real prompt +
-   response tokens of the step / step wall time).
+   ``--threads`` threads). ``--warmup + --steps`` GRPO steps; throughput is the workflow's
+   own ``tokens_per_s`` (real prompt + response tokens of the step / step wall time).
 2. TRL: ``GRPOTrainer`` (``use_cpu``, fp32, no gradient checkpointing, no vLLM; transformers
-   ``generate``), started from our run's final checkpoint so that both policies write answers
-   of the same length. Throughput is TRL's own token count (``num_input_tokens_seen``: prompt +
-   completion tokens) per step over the wall time between consecutive step ends.
+   ``generate``), started from the same warm-started weights, so that both policies write
+   answers of the same length. Throughput is TRL's own token count
+   (``num_input_tokens_seen``: prompt + completion tokens) per step over the wall time between
+   consecutive step ends.
 
 Both use the workflow's model config, attention kernel included (``--attn`` sets it for
 both), the machine's cores (TRL: one process with ``--threads`` torch threads; ours: the plan's
@@ -31,8 +35,8 @@ its step: the rest is Ray calls, prompt puts, device switches and the weight syn
 ``benchmarks/results/grpo_vs_trl.json``.
 
     python benchmarks/grpo_vs_trl.py [--steps 20] [--warmup 5] [--threads 2] [--attn eager]
-        [--plan auto|none|...] [--profile P] [--devices N]
-        [--only ours|trl [--checkpoint DIR]] [workflow overrides for ours ...]
+        [--plan auto|none|...] [--profile P] [--devices N] [--repeats 3]
+        [--only ours|trl] [workflow overrides for ours ...]
 
 Needs the ``bench`` extra (``pip install -c constraints.txt -e '.[bench]'``).
 """
@@ -43,8 +47,9 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
@@ -53,6 +58,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from plan_modes import warm_start  # noqa: E402  (the shared warm start, resumed run dirs)
+
 # Ray starts its workers (ours) at this niceness (raylet's ``worker_niceness``); TRL runs at
 # the same, so background load on a shared machine slows both sides alike.
 RAY_WORKER_NICENESS = 15
@@ -67,28 +75,24 @@ def run_ours(
     steps: int,
     warmup: int,
     threads: int,
-    run_dir: Path,
+    resumed: list[str],
     extra: list[str],
     plan: str | None = None,
     profile: str | None = None,
 ) -> dict:
-    """The GRPO workflow for ``warmup + steps`` steps under ``plan`` (as ``m2flow run
-    plan=...``; None: the default, temporal on every device); medians over the last
-    ``steps``."""
+    """The GRPO workflow resumed from the shared warm start (``resumed``: its overrides, from
+    :func:`plan_modes.warm_start`) for ``warmup + steps`` more steps under ``plan`` (as
+    ``m2flow run plan=...``; None: the default, temporal on every device); medians over the
+    last ``steps``."""
     from m2flow.workflow import run_workflow
 
+    run_dir = Path(next(o for o in resumed if o.startswith("trainer.run_dir="))[16:])
     overrides = [
-        f"trainer.steps={warmup + steps}",
-        f"trainer.run_dir={run_dir}",
-        f"trainer.prompts_per_step={PROMPTS}",
-        f"trainer.eval_every={10**6}",  # the last step still evaluates (after its timing)
-        f"rollout.n_samples={SAMPLES}",
-        f"rollout.max_new_tokens={MAX_NEW}",
-        f"rollout.temperature={TEMPERATURE}",
+        *resumed,
+        f"trainer.steps={1 + warmup + steps}",  # the warm start's run ended at step 1
         # Under a plan each rank gets its devices' share of the CPUs (threads=0).
         f"rollout.threads={0 if plan else threads}",
         f"actor.threads={0 if plan else threads}",
-        f"actor.lr={LR}",
         *extra,
     ]
     workflow = str(ROOT / "workflows" / "grpo.py")
@@ -97,7 +101,7 @@ def run_ours(
     wall = time.time() - t0
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     warm = next(r for r in rows if r.get("phase") == "warm_start")
-    grpo = [r for r in rows if "tokens_per_s" in r][warmup:]
+    grpo = [r for r in rows if "tokens_per_s" in r and r["step"] > 1][warmup:]
     return {
         "tokens_per_s": _median(grpo, "tokens_per_s"),
         "step_s": _median(grpo, "step_s"),
@@ -111,7 +115,6 @@ def run_ours(
         "warm_start_s": warm["seconds"],
         "wall_s": wall,
         "overrides": overrides,
-        "checkpoint": str(sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "actor"),
         "plan": session.placement.tree if session.placement else "temporal (default)",
     }
 
@@ -252,7 +255,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="GRPO steps dropped before measuring")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per process")
     ap.add_argument("--only", choices=["ours", "trl"], default=None)
-    ap.add_argument("--checkpoint", default=None, help="TRL start weights (--only trl)")
+    ap.add_argument("--repeats", type=int, default=3, help="ours, TRL, ours, TRL, ...")
+    ap.add_argument("--work", default="scratch/grpo_vs_trl", help="run directories (removed)")
     ap.add_argument(
         "--attn", default=None, help="attention kernel for both (default: the workflow's)"
     )
@@ -300,28 +304,46 @@ def main() -> None:
     overrides = [f"model.attn_implementation={attn}", *a.overrides]
     if plan is not None:
         overrides.insert(0, f"cluster.devices_per_node={a.devices}")
-    with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_") as tmp:
-        checkpoint = a.checkpoint
+    common = [
+        f"trainer.prompts_per_step={PROMPTS}",
+        f"trainer.eval_every={10**6}",  # the last step still evaluates (after its timing)
+        f"rollout.n_samples={SAMPLES}",
+        f"rollout.max_new_tokens={MAX_NEW}",
+        f"rollout.temperature={TEMPERATURE}",
+        f"actor.lr={LR}",
+    ]
+    work = Path(a.work)
+    resumed = warm_start(work, common + overrides)  # one warm start, every run resumes it
+    checkpoint = str(work / "warm" / "checkpoints" / "step_000001" / "actor")
+    runs: dict[str, list[dict]] = {"ours": [], "trl": []}
+    for r in range(a.repeats):  # interleaved, so drift on a shared machine hits both alike
         if a.only in (None, "ours"):
-            results["ours"] = run_ours(
-                a.steps, a.warmup, a.threads, Path(tmp) / "ours", overrides, plan, a.profile
+            runs["ours"].append(
+                run_ours(a.steps, a.warmup, a.threads, resumed(f"ours{r}"), [], plan, a.profile)
             )
-            checkpoint = results["ours"]["checkpoint"]
         if a.only in (None, "trl"):
-            if checkpoint is None:
-                raise SystemExit("--only trl needs --checkpoint (a workflow checkpoint directory)")
-            results["trl"] = run_trl(
-                a.steps, a.warmup, a.threads, checkpoint, Path(tmp) / "trl", attn
+            runs["trl"].append(
+                run_trl(a.steps, a.warmup, a.threads, checkpoint, work / f"trl{r}", attn)
             )
+    shutil.rmtree(work, ignore_errors=True)
 
-    sides = [s for s in ("ours", "trl") if s in results]
+    sides = [s for s in ("ours", "trl") if runs[s]]
     cols = ("tokens_per_s", "step_s", "rollout_s", "reward_s", "actor_s", "response_length")
-    print(f"{'':6}" + "".join(f"{c:>16}" for c in cols))
+    print(f"{'':6}" + "".join(f"{c:>16}" for c in cols) + "   (medians over repeats)")
     for s in sides:
+        results[s] = {c: statistics.median(x[c] for x in runs[s]) for c in cols}
+        results[s]["repeats"] = runs[s]
         print(f"{s:6}" + "".join(f"{results[s][c]:16.3f}" for c in cols))
     if len(sides) == 2:
-        results["ratio"] = results["ours"]["tokens_per_s"] / results["trl"]["tokens_per_s"]
-        print(f"ours / trl tokens/s: {results['ratio']:.2f}x")
+        ratios = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(*runs.values())]
+        results["ratios"] = ratios
+        results["ratio"] = statistics.median(ratios)
+        results["ratio_spread"] = (max(ratios) - min(ratios)) / 2
+        shown = ", ".join(f"{x:.2f}" for x in ratios)
+        print(
+            f"ours / trl tokens/s: median {results['ratio']:.2f}x, spread "
+            f"+-{results['ratio_spread']:.2f} (repeats: {shown})"
+        )
     if a.only is None:
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)

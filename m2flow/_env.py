@@ -1,4 +1,4 @@
-"""Environment defaults for Ray on a developer machine or CI (see DESIGN.md, environment)."""
+"""Environment defaults for Ray on a developer machine or CI (docs/design.md, "Machines")."""
 
 import os
 

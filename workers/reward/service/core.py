@@ -23,7 +23,7 @@ one follow-up decision; nothing waits on a decision (an announcement returns at 
 decision simulates at most ``max_decision_jobs`` requests (sampled, then scaled up), and a
 batch holds at most ``max_batch_size`` requests, so a decision's cost is bounded.
 
-Trust (docs/DESIGN.md, "Reward service trust model"): rewards are clamped to the pipeline
+Trust (docs/design.md, "Reward service trust model"): rewards are clamped to the pipeline
 kind's documented range; a request's sandbox limits are validated when it is submitted (only
 tighter than the service's); a tenant sees only its own tasks, in every view.
 """

@@ -1,6 +1,6 @@
 """Run untrusted generated Python against test cases; the verdict is decided outside it.
 
-Trust model (docs/DESIGN.md, "Reward service trust model"; DistRS section 4's sandboxed code
+Trust model (docs/design.md, "Reward service trust model"; DistRS section 4's sandboxed code
 reward). Submitted programs are hostile. What is guaranteed, when the service runs as root
 with ``unshare`` (the deployment this is built and tested for; :func:`isolation` says
 ``namespaces``):
