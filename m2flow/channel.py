@@ -1,13 +1,26 @@
 """Channel: a named FIFO queue between workers (RLinf section 4.2, data channel).
 
-``Channel.create("rollout")`` starts a channel actor; the returned handle can be passed to
-workers as an argument. ``put(item, weight=1, key=None)`` and ``get(key=None)`` /
-``get_batch(target_weight, ...)`` block (with a timeout) or, with ``async_op=True``, return a
-:class:`~m2flow.work.Work`. ``stream()`` reads a producer's step until its end-of-step signal.
+``Channel.create("rollout")`` starts a channel actor (:mod:`m2flow.channel_actor`); the returned
+handle can be passed to workers as an argument. ``put(item, weight=1, key=None)`` and
+``get(key=None)`` / ``get_batch(target_weight, ...)`` block (with a timeout) or, with
+``async_op=True``, return a :class:`~m2flow.work.Work`. ``stream()`` reads a producer's step
+until its end-of-step signal.
 
-- Items that hold tensors or arrays go into the Ray object store at ``put``; the channel actor
-  queues only the reference, so tensors never pass through its mailbox. Plain Python values
-  travel inline (cheaper than an object-store round trip).
+- Items that hold tensors or arrays go into the Ray object store at ``put``, as frames a reader
+  on the same node maps without copying (:mod:`m2flow.channel_codec`); the channel actor queues
+  only the reference. Plain Python values travel inline.
+- A put on an unbounded channel does not wait for the channel's reply: every client numbers its
+  operations and the channel applies them in that order, so the client's own later operations
+  see the put anyway. Its error, if any (the channel is gone), is raised by the client's next
+  blocking operation on the channel or at the end of its group call, which waits until the
+  channel has applied the call's puts. So when a producer's group call returns, its items are
+  in the channel. A put on a bounded channel (``maxsize``) waits for room, as before.
+- A plain ``get()`` (and a one-item ``stream()``) may take up to :data:`READ_AHEAD` queued
+  items in one round trip when its caller is the only consumer the key has had; the following
+  gets are served from them. Items not used go back to the front of the queue at the caller's
+  next other operation on the key (``get_batch``, ``qsize``, ...), at the end of its group call,
+  or when the driver gives the channel to a group call. A worker in a group call that runs on
+  several ranks never reads ahead (its ranks share the items).
 - Weights balance load: among consumers waiting on the same key, the one that has taken the
   least weight so far is served first; which items it gets is the balance policy's choice
   (:mod:`m2flow.scheduler.balance`; FIFO by default, or the consumer's own callable).
@@ -23,314 +36,36 @@ workers as an argument. ``put(item, weight=1, key=None)`` and ``get(key=None)`` 
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import itertools
 import os
 import threading
-from collections import Counter, defaultdict, deque
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import ray
 
-from m2flow.scheduler.balance import QueuedItem, fifo, fifo_count, serve_order
+from m2flow.scheduler.balance import fifo
 
 from ._env import wait_timeout
+from .channel_actor import DRIVER, ChannelActor, ClientId, StreamAborted
+from .channel_codec import needs_object_store as _needs_object_store  # noqa: F401 (tests)
+from .channel_codec import payload, resolve
 from .cluster import NAMESPACE
-from .lock import LOCK_SERVICE_NAME
 from .work import Work
 
-DRIVER = "driver"
+__all__ = ["DRIVER", "Channel", "ClientId", "Fanout", "StreamAborted"]
+
+READ_AHEAD = 256  # items a plain get may take ahead for later gets of the same client
+MAX_PENDING = 1024  # puts gathered before they are sent without waiting for an operation
+LINGER_S = 0.001  # longest a gathered put waits for an operation to carry it
+MAX_UNACKED = 64  # operations carrying puts a client may have in flight before it waits
+_ALL = object()  # every key
+
 _created: dict[str, Channel] = {}  # channels this process created, for the trace
-_EPOCHS_KEPT = 64  # end-of-step records kept per channel (older epochs are forgotten)
-
-
-class ClientId(NamedTuple):
-    """Who operates on a channel: ``group`` (a worker group, or ``driver``) and ``name``, unique
-    per process (``group:rank`` or ``driver#pid``)."""
-
-    group: str
-    name: str
-
-
-class StreamAborted(RuntimeError):
-    """A producer of the step being streamed raised: no end of step will come."""
-
-
-@dataclass
-class _Entry:
-    payload: tuple  # ("ref", [ObjectRef]) or ("value", obj)
-    weight: float
-    producer: str
-    seq: int
-    epoch: int | None
-
-
-@dataclass
-class _Waiter:
-    consumer: ClientId
-    target_weight: float | None
-    policy: Callable | None  # None: FIFO (fast path)
-    future: asyncio.Future
-    seq: int
-    max_items: int | None = None
-    epoch: int | None = None  # set for stream reads: only items of this epoch, then the end
-
-
-@dataclass
-class _KeyState:
-    items: deque = field(default_factory=deque)
-    waiters: list = field(default_factory=list)
-
-
-@dataclass
-class _EpochState:
-    """End-of-step bookkeeping of one epoch: groups that put items, ranks that ended."""
-
-    producers: set[str] = field(default_factory=set)
-    ended: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
-    participants: dict[str, int] = field(default_factory=dict)
-    aborted: str | None = None
-
-    def done(self) -> bool:
-        return bool(self.producers) and all(
-            g in self.participants and len(self.ended[g]) >= self.participants[g]
-            for g in self.producers
-        )
-
-
-@ray.remote(num_cpus=0)
-class ChannelActor:
-    """Holds the queues of one channel. All methods are coroutines.
-
-    Ray does not run an async actor's calls in submission order, so every client numbers its
-    operations on the channel and the actor applies each client's operations in that order
-    (program order per client: FIFO per producer, own puts visible to own gets, a producer's
-    end-of-step after its puts).
-    """
-
-    def __init__(self, name: str, maxsize: int) -> None:
-        self.name, self.maxsize = name, maxsize
-        self.keys: dict[Any, _KeyState] = defaultdict(_KeyState)
-        self.load: Counter = Counter()  # consumer -> weight taken so far
-        self.edges: Counter = Counter()  # (producer, consumer) -> items
-        self.epochs: dict[int, _EpochState] = {}
-        self.seq = itertools.count()
-        self.space = asyncio.Condition()
-        self.size = 0
-        self.next_op: Counter = Counter()  # client -> next operation number to apply
-        self.turns: dict[tuple[str, int], asyncio.Future] = {}
-
-    async def config(self) -> dict:
-        return {"maxsize": self.maxsize}
-
-    async def _turn(self, client: ClientId, op: int) -> None:
-        if self.next_op[client.name] != op:
-            fut = asyncio.get_running_loop().create_future()
-            self.turns[(client.name, op)] = fut
-            await fut
-
-    def _next_turn(self, client: ClientId) -> None:
-        self.next_op[client.name] += 1
-        fut = self.turns.pop((client.name, self.next_op[client.name]), None)
-        if fut is not None:
-            fut.set_result(None)
-
-    def _epoch(self, epoch: int) -> _EpochState:
-        if epoch not in self.epochs:
-            self.epochs[epoch] = _EpochState()
-            while len(self.epochs) > _EPOCHS_KEPT:
-                del self.epochs[min(self.epochs)]
-        return self.epochs[epoch]
-
-    async def put(self, args: tuple) -> None:
-        """Queue items in order: ``args`` is ``(client, op, [(payload, weight)], key, epoch,
-        timeout)``. A bounded channel waits for room before each item."""
-        client, op, entries, key, epoch, timeout = args
-        await self._turn(client, op)
-        try:
-            if epoch is not None:
-                self._epoch(epoch).producers.add(client.group)
-            for done, (payload, weight) in enumerate(entries):
-                if self.maxsize:
-                    await self._wait_for_room(timeout, done, len(entries))
-                self.keys[key].items.append(
-                    _Entry(payload, float(weight), client.group, next(self.seq), epoch)
-                )
-                self.size += 1
-                self._dispatch(key)
-        finally:
-            self._next_turn(client)
-
-    async def end(self, args: tuple) -> None:
-        """A rank's group call ended: ``(client, op, rank, participants, epoch, abort)``.
-        ``abort`` (the error text) fails every stream read of the epoch at once."""
-        client, op, rank, participants, epoch, abort = args
-        await self._turn(client, op)
-        try:
-            st = self._epoch(epoch)
-            st.ended[client.group].add(rank)
-            st.participants[client.group] = participants
-            if abort is not None and st.aborted is None:
-                st.aborted = f"{client.name} raised: {abort}"
-            for key in list(self.keys):
-                self._dispatch(key)
-        finally:
-            self._next_turn(client)
-
-    async def _wait_for_room(self, timeout: float, done: int, total: int) -> None:
-        async with self.space:
-            try:
-                await asyncio.wait_for(
-                    self.space.wait_for(lambda: self.size < self.maxsize), timeout
-                )
-            except TimeoutError:
-                queued = f"; the first {done} of these {total} items are queued" if done else ""
-                raise TimeoutError(
-                    f"channel '{self.name}' stayed full ({self.maxsize} items) for "
-                    f"{timeout:.0f} s: no consumer is taking items{queued}"
-                ) from None
-
-    async def get(self, args: tuple):
-        """Items for one consumer: a list of ``(payload, weight)``; for a stream read whose
-        epoch has ended and holds no more items, ``None``.
-
-        ``args``: ``(client, op, key, target_weight, policy, timeout, max_items, epoch)``.
-        """
-        client, op, key, target_weight, policy, timeout, max_items, epoch = args
-        await self._turn(client, op)
-        state = self.keys[key]
-        waiter = _Waiter(
-            client,
-            target_weight,
-            policy,
-            asyncio.get_running_loop().create_future(),
-            next(self.seq),
-            max_items,
-            epoch,
-        )
-        state.waiters.append(waiter)
-        self._dispatch(key)
-        self._next_turn(client)  # registered: the client's next operation may proceed
-        if not waiter.future.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-            except TimeoutError:
-                if not waiter.future.done():
-                    state.waiters.remove(waiter)
-                    what = f"the end of step {epoch}" if epoch is not None else "items"
-                    raise TimeoutError(
-                        f"channel '{self.name}': {client.name} waited {timeout:.0f} s for "
-                        f"{what} on key {key!r} (target weight {target_weight}); "
-                        f"{len(state.items)} items queued with weight "
-                        f"{sum(e.weight for e in state.items):g}. Is the producer running "
-                        "and putting to this key?"
-                    ) from None
-        if self.maxsize:
-            async with self.space:
-                self.space.notify_all()
-        return waiter.future.result()
-
-    def _candidates(self, state: _KeyState, waiter: _Waiter) -> list[int] | None:
-        """Indices of the queued items ``waiter`` may take (``None``: all of them)."""
-        if waiter.epoch is None:
-            return None
-        return [i for i, e in enumerate(state.items) if e.epoch == waiter.epoch]
-
-    def _pick(self, state: _KeyState, waiter: _Waiter) -> list[int]:
-        cand = self._candidates(state, waiter)
-        items = state.items if cand is None else [state.items[i] for i in cand]
-        if waiter.policy is None:  # FIFO without building a view: O(items taken)
-            picked = list(range(fifo_count((e.weight for e in items), waiter.target_weight)))
-        else:
-            view = [QueuedItem(e.weight, e.seq, e.producer) for e in items]
-            picked = sorted(waiter.policy(view, waiter.target_weight))
-        if waiter.max_items is not None:
-            picked = picked[: waiter.max_items]
-        return picked if cand is None else [cand[i] for i in picked]
-
-    def _end_of_stream(self, state: _KeyState, waiter: _Waiter) -> bool:
-        """For a stream read: its epoch ended and nothing of it is left (raises if it was
-        aborted)."""
-        if waiter.epoch is None:
-            return False
-        st = self.epochs.get(waiter.epoch)
-        if st is None:
-            return False
-        if st.aborted is not None:
-            waiter.future.set_exception(
-                StreamAborted(
-                    f"channel '{self.name}', step {waiter.epoch}: {st.aborted} (no end of "
-                    "step will come)"
-                )
-            )
-            return True
-        if st.done() and not any(e.epoch == waiter.epoch for e in state.items):
-            waiter.future.set_result(None)
-            return True
-        return False
-
-    def _dispatch(self, key: Any) -> None:
-        state = self.keys[key]
-        for waiter in [w for w in state.waiters if self._end_of_stream(state, w)]:
-            state.waiters.remove(waiter)
-        while state.items and state.waiters:
-            # Least-loaded consumer first: weights balance work across consumers.
-            order = serve_order([(self.load[w.consumer.name], w.seq) for w in state.waiters])
-            for i in order:
-                waiter = state.waiters[i]
-                picked = self._pick(state, waiter)
-                if picked:
-                    break
-            else:
-                return
-            if picked == list(range(len(picked))):
-                taken = [state.items.popleft() for _ in picked]
-            else:
-                chosen = set(picked)
-                taken = [e for i, e in enumerate(state.items) if i in chosen]
-                state.items = deque(e for i, e in enumerate(state.items) if i not in chosen)
-            self.size -= len(taken)
-            for e in taken:
-                self.load[waiter.consumer.name] += e.weight
-                edge = (e.producer, waiter.consumer.group)
-                if edge not in self.edges:
-                    self._report_dependency(*edge)
-                self.edges[edge] += 1
-            state.waiters.remove(waiter)
-            waiter.future.set_result([(e.payload, e.weight) for e in taken])
-            for w in [w for w in state.waiters if self._end_of_stream(state, w)]:
-                state.waiters.remove(w)
-
-    def _report_dependency(self, producer: str, consumer: str) -> None:
-        """Tell the device locks that ``producer`` feeds ``consumer`` (fire and forget)."""
-        if DRIVER in (producer, consumer):
-            return
-        try:
-            locks = ray.get_actor(LOCK_SERVICE_NAME, namespace=NAMESPACE)
-        except ValueError:  # no cluster runs locks: nothing to tell
-            return
-        locks.add_dependency.remote(producer, consumer)
-
-    async def qsize(self, key: Any = None) -> int:
-        return len(self.keys[key].items) if key in self.keys else 0
-
-    async def graph_edges(self) -> list[tuple[str, str, int]]:
-        """``(producer group, consumer group, items)`` seen so far."""
-        return [(p, c, n) for (p, c), n in self.edges.items()]
-
-
-def _needs_object_store(item: Any) -> bool:
-    """True if ``item`` holds tensors/arrays (shallowly): those go by reference."""
-    kind = type(item).__module__.split(".")[0]
-    if kind in ("torch", "numpy", "tensordict"):
-        return True
-    if isinstance(item, dict):
-        return any(_needs_object_store(v) for v in item.values())
-    if isinstance(item, (list, tuple)):
-        return any(_needs_object_store(v) for v in item[:8])
-    return False
+_guard = threading.RLock()  # numbering + submission, read-ahead buffers
 
 
 def _identity() -> ClientId:
@@ -343,34 +78,202 @@ def _identity() -> ClientId:
     return ClientId(DRIVER, f"{DRIVER}#{os.getpid()}")
 
 
-def _call_epoch(channel: str) -> int | None:
-    """The epoch of ``channel`` in the group call this worker runs now (``None``: not in a
-    group call, or the channel was not among its arguments)."""
+def _call_ctx():
     from .worker import current_worker
 
     w = current_worker()
-    ctx = None if w is None else w._m2flow_call_ctx
+    return None if w is None else w._m2flow_call_ctx
+
+
+def _call_epoch(channel: str) -> int | None:
+    """The epoch of ``channel`` in the group call this worker runs now (``None``: not in a
+    group call, or the channel was not among its arguments)."""
+    ctx = _call_ctx()
     return None if ctx is None else ctx.epoch(channel)
 
 
-_op_counters: dict[str, itertools.count] = {}
-_op_guard = threading.Lock()
+def _may_read_ahead() -> bool:
+    """The driver, or a worker in a group call that runs on one rank (see the module)."""
+    from .worker import current_worker
+
+    if current_worker() is None:
+        return True
+    ctx = _call_ctx()
+    return ctx is not None and ctx.participants == 1
 
 
-def _resolve(pairs: list[tuple[tuple, float]] | None) -> list[Any] | None:
-    if pairs is None:  # end of a stream
+class _Client:
+    """This process's side of one channel: operation numbers, puts gathered but not sent,
+    operations not yet acknowledged, read-ahead items per key. Guarded by ``_guard``."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+        self.ops = itertools.count()
+        self.pending: list[tuple[Any, int | None, list]] = []  # (key, epoch, entries) to send
+        self.npending = 0  # items in ``pending``
+        self.unacked: deque = deque()  # refs of operations that carried puts or hand-backs
+        self.ahead: dict[Any, deque] = {}
+        self.dirty = False  # put or handed back since the last end of a group call
+        self.reading = False  # a reader (for read-ahead) until its end of call or hand-off
+
+    def add(self, key: Any, epoch: int | None, entries: list) -> None:
+        """Gather puts for the next operation (or the flusher: :data:`LINGER_S`)."""
+        with _guard:
+            last = self.pending[-1] if self.pending else None
+            if last is not None and last[0] == key and last[1] == epoch:
+                last[2].extend(entries)
+            else:
+                self.pending.append((key, epoch, list(entries)))
+            self.npending += len(entries)
+            if self.npending >= MAX_PENDING:
+                self.flush()
+            else:
+                _flusher.wake()
+
+    def submit(self, method: str, *args, track: bool = True):
+        """Submit one operation numbered in this client's program order, carrying the puts
+        gathered so far (the channel queues them first). ``track=False``: the caller waits
+        for the reply itself, so a failure of the puts it carried is raised there."""
+        with _guard:  # number and submit atomically: numbers follow submission order
+            puts, self.pending, self.npending = self.pending, [], 0
+            ref = getattr(self.actor, method).remote((_identity(), next(self.ops), puts, *args))
+            if puts:
+                self.dirty = True
+                if track:
+                    self.track(ref)
+            return ref
+
+    def flush(self):
+        """Send the gathered puts now, as an operation of their own (its ref; ``None`` when
+        there were none)."""
+        with _guard:
+            return self.submit("put", wait_timeout()) if self.pending else None
+
+    def track(self, ref) -> None:
+        """Remember an operation that queued items; past :data:`MAX_UNACKED` of them, wait
+        for the oldest (a producer does not run ahead without bound)."""
+        with _guard:
+            self.unacked.append(ref)
+            oldest = self.unacked.popleft() if len(self.unacked) > MAX_UNACKED else None
+        if oldest is not None:
+            ray.get(oldest, timeout=wait_timeout())
+
+    def check(self) -> None:
+        """Raise the error of the first acknowledged operation that failed (non-blocking)."""
+        with _guard:
+            sent = list(self.unacked)
+        if not sent:
+            return
+        done = set(ray.wait(sent, num_returns=len(sent), timeout=0)[0])
+        with _guard:
+            while self.unacked and self.unacked[0] in done:
+                ray.get(self.unacked.popleft())
+
+    def take_ahead(self, key: Any, epoch: int | None) -> tuple | None:
+        """The next read-ahead entry for a get of ``key`` (a stream read: of ``epoch``)."""
+        with _guard:
+            buf = self.ahead.get(key)
+            if not buf:
+                return None
+            if epoch is None or buf[0][4] == epoch:
+                return buf.popleft()
+        self.hand_back(key)  # items of another step: back to the channel
         return None
-    refs = [p[1][0] for p, _ in pairs if p[0] == "ref"]
-    fetched = iter(ray.get(refs)) if refs else iter(())
-    return [next(fetched) if p[0] == "ref" else p[1] for p, _ in pairs]
+
+    def hand_back(self, key: Any = _ALL) -> None:
+        """Give read-ahead items of ``key`` (default: every key) back to the channel."""
+        with _guard:
+            keys = list(self.ahead) if key is _ALL else [key]
+            for k in keys:
+                entries = list(self.ahead.pop(k, ()))
+                if entries:
+                    self.track(self.submit("restore", k, entries))
+
+
+_clients: dict[str, _Client] = {}  # by channel actor id
+
+
+def flush_all(but: _Client | None = None) -> None:
+    """Send every channel's gathered puts (but ``but``'s): this process is about to block."""
+    with _guard:
+        for client in _clients.values():
+            if client is not but and client.pending:
+                client.flush()
+
+
+class _Flusher:
+    """Sends gathered puts :data:`LINGER_S` after the first of them, for a producer that puts
+    and then computes without another channel operation (one daemon thread per process)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def wake(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="m2flow-flush", daemon=True)
+            self._thread.start()
+        self._event.set()
+
+    def _run(self) -> None:
+        while True:
+            self._event.wait()
+            time.sleep(LINGER_S)
+            self._event.clear()  # puts gathered from here on wake the next round
+            try:
+                flush_all()
+            except Exception:  # noqa: BLE001 (the channel's next operation raises it)
+                pass
+
+
+_flusher = _Flusher()
+
+
+def finish_call(channels: dict, rank: int, participants: int, abort: str | None) -> None:
+    """The end of this process's group call: read-ahead items go back, each channel of the
+    call (``name -> (Channel, epoch)``) gets this rank's end-of-step marker (abort marker if
+    ``abort``), and the call waits until every channel has queued this process's puts (and
+    applied the markers of the channels it put to).
+
+    Raises:
+        RayError: a put or marker failed (e.g. the channel was closed); not with ``abort``.
+    """
+    with _guard:
+        clients = list(_clients.values())
+        for client in clients:
+            client.hand_back()
+        waits = []
+        for ch, epoch in channels.values():
+            client = ch._client()
+            ref = client.submit("end", rank, participants, epoch, abort)
+            if client.dirty:  # a consumer's marker needs no wait: nothing of its to apply
+                waits.append(ref)
+            client.reading = False
+        for client in clients:
+            if client.reading:  # a channel not among the call's arguments
+                client.submit("leave")
+                client.reading = False
+            client.flush()
+            waits += client.unacked
+            client.unacked.clear()
+            client.dirty = False
+    if not waits:
+        return
+    try:
+        ray.get(waits, timeout=wait_timeout())
+    except Exception:  # noqa: BLE001 (an aborting call keeps its own error)
+        if abort is None:
+            raise
 
 
 class Channel:
     """Client handle of a channel; picklable, so it can be passed to workers."""
 
-    def __init__(self, name: str, actor) -> None:
+    def __init__(self, name: str, actor, maxsize: int | None = None) -> None:
         self.name = name
         self._actor = actor
+        self._maxsize = maxsize  # None: unknown, so puts wait as on a bounded channel
+        self._id = actor._actor_id.hex()
 
     @classmethod
     def create(cls, name: str, maxsize: int = 0) -> Channel:
@@ -388,28 +291,31 @@ class Channel:
             raise ValueError(
                 f"channel '{name}': maxsize={maxsize!r}; give an int >= 0 (0 = unbounded)"
             )
+        from .spot import here
+
         actor = ChannelActor.options(
-            name=f"channel:{name}", namespace=NAMESPACE, get_if_exists=True
-        ).remote(name, maxsize)
+            name=f"channel:{name}", namespace=NAMESPACE, get_if_exists=True,
+            scheduling_strategy=here(),
+        ).remote(name, maxsize)  # fmt: skip
         existing = ray.get(actor.config.remote(), timeout=wait_timeout())["maxsize"]
         if existing != maxsize:
             raise ValueError(
                 f"channel '{name}' already exists with maxsize={existing}, not {maxsize}: "
                 "close it first (Channel.close) or use another name"
             )
-        ch = cls(name, actor)
+        ch = cls(name, actor, maxsize)
         _created[name] = ch
         return ch
 
     def __reduce__(self):
-        return (Channel, (self.name, self._actor))
+        return (Channel, (self.name, self._actor, self._maxsize))
 
-    def _submit(self, method: str, *args):
-        """Submit one operation numbered in this client's program order (see ChannelActor)."""
-        client = _identity()
-        with _op_guard:  # number and submit atomically: numbers follow submission order
-            counter = _op_counters.setdefault(self._actor._actor_id.hex(), itertools.count())
-            return getattr(self._actor, method).remote((client, next(counter), *args))
+    def _client(self) -> _Client:
+        client = _clients.get(self._id)
+        if client is None:
+            with _guard:
+                client = _clients.setdefault(self._id, _Client(self._actor))
+        return client
 
     # -- put --------------------------------------------------------------------------------
 
@@ -423,7 +329,11 @@ class Channel:
     ):
         """Queue ``item`` under ``key`` with a load ``weight`` (e.g. its token count).
 
+        On an unbounded channel this returns once the put is sent (see the module docstring
+        for when its error surfaces); on a bounded one, once the item is queued.
+
         Raises:
+            ValueError: a negative weight.
             TimeoutError: a bounded channel stayed full for ``timeout`` seconds.
         """
         return self.put_many([item], [weight], key, async_op, timeout)
@@ -436,8 +346,8 @@ class Channel:
         async_op: bool = False,
         timeout: float | None = None,
     ):
-        """Queue ``items`` under ``key`` in order, in one round trip to the channel: the same
-        as ``put`` for each item. ``weights``: one per item (default 1 each).
+        """Queue ``items`` under ``key`` in order, in one operation: the same as ``put`` for
+        each item. ``weights``: one per item (default 1 each).
 
         Raises:
             ValueError: a negative weight, or not one weight per item.
@@ -452,18 +362,16 @@ class Channel:
         bad = [w for w in weights if not w >= 0]
         if bad:
             raise ValueError(f"channel '{self.name}': weight must be >= 0, got {bad[0]}")
-        entries = [
-            (("ref", [ray.put(it)]) if _needs_object_store(it) else ("value", it), float(w))
-            for it, w in zip(items, weights)
-        ]
-        epoch = _call_epoch(self.name)
+        entries = [(payload(it), float(w)) for it, w in zip(items, weights)]
+        client, epoch = self._client(), _call_epoch(self.name)
+        if self._maxsize == 0 and not async_op:  # unbounded: nothing to wait for (module)
+            client.add(key, epoch, entries)
+            return None
         timeout = wait_timeout() if timeout is None else timeout
-        work = Work(self._submit("put", entries, key, epoch, timeout))
-        return work if async_op else work.wait()
-
-    def _end(self, rank: int, participants: int, epoch: int, abort: str | None):
-        """The runtime's end-of-step (or abort) marker of one rank's call (async)."""
-        return Work(self._submit("end", rank, participants, epoch, abort))
+        with _guard:  # these items go in this operation, after the puts gathered before
+            client.pending.append((key, epoch, entries))
+            ref = client.submit("put", timeout, track=async_op)
+        return Work(ref) if async_op else Work(ref).wait()
 
     # -- get --------------------------------------------------------------------------------
 
@@ -473,7 +381,14 @@ class Channel:
         Raises:
             TimeoutError: nothing arrived within ``timeout`` s (default M2FLOW_WAIT_TIMEOUT).
         """
-        out = self._get(key, None, None, timeout, async_op, 1, None)
+        entry = self._client().take_ahead(key, None)
+        if entry is not None:
+            item = resolve([entry[0]])[0]
+            return Work(run=lambda: item) if async_op else item
+        # An async get may be one of several outstanding: it takes exactly one item. A bounded
+        # channel's bound holds items read ahead too: none there.
+        prefetch = READ_AHEAD if self._reads_ahead() and not async_op else 0
+        out = self._get(key, None, None, timeout, async_op, 1, None, prefetch)
         return Work(None, run=lambda: out.wait()[0]) if async_op else out[0]
 
     def get_batch(
@@ -522,30 +437,78 @@ class Channel:
                 f"channel '{self.name}': stream() reads one step of a producer group; call it "
                 "inside a group call that was given this channel as an argument"
             )
+        one = target_weight is None and balance in (None, fifo) and max_items in (None, 1)
+        prefetch = READ_AHEAD if one and self._reads_ahead() else 0
+        client = self._client()
         while True:
-            items = self._get(key, target_weight, balance, timeout, False, max_items, epoch)
+            entry = client.take_ahead(key, epoch) if prefetch else None
+            if entry is not None:
+                yield resolve([entry[0]])
+                continue
+            items = self._get(
+                key, target_weight, balance, timeout, False, max_items, epoch, prefetch
+            )
             if items is None:
                 return
             yield items
 
-    def _get(self, key, target, policy, timeout, async_op, max_items, epoch):
+    def _reads_ahead(self) -> bool:
+        return self._maxsize == 0 and _may_read_ahead()
+
+    def _get(self, key, target, policy, timeout, async_op, max_items, epoch, prefetch=0):
+        client = self._client()
+        client.hand_back(key)  # this get must see them: it may want other items than they
+        client.check()
+        flush_all(but=client)  # this one's puts go with the get
         timeout = wait_timeout() if timeout is None else timeout
         policy = None if policy is fifo else policy
-        ref = self._submit("get", key, target, policy, timeout, max_items, epoch)
-        work = Work(ref, then=_resolve, yields=True)
+        args = (key, target, policy, timeout, max_items, epoch, prefetch)
+        ref = client.submit("get", *args, track=async_op)
+        client.reading = True
+        work = Work(ref, then=functools.partial(self._received, key, prefetch), yields=True)
         if async_op:
             return work
         # Work.wait yields the worker's devices if the items are not there at once, so a
         # producer on the same devices can run meanwhile.
         return work.wait(timeout + 30)
 
+    def _received(self, key: Any, prefetch: int, entries: list[tuple] | None):
+        if entries is None:  # end of a stream
+            return None
+        if prefetch and len(entries) > 1:  # read ahead: the first is the one asked for
+            with _guard:
+                self._client().ahead.setdefault(key, deque()).extend(entries[1:])
+            entries = entries[:1]
+        return resolve([e[0] for e in entries])
+
+    # -- inspection and life cycle -----------------------------------------------------------
+
     def qsize(self, key: Any = None) -> int:
-        """Items queued under ``key``."""
-        return ray.get(self._actor.qsize.remote(key), timeout=60)
+        """Items queued under ``key`` (this client's read-ahead items go back first)."""
+        client = self._client()
+        client.hand_back(key)
+        client.check()
+        return ray.get(client.submit("qsize", key, track=False), timeout=60)
 
     def graph_edges(self) -> list[tuple[str, str, int]]:
         """``(producer group, consumer group, items)`` recorded so far."""
-        return ray.get(self._actor.graph_edges.remote(), timeout=60)
+        client = self._client()
+        client.hand_back()
+        return ray.get(client.submit("graph_edges", track=False), timeout=60)
+
+    def _hand_off(self) -> None:
+        """The driver gives this channel to a group call: its gathered puts go out, its
+        read-ahead items go back, and it stops being a reader (the call's consumers may read
+        ahead)."""
+        client = _clients.get(self._id)
+        if client is None:
+            return
+        with _guard:
+            if client.reading:
+                client.hand_back()
+                client.submit("leave")
+                client.reading = False
+            client.flush()
 
     def close(self) -> None:
         """Kill the channel actor (queued items are lost); its name is free on return."""
@@ -553,6 +516,7 @@ class Channel:
 
         ray.kill(self._actor, no_restart=True)
         _created.pop(self.name, None)
+        _clients.pop(self._id, None)
         wait_name_free(f"channel:{self.name}")
 
     @staticmethod
@@ -566,7 +530,8 @@ class Channel:
 
 class Fanout:
     """Several channels behind one ``put``: each item goes into every channel (one producer,
-    several consumer groups; each channel records its own edge and end of step).
+    several consumer groups; each channel records its own edge and end of step, and gets its
+    own copy of the item).
 
     ``rollout.generate(prompts, Channel.fanout(a, b, c), ...)`` feeds three groups at once.
 
@@ -580,13 +545,13 @@ class Fanout:
         self.channels = channels
 
     def put(self, item: Any, weight: float = 1.0, key: Any = None) -> None:
-        for work in [ch.put(item, weight, key, async_op=True) for ch in self.channels]:
-            work.wait()
+        self.put_many([item], [weight], key)
 
     def put_many(self, items: list[Any], weights: list[float] | None = None, key=None) -> None:
         works = [ch.put_many(items, weights, key, async_op=True) for ch in self.channels]
-        for work in works:
-            work.wait()
+        for ch, work in zip(self.channels, works):
+            if ch._maxsize != 0:  # bounded: wait for room, as each channel's put does
+                work.wait()
 
 
 def created_channels() -> dict[str, Channel]:
@@ -597,3 +562,4 @@ def created_channels() -> dict[str, Channel]:
 def forget_channels() -> None:
     """Drop this process's channel registry (their Ray session is gone)."""
     _created.clear()
+    _clients.clear()

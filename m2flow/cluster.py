@@ -123,6 +123,7 @@ class Cluster:
         apply_ray_env_defaults()
         self.run_dir = Path(run_dir) if run_dir else None
         self._owns_ray = False
+        self.spot = None  # a m2flow.spot.LocalSpotCluster this cluster runs on, if any
         if not ray.is_initialized():
             if address is None:
                 default_root = Path(tempfile.gettempdir()) / "m2flow"
@@ -174,7 +175,12 @@ class Cluster:
     def _inventory(self) -> list[Node]:
         import ray
 
-        alive = [n for n in ray.nodes() if n.get("Alive")]
+        from .spot import SPOT_RESOURCE
+
+        # Preemptible nodes come and go: their devices are not numbered (m2flow.spot).
+        alive = [
+            n for n in ray.nodes() if n.get("Alive") and not n["Resources"].get(SPOT_RESOURCE)
+        ]
         # Head first, then a stable order, so global ids do not change between calls.
         alive.sort(
             key=lambda n: (
@@ -263,6 +269,9 @@ class Cluster:
 
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+            if self.spot is not None:
+                self.spot.shutdown()
+                self.spot = None
         elif ray.is_initialized():
             for group in self.groups:
                 group.shutdown()

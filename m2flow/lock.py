@@ -215,7 +215,8 @@ class LockService:
 def get_lock_service():
     """The run's LockService actor, created on first use (named, in the m2flow namespace)."""
     from .cluster import NAMESPACE
+    from .spot import here
 
     return LockService.options(
-        name=LOCK_SERVICE_NAME, namespace=NAMESPACE, get_if_exists=True
+        name=LOCK_SERVICE_NAME, namespace=NAMESPACE, get_if_exists=True, scheduling_strategy=here()
     ).remote()

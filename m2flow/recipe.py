@@ -17,12 +17,23 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from .cluster import Offload
 from .config import ConfigError
+
+
+@dataclass
+class SpotNodesConfig:
+    """Preemptible nodes of a local cluster (``m2flow.spot``): none by default."""
+
+    nodes: int = 0  # spot nodes started with the cluster (and kept, unless a trace says else)
+    trace: Optional[str] = None  # CSV t_s,instances replayed from the first logged step
+    time_scale: float = 1.0  # trace seconds per wall second
+    cpus_per_node: float = 1.0  # logical CPUs of a spot node
+    seed: int = 0  # which node a preemption takes
 
 
 @dataclass
@@ -34,6 +45,7 @@ class ClusterConfig:
     # On a device switch, offload the leaving worker: always, never, or auto (GPUs only; a
     # virtual device's memory is host RAM, so offloading there frees nothing).
     offload: Offload = Offload.auto
+    spot: SpotNodesConfig = field(default_factory=SpotNodesConfig)
 
 
 @dataclass
@@ -69,8 +81,21 @@ def validate_cluster(c: ClusterConfig) -> None:
             (c.devices_per_node >= 1, "cluster.devices_per_node must be >= 1"),
             (finite_positive(c.device_memory_gb), "cluster.device_memory_gb must be > 0"),
             (c.num_cpus is None or c.num_cpus >= 1, "cluster.num_cpus must be >= 1"),
+            (c.spot.nodes >= 0, "cluster.spot.nodes must be >= 0"),
+            (finite_positive(c.spot.time_scale), "cluster.spot.time_scale must be > 0"),
+            (
+                c.address is None or not (c.spot.nodes or c.spot.trace),
+                "cluster.spot needs the embedded cluster (cluster.address unset)",
+            ),
         ]
     )
+    if c.spot.trace:
+        from .scheduler.spot import TraceError, load_trace
+
+        try:
+            load_trace(c.spot.trace)
+        except (TraceError, OSError) as e:
+            raise ConfigError(f"cluster.spot.trace: {e}") from None
 
 
 def validate_trainer(tr: TrainerConfig, resume: bool) -> None:
@@ -114,17 +139,50 @@ def plain(section) -> dict[str, Any]:
 
 
 def start_cluster(c: ClusterConfig, run_dir: str | Path):
-    """The run's :class:`~m2flow.cluster.Cluster` from the ``cluster`` section."""
-    from .cluster import Cluster
+    """The run's :class:`~m2flow.cluster.Cluster` from the ``cluster`` section. With spot
+    nodes (``cluster.spot``), a local multi-node cluster whose spot nodes come and go
+    (:class:`~m2flow.spot.LocalSpotCluster`)."""
+    from .cluster import VIRTUAL_DEVICE_RESOURCE, Cluster
 
-    return Cluster(
-        c.address,
-        num_cpus=c.num_cpus,
-        virtual_devices_per_node=c.devices_per_node,
-        device_memory_gb=c.device_memory_gb,
-        run_dir=run_dir,
-        offload=c.offload,
-    )
+    spot = None
+    if c.spot.nodes or c.spot.trace:
+        import os
+
+        from ._env import apply_ray_env_defaults
+        from .scheduler.spot import load_trace
+        from .spot import LocalSpotCluster, first_step
+
+        apply_ray_env_defaults()
+        spot = LocalSpotCluster(
+            c.num_cpus or os.cpu_count() or 1,
+            {VIRTUAL_DEVICE_RESOURCE: c.devices_per_node},
+            spot_cpus=c.spot.cpus_per_node,
+        )
+        try:
+            trace = load_trace(c.spot.trace) if c.spot.trace else []
+            first = trace[0][1] if trace and trace[0][0] == 0 else c.spot.nodes
+            spot.add_spot(first)
+            if trace:
+                first_step.clear()
+                spot.replay(trace, c.spot.time_scale, c.spot.seed, start=first_step)
+        except BaseException:
+            spot.shutdown()
+            raise
+    try:
+        cluster = Cluster(
+            spot.address if spot else c.address,
+            num_cpus=c.num_cpus,
+            virtual_devices_per_node=c.devices_per_node,
+            device_memory_gb=c.device_memory_gb,
+            run_dir=run_dir,
+            offload=c.offload,
+        )
+    except BaseException:
+        if spot is not None:
+            spot.shutdown()
+        raise
+    cluster.spot = spot
+    return cluster
 
 
 class Checkpoints:

@@ -62,6 +62,9 @@ class RunLog:
         if echo:
             shown = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
             self.progress.console.print(f"step {step}: {shown}", highlight=False)
+        from .spot import first_step
+
+        first_step.set()  # a replayed spot trace starts its clock (m2flow.spot)
         session = current_session()
         if session is not None:
             session.mark_step(step, now)  # may raise StopRun (profiling)

@@ -15,7 +15,12 @@ in here, behind the same call.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
+
+import ray
+
+from ._env import wait_timeout
 
 if TYPE_CHECKING:
     from .group import WorkerGroup
@@ -38,25 +43,45 @@ class Weights:
             f"{type(self).__name__} is not a weight source: define get_weights()"
         )
 
-    def load_weights(self, weights: dict[str, Any]) -> None:
-        """Load ``weights`` (``{name: tensor}`` from a source's :meth:`get_weights`) in place.
+    def load_weights(self, weights: dict[str, Any], version: int) -> None:
+        """Load ``weights`` (``{name: tensor}`` from a source's :meth:`get_weights`) in place;
+        ``version`` is the source's weight version (the runtime records it on return).
 
         Raises:
             NotImplementedError: the worker cannot receive weights.
         """
         raise NotImplementedError(
-            f"{type(self).__name__} cannot receive weights: define load_weights(weights)"
+            f"{type(self).__name__} cannot receive weights: define load_weights(weights, version)"
         )
 
     def _m2flow_send_weights(self, dst_group: str, dst_world_size: int) -> int:
-        self.broadcast((self.get_weights(), self.weight_version), dst_group, dst_world_size)
-        return self.weight_version
+        # The device locks cover get_weights only: the broadcast touches host memory, so the
+        # receivers may take the devices while it is under way.
+        self._m2flow_call_wait += self._m2flow_acquire()
+        try:
+            weights, version = self.get_weights(), self.weight_version
+        finally:
+            self._m2flow_release()
+        self.broadcast((weights, version), dst_group, dst_world_size)
+        return version
 
     def _m2flow_recv_weights(self, src_group: str, src_rank: int) -> int:
-        weights, version = self.recv(src_group, src_rank)
-        self.load_weights(weights)
+        # Wait for the weights without the device locks (the sender needs them to read its
+        # weights), then take them to load.
+        t0 = time.time()
+        ref = self._m2flow_recv_ref(src_group, src_rank, wait_timeout())
+        self._m2flow_call_wait += time.time() - t0 + self._m2flow_acquire()
+        try:
+            weights, version = ray.get(ref)
+            self.load_weights(weights, version)
+        finally:
+            self._m2flow_release()
         self.weight_version = version
         return version
+
+    # Both take the device locks themselves, for part of the call (see above).
+    _m2flow_send_weights._m2flow_no_device_lock = True
+    _m2flow_recv_weights._m2flow_no_device_lock = True
 
 
 def sync_weights(

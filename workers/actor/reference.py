@@ -45,7 +45,7 @@ class ReferenceWorker(Worker):
         self.temperature = temperature
         self.micro = micro_batch_size or None
 
-    def load_weights(self, weights: dict) -> None:
+    def load_weights(self, weights: dict, version: int) -> None:
         """The frozen reference: the policy's weights when synced (``m2flow.sync_weights``)."""
         self.model.load_state_dict(weights)
 

@@ -75,7 +75,7 @@ class CriticWorker(Worker):
         self.mini, self.micro = mini_batch_size or None, micro_batch_size or None
         self.generator = torch.Generator().manual_seed(seed)
 
-    def load_weights(self, weights: dict) -> None:
+    def load_weights(self, weights: dict, version: int) -> None:
         """Start from the policy's transformer (``m2flow.sync_weights(actor, critic)``)."""
         self.trainer.model.load_backbone(weights)
 

@@ -68,7 +68,7 @@ class PolicyWorker(Worker):
         self.net = ActorCritic(obs_dim, n_actions, hidden).to(self.device).eval()
         self.generator = torch.Generator(self.device).manual_seed(seed + 7919 * self.rank)
 
-    def load_weights(self, weights: dict) -> None:
+    def load_weights(self, weights: dict, version: int) -> None:
         self.net.load_state_dict(weights)
 
     @torch.no_grad()

@@ -69,7 +69,7 @@ class RewardModelWorker(Worker):
         self.micro = micro_batch_size or None
         self.generator = torch.Generator().manual_seed(seed)
 
-    def load_weights(self, weights: dict) -> None:
+    def load_weights(self, weights: dict, version: int) -> None:
         """Start from the policy's transformer (``m2flow.sync_weights(actor, reward)``)."""
         self.trainer.model.load_backbone(weights)
 

@@ -47,6 +47,17 @@ def counter_uniforms(seed: int, keys: np.ndarray, positions: np.ndarray) -> np.n
     return ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
 
 
+def counter_uniforms_at(seed: int, keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """``counter_uniforms(seed, keys[b:b+1], [positions[b]])`` for every row ``b`` at once:
+    ``keys [B, K]``, ``positions [B]`` -> ``[B]`` float64 (each row at its own position)."""
+    with np.errstate(over="ignore"):
+        h = _mix(np.full(len(keys), np.uint64(seed % 2**64)) + _GOLDEN)
+        for col in np.asarray(keys, dtype=np.int64).T:
+            h = _mix(h ^ (col.astype(np.uint64) + _GOLDEN))
+        h = _mix(h ^ (np.asarray(positions, dtype=np.uint64) + _GOLDEN))
+    return ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
 def sample_tokens(
     logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float = 1.0
 ) -> torch.Tensor:

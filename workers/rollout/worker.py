@@ -28,6 +28,9 @@ class RolloutWorker(Worker):
         shared_prefix: prefill each prompt once for its ``n_samples`` samples
             (:func:`.generation.prefill_shared`) instead of once per sample.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
+        spot: :class:`~m2flow.workers.spot.config.SpotPoolConfig` fields: with ``enabled``,
+            each step's rollout goes through the spot rollout pool (RLBoost; docs/spot.md):
+            this rank seeds for ``T_seed`` seconds, spot instances continue.
         seed: the run seed: token ``t`` of sample ``j`` of prompt ``p`` in step ``s`` is drawn
             from a counter keyed by ``(seed, s, p, j, t)`` (:mod:`.sampling`), so responses do
             not depend on the rank, chunk or plan that generated them.
@@ -44,6 +47,7 @@ class RolloutWorker(Worker):
         task: dict | None = None,
         shared_prefix: bool = True,
         threads: int = 0,
+        spot: dict | None = None,
         seed: int = 0,
     ) -> None:
         torch.set_num_threads(threads or self.num_threads)
@@ -56,6 +60,11 @@ class RolloutWorker(Worker):
         self.task = task
         self.seed = seed
         self._heldout: TaskDataset | None = None
+        self.pool = None
+        if spot and spot.get("enabled"):
+            from ..spot.pool import ReservedSeeder
+
+            self.pool = ReservedSeeder(self, spot, model, alphabet)
 
     # -- generation -------------------------------------------------------------------------
 
@@ -73,6 +82,8 @@ class RolloutWorker(Worker):
             ``samples``, ``tokens`` (prompt + response), ``response_length`` (mean tokens).
         """
         share = split_evenly(num_prompts, self.world_size)[self.rank]
+        if self.pool is not None:
+            return self.pool.generate(prompts.get_batch(share, max_items=share), out)
         granularity = self.chunk_size(default=share)
         samples = tokens = resp_tokens = 0
         while share > 0:
@@ -114,9 +125,12 @@ class RolloutWorker(Worker):
 
     # -- weights ----------------------------------------------------------------------------
 
-    def load_weights(self, weights: dict) -> None:
-        """Load the policy's weights in place (``m2flow.sync_weights``)."""
+    def load_weights(self, weights: dict, version: int) -> None:
+        """Load the policy's weights in place (``m2flow.sync_weights``); with the spot pool,
+        rank 0 also stages them for the spot instances to pull."""
         self.model.load_state_dict(weights)
+        if self.pool is not None and self.rank == 0:
+            self.pool.stage(weights, version)
 
     # -- evaluation -------------------------------------------------------------------------
 

@@ -1,0 +1,160 @@
+"""Token-streaming generation whose every token is a function of its request alone.
+
+The engine behind spot rollout instances (RLBoost section 4.2): requests are advanced a block of
+tokens at a time, any request can leave with its partial response (prompt + tokens + their
+logprobs) and continue on another engine, and a request's tokens and logprobs come out the
+same, bit for bit, whichever engine generated which block, in whatever batch:
+
+- sampling is counter-based (:mod:`.sampling`): token ``t`` of sample ``j`` of prompt ``p`` in
+  step ``s`` is drawn with ``u = U(seed, s, p, j, t)``;
+- the logits are computed the same way for every token: a full forward over the request's
+  whole sequence (no KV cache, so a continuation's "prefill" is the same computation as an
+  uninterrupted decode step), in a batch of exactly ``batch_rows`` rows of sequences of one
+  length (no padding; empty rows repeat a real one). With the batch shape fixed, a row's result
+  does not depend on the other rows on this CPU (checked in ``tests/test_spot.py``); a batch
+  shape that varied, or a KV cache, changes the last bits (measured: up to 6e-7).
+
+The price is O(length) work per token instead of O(1) with a KV cache: this engine is for
+exactness (migration you can prove exact) on small models; a fast engine (KV cache, vLLM)
+behind the same interface migrates correctly but not bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .generation import left_pad
+from .sampling import counter_uniforms_at, sample_tokens
+
+
+@dataclass
+class GenRequest:
+    """One response being generated, with everything another engine needs to continue it.
+
+    Attributes:
+        id: unique in the step (``"{step}:{prompt}:{sample}"``).
+        prompt_ids: the prompt's tokens.
+        key: ``(step, prompt id, sample index)``: the sampling counter's key.
+        max_new_tokens: response cap (EOS included).
+        owner: the rollout rank that collects the response.
+        tokens, logprobs: the response so far (logprobs of ``log_softmax(logits / T)``).
+        done: ended with EOS or at ``max_new_tokens``.
+        weight_version: weights its tokens came from (-1 before the first token).
+        moves: times it changed engine (preemption or rebalancing).
+        by: engine label -> tokens it generated (reserved vs spot accounting).
+    """
+
+    id: str
+    prompt_ids: list[int]
+    key: tuple[int, int, int]
+    max_new_tokens: int
+    owner: int = 0
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+    weight_version: int = -1
+    moves: int = 0
+    by: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.tokens)
+
+
+class ExactEngine:
+    """Advances :class:`GenRequest` s block by block (see the module docstring).
+
+    Args:
+        model: a causal LM (eval mode is set); its device is used.
+        eos_id: the end-of-sequence token.
+        temperature, top_p: sampling parameters (logprobs under ``logits / temperature``).
+        seed: the run seed of the sampling counter.
+        batch_rows: rows of every forward (fixed: part of what makes tokens exact).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        eos_id: int,
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int = 0,
+        batch_rows: int = 16,
+    ) -> None:
+        self.model = model.eval()
+        self.eos_id = eos_id
+        self.temperature, self.top_p, self.seed = temperature, top_p, seed
+        self.batch_rows = batch_rows
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def step(self, requests: list[GenRequest], tokens: int, version: int, label: str = "") -> int:
+        """Generate up to ``tokens`` more tokens for every unfinished request (EOS or the cap
+        ends one early). Returns the tokens generated."""
+        made = 0
+        for _ in range(tokens):
+            live = [r for r in requests if not r.done]
+            if not live:
+                break
+            by_len: dict[int, list[GenRequest]] = defaultdict(list)
+            for r in live:
+                by_len[r.length].append(r)
+            for group in by_len.values():
+                for i in range(0, len(group), self.batch_rows):
+                    self._advance(group[i : i + self.batch_rows], version, label)
+                    made += len(group[i : i + self.batch_rows])
+        return made
+
+    def _advance(self, rows: list[GenRequest], version: int, label: str) -> None:
+        seqs = [r.prompt_ids + r.tokens for r in rows]
+        seqs += [seqs[0]] * (self.batch_rows - len(rows))  # fixed shape (see module doc)
+        ids = torch.tensor(seqs, dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
+        logits = logits[: len(rows)].float().cpu()
+        keys = np.array([r.key for r in rows], dtype=np.int64)
+        pos = np.array([len(r.tokens) for r in rows])
+        u = torch.from_numpy(counter_uniforms_at(self.seed, keys, pos))
+        tok = sample_tokens(logits, u, self.temperature, self.top_p)
+        lp = torch.log_softmax(logits / self.temperature, dim=-1).gather(1, tok[:, None])[:, 0]
+        for r, t, p in zip(rows, tok.tolist(), lp.tolist()):
+            r.tokens.append(t)
+            r.logprobs.append(p)
+            r.weight_version = version
+            r.by[label] = r.by.get(label, 0) + 1
+            r.done = t == self.eos_id or len(r.tokens) >= r.max_new_tokens
+
+
+def to_generation_output(requests: list[GenRequest], pad_id: int, n_samples: int) -> dict:
+    """The rollout batch layout of :func:`.generation.generate` from finished requests of whole
+    GRPO groups (``n_samples`` per prompt, in prompt then sample order): ``prompt_ids``,
+    ``prompt_mask`` ``[B, P]`` left padded; ``response_ids``, ``response_mask``, ``logprobs``
+    ``[B, R]`` right padded; ``group_index [B]`` (prompt ids).
+
+    Raises:
+        ValueError: a request not finished, or a group not complete.
+    """
+    reqs = sorted(requests, key=lambda r: (r.key[1], r.key[2]))
+    if any(not r.done for r in reqs) or len(reqs) % n_samples:
+        raise ValueError("to_generation_output needs finished requests of whole groups")
+    ids, mask = left_pad([r.prompt_ids for r in reqs], pad_id)
+    width = max(len(r.tokens) for r in reqs)
+    resp = torch.full((len(reqs), width), pad_id, dtype=torch.long)
+    rmask = torch.zeros((len(reqs), width), dtype=torch.long)
+    lps = torch.zeros((len(reqs), width), dtype=torch.float32)
+    for i, r in enumerate(reqs):
+        n = len(r.tokens)
+        resp[i, :n] = torch.tensor(r.tokens)
+        rmask[i, :n] = 1
+        lps[i, :n] = torch.tensor(r.logprobs)
+    return {
+        "prompt_ids": ids,
+        "prompt_mask": mask,
+        "response_ids": resp,
+        "response_mask": rmask,
+        "logprobs": lps,
+        "group_index": torch.tensor([r.key[1] for r in reqs]),
+    }

@@ -1,0 +1,78 @@
+"""A spot rollout instance: one exact engine on a preemptible node, driven by pulls.
+
+Its loop (RLBoost 4.2-4.3): pull the staged weights when the manager has a newer version
+(pull-based, versioned: an instance that joins mid-step loads them, then takes work), lease
+its pending requests up to its batch room, generate one block of tokens
+(:class:`~m2flow.workers.rollout.exact.ExactEngine`), report the block, drop what the manager
+revokes. If its node disappears, the process dies mid-block; the manager still holds every
+response up to the last reported block and moves it to another instance.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import ray
+
+
+@ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={"loop": 1, "watch": 1})
+class SpotInstance:
+    """Args:
+    instance_id: its name at the manager.
+    block_tokens: tokens generated between reports.
+    max_batch: requests executing at once.
+    args: ``{"model", "alphabet", "temperature", "top_p", "seed", "batch_rows", "threads"}``.
+    """
+
+    def __init__(self, instance_id: str, block_tokens: int, max_batch: int, args: dict) -> None:
+        import torch
+
+        from ..llm import ModelConfig, build_char_tokenizer, build_model
+        from ..rollout.exact import ExactEngine
+
+        torch.set_num_threads(args.get("threads", 1))
+        self.id, self.block, self.max_batch = instance_id, block_tokens, max_batch
+        tok = build_char_tokenizer(args["alphabet"])
+        self.model = build_model(ModelConfig(**args["model"]), tok)
+        self.engine = ExactEngine(
+            self.model, tok.eos_token_id, args["temperature"], args["top_p"], args["seed"],
+            args["batch_rows"],
+        )  # fmt: skip
+        self.version = -1
+        self.stop = threading.Event()
+
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> str:
+        """Blocks for the life of the process (the manager's liveness sentinel)."""
+        self.stop.wait()
+        return self.id
+
+    @ray.method(concurrency_group="loop")
+    def run(self) -> None:
+        from m2flow.cluster import NAMESPACE
+
+        from .manager import MANAGER_NAME
+
+        mgr = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
+        executing = []
+        while not self.stop.is_set():
+            version, refs = ray.get(mgr.current_weights.remote())
+            if version != self.version and refs:
+                self.model.load_state_dict(ray.get(refs[0]))
+                self.version = version
+                executing = []  # leases of an older version are void (the manager requeued)
+            room = self.max_batch - len(executing)
+            if room > 0:
+                executing += ray.get(mgr.lease.remote(self.id, self.version, room))
+            if not executing:
+                time.sleep(0.01)
+                continue
+            t0 = time.perf_counter()
+            context = sum(r.length for r in executing) / len(executing)
+            made = self.engine.step(executing, self.block, self.version, label=self.id)
+            busy = time.perf_counter() - t0
+            drop = set(
+                ray.get(mgr.report.remote(self.id, executing, busy, len(executing), made, context))
+            )
+            executing = [r for r in executing if not r.done and r.id not in drop]

@@ -1,0 +1,492 @@
+"""The rollout manager: one Ray actor per run that owns every request of a step (RLBoost 4.2).
+
+Instances are rollout engines: the reserved rollout ranks while they seed (RLBoost 4.1) and
+the spot instances on preemptible nodes (:mod:`.instance`). Every decision comes from the pure
+policies in :mod:`m2flow.scheduler.spot`; the manager applies them:
+
+- **dispatch** (Algorithm 2, SELECTINSTANCE): a queued request goes to the current instance
+  with the fewest pending requests among those with fewer than Θ; when every one has Θ, it
+  waits for a completion (delayed dispatch). ``dispatch="round_robin"`` is the ablation.
+- **lease**: an instance pulls its pending requests when it has batch room (they become
+  executing) and reports each block of tokens back (``report``), so the manager always holds
+  every response up to its last block.
+- **migration**: an instance that dies (its node was preempted or removed) fails the watch call
+  the manager keeps open on it; its pending and executing requests go back to the queue with
+  their tokens and logprobs, and another instance continues them. No request is lost or
+  duplicated: a request is on one instance at a time, and a report from an instance that no
+  longer holds it is ignored.
+- **rebalancing** (Algorithm 2, CONTINUOUSLB): pending requests move to idle instances;
+  executing ones beyond the batching plateau ``B`` of the previous step's online throughput
+  profile are revoked at the busiest instance's next report and requeued to the idle one.
+- **admission and seeding** (Algorithm 1): at most ``N_prem`` spot instances run; the reserved
+  ranks generate for ``T_seed`` seconds, then hand their partial responses over (unless no spot
+  instance is ready: then they finish the rollout themselves). ``T_seed`` and ``N_prem`` are
+  updated after every step from its idle and compute times.
+- **weights** (4.3): staged once per update (one object-store copy); an instance pulls the
+  version it lacks when it registers and at each update, and takes work only on the current
+  version.
+
+Times are ``time.monotonic()`` seconds. Metrics per step: tokens by reserved vs spot engines,
+preemptions, migrated samples and tokens, ``T_seed``, ``N_prem``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import ray
+from m2flow.scheduler.spot import (
+    SeedingPolicy,
+    StepStats,
+    ThroughputProfile,
+    rebalance,
+    select_instance,
+)
+
+from ..rollout.exact import GenRequest
+from .config import SpotPoolConfig
+
+MANAGER_NAME = "m2flow:rollout_manager"
+_POLL_S = 0.05
+
+
+@dataclass
+class _Instance:
+    id: str
+    kind: str  # "spot" or "reserved"
+    handle: object = None  # the SpotInstance actor (spot only)
+    node: str = ""
+    version: int = -1
+    pending: deque = field(default_factory=deque)  # request ids assigned, not leased yet
+    executing: set = field(default_factory=set)  # request ids leased
+    revoke: set = field(default_factory=set)  # executing ids to give back at the next report
+    accepting: bool = True  # False: leaving (a reserved rank after seeding)
+    busy_s: float = 0.0  # engine seconds this step
+    last_done: float | None = None  # when it last finished a response this step
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Step:
+    step: int = -1
+    start: float = 0.0
+    seed_end: float | None = None
+    owners: dict[int, int] = field(default_factory=dict)  # rank -> prompts it will collect
+    train_wait: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    n_integral: float = 0.0  # spot instance-seconds, for n_bar
+    n_since: float = 0.0
+
+
+class RolloutManager:
+    """See the module docstring. Created by :func:`get_manager`; all methods are coroutines on
+    one event loop (no locks needed)."""
+
+    def __init__(self, cfg: dict, n_reserved: int, instance_args: dict) -> None:
+        self.cfg = SpotPoolConfig(**cfg)
+        self.instance_args = instance_args
+        c = self.cfg
+        # n_prem_min=1 (deviation): with no instance in a step, line 10 can give N_prem = 0,
+        # after which no instance would ever start to make it grow again.
+        self.policy = SeedingPolicy(
+            n_resv=n_reserved, eta=c.eta, t_init=c.t_seed_init, use_memory=c.memory,
+            n_prem_min=1, n_prem_max=c.n_prem_max or None,
+        )  # fmt: skip
+        if not c.seeding:  # ablation: everything goes to the spot instances at once
+            self.policy.t_seed = 0.0
+        self.profile = ThroughputProfile()
+        self.plateau: int | None = None
+        self.version: int = -1
+        self.weights: list = []  # [ObjectRef] of the staged weights
+        self.instances: dict[str, _Instance] = {}
+        self.requests: dict[str, GenRequest] = {}
+        self.queue: deque[str] = deque()
+        self.groups_left: dict[tuple[int, int], int] = {}  # (owner, prompt) -> unfinished
+        self.ready: dict[int, list[list[GenRequest]]] = defaultdict(list)  # owner -> groups
+        self.cur = _Step()
+        self.changed = asyncio.Event()
+        self.stats: dict = self._fresh_stats()
+        self.history: list[dict] = []  # one record per finished step
+        self._rr = 0
+        self._tasks: list[asyncio.Task] = []
+
+    def _start(self) -> None:
+        """The background loops, started by the first call (an actor's __init__ has no event
+        loop running yet)."""
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [
+                loop.create_task(self._dispatch_loop()),
+                loop.create_task(self._rebalance_loop()),
+                loop.create_task(self._pool_loop()),
+            ]
+
+    # -- weights and steps ----------------------------------------------------------------
+
+    async def stage(self, version: int, weights: list) -> None:
+        """New weights (``weights``: ``[ObjectRef]``, one staged copy). Ends the step whose
+        rollout used the previous version: Algorithm 1 updates ``T_seed`` and ``N_prem``."""
+        self._start()
+        if self.cur.step >= 0 and not self.queue and not self._unfinished():
+            self._end_step()
+        self.version, self.weights = version, weights
+        self._changed()
+
+    async def set_config(self, **fields) -> None:
+        """Change pool settings from the next lease or dispatch on (e.g. an ablation's
+        ``dispatch`` or ``rebalance``; ``max_batch``).
+
+        Raises:
+            ValueError: an unknown field or a bad value.
+        """
+        from dataclasses import replace
+
+        unknown = set(fields) - set(SpotPoolConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown spot pool settings {sorted(unknown)}")
+        cfg = replace(self.cfg, **fields)
+        cfg.check()
+        self.cfg = cfg
+        self._changed()
+
+    async def current_weights(self) -> tuple[int, list]:
+        return self.version, self.weights
+
+    async def submit(self, step: int, owner: int, requests: list[GenRequest]) -> float:
+        """A rollout rank's share of step ``step``; it collects them. Returns ``T_seed``."""
+        self._start()
+        now = time.monotonic()
+        if step != self.cur.step:
+            if self.cur.step >= 0:  # the last step ended without new weights: close it anyway
+                self._end_step()
+            self.cur = _Step(step=step, start=now, n_since=now)
+            for inst in self.instances.values():
+                inst.busy_s, inst.last_done = 0.0, None
+        self.cur.owners[owner] = self.cur.owners.get(owner, 0) + len({r.key[1] for r in requests})
+        for r in requests:
+            if r.id in self.requests:
+                raise ValueError(f"request {r.id} submitted twice")
+            self.requests[r.id] = r
+            self.groups_left[(owner, r.key[1])] = self.groups_left.get((owner, r.key[1]), 0) + 1
+            self.queue.append(r.id)
+        self._changed()
+        return self.policy.t_seed
+
+    # -- instances --------------------------------------------------------------------------
+
+    async def register(self, instance_id: str, kind: str = "reserved") -> None:
+        """A reserved rank starts seeding (spot instances are registered by the pool loop)."""
+        self.instances[instance_id] = _Instance(instance_id, kind, version=self.version)
+        self._changed()
+
+    async def lease(self, instance_id: str, version: int, capacity: int) -> list[GenRequest]:
+        """Up to ``capacity`` of the instance's pending requests, now executing on it (waits up
+        to 0.2 s for some). ``[]`` when there are none, when it is leaving, or when its
+        ``version`` is not the current one (it must pull the weights first)."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return []
+        inst.version = version
+        if version != self.version:
+            return []
+        deadline = time.monotonic() + 0.2
+        while not inst.pending and inst.accepting and time.monotonic() < deadline:
+            await self._wait_change(deadline - time.monotonic())
+        out = []
+        capacity = min(capacity, self.cfg.max_batch - len(inst.executing))
+        while inst.pending and len(out) < capacity:
+            rid = inst.pending.popleft()
+            inst.executing.add(rid)
+            out.append(self.requests[rid])
+        return out
+
+    async def report(
+        self,
+        instance_id: str,
+        updates: list[GenRequest],
+        busy_s: float,
+        batch: int,
+        tokens: int,
+        context: float | None = None,
+    ) -> list[str]:
+        """A block of tokens from an instance: the requests as it holds them now. Returns the
+        ids it must drop (revoked by rebalancing, or it is leaving)."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return [r.id for r in updates]
+        now = time.monotonic()
+        inst.busy_s += busy_s
+        if batch and busy_s > 0:  # the online batching profile P (Algorithm 2, line 23)
+            self.profile.record(batch, tokens, busy_s, context_len=context)
+        label = "spot" if inst.kind == "spot" else "reserved"
+        for r in updates:
+            if r.id not in inst.executing:  # moved away meanwhile: the manager's copy stands
+                continue
+            old = self.requests[r.id]
+            self.stats[f"{label}_tokens"] += len(r.tokens) - len(old.tokens)
+            self.requests[r.id] = r
+            if r.done:
+                inst.executing.discard(r.id)
+                inst.last_done = now
+                self._finished(r)
+        drop = [rid for rid in inst.revoke if rid in inst.executing]
+        for rid in drop:
+            inst.executing.discard(rid)
+            self._requeue(rid, migrated=True)
+        inst.revoke.clear()
+        self._changed()
+        return drop
+
+    async def leave(self, instance_id: str) -> None:
+        """A reserved rank ends its seeding window: its requests go back to the queue with their
+        partial responses (the "seeds" of RLBoost 4.1)."""
+        inst = self.instances.pop(instance_id, None)
+        if inst is None:
+            return
+        if self.cur.seed_end is None:
+            self.cur.seed_end = time.monotonic()
+        for rid in [*inst.pending, *inst.executing]:
+            self._requeue(rid, migrated=False)
+        self._changed()
+
+    async def spot_ready(self) -> int:
+        """Spot instances alive on the current weights."""
+        return sum(
+            1 for i in self.instances.values() if i.kind == "spot" and i.version == self.version
+        )
+
+    async def collect(self, owner: int, min_groups: int, timeout: float) -> list[list[GenRequest]]:
+        """Finished GRPO groups of ``owner``: at least ``min_groups`` (or all it has left),
+        waiting up to ``timeout`` seconds (``[]`` if none came). The wait counts as
+        training-cluster idle time."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        while True:
+            left = sum(1 for (o, _), n in self.groups_left.items() if o == owner and n > 0)
+            have = len(self.ready[owner])
+            if (have and have >= min(min_groups, have + left)) or not left:
+                break
+            if time.monotonic() >= deadline:
+                break
+            await self._wait_change(deadline - time.monotonic())
+        if self.cur.seed_end is not None:
+            self.cur.train_wait[owner] += time.monotonic() - t0
+        out, self.ready[owner] = self.ready[owner], []
+        return out
+
+    async def metrics(self) -> dict:
+        """This step's counters so far, the schedule, and the instances."""
+        return {
+            **self.stats,
+            "t_seed": self.policy.t_seed,
+            "n_prem": self.policy.n_prem,
+            "plateau": self.plateau,
+            "queue": len(self.queue),
+            "instances": {
+                i.id: {
+                    "kind": i.kind,
+                    "version": i.version,
+                    "pending": len(i.pending),
+                    "executing": len(i.executing),
+                    "node": i.node,
+                }
+                for i in self.instances.values()
+            },  # fmt: skip
+            "partial": sum(1 for r in self.requests.values() if r.tokens and not r.done),
+            "steps": self.history[-1:],
+        }
+
+    async def shutdown(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for inst in list(self.instances.values()):
+            if inst.handle is not None:
+                ray.kill(inst.handle, no_restart=True)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _fresh_stats(self) -> dict:
+        return {
+            "reserved_tokens": 0,
+            "spot_tokens": 0,
+            "preemptions": 0,
+            "migrated_samples": 0,
+            "migrated_tokens": 0,
+            "rebalanced_samples": 0,
+            "failed_starts": 0,
+        }
+
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def _wait_change(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self.changed.wait(), max(timeout, 0.0))
+        except TimeoutError:
+            pass
+
+    def _unfinished(self) -> bool:
+        return any(n > 0 for n in self.groups_left.values())
+
+    def _finished(self, r: GenRequest) -> None:
+        key = (r.owner, r.key[1])
+        self.groups_left[key] -= 1
+        if self.groups_left[key] == 0:
+            group = [q for q in self.requests.values() if (q.owner, q.key[1]) == key]
+            self.ready[r.owner].append(sorted(group, key=lambda q: q.key[2]))
+            for q in group:
+                del self.requests[q.id]
+            del self.groups_left[key]
+
+    def _requeue(self, rid: str, migrated: bool) -> None:
+        r = self.requests[rid]
+        if migrated and r.tokens:
+            r.moves += 1
+            self.stats["migrated_samples"] += 1
+            self.stats["migrated_tokens"] += len(r.tokens)
+        self.queue.appendleft(rid)  # continued first: it has the most work done
+
+    def _eligible(self) -> list[_Instance]:
+        return [
+            i
+            for i in self.instances.values()
+            if i.accepting and i.version == self.version and self.version >= 0
+        ]
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            if not self.queue:
+                await self._wait_change(1.0)
+                continue
+            eligible = self._eligible()
+            pick = None
+            if eligible and self.cfg.dispatch == "round_robin":
+                pick = eligible[self._rr % len(eligible)].id
+                self._rr += 1
+            elif eligible:
+                pick = select_instance({i.id: len(i.pending) for i in eligible}, self.cfg.theta)
+            if pick is None:  # none ready, or every one holds theta pending: delayed dispatch
+                await self._wait_change(1.0)
+                continue
+            self.instances[pick].pending.append(self.queue.popleft())
+            self._changed()
+
+    async def _rebalance_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            if not self.cfg.rebalance:
+                continue
+            live = {i.id: i for i in self._eligible()}
+            if len(live) < 2:
+                continue
+            moves = rebalance(
+                {k: len(i.pending) for k, i in live.items()},
+                {k: len(i.executing) - len(i.revoke) for k, i in live.items()},
+                self.plateau,
+            )
+            for m in moves:
+                src, dst = live[m.src], live[m.dst]
+                if not m.executing:
+                    for _ in range(min(m.count, len(src.pending))):
+                        dst.pending.append(src.pending.pop())
+                else:
+                    for rid in sorted(src.executing - src.revoke)[: m.count]:
+                        src.revoke.add(rid)  # given back at src's next report, then queued
+                self.stats["rebalanced_samples"] += m.count
+            if moves:
+                self._changed()
+
+    async def _pool_loop(self) -> None:
+        """Start a spot instance on every preemptible node without one, up to N_prem."""
+        from m2flow.spot import alive_spot_nodes
+
+        from .instance import SpotInstance
+
+        while True:
+            now = time.monotonic()
+            spot = [i for i in self.instances.values() if i.kind == "spot"]
+            self.cur.n_integral += len(spot) * (now - self.cur.n_since)
+            self.cur.n_since = now
+            used = {i.node for i in spot}
+            for node in alive_spot_nodes():
+                if len(spot) >= self.policy.n_prem:
+                    break
+                if node in used:
+                    continue
+                iid = f"spot:{node[:8]}"
+                handle = SpotInstance.options(
+                    name=None,
+                    scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                        node, soft=False
+                    ),
+                ).remote(iid, self.cfg.block_tokens, self.cfg.max_batch, self.instance_args)
+                inst = self.instances[iid] = _Instance(iid, "spot", handle, node)
+                spot.append(inst)
+                handle.run.remote()
+                asyncio.get_event_loop().create_task(self._watch(inst))
+            await asyncio.sleep(0.5)
+
+    async def _watch(self, inst: _Instance) -> None:
+        try:
+            await inst.handle.watch.remote()
+        except Exception:  # noqa: BLE001 (the instance is gone, whatever Ray says)
+            pass
+        if self.instances.get(inst.id) is not inst:
+            return
+        del self.instances[inst.id]
+        # An instance that never pulled weights died starting (e.g. its node was already gone)
+        self.stats["preemptions" if inst.version >= 0 else "failed_starts"] += 1
+        for rid in [*inst.pending, *inst.executing]:
+            if rid in self.requests:
+                self._requeue(rid, migrated=True)
+        self._changed()
+
+    def _end_step(self) -> None:
+        """Algorithm 1 after a step (definitions in docs/spot.md)."""
+        now = time.monotonic()
+        c = self.cur
+        elapsed = max(now - c.start, 1e-9)
+        spot = [i for i in self.instances.values() if i.kind == "spot"]
+        seed_end = c.seed_end if c.seed_end is not None else now
+        train_wait = sum(c.train_wait.values()) / max(len(c.train_wait), 1)
+        worked = [i for i in spot if i.last_done is not None]
+        n_bar = c.n_integral / elapsed
+        stats = StepStats(
+            n_bar=n_bar,
+            n_hat=len(spot),
+            t_train_wait=train_wait,
+            t_remote_wait=sum(now - i.last_done for i in worked) / max(len(worked), 1),
+            t_train=max(now - seed_end - train_wait, 1e-6),
+            # per instance: the pool's busy instance-seconds over n_bar (scheduler.spot)
+            t_remote=sum(i.busy_s for i in spot) / n_bar if n_bar > 0 else 0.0,
+        )
+        t_seed, n_prem = self.policy.t_seed, self.policy.n_prem
+        if self.cfg.seeding:
+            self.policy.update(stats)
+        else:
+            self.policy.t_seed = 0.0
+        self.plateau = self.profile.plateau() if self.cfg.rebalance else None
+        self.profile.new_step()
+        self.history.append(
+            {**self.stats, "step": c.step, "t_seed": t_seed, "n_prem": n_prem,
+             "n_bar": stats.n_bar, "n_hat": stats.n_hat, "t_train_wait": stats.t_train_wait,
+             "t_remote_wait": stats.t_remote_wait, "t_train": stats.t_train,
+             "t_remote": stats.t_remote, "step_s": elapsed}
+        )  # fmt: skip
+        self.history = self.history[-100:]
+        self.stats = self._fresh_stats()
+        self.cur.step = -1
+
+
+def get_manager(cfg: dict, n_reserved: int, instance_args: dict):
+    """The run's rollout manager (named; created by the first caller)."""
+    from m2flow.cluster import NAMESPACE
+    from m2flow.spot import here
+
+    actor = ray.remote(num_cpus=0, max_concurrency=1000)(RolloutManager)
+    return actor.options(
+        name=MANAGER_NAME, namespace=NAMESPACE, get_if_exists=True, scheduling_strategy=here()
+    ).remote(cfg, n_reserved, instance_args)

@@ -1,0 +1,143 @@
+"""The reserved side of the spot rollout pool: a rollout rank that seeds, then collects.
+
+Inside ``RolloutWorker.generate`` (the runner does not change): the rank submits its share of
+the step's prompts to the rollout manager, generates as a *reserved instance* for ``T_seed``
+seconds (RLBoost 4.1: partial response seeding), hands its unfinished responses to the manager
+once a spot instance is ready (or keeps generating when none is: colocated fallback, no stall),
+and then streams finished GRPO groups to its consumers in chunks of ``micro_batch_prompts``
+groups as they arrive (dynamic micro-batches), yielding its devices while it waits so that
+training runs on them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import ray
+import torch
+
+from m2flow import Channel
+from m2flow.work import Work
+
+from ..batch import num_tokens, to_batch
+from ..rollout.exact import ExactEngine, GenRequest, to_generation_output
+from .config import SpotPoolConfig
+from .manager import get_manager
+
+_COLLECT_POLL_S = 1.0  # how often a waiting rank checks that spot capacity exists
+
+
+class ReservedSeeder:
+    """The spot-pool side of one rollout rank (see the module docstring)."""
+
+    def __init__(self, worker, cfg: dict, model: dict, alphabet: str) -> None:
+        self.w = worker
+        self.cfg = SpotPoolConfig(**cfg)
+        self.cfg.check()
+        args = {
+            "model": model, "alphabet": alphabet, "temperature": worker.temperature,
+            "top_p": worker.top_p, "seed": worker.seed, "batch_rows": self.cfg.batch_rows,
+            "threads": self.cfg.threads,
+        }  # fmt: skip
+        self.manager = get_manager(asdict(self.cfg), worker.world_size, args)
+        self.engine = ExactEngine(
+            worker.model, worker.tokenizer.eos_token_id, worker.temperature, worker.top_p,
+            worker.seed, self.cfg.batch_rows,
+        )  # fmt: skip
+
+    def stage(self, weights: dict, version: int) -> None:
+        """Stage new weights once for every spot instance to pull (RLBoost 4.3)."""
+        ray.get(self.manager.stage.remote(version, [ray.put(weights)]), timeout=120)
+
+    def generate(self, items: list[dict], out: Channel) -> dict:
+        """Rollout of this rank's prompts through the pool; puts chunks of whole GRPO groups
+        into ``out`` (the layout of :meth:`RolloutWorker.generate`). Returns its metrics plus
+        the pool's counters of the step (``spot``)."""
+        w, c, mgr = self.w, self.cfg, self.manager
+        if not items:
+            return {"samples": 0, "tokens": 0, "response_length": 0.0}
+        step = items[0].get("step", 0)
+        reqs = [
+            GenRequest(f"{step}:{it['group']}:{j}", it["prompt_ids"], (step, it["group"], j),
+                       w.max_new_tokens, owner=w.rank)
+            for it in items
+            for j in range(w.n_samples)
+        ]  # fmt: skip
+        t_seed = ray.get(mgr.submit.remote(step, w.rank, reqs), timeout=120)
+        seeded = self._seed(t_seed)
+        entries = {it["group"]: it["entry"] for it in items}
+        samples = tokens = resp_tokens = 0
+        versions: set[int] = set()
+        got, deadline = 0, time.monotonic() + c.timeout_s
+        while got < len(items):
+            ref = mgr.collect.remote(w.rank, c.micro_batch_prompts, _COLLECT_POLL_S)
+            groups = Work(ref, yields=True).wait(_COLLECT_POLL_S + 30)  # devices free meanwhile
+            if not groups:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{w.worker_key}: {len(items) - got} of its {len(items)} prompts not "
+                        f"done after {c.timeout_s:.0f} s (rollout.spot.timeout_s)"
+                    )
+                # No spot instance ready (all preempted, or starting): this rank generates
+                # again until one is (colocated fallback, RLBoost 4.1).
+                if ray.get(mgr.spot_ready.remote(), timeout=120) == 0:
+                    seeded += self._seed(0.0)
+                continue
+            got += len(groups)
+            for i in range(0, len(groups), c.micro_batch_prompts):
+                part = [r for g in groups[i : i + c.micro_batch_prompts] for r in g]
+                batch = to_batch(to_generation_output(part, w.tokenizer.pad_token_id,
+                                                      w.n_samples))  # fmt: skip
+                versions |= {r.weight_version for r in part}
+                n_tok = num_tokens(batch)
+                out.put(
+                    {"batch": batch,
+                     "entries": {g: entries[g] for g in batch["group_index"].unique().tolist()},
+                     "weight_version": min(r.weight_version for r in part)},
+                    weight=n_tok,
+                )  # fmt: skip
+                samples += len(batch)
+                tokens += n_tok
+                resp_tokens += int(batch["response_mask"].sum())
+        pool = ray.get(mgr.metrics.remote(), timeout=120)
+        keep = ("reserved_tokens", "spot_tokens", "preemptions", "migrated_samples",
+                "migrated_tokens", "rebalanced_samples", "t_seed", "n_prem")  # fmt: skip
+        return {
+            "samples": samples,
+            "tokens": tokens,
+            "response_length": resp_tokens / max(samples, 1),
+            "seeded_s": seeded,
+            "weight_versions": sorted(versions),
+            "spot": {k: pool[k] for k in keep},
+        }
+
+    @torch.no_grad()
+    def _seed(self, t_seed: float) -> float:
+        """Generate as a reserved instance for ``t_seed`` seconds, then hand over (see the
+        module docstring). Returns the seconds it generated."""
+        w, mgr = self.w, self.manager
+        iid = f"reserved:{w.rank}"
+        ray.get(mgr.register.remote(iid), timeout=120)
+        t0 = time.monotonic()
+        executing: list[GenRequest] = []
+        try:
+            while True:
+                if time.monotonic() - t0 >= t_seed and ray.get(mgr.spot_ready.remote()) > 0:
+                    break  # hand the seeds over
+                room = self.cfg.max_batch - len(executing)
+                leased = ray.get(mgr.lease.remote(iid, w.weight_version, room)) if room else []
+                executing += leased
+                if not executing:
+                    break  # nothing for this rank: the rest is on spot instances
+                t1 = time.perf_counter()
+                context = sum(r.length for r in executing) / len(executing)
+                made = self.engine.step(executing, self.cfg.block_tokens, w.weight_version, iid)
+                busy = time.perf_counter() - t1
+                drop = set(
+                    ray.get(mgr.report.remote(iid, executing, busy, len(executing), made, context))
+                )
+                executing = [r for r in executing if not r.done and r.id not in drop]
+        finally:
+            ray.get(mgr.leave.remote(iid), timeout=120)
+        return time.monotonic() - t0
