@@ -28,6 +28,7 @@ from .calls import CallContext, channels_in
 from .cluster import NAMESPACE, Cluster, wait_name_free
 from .mailbox import IO_GROUP
 from .session import current_session
+from .work import flush_puts
 from .worker import (
     WATCH_GROUP,
     CallStats,
@@ -201,6 +202,7 @@ class WorkerGroup:
         for ch in channels_in((*args, *kwargs.values())):
             self._epochs[ch.name] += 1
             ctx.channels[ch.name] = (ch, self._epochs[ch.name])
+            ch._hand_off()  # items the caller read ahead go back, for the call's consumers
         refs = [self.actors[r]._m2flow_call.remote(method, args, kwargs, ctx) for r in self._ranks]
         call = GroupCall(self, method, self._ranks, refs)
         self.cluster.calls.add(call)
@@ -281,6 +283,7 @@ class GroupCall:
         """
         if self._result is not None:
             return self._result
+        flush_puts()
         timeout = wait_timeout() if timeout is None else timeout
         deadline = time.monotonic() + timeout
         rank_of = {ref: r for ref, r in zip(self.refs, self.ranks)}

@@ -93,7 +93,9 @@ def registry():
         return w._m2flow_ctx.lock_service
     if not ray.is_initialized():
         return None
-    session = ray.get_runtime_context().get_job_id()
+    # Job ids restart at 1 in every new Ray session of a process; node ids do not repeat.
+    context = ray.get_runtime_context()
+    session = f"{context.get_job_id()}@{context.get_node_id()}"
     if _registry is None or _registry_session != session:
         from .cluster import NAMESPACE
         from .lock import LOCK_SERVICE_NAME

@@ -16,7 +16,7 @@ import ray
 
 from ._env import wait_timeout
 from .cluster import NAMESPACE
-from .work import Work
+from .work import Work, flush_puts
 
 IO_GROUP = "m2flow_io"  # Ray concurrency group for runtime traffic (deliveries, offload, ping)
 
@@ -122,15 +122,21 @@ class Mailbox:
             TimeoutError: nothing arrived in time.
             WorkerDied: a worker of the run died meanwhile.
         """
-        from . import liveness
-
         if async_op:
             return Work(run=lambda: self.recv(src_group, src_rank, timeout=timeout))
         timeout = wait_timeout() if timeout is None else timeout
+        return ray.get(self._m2flow_recv_ref(src_group, src_rank, timeout))
+
+    def _m2flow_recv_ref(self, src_group: str, src_rank: int, timeout: float):
+        """The object reference of the next object from ``src_group``/``src_rank`` (see
+        :meth:`recv`, which fetches it)."""
+        from . import liveness
+
         with self._m2flow_inbox_guard:
             box = self._m2flow_inbox[(src_group, src_rank)]
         ref = box.take(0) if box.ready() else None
         if ref is None:
+            flush_puts()
             with self._m2flow_yield_devices():
                 left = timeout
                 while ref is None and left > 0:
@@ -143,7 +149,7 @@ class Mailbox:
                 f"{self.worker_key}: nothing received from "
                 f"{actor_name(src_group, src_rank)} in {timeout:.0f} s"
             )
-        return ray.get(ref[0])
+        return ref[0]
 
     @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_deliver(self, src_group: str, src_rank: int, seq: int, ref: list) -> None:

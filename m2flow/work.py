@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+
 from . import liveness
 from ._env import wait_timeout
 
 _YIELD_GRACE_S = 0.005
+
+
+def flush_puts() -> None:
+    """Send the channel puts this process gathered (:mod:`m2flow.channel`): it is about to
+    block, maybe on what they feed."""
+    channel = sys.modules.get("m2flow.channel")
+    if channel is not None:
+        channel.flush_all()
 
 
 class Work:
@@ -34,6 +44,7 @@ class Work:
 
         if self._run is not None:
             return self._run()
+        flush_puts()
         timeout = wait_timeout() if timeout is None else timeout
         worker = current_worker()
         waiter = worker.worker_key if worker is not None else "the driver"

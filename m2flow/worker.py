@@ -167,6 +167,7 @@ class Worker(Mailbox, Residency, Weights):
         self._m2flow_init_residency()
         self._m2flow_timers: dict[str, list[float]] = defaultdict(list)
         self._m2flow_call_ctx: CallContext | None = None
+        self._m2flow_releasing = None  # the last lock release sent, its reply not yet seen
         self._m2flow_exit = threading.Event()
         cuda = [d.local_id for d in ctx.devices if d.kind == "cuda"]
         if cuda:
@@ -223,9 +224,10 @@ class Worker(Mailbox, Residency, Weights):
     # -- group calls ------------------------------------------------------------------------
 
     def _m2flow_call(self, method: str, args: tuple, kwargs: dict, ctx: CallContext | None):
-        """Run one group method; returns ``(result, CallStats)``. Afterwards puts the
-        end-of-step (or, on an exception, abort) marker on the call's channels
-        (:mod:`m2flow.calls`)."""
+        """Run one group method; returns ``(result, CallStats)``. Afterwards releases the
+        device locks (without waiting) and ends the call on its channels: end-of-step (or, on
+        an exception, abort) markers, and a wait until the channels applied this call's puts
+        (:func:`m2flow.channel.finish_call`, :mod:`m2flow.calls`)."""
         fn = getattr(self, method)
         locked = not getattr(fn, "_m2flow_no_device_lock", False)
         self._m2flow_call_ctx = ctx
@@ -234,32 +236,40 @@ class Worker(Mailbox, Residency, Weights):
         try:
             result = fn(*args, **kwargs)
         except BaseException as e:
-            if locked:
-                self._m2flow_release()
+            self._m2flow_release()
             self._m2flow_call_ctx = None
             self._m2flow_end_channels(ctx, f"{type(e).__name__}: {e}"[:300])
             raise
         end = time.time()
-        if locked:
-            self._m2flow_release()
+        self._m2flow_release()
         self._m2flow_end_channels(ctx, None)
         self._m2flow_call_ctx = None
         self._m2flow_timers[method].append(end - start)
         return result, CallStats(start, end, self._m2flow_call_wait)
 
     def _m2flow_end_channels(self, ctx: CallContext | None, abort: str | None) -> None:
-        if ctx is None or not ctx.channels:
+        from .channel import finish_call
+
+        if ctx is None:
             return
-        works = [
-            ch._end(self.rank, ctx.participants, epoch, abort)
-            for ch, epoch in ctx.channels.values()
-        ]
-        for w in works:
-            try:
-                w.wait(timeout=60)
-            except Exception:  # noqa: BLE001 (a channel closed meanwhile: nothing to end)
-                if abort is None:
-                    raise
+        finish_call(ctx.channels, self.rank, ctx.participants, abort)
+
+    def _m2flow_release(self) -> None:
+        """Release the device locks without waiting for the lock service's reply (the next
+        holder is granted as soon as the service reads it); the next acquire waits for it."""
+        ctx = self._m2flow_ctx
+        if not ctx.lock or not self._m2flow_holding:
+            return
+        self._m2flow_holding = False
+        self._m2flow_releasing = ctx.lock_service.release.remote(self.worker_key)
+
+    def _m2flow_acquire(self) -> float:
+        # The lock service runs calls concurrently: our release must be applied before our
+        # next acquire, or that acquire would see the devices still ours.
+        releasing, self._m2flow_releasing = self._m2flow_releasing, None
+        if releasing is not None:
+            ray.get(releasing, timeout=wait_timeout())
+        return super()._m2flow_acquire()
 
     @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_ping(self) -> str:
