@@ -4,13 +4,24 @@ Where :mod:`~m2flow.scheduler.reward_sim` simulates a *fixed* allocation to scor
 this replays a whole multi-tenant run with the allocation *changing*: tenants announce batches,
 requests arrive at ``start + r_i``, stage queues serve EBF or FCFS, and at every batch arrival and
 completion a policy (e.g. :class:`~m2flow.scheduler.reward_scaling.DistRSPolicy`) resets the
-per-stage worker counts. A tenant's next batch starts ``train_s`` after its previous batch's
-last reward (the trainer waits for the batch), so extra delay pushes the tenant's whole run.
+per-stage worker counts. Batches follow each other as in the paper's two training architectures
+(section 6.1, "Workload"):
 
-Scaling mechanics match the live service: a scale-up starts workers that serve after
-``cold_start_s``; a scale-down retires idle (or still starting) workers at once and busy ones
-when their request finishes (running requests are never killed by scaling). Worker-time is the
-integral of allocated workers (starting, idle or busy) per stage. Pure Python; seconds.
+- *colocated*: the next batch starts ``train_s`` after the previous batch's last reward (the
+  trainer waits for the batch), so extra delay pushes the tenant's whole run, and the service
+  sees idle gaps between batches;
+- *disaggregated* with one-step staleness: rollout is continuous on resources of its own, so
+  batch ``i + 1`` starts when batch ``i``'s rollout ends (its last request arrives), but not
+  before the trainer has finished training on batch ``i - 1`` (the weights batch ``i + 1`` is
+  generated with); training on batch ``i`` starts when its last reward is in and the previous
+  training step is done, and takes ``train_s``.
+
+A stage time of 0 s (the paper records stages a request skips as 0 s, section 3.1) needs no
+worker, in the replay as in the simulation. Scaling mechanics match the live service: a
+scale-up starts workers that serve after ``cold_start_s``; a scale-down retires idle (or still
+starting) workers at once and busy ones when their request finishes (running requests are never
+killed by scaling). Worker-time is the integral of allocated workers (starting, idle or busy)
+per stage. Pure Python; seconds.
 """
 
 from __future__ import annotations
@@ -34,8 +45,9 @@ class TenantTrace:
         start_s: when its first batch is announced (seconds).
         batches: the real requests of each batch (any order; replay sorts by offset).
         warmup: the history the first batch is planned from (e.g. a profiling batch).
-        train_s: trainer time between a batch's last reward and the next batch's start.
+        train_s: trainer time of one training step (seconds).
         delay_bound_s: the tenant's ``D`` (seconds).
+        mode: ``"colocated"`` or ``"disaggregated"`` (one-step staleness; module doc).
     """
 
     name: str
@@ -44,6 +56,11 @@ class TenantTrace:
     warmup: list[RequestRecord]
     train_s: float
     delay_bound_s: float
+    mode: str = "colocated"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("colocated", "disaggregated"):
+            raise ValueError(f"mode must be 'colocated' or 'disaggregated', got {self.mode!r}")
 
 
 @dataclass
@@ -64,7 +81,9 @@ class BatchOutcome:
 
 @dataclass
 class ReplayResult:
-    """Outcome of :func:`replay`: per-batch outcomes, worker-seconds per stage, decisions."""
+    """Outcome of :func:`replay`: per-batch outcomes, worker-seconds per stage, decisions,
+    and the allocation over time (``timeline``: ``(time, workers per stage)`` after each
+    decision)."""
 
     batches: list[BatchOutcome] = field(default_factory=list)
     worker_s: list[float] = field(default_factory=list)
@@ -74,6 +93,20 @@ class ReplayResult:
     peak_workers: list[int] = field(default_factory=list)
     requests_done: int = 0
     end_s: float = 0.0
+    timeline: list[tuple[float, list[int]]] = field(default_factory=list)
+
+    def merge(self, other: ReplayResult) -> None:
+        """Add ``other`` (another pool) to this result: worker time and peaks add up."""
+        self.batches += other.batches
+        self.worker_s = [a + b for a, b in zip(self.worker_s, other.worker_s)] or other.worker_s
+        self.busy_s = [a + b for a, b in zip(self.busy_s, other.busy_s)] or other.busy_s
+        self.peak_workers = [
+            a + b for a, b in zip(self.peak_workers, other.peak_workers)
+        ] or other.peak_workers
+        self.decisions += other.decisions
+        self.decision_s += other.decision_s
+        self.requests_done += other.requests_done
+        self.end_s = max(self.end_s, other.end_s)
 
 
 class _Batch:
@@ -173,11 +206,27 @@ def replay(
         res.decision_s.append(time.perf_counter() - t0)
         res.decisions += 1
         apply(dec.workers)
+        res.timeline.append((now, list(dec.workers)))
 
     def enqueue(b: _Batch, idx: int, k: int) -> None:
         b.state[idx] = ("q", k, now)
         key = (b.prio, now) if ebf else (now,)
         heapq.heappush(queues[k], (key, next(seq), b, idx))
+
+    def enter(b: _Batch, idx: int, k: int) -> None:
+        """Request ``idx`` goes on to stage ``k``, or is done after its last stage."""
+        rec = b.records[idx]
+        while k < len(rec.stage_s) and rec.stage_s[k] == 0.0:
+            k += 1  # a 0 s stage needs no worker (as in the simulation)
+        if k < len(rec.stage_s):
+            enqueue(b, idx, k)
+            dispatch(k)
+            return
+        b.state.pop(idx, None)
+        b.done += 1
+        res.requests_done += 1
+        if b.done == len(b.records):
+            complete(b)
 
     def dispatch(k: int) -> None:
         while idle[k] and queues[k]:
@@ -187,14 +236,34 @@ def replay(
             b.state[idx] = ("r", k, now)
             push(now + b.records[idx].stage_s[k], "finish", (b, idx, k))
 
+    # disaggregated tenants: last batch whose rollout ended, end of each training step
+    rolled = [-1] * len(tenants)
+    trained: list[dict[int, float]] = [{} for _ in tenants]
+    announced = [-1] * len(tenants)
+
+    def maybe_next(ti: int) -> None:
+        """One-step staleness: batch i + 1 once rollout i ended and training i - 1 is done."""
+        t, i = tenants[ti], announced[ti]
+        if i + 1 >= len(t.batches) or rolled[ti] < i:
+            return
+        if i >= 1 and trained[ti].get(i - 1, float("inf")) > now:
+            return
+        announced[ti] = i + 1
+        push(now, "announce", (ti, i + 1))
+
     def complete(b: _Batch) -> None:
         t = tenants[b.tenant]
         earliest = b.start + max((r.zq_finish_s for r in b.records), default=0.0)
         res.batches.append(BatchOutcome(t.name, b.index, b.start, earliest, now))
         history[b.tenant] = b.records
         del active[(t.name, b.index)]
-        if b.index + 1 < len(t.batches):
-            push(now + t.train_s, "announce", (b.tenant, b.index + 1))
+        if t.mode == "colocated":
+            if b.index + 1 < len(t.batches):
+                push(now + t.train_s, "announce", (b.tenant, b.index + 1))
+        else:
+            prev = trained[b.tenant].get(b.index - 1, float("-inf"))
+            trained[b.tenant][b.index] = max(now, prev) + t.train_s
+            push(trained[b.tenant][b.index], "trained", b.tenant)
         decision()
 
     def announce(ti: int, bi: int) -> _Batch:
@@ -205,8 +274,11 @@ def replay(
         prio = ebf_priority(now, ref) if ref else float("inf")
         b = _Batch(ti, bi, now, recs, hist, t.delay_bound_s, prio)
         active[(t.name, bi)] = b
+        announced[ti] = max(announced[ti], bi)
         for idx, r in enumerate(b.records):
             push(now + r.offset_s, "arrive", (b, idx))
+        if t.mode == "disaggregated":
+            push(now + (b.records[-1].offset_s if b.records else 0.0), "rolled", (ti, bi))
         return b
 
     for ti, t in enumerate(tenants):
@@ -223,6 +295,12 @@ def replay(
                 decision()
             else:
                 complete(b)
+        elif kind == "rolled":
+            ti, bi = payload
+            rolled[ti] = max(rolled[ti], bi)
+            maybe_next(ti)
+        elif kind == "trained":
+            maybe_next(payload)
         elif kind == "ready":
             k = payload
             if starting[k] > 0:
@@ -232,8 +310,7 @@ def replay(
         elif kind == "arrive":
             b, idx = payload
             b.arrived += 1
-            enqueue(b, idx, 0)
-            dispatch(0)
+            enter(b, idx, 0)
         elif kind == "finish":
             b, idx, k = payload
             busy[k] -= 1
@@ -242,16 +319,24 @@ def replay(
                 retire_busy[k] -= 1
             else:
                 idle[k] += 1
-            rec = b.records[idx]
-            if k + 1 < len(rec.stage_s):
-                enqueue(b, idx, k + 1)
-                dispatch(k + 1)
-            else:
-                del b.state[idx]
-                b.done += 1
-                res.requests_done += 1
-                if b.done == len(b.records):
-                    complete(b)
+            enter(b, idx, k + 1)
             dispatch(k)
     res.end_s = now
     return res
+
+
+def replay_dedicated(
+    tenants: Sequence[TenantTrace],
+    timeouts_s: Sequence[float],
+    make_decide: Callable[[], Callable[[list[BatchView], float], Decision]],
+    ebf: bool = True,
+    cold_start_s: float = 0.0,
+) -> ReplayResult:
+    """Each tenant on a pool of its own (ZQ-Dedicated, section 6.1): one :func:`replay` per
+    tenant with a fresh policy from ``make_decide()``; worker time, peaks and outcomes add up.
+    """
+    out = ReplayResult(worker_s=[0.0] * len(timeouts_s), busy_s=[0.0] * len(timeouts_s))
+    out.peak_workers = [0] * len(timeouts_s)
+    for t in tenants:
+        out.merge(replay([t], timeouts_s, make_decide(), ebf, False, cold_start_s))
+    return out

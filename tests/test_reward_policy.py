@@ -5,15 +5,14 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 from m2flow.scheduler.reward_replay import TenantTrace, replay
 from m2flow.scheduler.reward_scaling import (
     BatchView,
     DistRSPolicy,
     estimate_jobs,
-    search_workers,
     single_task_workers,
-    zq_dedicated_workers,
 )
 from m2flow.scheduler.reward_sim import (
     RequestRecord,
@@ -100,16 +99,18 @@ def test_algorithm2_estimates_future_queued_and_running_from_history():
         queued=[(0, 5, 105.0)],
         running=[(1, 13.5, 0)],
     )
-    jobs = estimate_jobs(view, now_s=106.0, n_stages=2)
-    future = [j for j in jobs if j.first_stage == 0 and not j.running and j.arrival_s > 106.0]
-    # 4 requests still to come: history requests 6..9 (offset >= elapsed 6) at start + r_i
-    assert sorted(j.arrival_s for j in future) == [107.0, 108.0, 109.0]
-    assert len([j for j in jobs if j.first_stage == 0 and not j.running]) == 5  # +6.0, +queued
-    running = [j for j in jobs if j.running]
-    # running 13.5 s at stage 1: history stage-1 times > 13.5 are 14..19, median 17 -> 3.5 left
-    assert running[0].times_s == (3.5,)
-    queued = [j for j in jobs if j.arrival_s == 105.0]
-    assert queued and queued[0].first_stage == 0 and len(queued[0].times_s) == 2
+    jobs = estimate_jobs(view, 106.0, [5.0, 30.0], rng=np.random.default_rng(0))
+    # Future: history requests with AT + r_i > cur_ts (r_i = 7, 8, 9), at AT + r_i
+    assert sorted(j.arrival_s for j in jobs if j.arrival_s > 106.0) == [107.0, 108.0, 109.0]
+    # the rest arrive at cur_ts: one overdue (history had 7 by now, 6 came: r_i = 6's times),
+    # the queued one (stage 0 on), the running one
+    now = [j for j in jobs if j.arrival_s == 106.0]
+    assert len(now) == 3
+    assert [j.times_s for j in now if not j.running and j.first_stage == 0][0] == (1.0, 16.0)
+    (run,) = [j for j in now if j.running]
+    # running 13.5 s at stage 1: sampled from history stage-1 times > 13.5 (14..19)
+    assert run.first_stage == 1 and len(run.times_s) == 1
+    assert 0.5 <= run.times_s[0] <= 5.5 and (run.times_s[0] + 13.5) % 1 == 0
 
 
 def test_multi_tenant_decision_covers_every_active_batch():
@@ -125,16 +126,15 @@ def test_multi_tenant_decision_covers_every_active_batch():
     assert dec.workers == [11, 11]
 
 
-def test_search_relaxes_a_batch_that_is_already_late():
-    # its only request is due at 50, past T + D = 10: one worker, not an unbounded pool
-    jobs = [SimJob("b", 50.0, 0, (1.0,))] * 4
-    dec = search_workers(jobs, {"b": (5.0, 5.0)}, [10.0], None, True, None, 50.0)
-    assert dec.workers[0] <= 4 and dec.feasible
-
-
-def test_zq_dedicated_is_the_zero_queue_peak():
-    assert zq_dedicated_workers([FIG9, [R(0.0, (1.0,))]], 1) == [3]
+def test_zero_queue_helpers():
+    assert peak_concurrency([SimJob("b", r.offset_s, 0, r.stage_s) for r in FIG9], 1) == [3]
     assert earliest_completion(10.0, FIG9) == 16.0
+
+
+def _static_zq(batches: list[list[RequestRecord]]) -> int:
+    """Most execute workers any of the batches has in service at once (zero queueing)."""
+    jobs = [[SimJob(0, r.offset_s, 0, r.stage_s) for r in b] for b in batches]
+    return max(peak_concurrency(j, 2)[1] for j in jobs)
 
 
 def _trace(seed: int, n: int) -> list[RequestRecord]:
@@ -166,7 +166,7 @@ def test_replay_ideal_keeps_every_batch_within_the_bound_and_loses_nothing(seed)
     assert len(res.batches) == 9
     assert max(b.extra_delay_s for b in res.batches) <= 2.0 + 1e-6
     # elastic: far less than every tenant's zero-queue peak held for the whole run
-    zq = sum(zq_dedicated_workers(t.batches, 2)[1] for t in tenants) * res.end_s
+    zq = sum(_static_zq(t.batches) for t in tenants) * res.end_s
     assert res.worker_s[1] < 0.5 * zq
     assert res.busy_s[1] <= res.worker_s[1] + 1e-6
 

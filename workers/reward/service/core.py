@@ -2,7 +2,7 @@
 
 One asyncio loop owns all state. Each pipeline stage has a pool of worker processes
 (:mod:`.worker`, one request at a time each) and a priority queue ordered Earliest-Batch-First
-(DistRS section 5.3: the batch's estimated earliest completion ``T`` from its task's previous
+(DistRS section 5.2: the batch's estimated earliest completion ``T`` from its task's previous
 batch, Eq. 1-2; FCFS within a batch; batches without history last). A request runs the stages
 in order; a stage that fails, or passes its timeout (the worker process group is killed),
 ends the request with the pipeline's penalty reward and skips the later stages. Every request
