@@ -92,6 +92,9 @@ class Cluster:
             ``m2flow_virtual_device`` resource.
         device_memory_gb: declared capacity of each virtual device, in GiB.
         run_dir: directory for Ray's temp files (embedded mode only).
+        spot: a :class:`~m2flow.spot.LocalSpotCluster` to run on (its head node is the reserved
+            cluster; its spot nodes are preemptible): the Cluster owns it and stops it on
+            shutdown.
         offload: what a device switch does to the worker leaving the device. ``"always"``:
             offload it (RLinf's context switch, section 4.3); ``"never"``: keep every worker
             resident (for devices whose memory holds them all); ``"auto"`` (default):
@@ -112,6 +115,7 @@ class Cluster:
         device_memory_gb: float = 16.0,
         run_dir: str | os.PathLike | None = None,
         offload: str | Offload = Offload.auto,
+        spot=None,
     ) -> None:
         import ray
 
@@ -122,8 +126,8 @@ class Cluster:
             raise ValueError(f"offload={offload!r}: use one of {choices}") from None
         apply_ray_env_defaults()
         self.run_dir = Path(run_dir) if run_dir else None
-        self._owns_ray = False
-        self.spot = None  # a m2flow.spot.LocalSpotCluster this cluster runs on, if any
+        self._owns_ray = spot is not None  # the local spot cluster's driver is this process
+        self.spot = spot  # a m2flow.spot.LocalSpotCluster this cluster runs on, if any
         if not ray.is_initialized():
             if address is None:
                 default_root = Path(tempfile.gettempdir()) / "m2flow"
@@ -178,9 +182,7 @@ class Cluster:
         from .spot import SPOT_RESOURCE
 
         # Preemptible nodes come and go: their devices are not numbered (m2flow.spot).
-        alive = [
-            n for n in ray.nodes() if n.get("Alive") and not n["Resources"].get(SPOT_RESOURCE)
-        ]
+        alive = [n for n in ray.nodes() if n.get("Alive") and not n["Resources"].get(SPOT_RESOURCE)]
         # Head first, then a stable order, so global ids do not change between calls.
         alive.sort(
             key=lambda n: (

@@ -169,20 +169,22 @@ def start_cluster(c: ClusterConfig, run_dir: str | Path):
             spot.shutdown()
             raise
     try:
-        cluster = Cluster(
-            spot.address if spot else c.address,
+        return Cluster(
+            c.address,
             num_cpus=c.num_cpus,
             virtual_devices_per_node=c.devices_per_node,
             device_memory_gb=c.device_memory_gb,
             run_dir=run_dir,
             offload=c.offload,
+            spot=spot,
         )
     except BaseException:
         if spot is not None:
+            import ray
+
+            ray.shutdown()
             spot.shutdown()
         raise
-    cluster.spot = spot
-    return cluster
 
 
 class Checkpoints:

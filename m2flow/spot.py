@@ -7,20 +7,27 @@ only the reserved nodes' devices; spot nodes are listed live by :func:`alive_spo
 they join and leave during a run.
 
 :class:`LocalSpotCluster` runs a head node (the reserved cluster) and spot nodes as separate
-raylets of ``ray.cluster_utils.Cluster`` on this machine. Removing a spot node kills every
-process on it, as a preemption does; :meth:`LocalSpotCluster.replay` adds and removes nodes to
+``ray start`` processes on this machine. Removing a spot node kills every process on it, as a
+preemption does; :meth:`LocalSpotCluster.replay` adds and removes nodes to
 follow an availability trace (``t_s,instances``; :mod:`m2flow.scheduler.spot`), time compressed
 by ``time_scale``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass
 
 SPOT_RESOURCE = "m2flow_spot"
+LOOPBACK = "127.0.0.2"  # as the embedded cluster's: Ray maps 127.0.0.1 to a routable address
 #: Set at a run's first logged step (m2flow.runlog): a replayed trace's clock starts there, not
 #: during the warm start.
 first_step = threading.Event()
@@ -44,53 +51,87 @@ def alive_spot_nodes() -> list[str]:
     return [n["NodeID"] for n in nodes]
 
 
+@dataclass
+class _SpotNode:
+    proc: subprocess.Popen
+    node_id: str
+
+
 class LocalSpotCluster:
     """A head node (reserved) plus spot nodes that come and go, all on this machine.
+
+    The head and each spot node are ``ray start --block`` processes on one loopback address
+    (so nodes can be added and removed from any thread, e.g. a trace replay; Ray rewrites
+    127.0.0.1 to a routable address, not 127.0.0.2); this process connects as the driver.
+    Removing a spot node kills its whole process tree at once (raylet, object store, workers;
+    Linux ``/proc``), as a preemption does.
 
     Args:
         num_cpus: CPUs of the head node (logical).
         resources: extra head resources (e.g. virtual devices).
         spot_cpus: logical CPUs of each spot node.
-        temp_dir: Ray's temp dir (short path).
 
     Attributes:
         address: to ``ray.init(address=...)``.
         preemptions, joins: counts so far.
     """
 
-    def __init__(
-        self,
-        num_cpus: int,
-        resources: dict[str, float],
-        spot_cpus: float = 1.0,
-        temp_dir: str | None = None,
-    ) -> None:
-        from ray.cluster_utils import Cluster
+    def __init__(self, num_cpus: int, resources: dict[str, float], spot_cpus: float = 1.0) -> None:
+        import ray
 
-        head: dict[str, Any] = {"num_cpus": num_cpus, "resources": resources}
-        if temp_dir:
-            head["_temp_dir"] = temp_dir
-        self._cluster = Cluster(initialize_head=True, head_node_args=head)
-        self.address = self._cluster.address
+        with socket.socket() as sock:
+            sock.bind((LOOPBACK, 0))
+            port = sock.getsockname()[1]
+        self.address = f"{LOOPBACK}:{port}"
         self.spot_cpus = spot_cpus
-        self._spot: list = []  # live spot nodes, oldest first
+        self._head = _ray_start(
+            ["--head", f"--port={port}", f"--num-cpus={num_cpus:g}",
+             f"--resources={json.dumps(resources)}", "--include-dashboard=false"]
+        )  # fmt: skip
+        try:
+            ray.init(address=self.address, _node_ip_address=LOOPBACK, namespace="m2flow")
+        except BaseException:
+            _kill_tree(self._head.pid)
+            raise
+        self._spot: list[_SpotNode] = []  # live spot nodes, oldest first
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._serial = 0
         self.preemptions = self.joins = 0
 
     @property
     def spot_nodes(self) -> int:
         return len(self._spot)
 
-    def add_spot(self, n: int = 1) -> None:
-        """Start ``n`` spot nodes (waits until they are registered)."""
+    def add_spot(self, n: int = 1, timeout: float = 120.0) -> None:
+        """Start ``n`` spot nodes and wait until each is registered.
+
+        Raises:
+            TimeoutError: a node did not register within ``timeout`` seconds.
+        """
+        import ray
+
         with self._guard:
             for _ in range(n):
-                node = self._cluster.add_node(
-                    num_cpus=self.spot_cpus, resources={SPOT_RESOURCE: 1}, wait=True
-                )
-                self._spot.append(node)
+                self._serial += 1
+                tag = f"m2flow_spot_node_{self._serial}"
+                res = json.dumps({SPOT_RESOURCE: 1, tag: 1})
+                proc = _ray_start(
+                    [f"--address={self.address}", f"--num-cpus={self.spot_cpus:g}",
+                     f"--resources={res}"]
+                )  # fmt: skip
+                deadline = time.monotonic() + timeout
+                while True:
+                    ids = [x["NodeID"] for x in ray.nodes()
+                           if x.get("Alive") and x["Resources"].get(tag)]  # fmt: skip
+                    if ids:
+                        break
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        _kill_tree(proc.pid)
+                        raise TimeoutError(f"spot node {tag} did not join in {timeout:.0f} s")
+                    time.sleep(0.1)
+                self._spot.append(_SpotNode(proc, ids[0]))
                 self.joins += 1
 
     def remove_spot(self, n: int = 1, rng: random.Random | None = None) -> None:
@@ -98,8 +139,7 @@ class LocalSpotCluster:
         with self._guard:
             for _ in range(min(n, len(self._spot))):
                 i = rng.randrange(len(self._spot)) if rng else len(self._spot) - 1
-                self._cluster.remove_node(self._spot.pop(i), allow_graceful=False)
-                self.preemptions += 1
+                self._kill(self._spot.pop(i))
 
     def remove_node_id(self, node_id: str) -> None:
         """Preempt the spot node with Ray node id ``node_id`` (hex).
@@ -111,10 +151,14 @@ class LocalSpotCluster:
             for node in self._spot:
                 if node.node_id == node_id:
                     self._spot.remove(node)
-                    self._cluster.remove_node(node, allow_graceful=False)
-                    self.preemptions += 1
+                    self._kill(node)
                     return
         raise ValueError(f"no live spot node {node_id}")
+
+    def _kill(self, node: _SpotNode) -> None:
+        _kill_tree(node.proc.pid)
+        node.proc.wait(timeout=30)
+        self.preemptions += 1
 
     def replay(self, trace: list[tuple[float, int]], time_scale: float = 1.0, seed: int = 0,
                start: threading.Event | None = None) -> None:  # fmt: skip
@@ -144,5 +188,46 @@ class LocalSpotCluster:
         """Stop the replay and every node (call after ``ray.shutdown()``)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
-        self._cluster.shutdown()
+            self._thread.join(timeout=60)
+        with self._guard:
+            for node in self._spot:
+                _kill_tree(node.proc.pid)
+                node.proc.wait(timeout=30)
+            self._spot.clear()
+        _kill_tree(self._head.pid)
+        self._head.wait(timeout=30)
+
+
+def _ray_start(args: list[str]) -> subprocess.Popen:
+    """``ray start --block`` with ``args`` on :data:`LOOPBACK`, its own session."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+         f"--node-ip-address={LOOPBACK}", "--disable-usage-stats", *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        # With "0" (our CI default) Ray keeps every node single-node: this cluster is not.
+        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"},
+    )  # fmt: skip
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process descending from it (read from ``/proc``): Ray's
+    workers leave the node's process group, so a group kill would miss them."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -130,7 +130,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_layers_import_only_downwards():
-    """DESIGN's layering: the runtime (m2flow/) imports no workers (the reward service's CLI
+    """docs/design.md's layering: the runtime (m2flow/) imports no workers (the reward service's CLI
     joins through an entry point); the planner (scheduler/) imports neither the runtime nor
     Ray nor torch."""
     for f in sorted((ROOT / "m2flow").glob("*.py")):
@@ -178,3 +178,22 @@ def test_reward_service_port_in_use_exit_2(tmp_path):
         port = s.getsockname()[1]
         code, out, _ = m2flow("reward-service", "-c", str(cfg), "--port", str(port), timeout=60)
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in out, out
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("t_s,instances\n10,2\n5,1\n", "line 3"),
+        ("t_s,instances\n0,-1\n", "line 2"),
+        ("time,count\n0,1\n", "line 1"),
+        ("t_s,instances\n0,two\n", "line 2"),
+    ],
+)
+def test_bad_spot_trace_exit_2(tmp_path, text, message):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(text)
+    code, out, _ = m2flow(
+        "run", str(GRPO), f"cluster.spot.trace={trace}", f"trainer.run_dir={tmp_path / 'r'}"
+    )
+    assert_one_line_exit_2(code, out, "cluster.spot.trace")
+    assert message in out and len(out.strip().splitlines()) == 1, out

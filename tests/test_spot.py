@@ -55,8 +55,7 @@ def pool():
         ray.shutdown()
     local = LocalSpotCluster(2, {VIRTUAL_DEVICE_RESOURCE: 1}, spot_cpus=1)
     local.add_spot(2)
-    cluster = Cluster(local.address, virtual_devices_per_node=1, offload="never")
-    cluster.spot = local
+    cluster = Cluster(virtual_devices_per_node=1, offload="never", spot=local)
     try:
         actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, alphabet=ALPHABET,
                                    threads=1)  # fmt: skip

@@ -11,9 +11,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from m2flow.recipe import TrainerConfig, finite_positive, require
+from m2flow.config import ConfigError
+from m2flow.recipe import TrainerConfig, finite_positive, plain, require
 
 from .llm.config import ModelConfig as LMShape
+from .spot.config import SpotPoolConfig
 
 
 @dataclass
@@ -54,6 +56,7 @@ class RolloutConfig:
     top_p: float = 1.0
     shared_prefix: bool = True  # prefill each prompt once per group, not once per sample
     threads: int = 0  # torch threads; 0 = the rank's share of its node's CPUs
+    spot: SpotPoolConfig = field(default_factory=SpotPoolConfig)  # RLBoost pool (docs/spot.md)
 
 
 @dataclass
@@ -96,6 +99,11 @@ def validate_llm(cfg, min_samples: int = 1) -> None:
             (cfg.task.train_size >= 1, "task.train_size must be >= 1"),
         ]
     )
+    if r.spot.enabled:
+        try:
+            SpotPoolConfig(**plain(r.spot)).check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def validate_optim(section, name: str) -> None:

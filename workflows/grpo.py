@@ -158,6 +158,9 @@ def main(cfg) -> dict:
                 "clip_frac": a_out["clip_frac"],
                 "grad_norm": a_out["grad_norm"],
                 "weight_version": version,
+                # the spot pool's counters (rollout.spot.enabled): tokens by reserved and spot
+                # engines, preemptions, migrations, T_seed, N_prem
+                **{f"spot_{k}": v for k, v in g_out[0].get("spot", {}).items()},
             }
             if step % tr.eval_every == 0 or step == tr.steps:
                 metrics["heldout_accuracy"] = summary["final_accuracy"] = evaluate()

@@ -74,6 +74,8 @@ class ExactEngine:
         temperature, top_p: sampling parameters (logprobs under ``logits / temperature``).
         seed: the run seed of the sampling counter.
         batch_rows: rows of every forward (fixed: part of what makes tokens exact).
+        min_new_tokens: EOS is masked out before this many response tokens (vLLM's
+            ``min_tokens``; fixed-length responses for measurements).
     """
 
     def __init__(
@@ -84,8 +86,10 @@ class ExactEngine:
         top_p: float = 1.0,
         seed: int = 0,
         batch_rows: int = 16,
+        min_new_tokens: int = 0,
     ) -> None:
         self.model = model.eval()
+        self.min_new_tokens = min_new_tokens
         self.eos_id = eos_id
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.batch_rows = batch_rows
@@ -115,6 +119,9 @@ class ExactEngine:
         ids = torch.tensor(seqs, dtype=torch.long, device=self.device)
         logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
         logits = logits[: len(rows)].float().cpu()
+        early = torch.tensor([len(r.tokens) < self.min_new_tokens for r in rows])
+        if early.any():
+            logits[early, self.eos_id] = float("-inf")
         keys = np.array([r.key for r in rows], dtype=np.int64)
         pos = np.array([len(r.tokens) for r in rows])
         u = torch.from_numpy(counter_uniforms_at(self.seed, keys, pos))

@@ -18,6 +18,7 @@ class SpotPoolConfig:
     memory: bool = True  # Algorithm 1's scheduler memory M (ablation: False)
     seeding: bool = True  # ablation False: no seeding, spot instances take everything
     n_prem_max: int = 0  # cap on spot instances over Algorithm 1's N_prem (0: none)
+    n_prem_min: int = 1  # floor under N_prem (>= 1: the pool never turns itself off)
     theta: int = 8  # Algorithm 2's Θ: most pending requests per instance (delayed dispatch)
     dispatch: str = "jsq"  # "jsq" (Algorithm 2) or "round_robin" (ablation)
     rebalance: bool = True  # Algorithm 2's continuous rebalancing (ablation: False)
@@ -26,6 +27,8 @@ class SpotPoolConfig:
     batch_rows: int = 32  # rows of every engine forward (fixed: exact tokens; docs/spot.md)
     micro_batch_prompts: int = 4  # m_b: GRPO groups per chunk streamed to training
     threads: int = 1  # torch threads of a spot instance
+    migration: str = "tokens"  # "tokens": keep the partial response; "recompute" (ablation)
+    min_new_tokens: int = 0  # EOS is not sampled before this many tokens (vLLM's min_tokens)
     timeout_s: float = 1800.0  # longest wait for a step's responses
 
     def check(self) -> None:
@@ -39,6 +42,9 @@ class SpotPoolConfig:
             (self.max_batch >= 1 and self.batch_rows >= 1, "max_batch, batch_rows must be >= 1"),
             (self.micro_batch_prompts >= 1, "rollout.spot.micro_batch_prompts must be >= 1"),
             (self.n_prem_max >= 0, "rollout.spot.n_prem_max must be >= 0"),
+            (self.n_prem_min >= 1, "rollout.spot.n_prem_min must be >= 1"),
+            (self.migration in ("tokens", "recompute"), "rollout.spot.migration: tokens|recompute"),
+            (self.min_new_tokens >= 0, "rollout.spot.min_new_tokens must be >= 0"),
         ]
         for ok, msg in bad:
             if not ok:

@@ -37,7 +37,7 @@ class SpotInstance:
         self.model = build_model(ModelConfig(**args["model"]), tok)
         self.engine = ExactEngine(
             self.model, tok.eos_token_id, args["temperature"], args["top_p"], args["seed"],
-            args["batch_rows"],
+            args["batch_rows"], args.get("min_new_tokens", 0),
         )  # fmt: skip
         self.version = -1
         self.stop = threading.Event()

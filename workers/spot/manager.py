@@ -88,12 +88,13 @@ class RolloutManager:
         self.cfg = SpotPoolConfig(**cfg)
         self.instance_args = instance_args
         c = self.cfg
-        # n_prem_min=1 (deviation): with no instance in a step, line 10 can give N_prem = 0,
+        # n_prem_min >= 1 (deviation): with no instance in a step, line 10 can give N_prem = 0,
         # after which no instance would ever start to make it grow again.
         self.policy = SeedingPolicy(
             n_resv=n_reserved, eta=c.eta, t_init=c.t_seed_init, use_memory=c.memory,
-            n_prem_min=1, n_prem_max=c.n_prem_max or None,
+            n_prem_min=c.n_prem_min, n_prem_max=c.n_prem_max or None,
         )  # fmt: skip
+        self.policy.n_prem = max(self.policy.n_prem, c.n_prem_min)
         if not c.seeding:  # ablation: everything goes to the spot instances at once
             self.policy.t_seed = 0.0
         self.profile = ThroughputProfile()
@@ -347,6 +348,8 @@ class RolloutManager:
             r.moves += 1
             self.stats["migrated_samples"] += 1
             self.stats["migrated_tokens"] += len(r.tokens)
+            if self.cfg.migration == "recompute":  # ablation: restart from the prompt
+                r.tokens, r.logprobs = [], []
         self.queue.appendleft(rid)  # continued first: it has the most work done
 
     def _eligible(self) -> list[_Instance]:

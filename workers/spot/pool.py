@@ -38,12 +38,12 @@ class ReservedSeeder:
         args = {
             "model": model, "alphabet": alphabet, "temperature": worker.temperature,
             "top_p": worker.top_p, "seed": worker.seed, "batch_rows": self.cfg.batch_rows,
-            "threads": self.cfg.threads,
+            "threads": self.cfg.threads, "min_new_tokens": self.cfg.min_new_tokens,
         }  # fmt: skip
         self.manager = get_manager(asdict(self.cfg), worker.world_size, args)
         self.engine = ExactEngine(
             worker.model, worker.tokenizer.eos_token_id, worker.temperature, worker.top_p,
-            worker.seed, self.cfg.batch_rows,
+            worker.seed, self.cfg.batch_rows, self.cfg.min_new_tokens,
         )  # fmt: skip
 
     def stage(self, weights: dict, version: int) -> None:
