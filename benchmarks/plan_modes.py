@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from m2flow.cluster import GiB
 from m2flow.config import ConfigError
 from m2flow.planning import load_profile, plan_from_profile, profile_to_file
 from m2flow.session import Session
@@ -37,7 +38,6 @@ from m2flow.workflow import run_workflow
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = str(ROOT / "workflows" / "grpo.py")
-GiB = 1 << 30
 
 
 def _run(overrides: list[str], placement) -> Session:

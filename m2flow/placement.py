@@ -22,8 +22,6 @@ from .config import ConfigError
 if TYPE_CHECKING:
     from .cluster import Cluster
 
-MODES = ("auto", "temporal", "spatial", "hybrid")
-
 
 class PlacementError(ConfigError):
     """A placement that does not fit the cluster or the workflow (the message says which)."""

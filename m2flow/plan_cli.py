@@ -44,10 +44,12 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
-GiB = 1 << 30
+from .cluster import GiB
+
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
@@ -57,11 +59,11 @@ def _is_workflow(target: str) -> bool:
 
 
 def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, slack=None):
-    """``(profile, PlanResult, step_overhead_s)``; raises ConfigError/ValueError on bad input."""
+    """``(profile, PlanResult, Placement)``; raises ConfigError/ValueError on bad input."""
     from .config import ConfigError
-    from .planning import profile_to_file
-    from .scheduler.planner import MAX_DEVICES, MODES, PlanError, plan_workflow
-    from .scheduler.profile import ProfileError, load_profile, to_workflow
+    from .planning import plan_from_profile, profile_to_file
+    from .scheduler.planner import MAX_DEVICES, MODES
+    from .scheduler.profile import ProfileError, load_profile
 
     if mode not in MODES:
         raise ConfigError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -96,19 +98,11 @@ def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, s
         msg = str(e) if str(path) in str(e) else f"profile {str(path)!r}: {e}"
         raise ConfigError(msg) from None
     capacity = memory_gb * GiB if memory_gb else (prof.device_memory_bytes or math.inf)
-    try:
-        result = plan_workflow(
-            to_workflow(prof),
-            devices,
-            capacity=capacity,
-            mode=mode,
-            runner_ups=True,
-            allow_idle=allow_idle,
-            **({} if slack is None else {"slack": slack}),
-        )
-    except PlanError as e:
-        raise ConfigError(f"no {mode} plan on {devices} devices: {e}") from None
-    return prof, result, float(prof.step_overhead_s or 0.0)
+    options = {"runner_ups": True, "allow_idle": allow_idle}
+    if slack is not None:
+        options["slack"] = slack
+    result, placement = plan_from_profile(prof, devices, capacity, mode, **options)
+    return prof, result, placement
 
 
 def _nodes(devs: range, per_node: int) -> str:
@@ -285,7 +279,8 @@ def _write(path: Path, write) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write(path)
     except (OSError, ValueError) as e:
-        err.print(f"[bold red]error:[/] cannot write {path}: {e}", highlight=False)
+        err.print(f"[bold red]error:[/] cannot write {escape(str(path))}: {escape(str(e))}",
+                  highlight=False)  # fmt: skip
         raise typer.Exit(2) from None
 
 
@@ -323,22 +318,20 @@ def plan(
 ) -> None:
     """Print the plan for N devices: tree, components, prediction, runner-ups."""
     from .config import ConfigError
-    from .placement import from_plan
 
     try:
-        prof, result, overhead = _plan(
+        prof, result, placement = _plan(
             target, devices, nodes, mode, memory_gb, overrides or [], idle, slack
         )
     except (ConfigError, ValueError) as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
-    step = result.time + overhead
+    overhead = float(prof.step_overhead_s or 0.0)
+    step = placement.predicted_step_s
     per_node = devices // nodes
     comps = components(result, per_node)
     fit_doc = _fits(prof)
     if save is not None:
-        placement = from_plan(result.plan, list(result.edges), result.batch_size, devices)
-        placement.predicted_step_s = step
         _write(save, placement.save)
     if gantt_png is not None:
         _write(gantt_png, lambda path: gantt(result, prof, path))

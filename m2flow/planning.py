@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import ConfigError
-from .placement import MODES, Placement, from_plan, temporal
+from .placement import Placement, from_plan, temporal
+from .scheduler.planner import MODES
 from .session import Session, median
 
 
@@ -28,16 +29,16 @@ def profile_to_file(
     warmup: int = 2,
     chunks: int = 4,
     log: Callable = print,
-) -> dict[str, Any]:
-    """Profile ``workflow`` (see :mod:`m2flow.profiler`) and write the profile YAML."""
-    import yaml
-
+):
+    """Profile ``workflow`` (see :mod:`m2flow.profiler`) and write the profile YAML; returns
+    the :class:`~m2flow.scheduler.profile.Profile`."""
     from .profiler import profile
+    from .scheduler.profile import save_profile
 
     prof = profile(workflow, overrides, config_files, device_counts, steps, warmup, chunks, log)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(yaml.safe_dump(prof, sort_keys=False))
+    save_profile(prof, output)
     log(f"profile written to {output}")
     return prof
 
@@ -56,12 +57,21 @@ def load_profile(path: str | Path):
         raise ConfigError(f"profile {str(path)!r}: {e}") from None
 
 
-def plan_from_profile(prof, num_devices: int, capacity: float | None, mode: str = "auto"):
-    """Plan the profiled workflow on ``num_devices`` devices of ``capacity`` bytes.
+def plan_from_profile(
+    prof, num_devices: int, capacity: float | None, mode: str = "auto", **options
+):
+    """Plan the profiled workflow on ``num_devices`` devices of ``capacity`` bytes (``None``:
+    unbounded): the one planning path of ``m2flow run plan=...``, ``m2flow plan`` and the
+    benchmarks.
+
+    Args:
+        options: the planner's (``runner_ups``, ``allow_idle``, ``slack``; see
+            :func:`m2flow.scheduler.planner.plan_workflow`).
 
     Returns:
-        ``(plan, placement)``: the planner's tree and the placement the runtime applies; the
-        placement's predicted step time includes the profile's ``step_overhead_s``.
+        ``(plan, placement)``: the planner's tree (a ``PlanResult`` with the runner-ups when
+        ``runner_ups=True``) and the placement the runtime applies; the placement's predicted
+        step time includes the profile's ``step_overhead_s``.
 
     Raises:
         ConfigError: the planner found no feasible plan (its message names the problem).
@@ -71,15 +81,17 @@ def plan_from_profile(prof, num_devices: int, capacity: float | None, mode: str 
 
     wf = to_workflow(prof)
     try:
-        plan = plan_workflow(
-            wf, num_devices, capacity=capacity if capacity else float("inf"), mode=mode
-        )
+        out = plan_workflow(
+            wf, num_devices, capacity=capacity if capacity else float("inf"), mode=mode,
+            **options,
+        )  # fmt: skip
     except PlanError as e:
-        raise ConfigError(f"plan={mode} on {num_devices} devices: {e}") from None
+        raise ConfigError(f"no {mode} plan on {num_devices} devices: {e}") from None
+    plan = out.plan if options.get("runner_ups") else out
     placement = from_plan(plan, list(wf.edges), wf.batch_size, num_devices)
     overhead = float(getattr(prof, "step_overhead_s", 0.0) or 0.0)
     placement.predicted_step_s = float(plan.time) + overhead
-    return plan, placement
+    return out, placement
 
 
 def placement_for(

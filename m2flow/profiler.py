@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .placement import Placement
+from .scheduler.profile import ComponentProfile, Edge, Point, Profile
 
 
 def _median(xs: list[float]) -> float:
@@ -130,8 +131,9 @@ def profile(
     warmup: int = 2,
     chunks: int = 4,
     log=print,
-) -> dict[str, Any]:
-    """Profile ``workflow``; returns the profile as a dict (see the module docstring).
+) -> Profile:
+    """Profile ``workflow`` (see the module docstring); the planner's
+    :class:`~m2flow.scheduler.profile.Profile`.
 
     Args:
         device_counts: device counts to measure (default ``1, 2, 4, ...`` up to the cluster's).
@@ -181,31 +183,23 @@ def profile(
         if chunked is not None:
             overhead = max(0.0, (chunked["busy"][g] - first["busy"][g]) / (k - 1))
         points = [
-            {
-                "devices": n,
-                "seconds": round(r["busy"][g], 6),
-                "memory_bytes": max(s["peak_memory_bytes"] for s in r["stats"][g]),
-            }
+            Point(n, round(r["busy"][g], 6), max(s["peak_memory_bytes"] for s in r["stats"][g]))
             for n, r in sorted(runs.items())
         ]
-        components[g] = {
-            "min_devices": 1,
-            "max_devices": None,
-            "switch_s": round(_switch_s(first["stats"][g]), 6),
-            "chunk_overhead_s": round(overhead, 6),
-            "points": points,
-        }
+        components[g] = ComponentProfile(
+            points,
+            switch_s=round(_switch_s(first["stats"][g]), 6),
+            chunk_overhead_s=round(overhead, 6),
+        )
     unattributed = first["step_s"] - sum(first["busy"].values())
-    unattributed -= sum(c["switch_s"] for c in components.values())
-    return {
-        "workflow": Path(workflow).stem,
-        "batch_size": batch,
-        "item": "item",
-        "device_memory_bytes": first["memory_capacity"],
-        "step_overhead_s": round(max(unattributed, 0.0), 6),
-        "edges": [
-            {"src": s, "dst": d, "items_per_step": round(i / (per_step + warmup), 3)}
-            for (s, d), i in sorted(edges.items())
+    unattributed -= sum(c.switch_s for c in components.values())
+    return Profile(
+        batch_size=batch,
+        components=components,
+        edges=[
+            Edge(s, d, round(i / (per_step + warmup), 3)) for (s, d), i in sorted(edges.items())
         ],
-        "components": components,
-    }
+        workflow=Path(workflow).stem,
+        device_memory_bytes=first["memory_capacity"],
+        step_overhead_s=round(max(unattributed, 0.0), 6),
+    )

@@ -262,10 +262,10 @@ def _alternatives(pl: Planner, full: int, best: Plan) -> tuple[Plan, ...]:
     found: list[Plan] = []
     for fam in ("T", "S", "H"):
         choice = pl.root(full, fam)
-        if np.isfinite(choice[0]):
+        if np.isfinite(choice.cost):
             found.append(pl.build(full, False, fam, 0, pl.n, choice))
     for opt in pl.options(full, "A"):
-        if np.isfinite(opt[0]) and opt[1] >= 0:
+        if np.isfinite(opt.cost) and opt.variant >= 0:
             found.append(pl.build(full, False, "A", 0, pl.n, opt))
     seen = {best.signature()}
     out = []
@@ -358,7 +358,7 @@ def plan_workflow(
     full = (1 << len(nodes)) - 1
     fam = FAMILY[mode]
     choice = pl.root(full, fam)
-    if not np.isfinite(choice[0]):
+    if not np.isfinite(choice.cost):
         _explain_infeasible(nodes, num_devices, capacity, mode, allow_idle)
     best = pl.build(full, False, fam, 0, num_devices, choice)
     if not runner_ups:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -58,6 +59,19 @@ _VARIANTS: dict[str, tuple[tuple[int, str, str], ...]] = {
 }
 _LEAF_FAMILIES = {"A", "T", "S"}  # a single leaf has no composition: CS/CT/H are infeasible
 FAMILY = {"auto": "A", "temporal": "T", "spatial": "S", "hybrid": "H"}
+
+
+class Choice(NamedTuple):
+    """How a subgraph is planned on ``n`` devices: its ``cost`` (seconds), and -- unless it is
+    a leaf (``variant < 0``) -- the composition ``variant`` of its family, the s-t ``cut``
+    (index into the subgraph's cuts), the upstream side's device count ``n_up`` and the
+    granularity index ``k`` (spatial only; -1 for temporal)."""
+
+    cost: float
+    variant: int = -1
+    cut: int = -1
+    n_up: int = -1
+    k: int = -1
 
 
 @dataclass(eq=False)
@@ -208,12 +222,12 @@ class Planner:
             self.splits[key] = cost, nu.astype(np.int32), ki.astype(np.int16)  # 14 bytes per n
         return self.splits[key]
 
-    def options(self, mask: int, fam: str) -> list[tuple]:
-        """Every (cost, variant, cut, n_u, k_index) at the root (n = N only, skipping the
-        all-n table of the root itself), in tie-break order."""
+    def options(self, mask: int, fam: str) -> list[Choice]:
+        """Every :class:`Choice` at the root (n = N only, skipping the all-n table of the root
+        itself), in tie-break order."""
         if mask & (mask - 1) == 0:
             t = self.table(mask, False, fam)
-            return [(float(t.cost[self.n]), -1, -1, -1, -1)]
+            return [Choice(float(t.cost[self.n]))]
         out = []
         for c_i, u in enumerate(self.cuts(mask)):
             d = mask & ~u
@@ -221,28 +235,31 @@ class Planner:
                 sub = kind == _TEMPORAL
                 tu, td = self.table(u, sub, fu), self.table(d, sub, fd)
                 if kind == _TEMPORAL:
-                    out.append((float(tu.cost[self.n] + td.cost[self.n]), v_i, c_i, -1, -1))
+                    out.append(Choice(float(tu.cost[self.n] + td.cost[self.n]), v_i, c_i))
                     continue
                 o_u, o_d = self.overhead(u), self.overhead(d)
                 sv, snu, ski = best_split_at(
                     tu.cost - o_u, td.cost - o_d, o_u, o_d, self.chunks, self.n
                 )
-                out.append((sv, v_i, c_i, snu, ski))
+                out.append(Choice(sv, v_i, c_i, snu, ski))
         return out
 
-    def root(self, mask: int, fam: str) -> tuple:
-        best = (INF, -1, -1, -1, -1)
+    def root(self, mask: int, fam: str) -> Choice:
+        """The cheapest option for ``mask`` on all devices (cost ``inf``: none feasible)."""
+        best = Choice(INF)
         for opt in self.options(mask, fam):
-            if opt[0] < best[0]:
+            if opt.cost < best.cost:
                 best = opt
         return best
 
-    def build(self, mask, shared, fam, start, n, choice=None) -> Plan:
+    def build(self, mask, shared, fam, start, n, choice: Choice | None = None) -> Plan:
         """The Plan subtree of ``mask`` in family ``fam`` on devices [start, start + n)."""
         if choice is None:
             t = self.table(mask, shared, fam)
-            choice = (t.cost[n],) + (
-                (-1, -1, -1, -1) if t.var is None else (t.var[n], t.cut[n], t.nu[n], t.ki[n])
+            choice = (
+                Choice(t.cost[n])
+                if t.var is None
+                else Choice(t.cost[n], t.var[n], t.cut[n], t.nu[n], t.ki[n])
             )
         cost, v_i, c_i, n_u, k_i = choice
         if v_i < 0:

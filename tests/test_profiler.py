@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
+from m2flow.scheduler.profile import save_profile
 from test_workflow import TINY_RUN
 
 from m2flow.config import ConfigError
@@ -38,26 +38,22 @@ def grpo_profile(cluster, tmp_path_factory):
         log=lambda *a: None,
     )
     path = out / "profile.yaml"
-    path.write_text(yaml.safe_dump(prof, sort_keys=False))
+    save_profile(prof, path)
     return prof, path
 
 
 def test_profile_measures_the_traced_graph(grpo_profile):
     prof, path = grpo_profile
-    assert prof["batch_size"] == 4  # prompts the runner puts per step (trainer.prompts_per_step)
-    assert {(e["src"], e["dst"]) for e in prof["edges"]} == {
-        ("rollout", "reward"),
-        ("reward", "actor"),
-    }
-    comps = prof["components"]
+    assert prof.batch_size == 4  # prompts the runner puts per step (trainer.prompts_per_step)
+    assert {(e.src, e.dst) for e in prof.edges} == {("rollout", "reward"), ("reward", "actor")}
+    comps = prof.components
     assert set(comps) == {"rollout", "reward", "actor"}
     for name, c in comps.items():
-        assert [p["devices"] for p in c["points"]] == [1, 2], name
-        assert all(p["seconds"] > 0 and p["memory_bytes"] > 0 for p in c["points"]), name
+        assert [p.devices for p in c.points] == [1, 2], name
+        assert all(p.seconds > 0 and p.memory_bytes > 0 for p in c.points), name
     # Time-sharing one device, the actor (weights and AdamW state) is really offloaded.
-    assert comps["actor"]["switch_s"] > 0
-    loaded = load_profile(path)  # the planner's schema accepts what the profiler writes
-    assert loaded.batch_size == 4
+    assert comps["actor"].switch_s > 0
+    assert load_profile(path) == prof  # the file round-trips through the planner's schema
 
 
 @pytest.mark.parametrize("mode", ["temporal", "hybrid"])
