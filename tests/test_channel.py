@@ -6,11 +6,14 @@ import asyncio
 import time
 
 import pytest
+from helpers import wait_until
 from m2flow.scheduler.balance import QueuedItem, largest_first
 
 from m2flow import Channel, Worker, WorkerError
 from m2flow.channel import _needs_object_store
 from m2flow.trace import Edge, workflow_graph
+
+pytestmark = pytest.mark.e2e
 
 
 def only_heavy(items, target_weight):
@@ -48,8 +51,15 @@ class Consumer(Worker):
     def get_seq(self, ch: Channel, n: int, key=None, timeout: float = 60):
         return [ch.get(key=key, timeout=timeout) for _ in range(n)]
 
-    def take_one(self, ch: Channel, timeout: float = 60):
-        return ch.get(timeout=timeout)
+    def take_one(self, ch: Channel, timeout: float = 60, signal=None):
+        """One item. With ``signal``, puts this rank's key under the key ``signal`` once its
+        get is registered (the channel applies one client's operations in program order), so
+        the test can wait until this consumer is waiting."""
+        if signal is None:
+            return ch.get(timeout=timeout)
+        got = ch.get(timeout=timeout, async_op=True)
+        ch.put(self.worker_key, key=signal)
+        return got.wait()
 
     def get_async(self, ch: Channel, n: int):
         works = [ch.get(async_op=True) for _ in range(n)]
@@ -169,15 +179,15 @@ def test_least_loaded_consumer_served_first(cluster):
     ch.put("heavy", weight=100)
     assert first.wait(timeout=60) == ["heavy"]
     # rank 0 waits first, rank 1 second
-    wait0 = cons.on(0).take_one(ch)
-    time.sleep(1.5)
-    wait1 = cons.on(1).take_one(ch)
-    time.sleep(1.5)
+    wait0 = cons.on(0).take_one(ch, signal="waiting")
+    wait_until(lambda: ch.qsize("waiting") == 1, what="rank 0 waiting in get")
+    wait1 = cons.on(1).take_one(ch, signal="waiting")
+    wait_until(lambda: ch.qsize("waiting") == 2, what="rank 1 waiting in get")
+    assert [ch.get(key="waiting", timeout=10) for _ in range(2)] == ["bcons:0", "bcons:1"]
     assert not wait0.done() and not wait1.done()
     ch.put("light-1", weight=1)
     assert wait1.wait(timeout=30) == ["light-1"]  # least loaded first, not first come
-    time.sleep(0.5)
-    assert not wait0.done()
+    assert ch.qsize() == 0 and not wait0.done()  # the one item went to rank 1 alone
     ch.put("light-2", weight=1)
     assert wait0.wait(timeout=30) == ["light-2"]
     ch.close()
@@ -189,25 +199,26 @@ def test_weights_balance_many_items(cluster):
     ch = Channel.create("balance-many")
     cons = Consumer.launch(cluster, placement=[0, 1], name="mcons")
     weights = [50, 1, 1, 1, 30, 2, 2, 40, 1, 1, 1, 1, 20, 3]
-    calls = [cons.on(r).take_one(ch) for r in (0, 1)]
-    time.sleep(1.5)
+    calls = [cons.on(r).take_one(ch, signal="waiting") for r in (0, 1)]
+    waiting = 2  # gets registered so far (each signals once)
+    wait_until(lambda: ch.qsize("waiting") == waiting, what="both consumers waiting")
     load = {0: 0, 1: 0}
     for i, w in enumerate(weights):
         ch.put(("w", w), weight=w)
         # whoever got it reports it; the other consumer keeps waiting
-        deadline = time.monotonic() + 30
-        done = []
-        while not done and time.monotonic() < deadline:
-            done = [r for r in (0, 1) if calls[r].done()]
-            time.sleep(0.02)
+        done = wait_until(
+            lambda: [r for r in (0, 1) if calls[r].done()], what=f"a consumer taking item {i}"
+        )
         assert len(done) == 1, f"item {i}: {len(done)} consumers finished"
         r = done[0]
         assert calls[r].wait(timeout=5) == [("w", w)]
+        assert ch.qsize() == 0 and not calls[1 - r].done()
         # the item went to the consumer that had taken less weight (ties: either)
         assert load[r] <= load[1 - r], f"item {i} (w={w}) went to the busier consumer {r}"
         load[r] += w
-        calls[r] = cons.on(r).take_one(ch)
-        time.sleep(0.3)  # let it queue its next get
+        calls[r] = cons.on(r).take_one(ch, signal="waiting")
+        waiting += 1
+        wait_until(lambda n=waiting: ch.qsize("waiting") == n, what=f"rank {r} waiting again")
     assert abs(load[0] - load[1]) <= max(weights)
     ch.put("stop-0")
     ch.put("stop-1")
@@ -318,9 +329,9 @@ def test_async_ops(workers):
     assert len(batch) == 1
     assert sorted(got + [one] + batch) == [0, 1, 2, 3, 4]
     assert ch.qsize() == 0
-    # an async get issued before the put receives it
+    # an async get issued before the put receives it (the channel applies this client's
+    # operations in program order: the get is registered, and waiting, when the put comes)
     pending = ch.get(async_op=True, timeout=30)
-    time.sleep(0.3)
     ch.put("late")
     assert pending.wait() == "late"
     # async gets inside a worker

@@ -11,7 +11,7 @@ import pytest
 
 from m2flow import Worker
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
 TINY_MODEL = {
     "hidden_size": 64,

@@ -7,9 +7,12 @@ import time
 
 import pytest
 import ray
+from helpers import wait_until
 
 import m2flow
 from m2flow import Worker, WorkerError
+
+pytestmark = pytest.mark.e2e
 
 
 class Echo(Worker):
@@ -45,8 +48,12 @@ class Echo(Worker):
 
 
 class Waiter(Worker):
-    def take(self, ch):
-        return ch.get(timeout=60)
+    def take(self, ch, signal: str):
+        """One item; puts a marker under the key ``signal`` once the get is registered (the
+        channel applies one client's operations in program order)."""
+        got = ch.get(timeout=60, async_op=True)
+        ch.put(self.worker_key, key=signal)
+        return got.wait()
 
 
 class BadInit(Worker):
@@ -157,12 +164,13 @@ def test_busy_time_excludes_waiting_for_data(cluster):
 
     waiter = Waiter.launch(cluster, [0], name="busy_waiter")
     ch = Channel.create("busy")
-    call = waiter.take(ch)
-    time.sleep(1.0)
+    call = waiter.take(ch, "waiting")
+    wait_until(lambda: ch.qsize("waiting") == 1, what="the waiter blocked in get")
+    time.sleep(1.0)  # the wait being measured: the call waits this long for data
     ch.put(1)
     res = call.wait_result(timeout=60)
     assert res.results == [1]
-    assert res.durations[0] >= 0.8 and res.time(busy=True) < 0.3
+    assert res.durations[0] >= 1.0 and res.time(busy=True) < 0.3
     ch.close()
     waiter.shutdown()
 
@@ -186,6 +194,27 @@ def test_failing_rank_raises_promptly(cluster):
         assert not call.done()  # rank 0 is still in its long call
     finally:
         g.shutdown()
+        # Runtime bug (test_shut_down_group_does_not_fail_later_waits): the failed call would
+        # fail every later wait of this module that lasts over a second, until garbage
+        # collection drops it from the cluster's weak set of calls.
+        cluster.calls.discard(call)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="runtime bug: a failed call of a group that was shut down stays in cluster.calls "
+    "and fails every later wait of the run that lasts over a second (GroupCall._check_run)",
+)
+def test_shut_down_group_does_not_fail_later_waits(cluster, echo):
+    g = Echo.launch(cluster, placement=[0, 1], name="failing_shut", lock=False)
+    call = g.fail_on(1, 60.0)
+    try:
+        with pytest.raises(WorkerError, match="boom-from-rank-1"):
+            call.wait(timeout=90)
+        g.shutdown()  # the failure was handled and the group is gone
+        assert echo.nap(1.5).wait(timeout=60) == [0, 1]  # an unrelated call, over 1 s
+    finally:
+        cluster.calls.discard(call)
 
 
 def test_constructor_failure_raises_at_launch(cluster, echo):
@@ -200,6 +229,12 @@ def test_constructor_failure_raises_at_launch(cluster, echo):
     for name in ("badinit:0", "badinit:1"):
         with pytest.raises(ValueError):
             ray.get_actor(name, namespace="m2flow")
+    # Runtime bug (reported): launch() shuts the group down after the first failed rank, but
+    # a rank still starting may register with the lock service after that unregister; killed,
+    # it is recorded as a death that fails every later wait of the run. Its actors are gone
+    # now (names free), so unregistering again forgets such a death for good.
+    ray.get(cluster.lock_service.unregister.remote(["badinit:0", "badinit:1"]), timeout=60)
+    assert ray.get(cluster.lock_service.deaths.remote(), timeout=60) == []
     assert [i["rank"] for i in echo.info().wait(timeout=60)] == [0, 1]
 
 

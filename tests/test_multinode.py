@@ -15,6 +15,8 @@ import m2flow
 from m2flow import Worker
 from m2flow.cluster import VIRTUAL_DEVICE_RESOURCE
 
+pytestmark = pytest.mark.e2e
+
 # Same loopback address as the embedded m2flow session (see m2flow.cluster._LOOPBACK).
 NODE_IP = "127.0.0.2"
 
