@@ -317,6 +317,7 @@ class RolloutManager:
             "migrated_tokens": 0,
             "rebalanced_samples": 0,
             "failed_starts": 0,
+            "instance_errors": 0,
         }
 
     def _changed(self) -> None:
@@ -428,20 +429,31 @@ class RolloutManager:
                 ).remote(iid, self.cfg.block_tokens, self.cfg.max_batch, self.instance_args)
                 inst = self.instances[iid] = _Instance(iid, "spot", handle, node)
                 spot.append(inst)
-                handle.run.remote()
-                asyncio.get_event_loop().create_task(self._watch(inst))
+                asyncio.get_event_loop().create_task(self._watch(inst, handle.run.remote()))
             await asyncio.sleep(0.5)
 
-    async def _watch(self, inst: _Instance) -> None:
-        try:
-            await inst.handle.watch.remote()
-        except Exception:  # noqa: BLE001 (the instance is gone, whatever Ray says)
-            pass
+    async def _watch(self, inst: _Instance, run) -> None:
+        """Until the instance's process dies (its watch call fails) or its loop ends (``run``
+        raised: an error, not a preemption; the instance is killed), then requeue its work."""
+        calls = [asyncio.wrap_future(inst.handle.watch.remote().future()),
+                 asyncio.wrap_future(run.future())]  # fmt: skip
+        done, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+        for f in done:
+            f.exception()  # retrieved: a dead instance's error is expected here
+        for f in pending:
+            f.cancel()
+        loop_ended = calls[1] in done and calls[0] not in done
+        if loop_ended:
+            ray.kill(inst.handle, no_restart=True)
         if self.instances.get(inst.id) is not inst:
             return
         del self.instances[inst.id]
-        # An instance that never pulled weights died starting (e.g. its node was already gone)
-        self.stats["preemptions" if inst.version >= 0 else "failed_starts"] += 1
+        if loop_ended:
+            self.stats["instance_errors"] += 1
+        elif inst.version >= 0:
+            self.stats["preemptions"] += 1
+        else:  # died before it pulled weights (e.g. its node was already gone)
+            self.stats["failed_starts"] += 1
         for rid in [*inst.pending, *inst.executing]:
             if rid in self.requests:
                 self._requeue(rid, migrated=True)
