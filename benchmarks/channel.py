@@ -9,10 +9,15 @@ Cases (each run on both queues, same items, same workers):
   tensor/pipeline producer worker -> consumer worker, R large tensors (MB/s)
 
 The pipelines use the same m2flow workers (devices 0 and 1, so no lock contention) for both
-queues: only the queue differs.
+queues: only the queue differs. Repeats are interleaved (every case on both queues once per
+round, the queue that goes first alternating), so drift on a shared machine hits both alike.
+Reported per case and queue: the median over the rounds and the spread (lowest and highest
+round); the ratio of the medians, and the ratio's range over the rounds (lowest m2flow round
+over the highest Ray round, and the reverse): a claim of "k times" needs the lowest of those
+above k.
 
     python benchmarks/channel.py [--items 2000] [--tensor-mb 64] [--round-trips 10] \\
-        [--out benchmarks/results/channel.json]
+        [--repeats 5] [--out benchmarks/results/channel.json]
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -144,12 +150,24 @@ def bench_tensor_pipeline(q, kind: str, prod, cons, mb: int, rounds: int) -> flo
     return mb * rounds / _timeit(run)
 
 
+def _row(case: str, rounds: dict[str, list[float]]) -> dict:
+    """Medians, spreads and the ratio's range over the rounds (module docstring)."""
+    row: dict = {"case": case, "rounds": rounds}
+    for kind, xs in rounds.items():
+        row[kind] = statistics.median(xs)
+        row[f"{kind}_low"], row[f"{kind}_high"] = min(xs), max(xs)
+    row["ratio"] = row["m2flow"] / row["ray"]
+    row["ratio_low"] = row["m2flow_low"] / row["ray_high"]
+    row["ratio_high"] = row["m2flow_high"] / row["ray_low"]
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=int, default=2000, help="small items per case")
     ap.add_argument("--tensor-mb", type=int, default=64, help="tensor size in MB")
     ap.add_argument("--round-trips", type=int, default=10, help="tensor round trips per case")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per case; the best is kept")
+    ap.add_argument("--repeats", type=int, default=5, help="rounds, interleaved")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "channel.json"))
     args = ap.parse_args(argv)
 
@@ -173,16 +191,19 @@ def main(argv=None) -> int:
         for kind, q in queues.items():
             bench_small_driver(q, 50)
             bench_small_pipeline(q, kind, prod, cons, 50)
-        results = []
-        for case, fn in cases.items():
-            row = {"case": case}
-            for kind, q in queues.items():
-                row[kind] = max(fn(q, kind) for _ in range(args.repeats))
-            row["ratio"] = row["m2flow"] / row["ray"]
-            results.append(row)
+            bench_tensor_pipeline(q, kind, prod, cons, 1, 2)
+        rounds: dict[str, dict[str, list[float]]] = {c: {k: [] for k in queues} for c in cases}
+        for rep in range(args.repeats):
+            order = list(queues) if rep % 2 == 0 else list(reversed(queues))
+            for case, fn in cases.items():
+                for kind in order:
+                    rounds[case][kind].append(fn(queues[kind], kind))
+            print(f"round {rep + 1}/{args.repeats} done", flush=True)
+        results = [_row(case, rounds[case]) for case in cases]
+        for row in results:
             print(
-                f"{case:28s} m2flow {row['m2flow']:10.1f}  ray Queue {row['ray']:10.1f}  "
-                f"ratio {row['ratio']:.2f}",
+                f"{row['case']:38s} m2flow {row['m2flow']:10.1f}  ray Queue {row['ray']:10.1f}  "
+                f"ratio {row['ratio']:.2f} ({row['ratio_low']:.2f}-{row['ratio_high']:.2f})",
                 flush=True,
             )
     finally:
@@ -193,13 +214,17 @@ def main(argv=None) -> int:
         from rich.table import Table
 
         table = Table(
-            title=f"m2flow Channel vs ray.util.queue.Queue ({n} small items, {mb} MB x {r} tensors)"
+            title=f"m2flow Channel vs ray.util.queue.Queue ({n} small items, {mb} MB x {r} "
+            f"tensors; medians of {args.repeats} interleaved rounds, [lowest, highest])"
         )
         for col in ("case", "m2flow", "ray Queue", "m2flow / ray"):
             table.add_column(col, justify="left" if col == "case" else "right")
         for row in results:
             table.add_row(
-                row["case"], f"{row['m2flow']:,.1f}", f"{row['ray']:,.1f}", f"{row['ratio']:.2f}x"
+                row["case"],
+                f"{row['m2flow']:,.1f} [{row['m2flow_low']:,.0f}, {row['m2flow_high']:,.0f}]",
+                f"{row['ray']:,.1f} [{row['ray_low']:,.0f}, {row['ray_high']:,.0f}]",
+                f"{row['ratio']:.2f}x [{row['ratio_low']:.2f}, {row['ratio_high']:.2f}]",
             )
         Console().print(table)
     except ImportError:
@@ -212,6 +237,7 @@ def main(argv=None) -> int:
             {
                 "benchmark": "channel",
                 "config": {"items": n, "tensor_mb": mb, "round_trips": r, "repeats": args.repeats},
+                "load_avg_1m": os.getloadavg()[0],
                 "machine": {
                     "cpus": os.cpu_count(),
                     "python": sys.version.split()[0],

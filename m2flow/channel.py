@@ -135,8 +135,13 @@ class _Client:
         gathered so far (the channel queues them first). ``track=False``: the caller waits
         for the reply itself, so a failure of the puts it carried is raised there."""
         with _guard:  # number and submit atomically: numbers follow submission order
-            puts, self.pending, self.npending = self.pending, [], 0
-            ref = getattr(self.actor, method).remote((_identity(), next(self.ops), puts, *args))
+            puts, op = self.pending, next(self.ops)
+            try:
+                ref = getattr(self.actor, method).remote((_identity(), op, puts, *args))
+            except BaseException:  # not sent (the channel is gone): the puts stay gathered
+                self.ops = itertools.count(op)
+                raise
+            self.pending, self.npending = [], 0
             if puts:
                 self.dirty = True
                 if track:
@@ -238,32 +243,51 @@ def finish_call(channels: dict, rank: int, participants: int, abort: str | None)
     Raises:
         RayError: a put or marker failed (e.g. the channel was closed); not with ``abort``.
     """
+    waits: list = []
+    errors: list[BaseException] = []
     with _guard:
-        clients = list(_clients.values())
-        for client in clients:
-            client.hand_back()
-        waits = []
-        for ch, epoch in channels.values():
-            client = ch._client()
-            ref = client.submit("end", rank, participants, epoch, abort)
-            if client.dirty:  # a consumer's marker needs no wait: nothing of its to apply
-                waits.append(ref)
-            client.reading = False
-        for client in clients:
-            if client.reading:  # a channel not among the call's arguments
-                client.submit("leave")
-                client.reading = False
-            client.flush()
-            waits += client.unacked
-            client.unacked.clear()
-            client.dirty = False
-    if not waits:
-        return
+        _finish(channels, rank, participants, abort, waits, errors)
     try:
-        ray.get(waits, timeout=wait_timeout())
-    except Exception:  # noqa: BLE001 (an aborting call keeps its own error)
-        if abort is None:
-            raise
+        if waits:
+            ray.get(waits, timeout=wait_timeout())
+    except Exception as e:  # noqa: BLE001
+        errors.append(e)
+    if errors and abort is None:  # an aborting call keeps its own error
+        raise errors[0]
+
+
+def _finish(channels, rank, participants, abort, waits: list, errors: list) -> None:
+    """Send what ends the call on every channel (each on its own: one gone channel must not
+    keep the others' markers back); failures go to ``errors``."""
+
+    def attempt(fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    clients = list(_clients.values())
+    for client in clients:
+        attempt(client.hand_back)
+    for ch, epoch in channels.values():
+        client = ch._client()
+        # A marker counts for a group that put in the step. A lone rank that put nothing
+        # knows its group did not: it sends none (a sibling rank might have put).
+        put = client.dirty or bool(client.pending)
+        if put or participants > 1 or abort is not None:
+            client.reading = False  # the marker also ends its reading
+            ref = attempt(client.submit, "end", rank, participants, epoch, abort)
+            if ref is not None and put:  # a consumer's marker needs no wait
+                waits.append(ref)
+    for client in clients:
+        if client.reading:  # no marker sent to it
+            client.reading = False
+            attempt(client.submit, "leave")
+        attempt(client.flush)
+        waits += client.unacked
+        client.unacked.clear()
+        client.dirty = False
+        client.pending, client.npending = [], 0  # not sent by now: the channel is gone
 
 
 class Channel:

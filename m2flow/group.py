@@ -203,10 +203,12 @@ class WorkerGroup:
             self._epochs[ch.name] += 1
             ctx.channels[ch.name] = (ch, self._epochs[ch.name])
             ch._hand_off()  # items the caller read ahead go back, for the call's consumers
-        refs = [self.actors[r]._m2flow_call.remote(method, args, kwargs, ctx) for r in self._ranks]
-        call = GroupCall(self, method, self._ranks, refs)
-        self.cluster.calls.add(call)
-        return call
+        # One argument, so channel handles among args and in ctx are pickled once.
+        call = (args, kwargs, ctx)
+        refs = [self.actors[r]._m2flow_call.remote(method, call) for r in self._ranks]
+        handle = GroupCall(self, method, self._ranks, refs)
+        self.cluster.calls.add(handle)
+        return handle
 
     def _granularity(self) -> int | None:
         placement = self.cluster.placement

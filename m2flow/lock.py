@@ -12,6 +12,13 @@ no lock-order deadlock).
 - Release: frees the devices; the holder stays resident until a *different* worker takes them
   (lazy offload). Devices configured to keep everyone resident (:meth:`LockService.configure`;
   the Cluster's ``offload`` setting) never evict: the lock only serialises their use.
+- Reservation: a worker ending a group call releases with ``reserve``; when nobody waits for
+  its devices they stay *reserved* for it (free, but granted to no one else), and its next
+  acquire takes them without a round trip here (the release's reply told it so). A request
+  for reserved devices first revokes the reservation (:meth:`LockService._revoke` asks the
+  worker, which says whether it has taken them again meanwhile, and then holds them until its
+  release). So a worker running consecutive calls on idle devices (the rollout's weight load,
+  then its next generation) does not ask twice.
 - Dependencies: channels report every producer -> consumer edge they see
   (:meth:`LockService.add_dependency`); the grant order reads them.
 - Registry and liveness: every worker of the run registers here, locking or not. The service
@@ -68,6 +75,8 @@ class LockService:
         self.downstream: dict[str, set[str]] = defaultdict(set)  # group -> groups it feeds
         self.keep_resident: set[int] = set()  # devices whose switches offload no one
         self.died: dict[str, Death] = {}
+        self.reserved: dict[int, tuple[str, int]] = {}  # device -> (worker key, release number)
+        self.revoking: set[str] = set()  # workers asked to give up their reservation
         self.grants = 0  # acquires granted so far
         self._seq = itertools.count()
 
@@ -126,6 +135,8 @@ class LockService:
         for d in w.devices:
             if self.holder.get(d) == key:
                 del self.holder[d]
+            if self.reserved.get(d, ("",))[0] == key:
+                del self.reserved[d]
             self.resident[d].discard(key)
         self.waiting.pop(key, None)
         self._grant()
@@ -159,6 +170,12 @@ class LockService:
         w = self.workers[key]
         if all(self.holder.get(d) == key for d in w.devices):
             return []
+        if all(self.reserved.get(d, ("",))[0] == key for d in w.devices):  # its own
+            for d in w.devices:
+                del self.reserved[d]
+                self.holder[d] = key
+            self.grants += 1
+            return []
         prio = self.priority.get(w.group, w.launch_index)
         req = LockRequest(key, w.group, tuple(w.devices), prio, next(self._seq))
         entry = self.waiting[key] = _Waiting(req)
@@ -186,18 +203,55 @@ class LockService:
         self.grants += 1
         return [self.workers[k].handle for k in sorted(evict)]
 
-    async def release(self, key: str) -> None:
-        """Free ``key``'s devices; it stays resident until another worker takes them."""
+    async def release(self, key: str, reserve: int | None = None) -> bool:
+        """Free ``key``'s devices (held, or reserved and taken again without asking); it stays
+        resident until another worker takes them. With ``reserve`` (the worker's number for
+        this release), keep them reserved for it if nobody waits for any of them.
+
+        Returns:
+            whether they are reserved for ``key`` now.
+        """
         w = self.workers.get(key)
-        for d in w.devices if w else ():
+        if w is None:
+            return False
+        for d in w.devices:
             if self.holder.get(d) == key:
                 del self.holder[d]
+            if self.reserved.get(d, ("",))[0] == key:
+                del self.reserved[d]
+        wanted = any(set(e.request.devices) & set(w.devices) for e in self.waiting.values())
+        free = not any(d in self.holder or d in self.reserved for d in w.devices)
+        if reserve is not None and free and not wanted:
+            for d in w.devices:
+                self.reserved[d] = (key, reserve)
+            return True
+        self._grant()
+        return False
+
+    async def _revoke(self, key: str, number: int) -> None:
+        """Take back ``key``'s reservation ``number``: it holds the devices if it took them
+        again meanwhile (until its release), else they are free."""
+        w = self.workers.get(key)
+        try:
+            taken = await w.handle._m2flow_revoke.remote(number)
+        except Exception:  # noqa: BLE001 (gone: the devices are free; liveness records it)
+            taken = False
+        finally:
+            self.revoking.discard(key)
+        if self.workers.get(key) is not w:  # forgotten meanwhile (died, unregistered)
+            return
+        for d in w.devices:
+            if self.reserved.get(d) == (key, number):  # else released meanwhile
+                del self.reserved[d]
+                if taken:
+                    self.holder[d] = key
         self._grant()
 
     async def state(self) -> dict:
         """Holders, residents, waiters and the number of grants (for tests and debugging)."""
         return {
             "holder": dict(self.holder),
+            "reserved": {d: k for d, (k, _) in self.reserved.items()},
             "resident": {d: sorted(k) for d, k in self.resident.items()},
             "waiting": list(self.waiting),
             "grants": self.grants,
@@ -206,10 +260,17 @@ class LockService:
 
     def _grant(self) -> None:
         requests = [e.request for e in self.waiting.values()]
-        for req in grants(requests, self.holder, self.downstream):
+        for req in grants(requests, [*self.holder, *self.reserved], self.downstream):
             for d in req.devices:
                 self.holder[d] = req.key
             self.waiting.pop(req.key).granted.set()
+        # Reservations in the way of a waiting request are revoked (then granted as above).
+        for e in self.waiting.values():
+            for d in e.request.devices:
+                key, number = self.reserved.get(d, ("", 0))
+                if key and key not in self.revoking:
+                    self.revoking.add(key)
+                    asyncio.get_running_loop().create_task(self._revoke(key, number))
 
 
 def get_lock_service():

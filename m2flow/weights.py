@@ -67,15 +67,12 @@ class Weights:
 
     def _m2flow_recv_weights(self, src_group: str, src_rank: int) -> int:
         # Wait for the weights without the device locks (the sender needs them to read its
-        # weights), then take them to load.
+        # weights), then take them to load; the end of the call releases them.
         t0 = time.time()
         ref = self._m2flow_recv_ref(src_group, src_rank, wait_timeout())
         self._m2flow_call_wait += time.time() - t0 + self._m2flow_acquire()
-        try:
-            weights, version = ray.get(ref)
-            self.load_weights(weights, version)
-        finally:
-            self._m2flow_release()
+        weights, version = ray.get(ref)
+        self.load_weights(weights, version)
         self.weight_version = version
         return version
 

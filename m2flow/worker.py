@@ -167,7 +167,11 @@ class Worker(Mailbox, Residency, Weights):
         self._m2flow_init_residency()
         self._m2flow_timers: dict[str, list[float]] = defaultdict(list)
         self._m2flow_call_ctx: CallContext | None = None
-        self._m2flow_releasing = None  # the last lock release sent, its reply not yet seen
+        self._m2flow_releasing = None  # (ref, number) of the last lock release, reply unseen
+        self._m2flow_lease = threading.Lock()  # reservation state vs. the lock service's revoke
+        self._m2flow_releases = 0  # numbers reserving releases
+        self._m2flow_taken: int | None = None  # the reservation this worker holds the devices by
+        self._m2flow_revoked: int | None = None  # the last reservation the service took back
         self._m2flow_exit = threading.Event()
         cuda = [d.local_id for d in ctx.devices if d.kind == "cuda"]
         if cuda:
@@ -223,11 +227,13 @@ class Worker(Mailbox, Residency, Weights):
 
     # -- group calls ------------------------------------------------------------------------
 
-    def _m2flow_call(self, method: str, args: tuple, kwargs: dict, ctx: CallContext | None):
-        """Run one group method; returns ``(result, CallStats)``. Afterwards releases the
-        device locks (without waiting) and ends the call on its channels: end-of-step (or, on
-        an exception, abort) markers, and a wait until the channels applied this call's puts
-        (:func:`m2flow.channel.finish_call`, :mod:`m2flow.calls`)."""
+    def _m2flow_call(self, method: str, call: tuple[tuple, dict, CallContext | None]):
+        """Run one group method, ``call`` being ``(args, kwargs, context)``; returns ``(result,
+        CallStats)``. Afterwards releases the device locks (without waiting) and ends the call
+        on its channels: end-of-step (or, on an exception, abort) markers, and a wait until
+        the channels applied this call's puts (:func:`m2flow.channel.finish_call`,
+        :mod:`m2flow.calls`)."""
+        args, kwargs, ctx = call
         fn = getattr(self, method)
         locked = not getattr(fn, "_m2flow_no_device_lock", False)
         self._m2flow_call_ctx = ctx
@@ -236,12 +242,12 @@ class Worker(Mailbox, Residency, Weights):
         try:
             result = fn(*args, **kwargs)
         except BaseException as e:
-            self._m2flow_release()
+            self._m2flow_release(reserve=True)
             self._m2flow_call_ctx = None
             self._m2flow_end_channels(ctx, f"{type(e).__name__}: {e}"[:300])
             raise
         end = time.time()
-        self._m2flow_release()
+        self._m2flow_release(reserve=True)
         self._m2flow_end_channels(ctx, None)
         self._m2flow_call_ctx = None
         self._m2flow_timers[method].append(end - start)
@@ -254,22 +260,49 @@ class Worker(Mailbox, Residency, Weights):
             return
         finish_call(ctx.channels, self.rank, ctx.participants, abort)
 
-    def _m2flow_release(self) -> None:
+    def _m2flow_release(self, reserve: bool = False) -> None:
         """Release the device locks without waiting for the lock service's reply (the next
-        holder is granted as soon as the service reads it); the next acquire waits for it."""
+        holder is granted as soon as the service reads it); the next acquire reads it. With
+        ``reserve`` (the end of a call) the devices stay reserved for this worker if nobody
+        waits for them (:mod:`m2flow.lock`)."""
         ctx = self._m2flow_ctx
         if not ctx.lock or not self._m2flow_holding:
             return
-        self._m2flow_holding = False
-        self._m2flow_releasing = ctx.lock_service.release.remote(self.worker_key)
+        with self._m2flow_lease:
+            self._m2flow_holding, self._m2flow_taken = False, None
+            number = None
+            if reserve:
+                self._m2flow_releases += 1
+                number = self._m2flow_releases
+            ref = ctx.lock_service.release.remote(self.worker_key, number)
+            self._m2flow_releasing = (ref, number)
 
     def _m2flow_acquire(self) -> float:
         # The lock service runs calls concurrently: our release must be applied before our
-        # next acquire, or that acquire would see the devices still ours.
+        # next acquire (or that acquire would see the devices still ours), and its reply says
+        # whether they are still reserved for us: then they are ours without asking.
         releasing, self._m2flow_releasing = self._m2flow_releasing, None
         if releasing is not None:
-            ray.get(releasing, timeout=wait_timeout())
+            ref, number = releasing
+            if ray.get(ref, timeout=wait_timeout()):
+                with self._m2flow_lease:
+                    taken = self._m2flow_revoked != number
+                    if taken:
+                        self._m2flow_holding, self._m2flow_taken = True, number
+                if taken:
+                    self._m2flow_onload_if_needed()
+                    return 0.0
         return super()._m2flow_acquire()
+
+    @ray.method(concurrency_group=IO_GROUP)
+    def _m2flow_revoke(self, number: int) -> bool:
+        """The lock service takes back reservation ``number``: True if this worker holds the
+        devices by it (then it releases them at the end of its call), else it will ask."""
+        with self._m2flow_lease:
+            if self._m2flow_holding and self._m2flow_taken == number:
+                return True
+            self._m2flow_revoked = number
+            return False
 
     @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_ping(self) -> str:
