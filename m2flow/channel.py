@@ -496,14 +496,15 @@ class Channel:
         # producer on the same devices can run meanwhile.
         return work.wait(timeout + 30)
 
-    def _received(self, key: Any, prefetch: int, entries: list[tuple] | None):
-        if entries is None:  # end of a stream
+    def _received(self, key: Any, prefetch: int, got: list[tuple] | None):
+        if got is None:  # end of a stream
             return None
-        if prefetch and len(entries) > 1:  # read ahead: the first is the one asked for
+        if not prefetch:  # payloads
+            return resolve(got)
+        if len(got) > 1:  # entries, read ahead: the first is the one asked for
             with _guard:
-                self._client().ahead.setdefault(key, deque()).extend(entries[1:])
-            entries = entries[:1]
-        return resolve([e[0] for e in entries])
+                self._client().ahead.setdefault(key, deque()).extend(got[1:])
+        return resolve([got[0][0]])
 
     # -- inspection and life cycle -----------------------------------------------------------
 

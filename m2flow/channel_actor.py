@@ -235,8 +235,9 @@ class ChannelActor:
     # -- consumers --------------------------------------------------------------------------
 
     async def get(self, args: tuple) -> list[tuple] | None:
-        """Entries for one consumer (read-ahead ones after the batch); for a stream read whose
-        epoch has ended and holds no more items, ``None``.
+        """Payloads of the items for one consumer; with ``prefetch``, whole entries (the one
+        asked for, then those read ahead). For a stream read whose epoch has ended and holds
+        no more items, ``None``.
 
         ``args``: ``(client, op, puts, key, target_weight, policy, timeout, max_items, epoch,
         prefetch)``.
@@ -361,7 +362,9 @@ class ChannelActor:
                     self._report_dependency(*edge)
                 self.edges[edge] += 1
             state.waiters.remove(waiter)
-            waiter.future.set_result([tuple(e) for e in taken])
+            # Whole entries only where the client may hand them back (read-ahead).
+            full = waiter.prefetch > 0
+            waiter.future.set_result([tuple(e) if full else e.payload for e in taken])
             for w in [w for w in state.waiters if self._end_of_stream(state, w)]:
                 state.waiters.remove(w)
 

@@ -224,7 +224,11 @@ class WorkerGroup:
         then be launched again). The ranks are unregistered first, so stopping them is not
         reported as a death (:mod:`m2flow.liveness`)."""
         keys = [actor_name(self.name, r) for r in range(self.world_size)]
-        ray.get(self.cluster.lock_service.unregister.remote(keys), timeout=timeout)
+        ids = [a._actor_id.hex() for a in self.actors]
+        ray.get(self.cluster.lock_service.unregister.remote(keys, ids), timeout=timeout)
+        for call in list(self.cluster.calls):  # their failures are this group's, now handled
+            if call.group.name == self.name:
+                self.cluster.calls.discard(call)
         for a in self.actors:
             ray.kill(a, no_restart=True)
         for key in keys:
@@ -268,6 +272,8 @@ class GroupCall:
     def __init__(self, group: WorkerGroup, method: str, ranks: list[int], refs: list) -> None:
         self.group, self.method, self.ranks, self.refs = group, method, ranks, refs
         self._result: GroupResult | None = None
+        self._ok: set = set()  # refs seen finished without error (not fetched again)
+        self.t0 = time.time()  # dispatch: a death after it concerns this call
 
     def done(self) -> bool:
         ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
@@ -306,9 +312,8 @@ class GroupCall:
                     values[ref] = self._get(ref, rank_of[ref])
                 if pending and not ready:
                     self._check_run()
-        finally:
-            if not pending:
-                self.group.cluster.calls.discard(self)
+        finally:  # done, or failed and reported: no other wait should report it again
+            self.group.cluster.calls.discard(self)
         pairs = [values[ref] for ref in self.refs]
         self._result = GroupResult([p[0] for p in pairs], [p[1] for p in pairs])
         self.group.history[self.method].append(self._result.time("max"))
@@ -333,13 +338,17 @@ class GroupCall:
                 continue
             done, _ = ray.wait(other.refs, num_returns=len(other.refs), timeout=0)
             for ref in done:
+                if ref in other._ok:
+                    continue
                 rank = other.ranks[other.refs.index(ref)]
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayError as e:
+                    self.group.cluster.calls.discard(other)  # reported here, once
                     raise _as_worker_error(other.group, rank, other.method, e) from None
+                other._ok.add(ref)
         try:
-            liveness.check("the driver")
+            liveness.check("the driver", since=self.t0)
         except liveness.WorkerDied as e:
             d = e.death
             raise WorkerError(d.group, d.rank, self.method, d.cause, d.node, True) from None

@@ -27,12 +27,14 @@ _registry_session: str | None = None
 
 @dataclass(frozen=True)
 class Death:
-    """A worker that died: ``group``, ``rank``, ``node`` (address) and a one-line ``cause``."""
+    """A worker that died: ``group``, ``rank``, ``node`` (address), a one-line ``cause`` and
+    when it was recorded (``time.time()`` seconds)."""
 
     group: str
     rank: int
     node: str
     cause: str
+    time: float = 0.0
 
     def describe(self) -> str:
         return (
@@ -108,11 +110,13 @@ def registry():
     return _registry
 
 
-def check(waiter: str = "") -> None:
-    """Raise :class:`WorkerDied` if any worker of the run has died.
+def check(waiter: str = "", since: float | None = None) -> None:
+    """Raise :class:`WorkerDied` if a worker of the run has died: one whose group is not shut
+    down yet, or, for a wait that started at ``since`` (``time.time()``), any death after that
+    (its group may have been shut down since: the wait still has to hear of it).
 
     Raises:
-        WorkerDied: naming the first death the registry recorded.
+        WorkerDied: naming the first such death.
     """
     import ray
 
@@ -123,8 +127,9 @@ def check(waiter: str = "") -> None:
         deaths = ray.get(reg.deaths.remote(), timeout=30)
     except ray.exceptions.RayActorError:  # the run is being torn down
         return
-    if deaths:
-        raise WorkerDied(deaths[0], waiter)
+    for death, retired in deaths:
+        if retired is None or (since is not None and death.time >= since):
+            raise WorkerDied(death, waiter)
 
 
 def wait_ready(refs: list, timeout: float, waiter: str = "") -> bool:
@@ -138,7 +143,7 @@ def wait_ready(refs: list, timeout: float, waiter: str = "") -> bool:
     """
     import ray
 
-    deadline = time.monotonic() + timeout
+    deadline, since = time.monotonic() + timeout, time.time()
     pending = list(refs)
     while True:
         left = deadline - time.monotonic()
@@ -147,6 +152,6 @@ def wait_ready(refs: list, timeout: float, waiter: str = "") -> bool:
         )
         if not pending:
             return True
-        check(waiter)
+        check(waiter, since)
         if left <= POLL_S:
             return False

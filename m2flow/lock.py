@@ -74,7 +74,10 @@ class LockService:
         self.priority: dict[str, int] = {}  # group -> explicit priority
         self.downstream: dict[str, set[str]] = defaultdict(set)  # group -> groups it feeds
         self.keep_resident: set[int] = set()  # devices whose switches offload no one
-        self.died: dict[str, Death] = {}
+        # (death, when its group was shut down or None), oldest first: kept after a shutdown
+        # so a wait that started before the death still hears of it (liveness.check)
+        self.died: list[list] = []
+        self.retired_actors: set[str] = set()  # actors of shut-down groups: never register
         self.reserved: dict[int, tuple[str, int]] = {}  # device -> (worker key, release number)
         self.revoking: set[str] = set()  # workers asked to give up their reservation
         self.grants = 0  # acquires granted so far
@@ -100,7 +103,9 @@ class LockService:
     ) -> None:
         """Declare a worker; it starts resident (loaded) on its devices. With ``watch`` its
         death is recorded (``False`` for workers expected to disappear, e.g. on preemptible
-        nodes)."""
+        nodes). A rank of a group already shut down (it started late) is ignored."""
+        if handle._actor_id.hex() in self.retired_actors:
+            return
         w = _Registered(group, rank, list(devices), handle, launch_index, node)
         self.workers[key] = w
         for d in devices:
@@ -115,18 +120,27 @@ class LockService:
             raise
         except Exception as e:  # noqa: BLE001 (whatever Ray says, the process is gone)
             if self.workers.get(key) is w:
-                self.died[key] = Death(w.group, w.rank, w.node, death_cause(e))
+                cause = death_cause(e)
+                self.died.append([Death(w.group, w.rank, w.node, cause, time.time()), None])
                 self._forget(key)
 
-    async def unregister(self, keys: list[str]) -> None:
-        """Forget stopped workers: free their locks and residency, stop watching them, and
-        forget their deaths."""
+    async def unregister(self, keys: list[str], actor_ids: list[str] = ()) -> None:
+        """Forget stopped workers: free their locks and residency, stop watching them, mark
+        their deaths as handled (``deaths``), and refuse any later registration of the actors
+        ``actor_ids`` (a rank that starts after its group was shut down)."""
+        self.retired_actors.update(actor_ids)
+        now = time.time()
         for key in keys:
             w = self.workers.get(key)
             if w is not None and w.watch is not None:
                 w.watch.cancel()
             self._forget(key)
-            self.died.pop(key, None)
+        for entry in self.died:
+            d = entry[0]
+            if entry[1] is None and f"{d.group}:{d.rank}" in keys:
+                entry[1] = now
+        # handled deaths only matter to waits that started before them: keep a minute
+        self.died = [e for e in self.died if e[1] is None or now - e[1] < 60.0]
 
     def _forget(self, key: str) -> None:
         w = self.workers.pop(key, None)
@@ -141,9 +155,10 @@ class LockService:
         self.waiting.pop(key, None)
         self._grant()
 
-    async def deaths(self) -> list[Death]:
-        """Workers of the run that died (oldest first), until their group is shut down."""
-        return list(self.died.values())
+    async def deaths(self) -> list[tuple[Death, float | None]]:
+        """Workers of the run that died, oldest first, each with the time its group was shut
+        down (``None``: not yet). See :func:`m2flow.liveness.check`."""
+        return [(d, retired) for d, retired in self.died]
 
     # -- dependencies and priorities --------------------------------------------------------
 

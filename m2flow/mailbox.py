@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import defaultdict
 
 import ray
@@ -137,13 +138,14 @@ class Mailbox:
         ref = box.take(0) if box.ready() else None
         if ref is None:
             flush_puts()
+            since = time.time()
             with self._m2flow_yield_devices():
                 left = timeout
                 while ref is None and left > 0:
                     ref = box.take(min(left, liveness.POLL_S))
                     left -= liveness.POLL_S
                     if ref is None:
-                        liveness.check(self.worker_key)
+                        liveness.check(self.worker_key, since)
         if ref is None:
             raise TimeoutError(
                 f"{self.worker_key}: nothing received from "
