@@ -1,6 +1,10 @@
-"""Reward worker: verifiable rewards from reasoning-gym's own scorers."""
+"""Reward worker: verifiable rewards from reasoning-gym's own scorers, or from the shared
+reward service (DistRS), request-in, batch-out."""
 
 from __future__ import annotations
+
+import uuid
+from collections import deque
 
 import torch
 from m2flow.scheduler.balance import all_queued
@@ -12,53 +16,109 @@ from ..llm import build_char_tokenizer
 from ..rollout.generation import decode_responses
 from ..tasks import accuracy, score
 
+#: seconds a rank waits past the service's own ``timeout_s`` before it gives up on a future
+_GRACE_S = 60.0
+
 
 class RewardWorker(Worker):
     """Scores rollout chunks with the task's ``score_answer`` (partial credit in [0, 1]), or
     through the shared reward service (DistRS; :mod:`.service`).
 
+    With the service, the step is one batch (DistRS section 3.2, request-in, batch-out): the
+    first chunk of a step that any rank takes announces it with the step's number of
+    responses (the chunk's ``step_samples``: the size hint of section 5.2; the announcement
+    is idempotent, so every rank sharing the step may send it). Each chunk's responses are
+    submitted the moment the chunk arrives, one request per response with the id
+    ``"<step>:<group>:<sample>"``, while the rewards of earlier chunks are collected in the
+    background (:class:`~.service.stream.RewardStream`, which also rides out service
+    restarts). Chunks are forwarded in order, each once its rewards are in, at the rank's next
+    channel operation (the next chunk's arrival or the step's end: channel operations stay on
+    the call's thread). A chunk without ``step_samples`` is a batch of its own.
+
     Args:
         alphabet: the character tokenizer's alphabet (to decode responses).
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
         service: ``{"url", "token", "task", "pipeline", "timeout_s"}`` to score through the
-            reward service (one batch per chunk: announced with its size, one request per
-            response, rewards collected per batch); ``None``: score in process. The service's
+            reward service (``timeout_s``: longest wait for a chunk's rewards, and for an
+            unreachable service, in seconds); ``None``: score in process. The service's
             ``math`` pipeline verifies with math-verify: rewards are 0 or 1, no partial credit.
 
     Raises:
         RewardServiceError: the service refused the token or the task (at launch).
     """
 
+    @classmethod
+    def launch(cls, cluster, placement=None, **kwargs):
+        """:meth:`Worker.launch`; with a ``service``, its ranks share a run id drawn here,
+        which names the run's batches on the service (a resumed or repeated run gets new
+        ones)."""
+        service = kwargs.get("service")
+        if service and not service.get("run"):
+            kwargs["service"] = {**service, "run": uuid.uuid4().hex[:12]}
+        return super().launch(cluster, placement, **kwargs)
+
     def __init__(self, alphabet: str, threads: int = 0, service: dict | None = None) -> None:
         torch.set_num_threads(threads or self.num_threads)
         self.tokenizer = build_char_tokenizer(alphabet)
-        self.service, self.client = service, None
+        self.service, self.stream = service, None
+        self._calls = 0  # score calls so far: the same count on every rank (group calls)
         if service:
-            from .service.client import RewardClient
+            from .service.stream import RewardStream
 
-            self.client = RewardClient(service["url"], service["token"])
-            self.client.register(service["task"], service["pipeline"])
+            # Not launched through launch() (no shared run id): batches are then per rank.
+            self.run = service.get("run") or f"{uuid.uuid4().hex[:12]}-r{self.rank}"
+            self.stream = RewardStream(
+                service["url"], service["token"], service["task"], service["pipeline"],
+                timeout_s=service["timeout_s"],
+            )  # fmt: skip
 
-    def _service_rewards(self, texts: list[str], entries: list[dict]) -> list[float]:
-        """Rewards of one chunk from the reward service, in request order."""
-        task = self.service["task"]
-        batch = self.client.announce(task, len(texts))
-        for i, (text, entry) in enumerate(zip(texts, entries)):
-            self.client.submit(task, batch, {"response": text, "answer": entry["answer"]}, str(i))
-        got = self.client.rewards(task, batch, self.service["timeout_s"])
-        return [float(got[str(i)]) for i in range(len(texts))]
-
-    def _score_chunk(self, chunk: dict) -> list[float]:
-        """Add ``rewards [B]`` to the chunk's batch; returns them."""
+    def _texts(self, chunk: dict) -> tuple[list[str], list[dict]]:
         batch = chunk["batch"]
         texts = decode_responses(self.tokenizer, batch["response_ids"], batch["response_mask"])
-        entries = [chunk["entries"][int(g)] for g in batch["group_index"]]
-        if self.client is None:
-            rewards = score(texts, entries)
-        else:
-            rewards = self._service_rewards(texts, entries)
-        batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
+        return texts, [chunk["entries"][int(g)] for g in batch["group_index"]]
+
+    def _score_chunk(self, chunk: dict) -> list[float]:
+        """Add ``rewards [B]`` to the chunk's batch (in process); returns them."""
+        rewards = score(*self._texts(chunk))
+        chunk["batch"]["rewards"] = torch.tensor(rewards, dtype=torch.float32)
         return rewards
+
+    def _submit(self, chunk: dict, n: int, batches: set[str]):
+        """Submit the chunk's responses to the service; returns ``(ids, future of rewards)``.
+        ``n``: the chunk's number in this call on this rank."""
+        texts, entries = self._texts(chunk)
+        step = chunk.get("step", 0)
+        groups = [int(g) for g in chunk["batch"]["group_index"]]
+        seen: dict[int, int] = {}
+        ids = []
+        for g in groups:  # a chunk holds whole groups: sample j of group g is its j-th row
+            ids.append(f"{step}:{g}:{seen.get(g, 0)}")
+            seen[g] = seen.get(g, 0) + 1
+        if chunk.get("step_samples"):
+            batch, size = f"{self.run}-c{self._calls}-s{step}", chunk["step_samples"]
+        else:
+            batch, size = f"{self.run}-c{self._calls}-r{self.rank}-n{n}", len(ids)
+        batches.add(batch)
+        payloads = {
+            i: {"response": t, "answer": e["answer"]} for i, t, e in zip(ids, texts, entries)
+        }
+        return ids, self.stream.submit(batch, size, payloads)
+
+    def _forward(self, pending: deque, out: Channel, rewards_all: list, wait: bool) -> None:
+        """Put the scored chunks at the head of ``pending`` into ``out``, in order; with
+        ``wait``, all of them, each as its rewards arrive."""
+        while pending:
+            ready = []
+            while pending and (pending[0][2].done() or (wait and not ready)):
+                chunk, ids, fut = pending.popleft()
+                got = fut.result(timeout=self.service["timeout_s"] + _GRACE_S)
+                rewards = [got[i] for i in ids]
+                chunk["batch"]["rewards"] = torch.tensor(rewards, dtype=torch.float32)
+                rewards_all += rewards
+                ready.append(chunk)
+            if not ready:
+                return
+            out.put_many(ready, weights=[num_tokens(c["batch"]) for c in ready])
 
     def score(self, inp: Channel, out: Channel) -> dict:
         """Score the step's rollout chunks from ``inp`` until the rollout's end of step (ranks
@@ -70,15 +130,30 @@ class RewardWorker(Worker):
             ``samples``.
         """
         rewards_all: list[float] = []
-        # Chunks already queued are taken and passed on together: one get and one put for all
-        # of them (each chunk is still scored and forwarded as its own chunk).
-        for chunks in inp.stream(balance=all_queued, target_weight=1):
-            for chunk in chunks:
-                rewards_all += self._score_chunk(chunk)
-            out.put_many(chunks, weights=[num_tokens(c["batch"]) for c in chunks])
-        n = max(len(rewards_all), 1)
+        self._calls += 1
+        pending: deque = deque()  # (chunk, ids, future of rewards), in arrival order
+        batches: set[str] = set()
+        n = 0
+        try:
+            # Chunks already queued are taken together: one get for all of them (each chunk
+            # is still scored and forwarded as its own chunk).
+            for chunks in inp.stream(balance=all_queued, target_weight=1):
+                if self.stream is None:
+                    for chunk in chunks:
+                        rewards_all += self._score_chunk(chunk)
+                    out.put_many(chunks, weights=[num_tokens(c["batch"]) for c in chunks])
+                    continue
+                for chunk in chunks:
+                    pending.append((chunk, *self._submit(chunk, n, batches)))
+                    n += 1
+                self._forward(pending, out, rewards_all, wait=False)
+            self._forward(pending, out, rewards_all, wait=True)
+        finally:
+            for b in batches:
+                self.stream.forget(b)
+        m = max(len(rewards_all), 1)
         return {
-            "reward_mean": sum(rewards_all) / n,
+            "reward_mean": sum(rewards_all) / m,
             "accuracy": accuracy(rewards_all),
             "samples": len(rewards_all),
         }

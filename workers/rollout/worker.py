@@ -76,14 +76,18 @@ class RolloutWorker(Worker):
         A prompt item is ``{"prompt_ids": list[int], "group": int, "entry": dict}`` plus
         optionally ``"step": int`` (the sampling key; 0 if absent); ``group`` is unique within
         the step. A rollout chunk is ``{"batch": TensorDict [chunk * n_samples], "entries":
-        {group: entry}, "weight_version": int}`` put with weight = its token count.
+        {group: entry}, "weight_version": int, "step": int, "step_samples": int}`` put with
+        weight = its token count; ``step_samples = num_prompts * n_samples`` is the number of
+        responses the whole step will have (all ranks): a consumer may announce it before the
+        step's last chunk (the reward service's batch-size hint, docs/reward_service.md).
 
         Returns:
             ``samples``, ``tokens`` (prompt + response), ``response_length`` (mean tokens).
         """
         share = split_evenly(num_prompts, self.world_size)[self.rank]
+        step_samples = num_prompts * self.n_samples
         if self.pool is not None:
-            return self.pool.generate(prompts.get_batch(share, max_items=share), out)
+            return self.pool.generate(prompts.get_batch(share, max_items=share), out, step_samples)
         granularity = self.chunk_size(default=share)
         samples = tokens = resp_tokens = 0
         while share > 0:
@@ -111,6 +115,8 @@ class RolloutWorker(Worker):
                     "batch": batch,
                     "entries": {it["group"]: it["entry"] for it in items},
                     "weight_version": self.weight_version,
+                    "step": items[0].get("step", 0),
+                    "step_samples": step_samples,
                 },
                 weight=n_tok,
             )

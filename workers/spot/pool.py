@@ -50,10 +50,11 @@ class ReservedSeeder:
         """Stage new weights once for every spot instance to pull (RLBoost 4.3)."""
         ray.get(self.manager.stage.remote(version, [ray.put(weights)]), timeout=120)
 
-    def generate(self, items: list[dict], out: Channel) -> dict:
+    def generate(self, items: list[dict], out: Channel, step_samples: int = 0) -> dict:
         """Rollout of this rank's prompts through the pool; puts chunks of whole GRPO groups
-        into ``out`` (the layout of :meth:`RolloutWorker.generate`). Returns its metrics plus
-        the pool's counters of the step (``spot``)."""
+        into ``out`` as they finish (the layout of :meth:`RolloutWorker.generate`;
+        ``step_samples``: the step's responses on all ranks). Returns its metrics plus the
+        pool's counters of the step (``spot``)."""
         w, c, mgr = self.w, self.cfg, self.manager
         if not items:
             return {"samples": 0, "tokens": 0, "response_length": 0.0}
@@ -94,7 +95,8 @@ class ReservedSeeder:
                 out.put(
                     {"batch": batch,
                      "entries": {g: entries[g] for g in batch["group_index"].unique().tolist()},
-                     "weight_version": min(r.weight_version for r in part)},
+                     "weight_version": min(r.weight_version for r in part),
+                     "step": step, "step_samples": step_samples},
                     weight=n_tok,
                 )  # fmt: skip
                 samples += len(batch)

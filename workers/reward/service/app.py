@@ -3,9 +3,10 @@
 Every route except ``/healthz`` needs ``Authorization: Bearer <tenant token>``; a tenant sees
 only its own tasks (metrics included). Errors are JSON ``{"detail": "..."}`` with a status
 naming the problem: 401 (no/unknown token), 404 (unknown task, batch or pipeline), 409
-(conflict: batch full, id reused, task of another tenant), 413 (body over ``max_body_bytes``),
+(conflict: batch full, an id reused with another payload, a batch id re-announced with another
+size, task of another tenant), 413 (body over ``max_body_bytes``),
 422 (malformed body, a batch over ``max_batch_size``, sandbox limits that are not positive
-numbers within the service's own).
+numbers within the service's own). Every answer carries :data:`INSTANCE_HEADER`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
 
 from .bodylimit import BodyLimit
 from .core import RewardService, ServiceError
@@ -24,6 +26,43 @@ from .schemas import AnnounceBatch, RegisterTask, ServiceConfig, SubmitMany, Sub
 
 #: longest a results long-poll may wait (seconds)
 MAX_WAIT_S = 300.0
+#: response header naming this run of the service (a client seeing another one knows that the
+#: service restarted and lost its in-memory state)
+INSTANCE_HEADER = "x-reward-service-instance"
+
+
+class Scored(BaseModel):
+    """A request an earlier instance of the service scored, and its reward (clamped here)."""
+
+    id: str = Field(max_length=128)
+    reward: float = Field(allow_inf_nan=False)
+
+
+class Announce(AnnounceBatch):
+    """An announcement; ``scored``: requests of this batch that an earlier instance of the
+    service scored before it restarted (a client re-announcing after a restart; repeatable,
+    so a long list may come in several announcements)."""
+
+    scored: list[Scored] = Field(default_factory=list)
+
+
+class Instance:
+    """ASGI middleware: every HTTP answer carries :data:`INSTANCE_HEADER`."""
+
+    def __init__(self, app, instance: str) -> None:
+        self.app, self.value = app, instance.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (INSTANCE_HEADER.encode(), self.value)]
+            await send(message)
+
+        await self.app(scope, receive, tagged)
 
 
 def create_app(config: ServiceConfig) -> FastAPI:
@@ -38,6 +77,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
     app = FastAPI(title="m2flow reward service (DistRS)", version="1", lifespan=lifespan)
     app.state.service = service
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(Instance, instance=service.instance)  # outermost: 413s carry it too
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):
@@ -68,8 +108,9 @@ def create_app(config: ServiceConfig) -> FastAPI:
         }
 
     @app.post("/v1/tasks/{task}/batches")
-    async def announce(task: str, body: AnnounceBatch, who: str = Depends(tenant)):
-        b = await service.announce(who, task, body.size, body.batch)
+    async def announce(task: str, body: Announce, who: str = Depends(tenant)):
+        scored = [(r.id, r.reward) for r in body.scored]
+        b = await service.announce(who, task, body.size, body.batch, scored)
         return {"task": task, "batch": b.id, "size": b.size}
 
     @app.post("/v1/tasks/{task}/batches/{batch}/requests")
@@ -78,10 +119,9 @@ def create_app(config: ServiceConfig) -> FastAPI:
 
     @app.post("/v1/tasks/{task}/batches/{batch}/requests:bulk")
     async def submit_many(task: str, batch: str, body: SubmitMany, who: str = Depends(tenant)):
-        b = service.batch(who, task, batch)
-        for r in body.requests:  # all or nothing: a bad one refuses the whole call
-            service.validate(b.task, r.payload)
-        return {"ids": [service.submit(who, task, batch, r.payload, r.id) for r in body.requests]}
+        # all or nothing: a bad one refuses the whole call
+        requests = [(r.payload, r.id) for r in body.requests]
+        return {"ids": service.submit_many(who, task, batch, requests)}
 
     @app.post("/v1/tasks/{task}/batches/{batch}/close")
     async def close(task: str, batch: str, who: str = Depends(tenant)):

@@ -1,5 +1,6 @@
 """Clients of the reward service (httpx): :class:`RewardClient` (sync) and
-:class:`AsyncRewardClient` (asyncio), the same methods.
+:class:`AsyncRewardClient` (asyncio), the same methods (the trainer side that streams a
+rollout's responses and survives service restarts is :class:`.stream.RewardStream`).
 
 A trainer registers its task once, announces each rollout batch with its size as soon as the
 rollout starts (the hint that lets the service scale before the first response is done), then
@@ -12,46 +13,94 @@ submits one request per finished response and collects the batch's rewards::
             rc.submit("task-a", batch, {"code": r, "tests": tests[i]}, id=str(i))
         rewards = rc.rewards("task-a", batch, timeout_s=600)   # id -> reward
 
-Every wait has a timeout; :class:`RewardServiceError` carries the server's message.
+Every call is retried with backoff for up to ``retry_s`` seconds while the service is
+unreachable (connection refused or reset, 500/502/503/504): a call that may not be repeated (a
+submission without an id) only when it never reached the service. Announcements carry a batch
+id (the client draws one when none is given) and the service takes a repeated id with the same
+payload as a no-op, so retries never create a second batch or score a request twice. Every wait
+has a timeout; :class:`RewardServiceError` carries the server's message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import httpx
 
+#: the header naming the service instance that answered (app.py: ``INSTANCE_HEADER``)
+INSTANCE_HEADER = "x-reward-service-instance"
+#: statuses worth retrying: the service (or a proxy before it) is restarting or overloaded
+RETRY_STATUS = frozenset({500, 502, 503, 504})
+#: transport errors after which the request surely never reached the service
+_UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
+
 
 class RewardServiceError(RuntimeError):
-    """The service refused a call (``status``: HTTP status) or a wait timed out."""
+    """The service refused a call (``status``: HTTP status; 503: unreachable past the retry
+    deadline) or a wait timed out (408). ``instance``: the service instance that answered."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, instance: str | None = None) -> None:
         super().__init__(f"{status}: {message}")
         self.status = status
+        self.instance = instance
 
 
-def _check(resp: httpx.Response) -> dict:
+def _decode(resp: httpx.Response) -> tuple[dict, str | None]:
+    """The answer's JSON and the instance that gave it.
+
+    Raises:
+        RewardServiceError: for a 4xx/5xx answer.
+    """
+    inst = resp.headers.get(INSTANCE_HEADER)
     if resp.status_code >= 400:
         try:
             detail = resp.json().get("detail")
         except ValueError:
             detail = resp.text
-        raise RewardServiceError(resp.status_code, str(detail))
-    return resp.json()
+        raise RewardServiceError(resp.status_code, str(detail), inst)
+    return resp.json(), inst
+
+
+def _retry_after(
+    error: Exception | None, resp: httpx.Response | None, idempotent: bool, delay: float, end: float
+) -> bool:
+    """Whether to try again after ``delay`` seconds (before the deadline ``end``)."""
+    if time.monotonic() + delay > end:
+        return False
+    if error is not None:
+        return idempotent or isinstance(error, _UNSENT)
+    return idempotent and resp.status_code in RETRY_STATUS
+
+
+def _unreachable(url, error: Exception, retry_s: float) -> RewardServiceError:
+    return RewardServiceError(
+        503, f"reward service at {url} unreachable for {retry_s:g} s: {error!r}"
+    )
 
 
 def _base(task: str, batch: str | None = None) -> str:
     return f"/v1/tasks/{task}" + (f"/batches/{batch}" if batch else "")
 
 
-class RewardClient:
-    """Synchronous client. ``timeout_s``: per HTTP call (seconds)."""
+def _announce_body(size: int, batch: str | None, scored: dict[str, float] | None) -> dict:
+    # The client names the batch, so a retried announcement cannot create a second one.
+    body = {"size": size, "batch": batch or uuid.uuid4().hex[:12]}
+    if scored:
+        body["scored"] = [{"id": i, "reward": r} for i, r in scored.items()]
+    return body
 
-    def __init__(self, url: str, token: str, timeout_s: float = 30.0) -> None:
+
+class RewardClient:
+    """Synchronous client. ``timeout_s``: per HTTP call (seconds); ``retry_s``: how long a
+    call keeps retrying while the service is unreachable (seconds)."""
+
+    def __init__(self, url: str, token: str, timeout_s: float = 30.0, retry_s: float = 30.0):
         self.http = httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
         )
+        self.retry_s = retry_s
 
     def __enter__(self) -> RewardClient:
         return self
@@ -62,28 +111,60 @@ class RewardClient:
     def close(self) -> None:
         self.http.close()
 
+    def call(self, method: str, path: str, idempotent: bool = True, **kw):
+        """One HTTP call with retries; returns ``(json, instance)``.
+
+        Raises:
+            RewardServiceError: the service refused it, or stayed unreachable ``retry_s``.
+        """
+        end, delay = time.monotonic() + self.retry_s, 0.05
+        while True:
+            error = resp = None
+            try:
+                resp = self.http.request(method, path, **kw)
+            except httpx.TransportError as e:
+                error = e
+            if error is None and not _retry_after(None, resp, idempotent, 0, end):
+                return _decode(resp)
+            if not _retry_after(error, resp, idempotent, delay, end):
+                if error is not None:
+                    raise _unreachable(self.http.base_url, error, self.retry_s) from error
+                return _decode(resp)
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
+
     def register(self, task: str, pipeline: str, delay_bound_s: float | None = None) -> dict:
         body = {"task": task, "pipeline": pipeline, "delay_bound_s": delay_bound_s}
-        return _check(self.http.post("/v1/tasks", json=body))
+        return self.call("POST", "/v1/tasks", json=body)[0]
 
-    def announce(self, task: str, size: int, batch: str | None = None) -> str:
-        """Announce a batch of ``size`` requests; returns its id."""
-        body = {"size": size, "batch": batch}
-        return _check(self.http.post(f"{_base(task)}/batches", json=body))["batch"]
+    def announce(
+        self, task: str, size: int, batch: str | None = None, scored: dict | None = None
+    ) -> str:
+        """Announce a batch of ``size`` requests (idempotent by id); returns its id.
+        ``scored``: ``id -> reward`` of its requests an earlier instance of the service scored
+        (re-announcing after a restart)."""
+        body = _announce_body(size, batch, scored)
+        return self.call("POST", f"{_base(task)}/batches", json=body)[0]["batch"]
 
     def submit(self, task: str, batch: str, payload: dict, id: str | None = None) -> str:
         body = {"payload": payload, "id": id}
-        return _check(self.http.post(f"{_base(task, batch)}/requests", json=body))["id"]
+        path = f"{_base(task, batch)}/requests"
+        return self.call("POST", path, idempotent=id is not None, json=body)[0]["id"]
+
+    def submit_many(self, task: str, batch: str, requests: dict[str, dict]) -> list[str]:
+        """Submit ``id -> payload`` in one call (all or nothing); returns the ids."""
+        body = {"requests": [{"payload": p, "id": i} for i, p in requests.items()]}
+        return self.call("POST", f"{_base(task, batch)}/requests:bulk", json=body)[0]["ids"]
 
     def close_batch(self, task: str, batch: str) -> dict:
         """No more requests for ``batch`` (its size becomes what was submitted)."""
-        return _check(self.http.post(f"{_base(task, batch)}/close"))
+        return self.call("POST", f"{_base(task, batch)}/close")[0]
 
     def status(self, task: str, batch: str) -> dict:
-        return _check(self.http.get(_base(task, batch)))
+        return self.call("GET", _base(task, batch))[0]
 
     def metrics(self) -> dict:
-        return _check(self.http.get("/v1/metrics"))
+        return self.call("GET", "/v1/metrics")[0]
 
     def results(self, task: str, batch: str, timeout_s: float = 600.0) -> list[dict]:
         """All results of ``batch`` once it is complete (long-polls).
@@ -97,12 +178,11 @@ class RewardClient:
             left = end - time.monotonic()
             if left <= 0:
                 raise RewardServiceError(408, f"batch {batch!r} not complete in {timeout_s} s")
-            page = _check(
-                self.http.get(
-                    f"{_base(task, batch)}/results",
-                    params={"offset": len(out), "wait_s": min(left, 20.0)},
-                    timeout=min(left, 20.0) + 30.0,
-                )
+            page, _ = self.call(
+                "GET",
+                f"{_base(task, batch)}/results",
+                params={"offset": len(out), "wait_s": min(left, 20.0)},
+                timeout=min(left, 20.0) + 30.0,
             )
             out += page["results"]
             if page["complete"]:
@@ -116,10 +196,11 @@ class RewardClient:
 class AsyncRewardClient:
     """Asyncio client; same methods as :class:`RewardClient`, awaitable."""
 
-    def __init__(self, url: str, token: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, token: str, timeout_s: float = 30.0, retry_s: float = 30.0):
         self.http = httpx.AsyncClient(
             base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
         )
+        self.retry_s = retry_s
 
     async def __aenter__(self) -> AsyncRewardClient:
         return self
@@ -130,26 +211,52 @@ class AsyncRewardClient:
     async def close(self) -> None:
         await self.http.aclose()
 
+    async def call(self, method: str, path: str, idempotent: bool = True, **kw):
+        """One HTTP call with retries; returns ``(json, instance)`` (see RewardClient.call)."""
+        end, delay = time.monotonic() + self.retry_s, 0.05
+        while True:
+            error = resp = None
+            try:
+                resp = await self.http.request(method, path, **kw)
+            except httpx.TransportError as e:
+                error = e
+            if error is None and not _retry_after(None, resp, idempotent, 0, end):
+                return _decode(resp)
+            if not _retry_after(error, resp, idempotent, delay, end):
+                if error is not None:
+                    raise _unreachable(self.http.base_url, error, self.retry_s) from error
+                return _decode(resp)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
+
     async def register(self, task: str, pipeline: str, delay_bound_s: float | None = None):
         body = {"task": task, "pipeline": pipeline, "delay_bound_s": delay_bound_s}
-        return _check(await self.http.post("/v1/tasks", json=body))
+        return (await self.call("POST", "/v1/tasks", json=body))[0]
 
-    async def announce(self, task: str, size: int, batch: str | None = None) -> str:
-        body = {"size": size, "batch": batch}
-        return _check(await self.http.post(f"{_base(task)}/batches", json=body))["batch"]
+    async def announce(
+        self, task: str, size: int, batch: str | None = None, scored: dict | None = None
+    ) -> str:
+        body = _announce_body(size, batch, scored)
+        return (await self.call("POST", f"{_base(task)}/batches", json=body))[0]["batch"]
 
     async def submit(self, task: str, batch: str, payload: dict, id: str | None = None) -> str:
         body = {"payload": payload, "id": id}
-        return _check(await self.http.post(f"{_base(task, batch)}/requests", json=body))["id"]
+        path = f"{_base(task, batch)}/requests"
+        return (await self.call("POST", path, idempotent=id is not None, json=body))[0]["id"]
+
+    async def submit_many(self, task: str, batch: str, requests: dict[str, dict]) -> list[str]:
+        body = {"requests": [{"payload": p, "id": i} for i, p in requests.items()]}
+        path = f"{_base(task, batch)}/requests:bulk"
+        return (await self.call("POST", path, json=body))[0]["ids"]
 
     async def close_batch(self, task: str, batch: str) -> dict:
-        return _check(await self.http.post(f"{_base(task, batch)}/close"))
+        return (await self.call("POST", f"{_base(task, batch)}/close"))[0]
 
     async def status(self, task: str, batch: str) -> dict:
-        return _check(await self.http.get(_base(task, batch)))
+        return (await self.call("GET", _base(task, batch)))[0]
 
     async def metrics(self) -> dict:
-        return _check(await self.http.get("/v1/metrics"))
+        return (await self.call("GET", "/v1/metrics"))[0]
 
     async def results(self, task: str, batch: str, timeout_s: float = 600.0) -> list[dict]:
         out: list[dict] = []
@@ -158,12 +265,11 @@ class AsyncRewardClient:
             left = end - time.monotonic()
             if left <= 0:
                 raise RewardServiceError(408, f"batch {batch!r} not complete in {timeout_s} s")
-            page = _check(
-                await self.http.get(
-                    f"{_base(task, batch)}/results",
-                    params={"offset": len(out), "wait_s": min(left, 20.0)},
-                    timeout=min(left, 20.0) + 30.0,
-                )
+            page, _ = await self.call(
+                "GET",
+                f"{_base(task, batch)}/results",
+                params={"offset": len(out), "wait_s": min(left, 20.0)},
+                timeout=min(left, 20.0) + 30.0,
             )
             out += page["results"]
             if page["complete"]:

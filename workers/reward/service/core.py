@@ -23,6 +23,11 @@ one follow-up decision; nothing waits on a decision (an announcement returns at 
 decision simulates at most ``max_decision_jobs`` requests (sampled, then scaled up), and a
 batch holds at most ``max_batch_size`` requests, so a decision's cost is bounded.
 
+Requests are idempotent by id (the same id and payload again is a no-op) and announcements by
+batch id, so clients retry freely; :attr:`RewardService.instance` names this run of the service
+(its state is in memory), so a client notices a restart and rebuilds its batches
+(docs/reward_service.md, "Streaming, retries and restarts").
+
 Trust (docs/design.md, "Reward service trust model"): rewards are clamped to the pipeline
 kind's documented range; a request's sandbox limits are validated when it is submitted (only
 tighter than the service's); a tenant sees only its own tasks, in every view.
@@ -35,7 +40,6 @@ import collections
 import heapq
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from m2flow.scheduler.reward_scaling import BatchView, DistRSPolicy
 from m2flow.scheduler.reward_sim import RequestRecord, ebf_priority
@@ -43,57 +47,9 @@ from m2flow.scheduler.reward_sim import RequestRecord, ebf_priority
 from .pipelines import clamp_reward, validate_payload
 from .pools import Pool, Proc, ScratchRoot
 from .schemas import PipelineConfig, ServiceConfig
+from .state import Batch, Req, ServiceError, Task, _digest
 
-
-class ServiceError(Exception):
-    """A client mistake: ``status`` is the HTTP status, the message says what to fix."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass
-class Req:
-    id: str
-    batch: Batch
-    payload: dict
-    arrival: float
-    stage: int = 0
-    since: float = 0.0
-    running: bool = False
-    carry: dict = field(default_factory=dict)
-    stage_s: list[float] = field(default_factory=list)
-
-
-@dataclass
-class Batch:
-    task: Task
-    id: str
-    size: int
-    start: float
-    history: list[RequestRecord]
-    prio: float
-    submitted: int = 0
-    results: list[dict] = field(default_factory=list)
-    records: list[RequestRecord] = field(default_factory=list)
-    live: dict[str, Req] = field(default_factory=dict)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    completed_at: float | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.completed_at is not None
-
-
-@dataclass
-class Task:
-    name: str
-    tenant: str
-    pipeline: str
-    delay_bound_s: float
-    history: list[RequestRecord] = field(default_factory=list)
-    batches: dict[str, Batch] = field(default_factory=dict)
+__all__ = ["Batch", "Req", "RewardService", "ServiceError", "Task"]
 
 
 class RewardService:
@@ -116,6 +72,9 @@ class RewardService:
         self.n_decisions = 0
         self.decision_s_max = 0.0
         self.t0 = time.monotonic()
+        #: this run of the service: its state lives in memory, so a client that sees another
+        #: instance knows the service restarted (every answer carries it: see app.py)
+        self.instance = uuid.uuid4().hex[:16]
         self.requests_done = 0
         self.closing = False
         self._bg: set[asyncio.Task] = set()
@@ -172,11 +131,20 @@ class RewardService:
         return b
 
     # ---- batches and requests ----------------------------------------------------------
-    async def announce(self, tenant: str, task: str, size: int, batch: str | None) -> Batch:
+    async def announce(
+        self, tenant: str, task: str, size: int, batch: str | None, scored=()
+    ) -> Batch:
         """A new batch of ``size`` requests; scaling for it starts at once (not awaited).
 
+        Idempotent: announcing an existing batch id with the same size returns that batch (a
+        client retrying, or several trainer ranks announcing their step's batch). ``scored``:
+        ``(id, reward)`` of requests of this batch that an earlier instance of the service
+        scored (a client re-announcing after a restart; :meth:`_settle`): they count toward
+        ``size`` and are not submitted again, so the batch still completes.
+
         Raises:
-            ServiceError: 422 for a size over ``max_batch_size``; 404/409 as named.
+            ServiceError: 422 for a size over ``max_batch_size`` or more ``scored`` ids than
+                ``size``; 409 for an existing batch id with another size; 404 as named.
         """
         t = self.task(tenant, task)
         if size > self.config.max_batch_size:
@@ -186,19 +154,59 @@ class RewardService:
                 f"{self.config.max_batch_size}: split the batch",
             )
         bid = batch or uuid.uuid4().hex[:12]
-        if bid in t.batches:
-            raise ServiceError(409, f"batch {bid!r} of task {task!r} exists: use a new id")
-        now = time.monotonic()
-        prio = ebf_priority(now, t.history) if t.history else float("inf")
-        b = Batch(t, bid, size, now, list(t.history), prio)
-        t.batches[bid] = b
-        self.rescale(t.pipeline, "announce")
+        b = t.batches.get(bid)
+        if b is not None and b.size != size:
+            raise ServiceError(
+                409,
+                f"batch {bid!r} of task {task!r} exists with size {b.size}, not {size}: "
+                "use a new id",
+            )
+        if b is None:
+            now = time.monotonic()
+            prio = ebf_priority(now, t.history) if t.history else float("inf")
+            b = Batch(t, bid, size, now, list(t.history), prio)
+            t.batches[bid] = b
+            self.rescale(t.pipeline, "announce")
+        self._settle(b, scored)
         return b
 
+    def _settle(self, b: Batch, scored) -> None:
+        """Take ``(id, reward)`` pairs scored by an earlier instance as results of ``b`` (the
+        reward clamped to the pipeline's range, status ``settled``): they count toward its
+        size, and every reader of the batch (any trainer rank) gets them. An id already
+        submitted here or settled is skipped (it is, or was, scored once here).
+
+        Raises:
+            ServiceError: 422 when they and the submitted requests exceed the size.
+        """
+        new: dict[str, float] = {}
+        for rid, reward in scored:
+            if rid not in b.digests and rid not in b.settled:
+                new[rid] = reward
+        if not new:
+            return
+        if b.accounted + len(new) > b.size:
+            raise ServiceError(
+                422,
+                f"batch {b.id!r}: {len(new)} scored ids and {b.accounted} requests are more "
+                f"than its size {b.size}",
+            )
+        kind = self.config.pipelines[b.task.pipeline].kind
+        for rid, reward in new.items():
+            b.settled.add(rid)
+            b.results.append(
+                {"id": rid, "reward": clamp_reward(kind, reward), "status": "settled",
+                 "stage": "", "detail": "scored by an earlier instance of the service",
+                 "stage_s": [], "latency_s": 0.0}
+            )  # fmt: skip
+        b.changed.set()
+        b.changed = asyncio.Event()
+        self._maybe_complete(b)
+
     async def close(self, tenant: str, task: str, batch: str) -> Batch:
-        """No more requests: the batch's size becomes what was submitted."""
+        """No more requests: the batch's size becomes what was submitted (and settled)."""
         b = self.batch(tenant, task, batch)
-        b.size = b.submitted
+        b.size = b.accounted
         self._maybe_complete(b)
         return b
 
@@ -215,23 +223,58 @@ class RewardService:
             raise ServiceError(422, str(e)) from None
 
     def submit(self, tenant: str, task: str, batch: str, payload: dict, rid: str | None) -> str:
+        """Queue one request; returns its id (``<batch>-<n>`` when ``rid`` is None)."""
+        return self.submit_many(tenant, task, batch, [(payload, rid)])[0]
+
+    def submit_many(
+        self, tenant: str, task: str, batch: str, requests: list[tuple[dict, str | None]]
+    ) -> list[str]:
+        """Queue ``(payload, id)`` requests, all or nothing; returns their ids.
+
+        Idempotent by id: an id the batch already holds (queued, running, done, or settled
+        after a restart) with the same payload is a no-op, so a client may retry a submission
+        whose answer it lost, and the request is scored once.
+
+        Raises:
+            ServiceError: 409 for an id already used with another payload, or more new
+                requests than the batch has room for; 422 for a bad payload; 404 as named.
+        """
         b = self.batch(tenant, task, batch)
-        self.validate(b.task, payload)
-        if b.submitted >= b.size:
+        new: dict[str, tuple[dict, bytes]] = {}
+        ids = []
+        for payload, rid in requests:
+            self.validate(b.task, payload)
+            if rid is None:  # the service names it: always a new request
+                rid = f"{batch}-{b.submitted + len(new)}"
+                if rid in b.digests or rid in b.settled or rid in new:
+                    raise ServiceError(409, f"request id {rid!r} already used in batch {batch!r}")
+            ids.append(rid)
+            if rid in b.settled:
+                continue
+            digest = _digest(payload)
+            old = b.digests.get(rid, new.get(rid, (None, None))[1])
+            if old is None:
+                new[rid] = (payload, digest)
+            elif old != digest:
+                raise ServiceError(
+                    409,
+                    f"request id {rid!r} already used in batch {batch!r} with another "
+                    "payload: give each request its own id",
+                )
+        if b.accounted + len(new) > b.size:
             raise ServiceError(
                 409,
                 f"batch {batch!r} already holds its {b.size} announced "
                 "requests: announce a larger size or a new batch",
             )
-        rid = rid or f"{batch}-{b.submitted}"
-        if rid in b.live or any(r["id"] == rid for r in b.results):
-            raise ServiceError(409, f"request id {rid!r} already used in batch {batch!r}")
-        now = time.monotonic()
-        req = Req(rid, b, payload, now, since=now)
-        b.submitted += 1
-        b.live[rid] = req
-        self._enqueue(req)
-        return rid
+        for rid, (payload, digest) in new.items():
+            now = time.monotonic()
+            req = Req(rid, b, payload, now, since=now)
+            b.submitted += 1
+            b.digests[rid] = digest
+            b.live[rid] = req
+            self._enqueue(req)
+        return ids
 
     def _enqueue(self, req: Req) -> None:
         pool = self.pools[req.batch.task.pipeline][req.stage]
@@ -319,7 +362,7 @@ class RewardService:
         self._maybe_complete(b)
 
     def _maybe_complete(self, b: Batch) -> None:
-        if b.done or b.submitted < b.size or b.live:
+        if b.done or b.accounted < b.size or b.live:
             return
         b.completed_at = time.monotonic()
         if b.records:
@@ -403,7 +446,7 @@ class RewardService:
                 running.append((r.stage, now - r.since, i))
             else:
                 queued.append((r.stage, i, r.since))
-        arrived = b.submitted
+        arrived = b.accounted  # settled requests will not come: not Future, not overdue
         return BatchView(
             (b.task.name, b.id),
             b.start,
@@ -489,11 +532,12 @@ class RewardService:
             "batch": b.id,
             "size": b.size,
             "submitted": b.submitted,
+            "settled": len(b.settled),
             "done": len(b.results),
             "complete": b.done,
             "stages": per_stage,
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-            "failed": sum(r["status"] != "ok" for r in b.results),
+            "failed": sum(r["status"] not in ("ok", "settled") for r in b.results),
             "elapsed_s": (b.completed_at or time.monotonic()) - b.start,
         }
 
@@ -516,6 +560,7 @@ class RewardService:
                     "busy_s": p.busy_s,
                 }
         return {
+            "instance": self.instance,
             "uptime_s": time.monotonic() - self.t0,
             "requests_done": self.requests_done,
             "pools": pools,

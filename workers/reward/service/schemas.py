@@ -138,7 +138,9 @@ class SubmitMany(BaseModel):
 class Result(BaseModel):
     id: str
     reward: float
-    status: Literal["ok", "failed", "timeout", "error"]
+    status: Literal["ok", "failed", "timeout", "error", "settled"] = Field(
+        description="settled: scored by an earlier instance of the service (after a restart)"
+    )
     stage: str = Field(description="the last stage the request entered")
     detail: str = ""
     stage_s: list[float] = Field(description="seconds in each stage entered")
