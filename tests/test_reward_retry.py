@@ -172,6 +172,14 @@ def test_a_stream_rides_out_restarts_and_each_request_is_scored_once():
         assert third.service.requests_done == 3
         with pytest.raises(ValueError, match="size 6"):
             stream.submit("B", 7, {"g": RIGHT}).result(30)
+        # A batch that will not get all its announced requests (a failed step) is closed, so
+        # it does not stay active on the service.
+        assert stream.submit("C", 5, {"x": RIGHT}).result(30) == {"x": 1.0}
+        c = third.service.tasks["st"].batches["C"]
+        assert not c.done and third.service._active("math") == [c]
+        st = stream.close_batch("C").result(30)
+        assert st["complete"] and st["size"] == 1 and c.done
+        assert third.service._active("math") == []
     finally:
         if stream is not None:
             stream.close()

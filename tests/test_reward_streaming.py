@@ -142,7 +142,7 @@ def test_requests_arrive_as_the_rollout_streams_and_scaling_follows(rig):
     # first workers take 1-2 s to start here).
     arrivals = sorted(b.start + r.offset_s for r in b.records)
     lags = [arrivals[(k + 1) * CHUNK - 1] - put_at[k] for k in range(CHUNKS)]
-    assert max(lags) < 0.6, lags
+    assert max(lags) < 0.8, lags
     rollout_s, spread = put_at[-1] - put_at[0], arrivals[-1] - arrivals[0]
     assert spread >= 0.8 * rollout_s, (spread, rollout_s)
     # The service scaled on the hint before the second chunk's requests came, kept its
@@ -161,7 +161,7 @@ def test_requests_arrive_as_the_rollout_streams_and_scaling_follows(rig):
     first_done = min(done_at)
     late = [res["latency_s"] for r, res in zip(b.records, b.results)
             if b.start + r.offset_s > first_done]  # fmt: skip
-    assert max(late, default=0.0) < 0.5, late
+    assert max(late, default=0.0) < 1.0, late
     print(
         f"rollout {rollout_s:.2f} s, arrivals spread {spread:.2f} s, lag per chunk "
         f"{[round(x, 3) for x in lags]} s, first reward {first_done - b.start:.2f} s after "

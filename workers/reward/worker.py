@@ -3,6 +3,7 @@ reward service (DistRS), request-in, batch-out."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections import deque
 
@@ -15,6 +16,8 @@ from ..batch import num_tokens
 from ..llm import build_char_tokenizer
 from ..rollout.generation import decode_responses
 from ..tasks import accuracy, score
+
+log = logging.getLogger(__name__)
 
 #: seconds a rank waits past the service's own ``timeout_s`` before it gives up on a future
 _GRACE_S = 60.0
@@ -33,7 +36,9 @@ class RewardWorker(Worker):
     background (:class:`~.service.stream.RewardStream`, which also rides out service
     restarts). Chunks are forwarded in order, each once its rewards are in, at the rank's next
     channel operation (the next chunk's arrival or the step's end: channel operations stay on
-    the call's thread). A chunk without ``step_samples`` is a batch of its own.
+    the call's thread). A chunk without ``step_samples`` is a batch of its own. A rank whose
+    step fails closes its batches on the service (so that they do not stay active for
+    requests that will not come); a lone rank closes them at the end of every step.
 
     Args:
         alphabet: the character tokenizer's alphabet (to decode responses).
@@ -120,6 +125,16 @@ class RewardWorker(Worker):
                 return
             out.put_many(ready, weights=[num_tokens(c["batch"]) for c in ready])
 
+    def _close(self, batch: str) -> None:
+        """Close ``batch`` on the service (best effort, logged): after a failed step (its
+        other requests will not come), or where this rank fills it alone (a no-op unless the
+        step had fewer responses than announced). Another rank's later submission into a
+        closed batch is refused (409): the step failed anyway."""
+        try:
+            self.stream.close_batch(batch).result(timeout=60)
+        except Exception as e:  # the service may be gone: its batches with it
+            log.warning("closing reward-service batch %r failed: %r", batch, e)
+
     def score(self, inp: Channel, out: Channel) -> dict:
         """Score the step's rollout chunks from ``inp`` until the rollout's end of step (ranks
         share them), add ``rewards [B]`` to each batch, and put it into ``out`` (same weight:
@@ -133,7 +148,7 @@ class RewardWorker(Worker):
         self._calls += 1
         pending: deque = deque()  # (chunk, ids, future of rewards), in arrival order
         batches: set[str] = set()
-        n = 0
+        n, ended = 0, False
         try:
             # Chunks already queued are taken together: one get for all of them (each chunk
             # is still scored and forwarded as its own chunk).
@@ -148,9 +163,12 @@ class RewardWorker(Worker):
                     n += 1
                 self._forward(pending, out, rewards_all, wait=False)
             self._forward(pending, out, rewards_all, wait=True)
+            ended = True
         finally:
             for b in batches:
                 self.stream.forget(b)
+                if not ended or self.world_size == 1:
+                    self._close(b)
         m = max(len(rewards_all), 1)
         return {
             "reward_mean": sum(rewards_all) / m,

@@ -78,6 +78,7 @@ class RewardService:
         self.requests_done = 0
         self.closing = False
         self._bg: set[asyncio.Task] = set()
+        self._stopping: set[Proc] = set()  # killed, not yet reaped (shutdown waits for them)
         self._deciding: dict[str, str | None] = {}  # pipeline -> pending reason, while deciding
 
     def _policy(self, p: PipelineConfig) -> DistRSPolicy | None:
@@ -294,7 +295,14 @@ class RewardService:
     def _stop(self, proc: Proc) -> None:
         """Kill ``proc`` now; wait for it and remove its scratch directory in the background."""
         proc.kill()
-        self._spawn(proc.stop())
+        self._stopping.add(proc)
+        self._spawn(self._reap(proc))
+
+    async def _reap(self, proc: Proc) -> None:
+        try:
+            await proc.stop()
+        finally:
+            self._stopping.discard(proc)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -507,6 +515,7 @@ class RewardService:
                 pool.target = 0
                 procs += [*pool.idle, *pool.busy]
                 pool.idle.clear()
+        procs += list(self._stopping)  # their reaping tasks are cancelled below
         for p in procs:
             p.kill()
         others = [t for t in self._bg if t is not asyncio.current_task()]

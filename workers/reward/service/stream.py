@@ -130,6 +130,18 @@ class RewardStream:
         """Stop following ``batch`` (this rank's part of it is done)."""
         self._loop.call_soon_threadsafe(self._forget, batch)
 
+    def close_batch(self, batch: str) -> concurrent.futures.Future:
+        """Tell the service that ``batch`` gets no more requests (its size becomes what
+        arrived), so that it does not stay active (holding workers) for requests that will
+        never come: a step that failed, or fewer responses than announced. Returns a future
+        of the batch's status (it raises :class:`RewardServiceError`, 404 where the current
+        instance does not hold the batch)."""
+        path = f"{_base(self.task, batch)}/close"
+        return asyncio.run_coroutine_threadsafe(self._close_batch(path), self._loop)
+
+    async def _close_batch(self, path: str) -> dict:
+        return (await self.client.call("POST", path))[0]
+
     def close(self) -> None:
         """Stop the loop and close the HTTP client (pending futures are cancelled)."""
         if not self._loop.is_running():
