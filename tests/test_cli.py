@@ -4,8 +4,10 @@ exit code 1 (tests/test_liveness.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -13,20 +15,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "workflows" / "grpo.py"
-RAY_STARTED = "Started a local Ray instance"
+RAY_STARTED = "[a Ray session was started]"
 
 
 def m2flow(*args: str, cwd: Path | None = None, timeout: float = 120) -> tuple[int, str, float]:
-    """Run ``m2flow ARGS``; ``(exit code, stderr, seconds)``."""
+    """Run ``m2flow ARGS``; ``(exit code, stderr, seconds)``. The command gets a temporary
+    directory of its own; if Ray started, its session directory is there (m2flow's Ray temp dir
+    lives under the temporary directory, or in a run dir under it), and :data:`RAY_STARTED` is
+    appended to the output."""
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "m2flow.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-    )
-    return proc.returncode, proc.stderr + proc.stdout, time.monotonic() - t0
+    with tempfile.TemporaryDirectory(prefix="m2flow-cli-test-") as tmp:
+        proc = subprocess.run(
+            [sys.executable, "-m", "m2flow.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+            env={**os.environ, "TMPDIR": tmp},
+        )
+        sessions = list(Path(tmp).rglob("session_*"))
+    out = proc.stderr + proc.stdout
+    started = sessions or "node 0 (head)" in out  # the workflows print the cluster once up
+    return proc.returncode, out + (f"\n{RAY_STARTED}" if started else ""), time.monotonic() - t0
 
 
 def assert_one_line_exit_2(code: int, out: str, message: str) -> None:
