@@ -1,15 +1,22 @@
-"""Predicted vs measured step time of the GRPO runner under each plan mode, side by side.
+"""Predicted vs measured step time of a runner (GRPO by default) under each plan mode, side
+by side.
 
     python benchmarks/plan_modes.py [--profile grpo_profile.yaml] [--devices 2] [--steps 30]
+    python benchmarks/plan_modes.py --workflow workflows/embodied.py --devices 3 \
+        --modes auto --plan-files spatial_yaml=workflows/plans/embodied_spatial.yaml \
+        --metric env_steps_per_s
 
 Every run resumes from one shared warm-started checkpoint (so no run pays the warm start and
 all start from the same weights). Without ``--profile`` the workflow is first profiled here,
 from that checkpoint, side by side with the measurements (same machine, same minutes, same
 policy; the profile is written next to the JSON). For each mode (temporal, hybrid, spatial and
 the planner's own pick, ``auto``) the planner plans the profiled workflow on ``--devices``
-virtual devices; the unchanged ``workflows/grpo.py`` then runs ``--steps`` GRPO steps under
-that plan, ``--repeats`` times, round-robin over the modes. A mode the planner finds
+virtual devices; the unchanged runner (``--workflow``) then runs ``--steps`` steps under
+that plan, ``--repeats`` times, round-robin over the modes and the hand-written plans of
+``--plan-files`` (``NAME=PATH``, measured alongside, no prediction). A mode the planner finds
 infeasible on this cluster (spatial needs a device per group) is reported as such, not run.
+``--metric KEY`` also reports the median of that per-step metric from the runs'
+``metrics.jsonl`` (e.g. the embodied runner's ``env_steps_per_s``), per run and pooled.
 
 Measured step time of a mode: the median of its steps pooled over its runs (after ``--skip``
 steps of each). The spread of the per-run medians around it (half the range, relative) is
@@ -32,16 +39,31 @@ from pathlib import Path
 
 from m2flow.cluster import GiB
 from m2flow.config import ConfigError
+from m2flow.placement import Placement
 from m2flow.planning import load_profile, plan_from_profile, profile_to_file
 from m2flow.session import Session
 from m2flow.workflow import run_workflow
 
 ROOT = Path(__file__).resolve().parent.parent
-GRPO = str(ROOT / "workflows" / "grpo.py")
+WORKFLOW = str(ROOT / "workflows" / "grpo.py")  # --workflow
 
 
 def _run(overrides: list[str], placement) -> Session:
-    return run_workflow(GRPO, overrides, plan=placement)
+    return run_workflow(WORKFLOW, overrides, plan=placement)
+
+
+def _use_workflow(path: str) -> None:
+    global WORKFLOW
+    WORKFLOW = str(path)
+
+
+def _metric(run_dir: Path, key: str, first_step: int) -> list[float]:
+    """Per logged step >= ``first_step``: the value of ``key`` in ``metrics.jsonl``."""
+    by_step = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        by_step[rec["step"]] = rec
+    return [by_step[s][key] for s in sorted(by_step) if s >= first_step and key in by_step[s]]
 
 
 def _cpu_jiffies() -> tuple[int, int] | None:
@@ -69,11 +91,19 @@ class Runs:
     medians: list[float] = field(default_factory=list)
     busy: dict[str, list[float]] = field(default_factory=dict)
     steal: list[float | None] = field(default_factory=list)
+    metric: list[float] = field(default_factory=list)  # --metric, steps pooled
+    metric_medians: list[float] = field(default_factory=list)
 
-    def measure(self, overrides: list[str], placement, skip: int) -> None:
+    def measure(self, overrides: list[str], placement, skip: int, metric: str = "") -> None:
         """Run once under ``placement`` and record it, the first ``skip`` steps left out."""
         before = _cpu_jiffies()
         session = _run(overrides, placement)
+        if metric:
+            run_dir = Path(next(o for o in overrides if o.startswith("trainer.run_dir="))[16:])
+            first = 2 + skip  # resumed after the warm start's step 1
+            values = _metric(run_dir, metric, first)
+            self.metric += values
+            self.metric_medians.append(statistics.median(values))
         self.steal.append(_steal(before, _cpu_jiffies()))
         times = session.step_times()[skip:]
         self.steps += times
@@ -122,7 +152,7 @@ def main() -> None:
         help="steps per profiled point (default: the measured window, --steps less --skip)",
     )
     ap.add_argument("--devices", type=int, default=2, help="virtual devices (one per core)")
-    ap.add_argument("--steps", type=int, default=30, help="GRPO steps measured per run")
+    ap.add_argument("--steps", type=int, default=30, help="steps measured per run")
     ap.add_argument("--skip", type=int, default=3, help="steps of each run left out")
     ap.add_argument(
         "--modes",
@@ -133,7 +163,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs per mode, round-robin")
     ap.add_argument("--work", default="scratch/plan_modes", help="run directories")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "plan_modes.json"))
+    ap.add_argument("--workflow", default=WORKFLOW, help="the runner (default: GRPO)")
+    ap.add_argument(
+        "--plan-files",
+        default="",
+        help="hand-written plans measured alongside: NAME=PATH,NAME=PATH (no prediction)",
+    )
+    ap.add_argument("--metric", default="", help="per-step metric to report (metrics.jsonl)")
     args = ap.parse_args()
+    _use_workflow(args.workflow)
 
     common = [f"cluster.devices_per_node={args.devices}", "trainer.eval_every=100000"]
     resumed = warm_start(Path(args.work), common)
@@ -144,7 +182,9 @@ def main() -> None:
         t0 = time.time()
         # The same steps as each measured run: skip the first --skip, measure the rest.
         window = args.profile_steps or args.steps - args.skip
-        profile_to_file(GRPO, resumed("profile"), [], profile_path, steps=window, warmup=args.skip)
+        profile_to_file(
+            WORKFLOW, resumed("profile"), [], profile_path, steps=window, warmup=args.skip
+        )
         print(f"profiled side by side in {time.time() - t0:.0f} s: {profile_path}")
     prof = load_profile(profile_path)
 
@@ -163,14 +203,21 @@ def main() -> None:
         else:  # e.g. auto picks the hybrid plan: run it once, report it under both names
             same[mode] = twin
             print(f"{mode}: the same plan as {twin}, measured once")
+    for item in filter(None, args.plan_files.split(",")):
+        name, _, path = item.partition("=")
+        hand = Placement.load(path)
+        hand.tree = hand.tree or f"hand-written {path}: {hand.groups}"
+        plans[name] = (None, hand)
     # Round-robin over modes, so slow drift on a shared machine hits every mode alike.
     runs = {m: Runs() for m in plans}
     for rep in range(args.repeats):
         for mode, (_, placement) in plans.items():
             overrides = resumed(f"{mode}-{rep}") + [f"trainer.steps={1 + args.steps}"]
-            runs[mode].measure(overrides, placement, args.skip)
+            runs[mode].measure(overrides, placement, args.skip, args.metric)
             stolen = runs[mode].steal[-1]
             shown = "" if stolen is None else f", {stolen:.1%} CPU stolen"
+            if args.metric:
+                shown += f", {args.metric} {runs[mode].metric_medians[-1]:.4g}"
             print(f"{mode} run {rep}: {runs[mode].medians[-1]:.4f} s/step{shown}")
     for mode, (_, placement) in plans.items():
         r = runs[mode]
@@ -188,8 +235,20 @@ def main() -> None:
                 "measured_runs_s": r.medians,
                 "steal_per_run": r.steal,
                 "run_spread": (max(r.medians) - min(r.medians)) / 2 / measured,
-                "error": (measured - predicted) / measured,
+                "error": None if predicted is None else (measured - predicted) / measured,
                 "busy_s": r.busy_s(),
+                **(
+                    {
+                        "metric": args.metric,
+                        "metric_median": statistics.median(r.metric),
+                        "metric_runs": r.metric_medians,
+                        "metric_spread": (max(r.metric_medians) - min(r.metric_medians))
+                        / 2
+                        / statistics.median(r.metric),
+                    }
+                    if args.metric
+                    else {}
+                ),
             }
         )
 
@@ -205,9 +264,16 @@ def main() -> None:
             print(f"{r['mode']:<10} {'infeasible':>12}")
             continue
         first = r["plan"].splitlines()[0]
+        pred = "-" if r["predicted_step_s"] is None else f"{r['predicted_step_s']:.4f}"
+        err = "-" if r["error"] is None else f"{r['error']:+.1%}"
+        extra = (
+            f"  [{args.metric} {r['metric_median']:.4g}, spread {r['metric_spread']:.1%}]"
+            if args.metric
+            else ""
+        )
         print(
-            f"{r['mode']:<10} {r['predicted_step_s']:>12.4f} {r['measured_step_s']:>11.4f} "
-            f"{r['error']:>+8.1%} {r['run_spread']:>7.1%}  {first}"
+            f"{r['mode']:<10} {pred:>12} {r['measured_step_s']:>11.4f} "
+            f"{err:>8} {r['run_spread']:>7.1%}  {first}{extra}"
         )
     print("\nbusy seconds per step, measured (profile on 1 device):")
     for r in rows:

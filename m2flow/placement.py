@@ -6,6 +6,11 @@ channel edge ``src -> dst`` how many items a producer puts per chunk (elastic pi
 temporal choice). Groups that share devices share their device locks, so a placement needs no
 other mechanism: the locks switch collocated groups, disjoint groups run at once.
 
+A collapsed cycle (env <-> policy) that the plan splits across devices runs its leader's share
+in sub-batches: ``sub_batches`` gives each member the items per sub-batch (``None``: its whole
+share, the members time-sharing), and a cycle member's calls get that as their granularity
+(:meth:`Placement.granularity_for`), never the granularity of an edge leaving the cycle.
+
 Placements come from the planner (:func:`from_plan`), from a YAML file
 (``m2flow run ... plan=path/to/plan.yaml``, as written by ``m2flow plan --save``), or are the
 plain temporal default (every group on every device, every edge coalesced).
@@ -40,6 +45,8 @@ class Placement:
         predicted_step_s: the planner's predicted seconds per step (``None`` if not planned).
         predicted: group name -> predicted busy seconds per step.
         tree: the plan's composition tree as text (for reports).
+        sub_batches: cycle member -> items per sub-batch of the leader's share when the plan
+            splits the cycle across devices, ``None`` when the members time-share.
     """
 
     mode: str = "temporal"
@@ -50,6 +57,7 @@ class Placement:
     predicted_step_s: float | None = None
     predicted: dict[str, float] = field(default_factory=dict)
     tree: str = ""
+    sub_batches: dict[str, int | None] = field(default_factory=dict)
 
     def devices_for(self, group: str, cluster: Cluster) -> list[int]:
         """Device ids of ``group`` on ``cluster``."""
@@ -64,12 +72,20 @@ class Placement:
 
         ``dst=None``: the finest granularity on any edge downstream of ``src``. Intermediate
         groups that forward chunk by chunk (a reward scorer between rollout and actor) cannot
-        split a chunk further, so the first producer must chunk that finely.
+        split a chunk further, so the first producer must chunk that finely. A member of a
+        collapsed cycle gets its ``sub_batches`` entry instead (``default`` for ``None``), and
+        ``default`` (its whole share) when the placement does not say: a cycle's items are
+        its own (an observation batch), not those of the edges leaving it.
         """
         if dst is not None:
             m = self.granularity.get(f"{src}->{dst}", self.default_granularity)
             return default if m is None else int(m)
+        if src in self.sub_batches:
+            m = self.sub_batches[src]
+            return default if m is None else int(m)
         edges = [(k.split("->", 1), int(v)) for k, v in self.granularity.items()]
+        if _on_cycle(src, [e for e, _ in edges]):
+            return default
         seen, frontier, found = {src}, [src], []
         while frontier:
             node = frontier.pop()
@@ -117,6 +133,7 @@ class Placement:
             "predicted_step_s": self.predicted_step_s,
             "predicted": dict(self.predicted),
             "tree": self.tree,
+            "sub_batches": dict(self.sub_batches),
         }
 
     def save(self, path: str | Path) -> None:
@@ -156,6 +173,42 @@ class Placement:
         return cls(**data)
 
 
+def _on_cycle(group: str, edges: list) -> bool:
+    """Whether ``group`` can reach itself over ``edges`` (``[src, dst]`` pairs)."""
+    seen, frontier = set(), [group]
+    while frontier:
+        node = frontier.pop()
+        for s, d in edges:
+            if s == node and d not in seen:
+                if d == group:
+                    return True
+                seen.add(d)
+                frontier.append(d)
+    return False
+
+
+def _sub_batches(plan) -> dict[str, int | None]:
+    """Cycle member -> items per sub-batch (a split cycle) or None (a time-shared one)."""
+    from .scheduler.plan import CycleSplit, Leaf
+
+    out: dict[str, int | None] = {}
+
+    def walk(node) -> None:
+        if isinstance(node, CycleSplit):
+            for c in node.upstream.leaves() + node.downstream.leaves():
+                out.update({name: int(node.granularity) for name in c.components})
+            return
+        if isinstance(node, Leaf):
+            if len(node.components) > 1:
+                out.update({name: None for name in node.components})
+            return
+        for child in node._children():
+            walk(child)
+
+    walk(plan)
+    return out
+
+
 def temporal() -> Placement:
     """Every group on every device, every edge coalesced (RLinf's collocated mode)."""
     return Placement(mode="temporal")
@@ -191,4 +244,5 @@ def from_plan(
         predicted_step_s=float(plan.time),
         predicted={k: float(v) for k, v in plan.breakdown().items()},
         tree=tree,
+        sub_batches=_sub_batches(plan),
     )

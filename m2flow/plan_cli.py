@@ -134,13 +134,19 @@ def components(result, per_node: int) -> dict[str, dict]:
 
 
 def _tree(plan, label: str) -> Tree:
-    from .scheduler.plan import Leaf, Spatial
+    from .scheduler.plan import CycleSplit, Leaf, Spatial
 
     def head(node) -> str:
         span = f"[{node.devices.start}, {node.devices.stop})"
         if isinstance(node, Leaf):
             tag = ", time-shared" if node.shared else ""
             return f"[bold]{node.name}[/] {node.time:.4g} s on {span}{tag}"
+        if isinstance(node, CycleSplit):
+            return (
+                f"[cyan]cycle {node.name} split[/] {node.time:.4g} s on {span}: "
+                f"{len(node.upstream.devices)}+{len(node.downstream.devices)}, "
+                f"{node.chunks} sub-batches of {node.granularity}, {node.round_trips:g} round trips"
+            )
         if isinstance(node, Spatial):
             return (
                 f"[cyan]spatial[/] {node.time:.4g} s on {span}: split "

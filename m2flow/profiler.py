@@ -25,6 +25,28 @@ and for the workflow: the traced graph (channel edges with items per step), the 
 ``step_overhead_s``, the seconds of a step no group accounts for (the runner's own work and
 the runtime's hand-offs), which the planner's predictions add.
 
+For every two-member cycle of the traced graph (env <-> policy) it also measures what the
+cycle's cost model (:mod:`m2flow.scheduler.cycle`) needs, profile key ``cycles``:
+
+- ``round_trips`` R: items per step the leader puts on the cycle (the 1-device run, one rank);
+  the leader is the member whose worker says how many items its share holds
+  (``share_items()``, the env: it splits them into sub-batches), else the first by name;
+- ``batch``: that ``share_items()`` (1 when no member says: no sub-batching);
+- ``shared_gap_s``: per round trip, the cycle's wall time in the 1-device run (the leader's
+  call) less both members' busy times: the device-lock hand-offs and channel latency of
+  time-sharing. It is no longer part of ``step_overhead_s``;
+- ``split_gap_s`` and ``split_scale``: from a run with the leader on device 0, the follower
+  on device 1 (other groups on device 2, or 0 with two devices), one sub-batch. When its cycle
+  wall time is above both 1-device busy times, the excess per round trip is ``split_gap_s``
+  (``split_scale`` 1); when it is below (the time-shared busy times hold the lock's grace
+  waits, which a split overlaps), ``split_scale`` is the ratio (``split_gap_s`` 0). Either way
+  the model reproduces that run;
+- ``sub_batch_overhead_s``: from one more split run in ``k`` sub-batches (the largest divisor
+  of ``batch`` up to ``chunks``): the per-member cost of each extra sub-batch per round trip
+  that makes the model's split time equal the measured one (both members charged alike).
+  The split runs need 2 devices; with one, the cycle keeps ``split_gap_s = shared_gap_s`` and
+  no sub-batch overhead (it cannot split there anyway).
+
 Schema: :mod:`m2flow.scheduler.profile`.
 """
 
@@ -36,7 +58,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import networkx as nx
+
 from .placement import Placement
+from .scheduler.cost import divisors
+from .scheduler.cycle import CycleCost
 from .scheduler.profile import ComponentProfile, Edge, Point, Profile
 
 
@@ -55,10 +81,12 @@ def run_steps(
     """Run the workflow under ``placement`` for ``warmup + steps`` steps; measurements.
 
     Returns:
-        ``busy`` (group -> median busy seconds over the measured steps), ``step_s`` (median
-        step wall seconds), ``stats`` (group -> per-rank load stats), ``edges`` (``(src, dst,
+        ``busy`` (group -> median busy seconds over the measured steps), ``wall`` (group ->
+        median seconds per step its calls took, waits included), ``step_s`` (median step
+        wall seconds), ``stats`` (group -> per-rank load stats), ``edges`` (``(src, dst,
         items)`` traced, driver included), ``steps`` (steps measured), ``num_devices``,
-        ``memory_capacity`` (bytes per device), ``data_parallel`` (group -> bool).
+        ``memory_capacity`` (bytes per device), ``data_parallel`` (group -> bool),
+        ``share_items`` (group -> items of a rank's share, for groups whose worker says).
     """
     from .trace import workflow_graph
     from .workflow import run_workflow
@@ -83,8 +111,11 @@ def run_steps(
                 "needs a runner that logs each step with m2flow.runlog.RunLog"
             )
         groups = {g.name: g for g in cluster.groups}
+        wall = _wall_per_step(session)[warmup:]
         return {
             "busy": {n: _median([b.get(n, 0.0) for b in busy]) for n in groups},
+            "wall": {n: _median([w.get(n, 0.0) for w in wall]) for n in groups},
+            "share_items": _share_items(groups),
             "step_s": _median(step_s),
             "stats": {n: g.load_stats() for n, g in groups.items()},
             "data_parallel": {n: g.worker_cls.data_parallel for n, g in groups.items()},
@@ -95,6 +126,64 @@ def run_steps(
         }
     finally:
         cluster.shutdown()
+
+
+def _wall_per_step(session) -> list[dict[str, float]]:
+    """Per logged step >= 1: each group's call durations (max over ranks, waits included),
+    summed over the calls waited during the step (as ``Session.busy_per_step`` for busy)."""
+    per: list[dict[str, float]] = [defaultdict(float) for _ in session.marks]
+    for c in session.calls:
+        if c.step < len(session.marks):
+            per[c.step][c.group] += c.duration
+    return [dict(p) for (step, _), p in zip(session.marks, per) if step >= 1]
+
+
+def _share_items(groups: dict) -> dict[str, int]:
+    """Group -> ``share_items()`` of its first rank, for workers that define it."""
+    out = {}
+    for name, g in groups.items():
+        if callable(getattr(g.worker_cls, "share_items", None)):
+            out[name] = int(g.share_items().wait()[0])
+    return out
+
+
+def _cycles(first: dict[str, Any]) -> list[tuple[str, str]]:
+    """Two-member cycles of the traced graph, ``(leader, follower)`` (module docstring)."""
+    g = nx.DiGraph((s, d) for s, d, _ in first["edges"] if "driver" not in (s, d) and s != d)
+    out = []
+    for comp in nx.strongly_connected_components(g):
+        if len(comp) == 2:
+            a, b = sorted(comp)
+            shares = first["share_items"]
+            out.append((b, a) if b in shares and a not in shares else (a, b))
+    return sorted(out)
+
+
+def _round_trips(first: dict[str, Any], leader: str, follower: str, per_step: int) -> float:
+    items = sum(i for s, d, i in first["edges"] if (s, d) == (leader, follower))
+    return max(1.0, items / per_step)
+
+
+def _fit_overhead(cycle: CycleCost, t_a: float, t_b: float, k: int, measured: float) -> float:
+    """The per-sub-batch overhead that makes :meth:`CycleCost.split_time` in ``k``
+    sub-batches equal ``measured`` (it grows with the overhead; 0 when even none is above)."""
+
+    def at(o: float) -> float:
+        c = CycleCost(
+            cycle.members, cycle.round_trips, cycle.batch, 0.0, cycle.split_gap_s, o,
+            cycle.split_scale,
+        )  # fmt: skip
+        return float(c.split_time(t_a, t_b, k))
+
+    if at(0.0) >= measured:
+        return 0.0
+    lo, hi = 0.0, max(measured / cycle.round_trips, 1e-9)
+    while at(hi) < measured:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if at(mid) < measured else (lo, mid)
+    return hi
 
 
 def _switch_s(stats: list[dict]) -> float:
@@ -173,6 +262,12 @@ def profile(
         chunked = run(_chunked_placement(first, n_max, m), f"pipelined, chunks of {m}")
         k = math.ceil(batch / m)
 
+    cycles = []
+    for leader, follower in _cycles(first):
+        cycles.append(
+            _profile_cycle(run, first, leader, follower, n_max, per_step + warmup, chunks, log)
+        )
+
     edges: dict[tuple[str, str], int] = defaultdict(int)
     for s, d, items in first["edges"]:
         if "driver" not in (s, d):
@@ -193,6 +288,7 @@ def profile(
         )
     unattributed = first["step_s"] - sum(first["busy"].values())
     unattributed -= sum(c.switch_s for c in components.values())
+    unattributed -= sum(c.round_trips * c.shared_gap_s for c in cycles)  # now modelled
     return Profile(
         batch_size=batch,
         components=components,
@@ -202,4 +298,49 @@ def profile(
         workflow=Path(workflow).stem,
         device_memory_bytes=first["memory_capacity"],
         step_overhead_s=round(max(unattributed, 0.0), 6),
+        cycles=cycles,
     )
+
+
+def _profile_cycle(run, first, leader, follower, n_max, per_step, chunks, log) -> CycleCost:
+    """Measure one cycle's constants (module docstring)."""
+    r = _round_trips(first, leader, follower, per_step)
+    batch = int(first["share_items"].get(leader, 1))
+    t_a, t_b = first["busy"][leader], first["busy"][follower]
+    shared = max(0.0, (first["wall"][leader] - t_a - t_b) / r)
+    cyc = CycleCost((leader, follower), round(r, 3), batch, round(shared, 6), round(shared, 6))
+    if n_max < 2:
+        return cyc
+    others = [2] if n_max >= 3 else [0]
+    split = {leader: [0], follower: [1]}
+
+    def split_run(size: int | None, what: str) -> dict:
+        placement = Placement(
+            mode="hybrid", groups=dict(split), default_devices=others,
+            sub_batches={leader: size, follower: size},
+        )  # fmt: skip
+        return run(placement, f"cycle {leader} <-> {follower} split, {what}")
+
+    one = split_run(None, "one sub-batch")
+    wall = one["wall"][leader]
+    gap = max(0.0, (wall - t_a - t_b) / r)
+    scale = min(1.0, wall / (t_a + t_b)) if t_a + t_b > 0 else 1.0
+    cyc = CycleCost(
+        cyc.members, cyc.round_trips, batch, cyc.shared_gap_s, round(gap, 6), 0.0,
+        max(round(scale, 6), 1e-6),
+    )  # fmt: skip
+    k = max(d for d in divisors(batch) if d <= max(chunks, 1))
+    if k > 1:
+        many = split_run(batch // k, f"{k} sub-batches")
+        o = _fit_overhead(cyc, t_a, t_b, k, many["wall"][leader])
+        cyc = CycleCost(
+            cyc.members, cyc.round_trips, batch, cyc.shared_gap_s, cyc.split_gap_s, round(o, 6),
+            cyc.split_scale,
+        )  # fmt: skip
+    log(
+        f"  cycle {leader} <-> {follower}: {cyc.round_trips:g} round trips, batch {batch}, "
+        f"gap {cyc.shared_gap_s * 1e3:.2f} ms time-shared / {cyc.split_gap_s * 1e3:.2f} ms "
+        f"split (x{cyc.split_scale:.3f} busy), {cyc.sub_batch_overhead_s * 1e3:.3f} ms per extra "
+        "sub-batch"
+    )
+    return cyc

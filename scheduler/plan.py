@@ -1,9 +1,11 @@
 """The plan tree the planner returns, and its JSON/YAML-friendly form.
 
 A plan (RLinf section 5, Algorithm 1's output) is a tree: :class:`Leaf` (one component, or a
-collapsed cycle of components, on a device range), :class:`Temporal` (children one after the
-other on the same devices) and :class:`Spatial` (upstream and downstream on disjoint devices,
-pipelined in chunks of ``granularity`` items). Every node carries its concrete device range (the
+collapsed cycle of components time-sharing a device range), :class:`Temporal` (children one
+after the other on the same devices), :class:`Spatial` (upstream and downstream on disjoint
+devices, pipelined in chunks of ``granularity`` items) and :class:`CycleSplit` (a collapsed
+two-member cycle whose members run on disjoint devices, pipelined over sub-batches:
+:mod:`.cycle`). Every node carries its concrete device range (the
 devices its leaves use) and predicted time (seconds per step). A plan may leave devices idle
 when a component is no faster on more of them (:meth:`Plan.idle`). :class:`PlanResult` adds
 what a runtime or ``m2flow plan`` needs around the tree: the cluster, the batch size, the
@@ -87,7 +89,9 @@ class Plan:
         for plans that differ only in how their predicted times were rounded."""
         if isinstance(self, Leaf):
             return ("leaf", self.devices.start, self.devices.stop, self.components)
-        if isinstance(self, Spatial):
+        if isinstance(self, CycleSplit):
+            head: tuple = ("cycle", self.devices.start, self.devices.stop, self.granularity)
+        elif isinstance(self, Spatial):
             head: tuple = ("spatial", self.devices.start, self.devices.stop, self.granularity)
         else:
             head = ("temporal", self.devices.start, self.devices.stop)
@@ -99,8 +103,9 @@ class Plan:
         """Items per chunk on every workflow edge ``(src, dst)``.
 
         The granularity ``m`` of the :class:`Spatial` node whose cut the edge crosses (the
-        lowest common ancestor of both ends); ``batch_size`` (one coalesced chunk) when both ends
-        share a temporal node or a leaf (a collapsed cycle, or a self-loop).
+        lowest common ancestor of both ends; for a :class:`CycleSplit`, the items of the
+        leader's share per sub-batch); ``batch_size`` (one coalesced chunk) when both ends
+        share a temporal node or a leaf (a time-shared cycle, or a self-loop).
 
         Raises:
             PlanError: an edge names a component that is not in the plan.
@@ -269,6 +274,39 @@ class Spatial(Plan):
         return [head] + self.upstream._lines(indent + "  ") + self.downstream._lines(indent + "  ")
 
 
+@dataclass(frozen=True)
+class CycleSplit(Spatial):
+    """A collapsed two-member cycle split across devices (:mod:`.cycle`): ``upstream`` is the
+    leader's leaf (it splits its share), ``downstream`` the follower's, on disjoint devices;
+    the leader's share of ``batch`` items goes round in ``chunks`` sub-batches of
+    ``granularity`` items, ``round_trips`` times per step. ``name``: the collapsed node's
+    (``env+policy``)."""
+
+    name: str = ""
+    round_trips: float = 0.0
+
+    def shape(self):
+        return f"C({self.upstream.shape()} | {self.downstream.shape()})"
+
+    def to_dict(self):
+        d = _base(self, "cycle")
+        d["name"] = self.name
+        d["granularity"] = self.granularity
+        d["sub_batches"] = self.chunks
+        d["round_trips"] = self.round_trips
+        d["leader"] = self.upstream.to_dict()
+        d["follower"] = self.downstream.to_dict()
+        return d
+
+    def _lines(self, indent):
+        head = (
+            f"{indent}Cycle {self.name} {self.time:.6g} s on {_fmt(self.devices)}, split "
+            f"{len(self.upstream.devices)}+{len(self.downstream.devices)}, {self.chunks} "
+            f"sub-batches of {self.granularity}"
+        )
+        return [head] + self.upstream._lines(indent + "  ") + self.downstream._lines(indent + "  ")
+
+
 def _get(doc: Mapping[str, Any], key: str, where: str) -> Any:
     if not isinstance(doc, Mapping):
         raise PlanError(f"{where}: expected a mapping, got {type(doc).__name__}")
@@ -316,7 +354,18 @@ def _from_dict(doc: Mapping[str, Any], where: str) -> Plan:
             int(_get(doc, "granularity", where)),
             int(_get(doc, "chunks", where)),
         )
-    raise PlanError(f"{where}.type: {kind!r} is not one of 'leaf', 'temporal', 'spatial'")
+    if kind == "cycle":
+        return CycleSplit(
+            devices,
+            time,
+            _from_dict(_get(doc, "leader", where), f"{where}.leader"),
+            _from_dict(_get(doc, "follower", where), f"{where}.follower"),
+            int(_get(doc, "granularity", where)),
+            int(_get(doc, "sub_batches", where)),
+            str(_get(doc, "name", where)),
+            float(_get(doc, "round_trips", where)),
+        )
+    raise PlanError(f"{where}.type: {kind!r} is not one of 'leaf', 'temporal', 'spatial', 'cycle'")
 
 
 @dataclass(frozen=True)

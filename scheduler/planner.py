@@ -7,11 +7,19 @@ predicted step time.
 
 Algorithm:
 
-1. Cycles collapse (``networkx.condensation``): a strongly connected component becomes one node
-   whose members run interleaved on the same devices: ``time(n) = sum`` of member times,
-   ``memory(n) = sum`` of member memories by default (interleaved members stay resident together;
-   ``cycle_memory="max"`` assumes they swap), ``min_devices = max``, ``switch_cost`` and
-   ``chunk_overhead = sum``.
+1. Cycles collapse (``networkx.condensation``, RLinf's ``ConvertCircleToNode``): a strongly
+   connected component becomes one node. Time-shared, its members run interleaved on the same
+   devices: ``time(n) = sum`` of member times (plus ``R * g_sh``, the hand-offs of its ``R``
+   round trips, when the workflow gives the cycle's :class:`~.cycle.CycleCost`),
+   ``memory(n) = sum`` of member memories by default (interleaved members stay resident
+   together; ``cycle_memory="max"`` assumes they swap), ``min_devices = max``, ``switch_cost``
+   and ``chunk_overhead = sum``. A two-member cycle with a :class:`~.cycle.CycleCost` may
+   instead *split*: each member on its own devices (memory and ``min_devices`` per member),
+   pipelined over ``k`` sub-batches of the leader's share (:mod:`.cycle` states the cost; the
+   best split and ``k`` are searched exactly for every device count). This goes beyond RLinf's
+   Algorithm 1, which always time-shares a collapsed cycle, and follows its embodied
+   experiment (section 5.1.2). A split counts as a spatial composition for the modes:
+   ``temporal`` keeps cycles time-shared, ``hybrid`` accepts a split cycle as its spatial part.
 2. ``P(S, n)`` for a node subset S on n devices (memoised per (S, time-shared flag, family) as
    an array over n = 0..N, one DP pass per subset):
 
@@ -75,7 +83,8 @@ import networkx as nx
 import numpy as np
 
 from .cost import INF
-from .plan import Leaf, Plan, PlanError, PlanResult, Spatial, Temporal
+from .cycle import CycleCost
+from .plan import CycleSplit, Leaf, Plan, PlanError, PlanResult, Spatial, Temporal
 from .tables import FAMILY, Planner
 
 # A component uses the fewest devices within 1 % of its fastest time (module docstring, point 2).
@@ -89,6 +98,8 @@ __all__ = [
     "MAX_DEVICES",
     "MODES",
     "Component",
+    "CycleCost",
+    "CycleSplit",
     "Leaf",
     "Plan",
     "PlanError",
@@ -126,11 +137,14 @@ class Component:
 
 @dataclass(frozen=True)
 class Workflow:
-    """Components, data edges ``(src, dst)`` by name (cycles allowed), items per step ``M``."""
+    """Components, data edges ``(src, dst)`` by name (cycles allowed), items per step ``M``,
+    and the measured costs of two-member cycles that may split across devices (module
+    docstring, point 1; a cycle without one stays time-shared)."""
 
     components: Sequence[Component]
     edges: Sequence[tuple[str, str]]
     batch_size: int
+    cycles: Sequence[CycleCost] = ()
 
 
 @dataclass
@@ -140,10 +154,12 @@ class _Node:
     name: str
     members: list[Component]
     cycle_memory: str = "sum"
+    cycle: CycleCost | None = None  # members in (leader, follower) order when set
     times: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
     memory: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
     raw: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
     use: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
+    split: tuple | None = field(default=None, repr=False)  # (cost, leader devices, k) per n
 
     @property
     def min_devices(self):
@@ -165,8 +181,9 @@ def condense(
     edges between them as index pairs.
 
     Raises:
-        PlanError: duplicate component names, an edge naming an unknown component, or a
-            ``max_devices`` below ``min_devices``.
+        PlanError: duplicate component names, an edge naming an unknown component, a
+            ``max_devices`` below ``min_devices``, or a cycle cost whose members are not
+            exactly one strongly connected component of the graph.
     """
     comps = {c.name: c for c in workflow.components}
     if len(comps) != len(workflow.components):
@@ -199,6 +216,18 @@ def condense(
         for v in topo
     ]
     edges = sorted((index[u], index[v]) for u, v in cg.edges)
+    by_members = {frozenset(c.name for c in nd.members): nd for nd in nodes}
+    for cyc in workflow.cycles:
+        nd = by_members.get(frozenset(cyc.members))
+        if nd is None or nd.cycle is not None:
+            raise PlanError(
+                f"cycle cost {tuple(cyc.members)}: its members are not "
+                + ("one cycle of the graph" if nd is None else "given once")
+                + f" (cycles: {[n.name for n in nodes if len(n.members) > 1]}); drop the "
+                "cycle cost or re-profile"
+            )
+        nd.cycle = cyc
+        nd.members = [comps[x] for x in cyc.members]  # leader first
     return nodes, edges
 
 
@@ -249,11 +278,12 @@ def _check_mode(mode, nodes, n_devices) -> None:
             f"({', '.join(nd.name for nd in nodes)}) need at least {len(nodes)} devices, "
             f"got {n_devices}; add devices or use mode='auto'"
         )
-    if mode == "hybrid" and (len(nodes) < 3 or n_devices < 2):
+    splits = any(nd.cycle is not None for nd in nodes)  # a split cycle is spatial
+    if mode == "hybrid" and (len(nodes) < (2 if splits else 3) or n_devices < 2):
         raise PlanError(
             f"hybrid mode needs a temporal and a spatial composition: at least 3 components "
-            f"(after collapsing cycles: {len(nodes)}) and 2 devices (got {n_devices}); "
-            "use mode='auto'"
+            f"(after collapsing cycles: {len(nodes)}; 2 with a cycle that may split) and 2 "
+            f"devices (got {n_devices}); use mode='auto'"
         )
 
 

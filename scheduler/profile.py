@@ -17,12 +17,22 @@ Schema (YAML; units: seconds, bytes, items per step)::
         chunk_overhead_s: 0.01        # fixed seconds per pipelined chunk
         points:                       # seconds per step of the whole batch on `devices`
           - {devices: 1, seconds: 0.40, memory_bytes: 1.2e8}
+    cycles:                           # two-member cycles that may split (optional, .cycle)
+      - members: [env, policy]        # leader (splits its share into sub-batches), follower
+        round_trips: 33               # R: round trips per step (per leader rank)
+        batch: 64                     # items of the leader's share sub-batches split
+        shared_gap_s: 0.03            # per round trip, time-shared: hand-offs and latency
+        split_gap_s: 0.02             # per round trip, on disjoint devices: latency
+        sub_batch_overhead_s: 0.001   # per extra sub-batch per round trip, each member
+        split_scale: 0.8              # a member's time split / its time-shared busy time
 
-Only ``batch_size`` and ``components`` (each with ``points``) are required. Numbers may be
-written ``1.2e8`` (YAML 1.1 reads that as a string; it is accepted as a number here). Every
-number must be finite and >= 0 (device counts and ``batch_size`` >= 1, whole). ``seconds: 0``
-(the profiler rounds to 1 us, so a group with nothing measurable to do) or ``memory_bytes: 0``
-(a group holding no device memory) at *every* point of a component means it costs nothing;
+Only ``batch_size`` and ``components`` (each with ``points``) are required; a profile without
+``cycles`` (written before cycles could split) plans its cycles time-shared, as before. Numbers
+may be written ``1.2e8`` (YAML 1.1 reads that as a string; it is accepted as a number here).
+Every number must be finite and >= 0 (device counts and ``batch_size`` >= 1, whole).
+``seconds: 0`` (the profiler rounds to 1 us, so a group with nothing measurable to do) or
+``memory_bytes: 0`` (a group holding no device memory) at *every* point of a component means it
+costs nothing;
 0 at some points only is rejected: the relative-error fit (:mod:`.fit`) would take the 0 as
 exact and predict about 0 at every device count.
 
@@ -41,6 +51,7 @@ from typing import Any
 
 import yaml
 
+from .cycle import CycleCost, CycleError
 from .fit import Fit, fit_scaling
 
 MEMORY_MODELS = ("constant", "amdahl")
@@ -104,6 +115,7 @@ class Profile:
     item: str = "item"
     device_memory_bytes: float | None = None
     step_overhead_s: float = 0.0
+    cycles: list[CycleCost] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The document, keys in schema order (what :func:`save_profile` writes)."""
@@ -129,7 +141,20 @@ class Profile:
                 }
                 for name, c in self.components.items()
             },
+            **({"cycles": [_cycle_doc(c) for c in self.cycles]} if self.cycles else {}),
         }
+
+
+def _cycle_doc(c: CycleCost) -> dict[str, Any]:
+    return {
+        "members": list(c.members),
+        "round_trips": c.round_trips,
+        "batch": c.batch,
+        "shared_gap_s": c.shared_gap_s,
+        "split_gap_s": c.split_gap_s,
+        "sub_batch_overhead_s": c.sub_batch_overhead_s,
+        "split_scale": c.split_scale,
+    }
 
 
 _TOP = {
@@ -140,6 +165,16 @@ _TOP = {
     "step_overhead_s",
     "edges",
     "components",
+    "cycles",
+}
+_CYCLE = {
+    "members",
+    "round_trips",
+    "batch",
+    "shared_gap_s",
+    "split_gap_s",
+    "sub_batch_overhead_s",
+    "split_scale",
 }
 _COMP = {"min_devices", "max_devices", "switch_s", "chunk_overhead_s", "points"}
 _POINT = {"devices", "seconds", "memory_bytes"}
@@ -234,7 +269,8 @@ def profile_from_dict(doc: Any) -> Profile:
         ProfileError: not a mapping, unknown or missing keys, a negative, non-finite or
             non-numeric number, a device count or batch size below 1, a component without
             points (or with a device count measured twice, or 0 seconds or bytes at some of its
-            points only), or an edge naming a component the profile does not measure.
+            points only), an edge naming a component the profile does not measure, or a cycle
+            entry naming other than two profiled components (or with round_trips below 1).
     """
     _keys(doc, _TOP, {"batch_size", "components"}, "profile")
     batch = _number(doc["batch_size"], "batch_size", 1, integer=True)
@@ -257,6 +293,11 @@ def profile_from_dict(doc: Any) -> Profile:
             )
         items = _number(e.get("items_per_step", 0.0), f"edges[{i}].items_per_step")
         edges.append(Edge(str(e["src"]), str(e["dst"]), float(items)))
+    cycles = []
+    cycles_doc = doc.get("cycles") or []
+    _need(isinstance(cycles_doc, list), f"cycles: expected a list, got {cycles_doc!r}")
+    for i, c in enumerate(cycles_doc):
+        cycles.append(_cycle(c, f"cycles[{i}]", comps))
     cap = doc.get("device_memory_bytes")
     return Profile(
         batch_size=batch,
@@ -266,7 +307,31 @@ def profile_from_dict(doc: Any) -> Profile:
         item=str(doc.get("item", "item")),
         device_memory_bytes=None if cap is None else float(_number(cap, "device_memory_bytes", 1)),
         step_overhead_s=float(_number(doc.get("step_overhead_s", 0.0) or 0.0, "step_overhead_s")),
+        cycles=cycles,
     )
+
+
+def _cycle(doc: Any, where: str, comps: dict) -> CycleCost:
+    _keys(doc, _CYCLE, {"members", "round_trips"}, where)
+    members = doc["members"]
+    _need(
+        isinstance(members, list) and len(members) == 2 and all(m in comps for m in members),
+        f"{where}.members: give the two profiled components of the cycle, leader first "
+        f"(components: {sorted(comps)}); got {members!r}",
+    )
+    try:
+        return CycleCost(
+            (str(members[0]), str(members[1])),
+            float(_number(doc["round_trips"], f"{where}.round_trips", 1)),
+            _number(doc.get("batch", 1), f"{where}.batch", 1, integer=True),
+            *(
+                float(_number(doc.get(k, 0.0), f"{where}.{k}"))
+                for k in ("shared_gap_s", "split_gap_s", "sub_batch_overhead_s")
+            ),
+            float(_number(doc.get("split_scale", 1.0), f"{where}.split_scale")),
+        )
+    except CycleError as e:
+        raise ProfileError(f"{where}: {e}") from None
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -313,4 +378,4 @@ def to_workflow(profile: Profile):
         for name, (t, m) in fits(profile).items()
     ]
     edges = [(e.src, e.dst) for e in profile.edges]
-    return Workflow(comps, edges, profile.batch_size)
+    return Workflow(comps, edges, profile.batch_size, tuple(profile.cycles))

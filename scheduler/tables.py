@@ -21,7 +21,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .cost import INF, best_split_all, best_split_at, convex_minorant, divisors
-from .plan import Leaf, Plan, PlanError, Spatial, Temporal
+from .cycle import split_table
+from .plan import CycleSplit, Leaf, Plan, PlanError, Spatial, Temporal
 
 
 def _used(c, n):
@@ -57,8 +58,20 @@ _VARIANTS: dict[str, tuple[tuple[int, str, str], ...]] = {
         (_SPATIAL, "A", "CT"),
     ),
 }
-_LEAF_FAMILIES = {"A", "T", "S"}  # a single leaf has no composition: CS/CT/H are infeasible
 FAMILY = {"auto": "A", "temporal": "T", "spatial": "S", "hybrid": "H"}
+
+
+def _leaf_kind(fam: str, node) -> str | None:
+    """Which runs of a single node family ``fam`` allows: ``"shared"`` (its members on the
+    same devices; a plain component), ``"split"`` (a cycle split across devices: a spatial
+    composition), ``"any"`` (the faster), or None (a leaf has no temporal composition: CT and
+    H are infeasible, and so is CS without a split)."""
+    splits = node.cycle is not None
+    if fam == "T" or (fam in ("A", "S") and not splits):
+        return "shared"
+    if fam in ("A", "S"):
+        return "any"
+    return "split" if fam == "CS" and splits else None
 
 
 class Choice(NamedTuple):
@@ -109,40 +122,58 @@ class Planner:
         for node in nodes:
             self._leaf_arrays(node)
 
-    def _leaf_arrays(self, node):
+    def _raw(self, name, members, cycle_memory, min_devices, extra=0.0):
+        """Seconds of ``members`` time-shared on exactly k = 0..N devices (``inf``: below
+        ``min_devices`` or over capacity; ``extra`` added where feasible) and their memory."""
         ns = np.arange(1, self.n + 1)
-        mems = [_evaluate(c.memory, _used(c, ns)) for c in node.members]
-        mem = np.max(mems, axis=0) if node.cycle_memory == "max" else np.sum(mems, axis=0)
+        mems = [_evaluate(c.memory, _used(c, ns)) for c in members]
+        mem = np.max(mems, axis=0) if cycle_memory == "max" else np.sum(mems, axis=0)
         if np.isnan(mem).any():
             k = int(ns[np.isnan(mem)][0])
-            raise PlanError(f"component {node.name!r}: memory({k}) is NaN")
-        ok = (ns >= node.min_devices) & (mem <= self.cap)
+            raise PlanError(f"component {name!r}: memory({k}) is NaN")
+        ok = (ns >= min_devices) & (mem <= self.cap)
         t = np.full(self.n + 1, INF)
         if ok.any():
-            times = np.sum([_evaluate(c.time, _used(c, ns[ok])) for c in node.members], axis=0)
+            times = np.sum([_evaluate(c.time, _used(c, ns[ok])) for c in members], axis=0)
             bad = ~(times >= 0)  # also catches NaN
             if bad.any():
                 k, v = int(ns[ok][bad][0]), float(times[bad][0])
-                raise PlanError(f"component {node.name!r}: time({k}) = {v!r} is not >= 0")
-            t[1:][ok] = times
-        node.raw = t  # time on exactly k devices (inf: infeasible at k)
-        node.memory = np.concatenate(([INF], mem))
+                raise PlanError(f"component {name!r}: time({k}) = {v!r} is not >= 0")
+            t[1:][ok] = times + extra
+        return t, mem
+
+    def _envelope(self, t):
+        """``(time on n, devices used of n)`` for n = 0..N from the time on exactly k devices
+        (module docstring of :mod:`.planner`, point 2)."""
         if not self.allow_idle:
-            node.times, node.use = t, np.where(np.isfinite(t), np.arange(self.n + 1), 0)
-            return
+            return t, np.where(np.isfinite(t), np.arange(self.n + 1), 0)
         # Monotone envelope: time on n = min over feasible k <= n, and the smallest such k.
         env = np.minimum.accumulate(t)
         if self.slack == 0.0:
             drops = t < np.concatenate(([INF], env[:-1]))  # a new strict minimum at k
-            node.times = env
-            node.use = np.maximum.accumulate(np.where(drops, np.arange(self.n + 1), 0))
-            return
+            return env, np.maximum.accumulate(np.where(drops, np.arange(self.n + 1), 0))
         # The fewest devices within the slack: the first k whose envelope (nonincreasing) is
         # under the threshold; the envelope first drops there, so t[k] is that value.
         ok = np.isfinite(env)
         k = np.searchsorted(-env[1:], -(1.0 + self.slack) * env, side="left") + 1
-        node.use = np.where(ok, k, 0)
-        node.times = np.where(ok, t[np.where(ok, k, 0)], INF)
+        return np.where(ok, t[np.where(ok, k, 0)], INF), np.where(ok, k, 0)
+
+    def _leaf_arrays(self, node):
+        cyc = node.cycle
+        extra = cyc.round_trips * cyc.shared_gap_s if cyc is not None else 0.0
+        t, mem = self._raw(node.name, node.members, node.cycle_memory, node.min_devices, extra)
+        node.raw = t  # time on exactly k devices (inf: infeasible at k)
+        node.memory = np.concatenate(([INF], mem))
+        node.times, node.use = self._envelope(t)
+        if cyc is None:
+            return
+        # Split: each member on its own devices (its own memory and min_devices).
+        parts = []
+        for c in node.members:
+            tc, _ = self._raw(c.name, [c], "sum", max(1, c.min_devices))
+            parts.append(self._envelope(tc))
+        cost, n_a, k = split_table(cyc, parts[0][0], parts[1][0])
+        node.split = (cost, n_a, k, parts)
 
     def _members(self, mask):
         return [i for i in range(len(self.nodes)) if mask >> i & 1]
@@ -162,20 +193,31 @@ class Planner:
         self._cuts[mask] = out[::-1]
         return self._cuts[mask]
 
+    @staticmethod
+    def _leaf_cost(node, kind: str) -> np.ndarray:
+        """A single node's seconds on n = 0..N devices, run as ``kind`` (:func:`_leaf_kind`);
+        ties go to time-sharing."""
+        if kind == "shared":
+            return node.times
+        split = node.split[0]
+        return split if kind == "split" else np.where(split < node.times, split, node.times)
+
     def table(self, mask: int, shared: bool, fam: str) -> _Table:
         """P(mask, n) for all n within family ``fam``; ``shared``: under a temporal node."""
         shared = shared and bool(mask & self.switch_mask)  # no switch cost: same table
-        if mask & (mask - 1) == 0:
-            if fam not in _LEAF_FAMILIES:
+        leaf = mask & (mask - 1) == 0
+        if leaf:
+            node = self.nodes[mask.bit_length() - 1]
+            kind = _leaf_kind(fam, node)
+            if kind is None:
                 return self.inf
-            key: tuple = (mask, shared)
+            key: tuple = (mask, shared, kind)
         else:
             key = (mask, shared, fam)
         if key in self.memo:
             return self.memo[key]
-        if len(key) == 2:
-            node = self.nodes[mask.bit_length() - 1]
-            self.memo[key] = _Table(node.times + (node.switch_cost if shared else 0.0))
+        if leaf:
+            self.memo[key] = _Table(self._leaf_cost(node, kind) + (node.switch_cost * shared))
             return self.memo[key]
         size = self.n + 1
         cost = np.full(size, INF)
@@ -264,6 +306,9 @@ class Planner:
         cost, v_i, c_i, n_u, k_i = choice
         if v_i < 0:
             node = self.nodes[mask.bit_length() - 1]
+            kind = _leaf_kind(fam, node)
+            if kind == "split" or (kind == "any" and node.split[0][n] < node.times[n]):
+                return self._build_split(node, shared, start, n, float(cost))
             k = int(node.use[n])  # devices it uses of the n it is given
             devices = range(start, start + k)
             used = [int(_used(c, k)) for c in node.members]
@@ -288,3 +333,26 @@ class Planner:
         # Downstream right after what upstream uses: its cost depends on its count, not start.
         down = self.build(d, shared, fd, up.devices.stop, n - n_u)
         return Spatial(range(start, down.devices.stop), float(cost), up, down, m, self.M // m)
+
+    def _build_split(self, node, shared: bool, start: int, n: int, cost: float) -> CycleSplit:
+        """The :class:`~.plan.CycleSplit` of cycle ``node`` given n devices from ``start``:
+        the leader on the first devices it uses, the follower right after."""
+        cyc = node.cycle
+        _, n_a, k, parts = node.split
+        j, sub = int(n_a[n]), int(k[n])
+        leaves, pos = [], start
+        for c, (_, use), given in zip(node.members, parts, (j, n - j), strict=True):
+            kd = int(use[given])
+            used = int(_used(c, kd))
+            busy = float(cyc.member_busy(float(c.time(used)), sub))
+            busy += c.switch_cost if shared else 0.0
+            mem = float(c.memory(used))
+            leaves.append(
+                Leaf(range(pos, pos + kd), busy, c.name, (c.name,), (busy,), shared, (mem,),
+                     (used,))
+            )  # fmt: skip
+            pos += kd
+        return CycleSplit(
+            range(start, pos), cost, leaves[0], leaves[1], cyc.batch // sub, sub, node.name,
+            float(cyc.round_trips),
+        )  # fmt: skip

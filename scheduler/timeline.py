@@ -4,7 +4,11 @@ The intervals follow the cost model exactly (RLinf section 5; :mod:`.cost`), so 
 ends at the plan's predicted time:
 
 - a leaf runs its members one after the other; a time-shared member first pays its switch
-  (offload + onload) and then computes;
+  (offload + onload) and then computes; a time-shared cycle then waits its hand-offs
+  (``R * g_sh``, :mod:`.cycle`), drawn as one ``handoff`` interval;
+- a cycle split across devices (:class:`~.plan.CycleSplit`) draws each member's busy time
+  from the cycle's start (the round trips interleave too finely to draw) and ends at the
+  cycle's predicted time;
 - a temporal node runs its children one after the other on the same devices;
 - a spatial node with ``k`` chunks runs chunk ``i`` of the upstream sub-plan at
   ``i * t_U`` (``t_U = T_U / k + o_U``: the sub-plan's own schedule scaled by ``1/k``, then
@@ -20,13 +24,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .plan import Leaf, Plan, Spatial, Temporal
+from .plan import CycleSplit, Leaf, Plan, Spatial, Temporal
 
 
 @dataclass(frozen=True)
 class Bar:
     """A busy interval: ``row`` (index into :attr:`Timeline.rows`), ``start``/``end`` (seconds
-    from the step's start), ``kind`` (``compute``, ``switch``, ``overhead`` or ``busy``),
+    from the step's start), ``kind`` (``compute``, ``switch``, ``overhead``, ``handoff`` or
+    ``busy``),
     ``component`` (original name, or the leaf name for overhead/busy) and ``chunk`` (index of
     the outermost chunk, -1 when not chunked)."""
 
@@ -52,6 +57,8 @@ def _count(node: Plan) -> int:
         return 2 * len(node.components)
     if isinstance(node, Temporal):
         return sum(_count(c) for c in node.children)
+    if isinstance(node, CycleSplit):
+        return _count(node.upstream) + _count(node.downstream)
     assert isinstance(node, Spatial)
     return node.chunks * (_count(node.upstream) + _count(node.downstream) + 2)
 
@@ -96,12 +103,20 @@ def step_timeline(
                     t += s * sw
                 bars.append(Bar(row_of[id(node)], t, t + s * (busy - sw), "compute", c, chunk))
                 t += s * (busy - sw)
+            gap = node.time - sum(node.component_times)
+            if len(node.components) > 1 and gap > 1e-12 * node.time:  # a cycle's hand-offs
+                bars.append(Bar(row_of[id(node)], t, t + s * gap, "handoff", node.name, chunk))
+                t += s * gap
             return t
         if isinstance(node, Temporal):
             t = t0
             for child in node.children:
                 t = run(child, t, s, chunk, flat)
             return t
+        if isinstance(node, CycleSplit):
+            for member in (node.upstream, node.downstream):
+                run(member, t0, s, chunk, False)
+            return t0 + s * node.time
         assert isinstance(node, Spatial)
         k = node.chunks
         up, down = node.upstream, node.downstream

@@ -10,6 +10,7 @@ import json
 import math
 import random
 import tracemalloc
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +19,11 @@ import yaml
 from m2flow.scheduler import cost as cost_module
 from m2flow.scheduler import planner as planner_module
 from m2flow.scheduler.cost import best_split_all, divisors, pipelined_time, spatial_time
+from m2flow.scheduler.cycle import CycleCost
 from m2flow.scheduler.planner import (
     DEFAULT_SLACK,
     Component,
+    CycleSplit,
     Leaf,
     Plan,
     PlanError,
@@ -45,13 +48,9 @@ def _brute(names, preds, comp, n, M, cap, shared, idle=True, slack=0.0):
     rec = functools.partial(_brute, idle=idle, slack=slack)
     if len(names) == 1:
         c = comp[names[0]]
-        times = []  # the time of every feasible k, increasing k
-        for k in range(1, n + 1) if idle else [n]:
-            u = k if c.max_devices is None else min(k, c.max_devices)
-            if k >= c.min_devices and c.memory(u) <= cap:
-                times.append(c.time(u))
-        fastest = min(times, default=math.inf)
-        best_t = next((t for t in times if t <= (1 + slack) * fastest), math.inf)
+        if isinstance(c, _Cycle):
+            return _brute_cycle(c, n, cap, shared, idle, slack)
+        best_t = _leaf_best([c], n, cap, idle, slack)
         if math.isinf(best_t):
             return {}
         return {frozenset(): best_t + (c.switch_cost if shared else 0.0)}
@@ -84,6 +83,60 @@ def _brute(names, preds, comp, n, M, cap, shared, idle=True, slack=0.0):
                         cu, cd = (tu - ou) * m / M + ou, (td - od) * m / M + od
                         offer(ku | kd | {"S"}, cu + cd + (M / m - 1) * max(cu, cd))
     return best
+
+
+def _leaf_best(members, n, cap, idle, slack, extra=0.0):
+    """Seconds of ``members`` time-shared on at most ``n`` devices (exactly n without
+    ``idle``): the fewest devices within ``slack`` of the fastest; ``extra`` seconds added."""
+    times = []  # the time of every feasible k, increasing k
+    for k in range(1, n + 1) if idle else [n]:
+        us = [k if c.max_devices is None else min(k, c.max_devices) for c in members]
+        need = max(max(1, c.min_devices) for c in members)
+        if k >= need and sum(c.memory(u) for c, u in zip(members, us)) <= cap:
+            times.append(sum(c.time(u) for c, u in zip(members, us)) + extra)
+    fastest = min(times, default=math.inf)
+    return next((t for t in times if t <= (1 + slack) * fastest), math.inf)
+
+
+@dataclass(frozen=True)
+class _Cycle:
+    """A collapsed two-member cycle for :func:`_brute`: its members (leader first) and cost."""
+
+    members: tuple
+    cost: CycleCost
+
+    @property
+    def chunk_overhead(self):
+        return sum(c.chunk_overhead for c in self.members)
+
+    @property
+    def switch_cost(self):
+        return sum(c.switch_cost for c in self.members)
+
+
+def _brute_cycle(cyc, n, cap, shared, idle, slack):
+    """A cycle node on n devices: time-shared (no composition, hand-offs ``R * g_sh`` added)
+    or split (a spatial composition): every leader/follower device split and every sub-batch
+    count, scalar arithmetic of the formula in :mod:`m2flow.scheduler.cycle`."""
+    cc, sw = cyc.cost, (cyc.switch_cost if shared else 0.0)
+    out = {}
+    t = _leaf_best(list(cyc.members), n, cap, idle, slack, cc.round_trips * cc.shared_gap_s)
+    if not math.isinf(t):
+        out[frozenset()] = t + sw
+    r, o, g, s = cc.round_trips, cc.sub_batch_overhead_s, cc.split_gap_s, cc.split_scale
+    best = math.inf
+    for j in range(1, n):
+        ta = _leaf_best([cyc.members[0]], j, cap, idle, slack)
+        tb = _leaf_best([cyc.members[1]], n - j, cap, idle, slack)
+        if math.isinf(ta) or math.isinf(tb):
+            continue
+        for k in divisors(cc.batch):
+            a, b = (s * ta / r - o) / k + o, (s * tb / r - o) / k + o
+            period = max(k * a, k * b, a + b + g)
+            best = min(best, (r - 1) * period + a + b + g + (k - 1) * max(a, b) + sw)
+    if not math.isinf(best):
+        out[frozenset({"S"})] = best
+    return out
 
 
 def _mode_best(by_kinds, mode):
@@ -175,6 +228,65 @@ def test_brute_force_agreement(mode, idle, slack):
     assert checked > {"auto": 150, "temporal": 150, "spatial": 100, "hybrid": 30}[mode]
     least = {"auto": 10, "temporal": 20, "spatial": 5, "hybrid": 1}[mode]
     assert (idles > least) if idle else idles == 0  # the enlarged space is exercised
+
+
+def _cycle_cases(seed, count, idle=True, slack=0.0):
+    """Random workflows whose first two components form a cycle with a :class:`CycleCost`
+    (leader either one), with up to two more components around it."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        wf, cap = _random_case(rng)
+        comps = list(wf.components)
+        a, b = comps[0].name, comps[1].name
+        lead = rng.choice([(a, b), (b, a)])
+        r = rng.choice([1.0, 3.0, 8.0])
+        gaps = [rng.choice([0.0, rng.uniform(0, 0.5)]) for _ in range(3)]
+        scale = rng.choice([1.0, rng.uniform(0.3, 1.0)])
+        cc = CycleCost(lead, r, rng.choice([1, 2, 4, 6]), *gaps, scale)
+        edges = sorted({*wf.edges, (a, b), (b, a)})
+        wf = Workflow(comps, edges, wf.batch_size, (cc,))
+        unit = {c.name: (f"{a}+{b}" if c.name in (a, b) else c.name) for c in comps}
+        by_name = {c.name: c for c in comps}
+        comp = {c.name: c for c in comps[2:]}
+        comp[f"{a}+{b}"] = _Cycle((by_name[lead[0]], by_name[lead[1]]), cc)
+        preds = {
+            u: sorted({unit[s] for s, d in edges if unit[d] == u and unit[s] != u}) for u in comp
+        }
+        for n in range(1, 8):
+            by_kinds = _brute(list(comp), preds, comp, n, wf.batch_size, cap, False, idle, slack)
+            yield wf, cap, n, by_kinds
+
+
+@pytest.mark.parametrize(
+    "idle, slack", [(True, 0.0), (True, 0.2), (False, 0.0)], ids=["idle", "idle-slack", "no-idle"]
+)
+@pytest.mark.parametrize("mode", ["auto", "temporal", "spatial", "hybrid"])
+def test_brute_force_agreement_with_a_splittable_cycle(mode, idle, slack):
+    """The same agreement when a cycle may split across devices (:mod:`.cycle`): the brute
+    force tries time-sharing and every leader/follower split and sub-batch count."""
+    checked = splits = 0
+    kw = {"mode": mode, "allow_idle": idle, "slack": slack}
+    for wf, cap, n, by_kinds in _cycle_cases(1, 40, idle, slack):
+        want = _mode_best(by_kinds, mode)
+        if math.isinf(want):
+            with pytest.raises(PlanError):
+                plan_workflow(wf, n, cap, **kw)
+            continue
+        got = plan_workflow(wf, n, cap, **kw)
+        assert math.isclose(got.time, want, rel_tol=1e-9), (wf.edges, n, mode, got.time, want)
+        used = {{"temporal": "T", "spatial": "S"}[k] for k in got.kinds()}
+        assert _mode_best({frozenset(used): 0.0}, mode) == 0.0, (mode, got.kinds())
+        _check_ranges(got)
+        splits += _has_split(got)
+        checked += 1
+    assert checked > {"auto": 100, "temporal": 100, "spatial": 60, "hybrid": 20}[mode]
+    assert (splits > 5) if mode != "temporal" else splits == 0
+
+
+def _has_split(plan) -> bool:
+    if isinstance(plan, CycleSplit):
+        return True
+    return any(_has_split(c) for c in plan._children()) if not isinstance(plan, Leaf) else False
 
 
 def test_runner_ups_are_mode_bests():

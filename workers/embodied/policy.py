@@ -77,7 +77,9 @@ class PolicyWorker(Worker):
 
         An item from ``obs`` is ``{"rank": int, "obs": [N, obs_dim] float32}``; the answer,
         put into ``actions`` under key ``rank``, is ``{"action": [N] int64, "logprob": [N],
-        "value": [N]}`` (a sample of the policy, its log-probability, the state value).
+        "value": [N]}`` (a sample of the policy, its log-probability, the state value). An
+        item of an environment sub-batch also holds ``"sub"``; its answer goes under key
+        ``(rank, sub)``.
 
         Returns:
             ``items`` served, ``observations`` (rows), ``forward_s`` (seconds in the network).
@@ -95,7 +97,8 @@ class PolicyWorker(Worker):
                 "value": self.net.value(x).cpu(),
             }
             forward_s += time.perf_counter() - t0
-            actions.put(answer, key=item["rank"])
+            key = item["rank"] if "sub" not in item else (item["rank"], item["sub"])
+            actions.put(answer, key=key)
             rows += len(x)
         return {"items": served, "observations": rows, "forward_s": forward_s}
 

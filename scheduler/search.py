@@ -1,0 +1,214 @@
+"""Exact search of a two-way device split under a convex, nondecreasing cost.
+
+For two parts U and D with tables over device counts (``T[j]``: seconds on ``j`` devices,
+``inf``: infeasible) and a cost ``f_v(U[j], D[n - j])`` per *variant* ``v`` (a chunk count, a
+sub-batch count...), :func:`split_min` finds, for every total ``n = 0..N`` and every variant,
+the least cost over ``1 <= j <= n - 1`` and the smallest ``j`` attaining it. A part may hold
+several tables (e.g. a pipeline's summed and slowest per-chunk times), each of shape ``(N+1,)``
+or ``(V, N+1)`` (one row per variant).
+
+Requirement on the cost: nondecreasing and convex in every table value. Then, with the
+greatest convex minorants ``H <= T`` (:func:`~.cost.convex_minorant`), ``L_v(j) = f_v(H_U(j),
+H_D(n - j))`` is convex in ``j`` and a lower bound of the true cost. The search bisects ``L``'s
+slope for its minimiser ``j*``, takes the exact cost there as an upper bound ``ub`` and
+evaluates exactly every ``j`` with ``L(j) <= ub`` (an interval around ``j*``, two more
+bisections). Where every table is convex and finite on its range (``H = T``) the bound is the
+cost and ``j*`` is the answer. This is the method of :func:`~.cost.best_split_all` (the
+pipelined cost of RLinf section 5) with the cost left open, so that the cycle split
+(:mod:`.cycle`) can use it. Small problems (up to
+``exhaustive_splits`` splits) are searched exhaustively.
+
+Memory: O(V N) plus blocks of at most :data:`BLOCK` evaluated splits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .cost import INF, convex_minorant
+
+BLOCK = 1 << 17  # splits evaluated at once
+EXHAUSTIVE_SPLITS = 4096  # up to this many (n, j) pairs (N <= 91): try every split
+
+Cost = Callable[[tuple, tuple, np.ndarray], np.ndarray]
+
+
+def _rows(tables: Sequence[np.ndarray], nv: int) -> list[np.ndarray]:
+    """Every table as ``(V, N+1)`` (a shared row broadcast, not copied)."""
+    out = []
+    for t in tables:
+        t = np.asarray(t, dtype=float)
+        out.append(np.broadcast_to(t, (nv, t.shape[-1])) if t.ndim == 1 else t)
+    return out
+
+
+def _gather(tables, v, j) -> tuple:
+    return tuple(t[v, j] for t in tables)
+
+
+def _exact(cost: Cost, up, down, v, j, n) -> np.ndarray:
+    """The cost at (variant v, split j of n), ``inf`` where a table is (never NaN)."""
+    u, d = _gather(up, v, j), _gather(down, v, n - j)
+    fin = np.ones(np.shape(j), dtype=bool)
+    for x in u + d:
+        fin &= np.isfinite(x)
+    with np.errstate(invalid="ignore", over="ignore"):
+        val = cost(u, d, v)
+    return np.where(fin, val, INF)
+
+
+def split_min(
+    up: Sequence[np.ndarray],
+    down: Sequence[np.ndarray],
+    cost: Cost,
+    variants: int,
+    exhaustive_splits: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Least cost of every (variant, n) over the splits ``j + (n - j) = n``, both parts >= 1.
+
+    Args:
+        up, down: the parts' tables, each of length N+1 (index = devices, ``[0]`` unused) or
+            shape ``(variants, N+1)``.
+        cost: ``cost(u_values, d_values, v)`` -> seconds, elementwise (``u_values`` a tuple of
+            arrays, one per table of ``up``; ``v`` the variant index per element);
+            nondecreasing and convex in every table value.
+        variants: number of variants V.
+        exhaustive_splits: try every split when ``N(N-1)/2`` is at most this (default
+            :data:`EXHAUSTIVE_SPLITS`; 0 forces the bisection, for tests).
+
+    Returns:
+        ``(value, j)``, both ``(V, N+1)``: ``inf`` and ``-1`` where no split is feasible.
+        Ties: the smallest ``j``.
+    """
+    nv = variants
+    up, down = _rows(up, nv), _rows(down, nv)
+    n_max = up[0].shape[1] - 1
+    value = np.full((nv, n_max + 1), INF)
+    best_j = np.full((nv, n_max + 1), -1, dtype=np.int64)
+    if n_max < 2:
+        return value, best_j
+    limit = EXHAUSTIVE_SPLITS if exhaustive_splits is None else exhaustive_splits
+    if n_max * (n_max - 1) // 2 <= limit:
+        lens = np.arange(1, n_max)
+        ns = np.repeat(np.arange(2, n_max + 1), lens)
+        js = np.arange(ns.size) - np.repeat(np.cumsum(lens) - lens, lens) + 1
+        vv = np.repeat(np.arange(nv), ns.size)
+        nn, jj = np.tile(ns, nv), np.tile(js, nv)
+        _fold(value, best_j, vv, nn, jj, _exact(cost, up, down, vv, jj, nn))
+        return value, best_j
+    hu = [_minorants(t) for t in up]
+    hd = [_minorants(t) for t in down]
+    exact_tables = all(ex for _, ex in hu + hd)
+    hu_t = [h for h, _ in hu]
+    hd_t = [h for h, _ in hd]
+    # Finite span of each part per variant: every table of the part finite there.
+    fa, la = _span(hu_t)
+    fb, lb = _span(hd_t)
+    rows = np.arange(2, n_max + 1)
+    v = np.repeat(np.arange(nv), rows.size)
+    n = np.tile(rows, nv)
+    lo = np.maximum(np.maximum(fa[v], n - lb[v]), 1)
+    hi = np.minimum(np.minimum(la[v], n - fb[v]), n - 1)
+    ok = lo <= hi
+    v, n, lo, hi = v[ok], n[ok], lo[ok], hi[ok]
+    if not v.size:
+        return value, best_j
+
+    def bound(j, v=v, n=n):  # L_v(j): convex in j, below the exact cost
+        with np.errstate(invalid="ignore", over="ignore"):
+            return cost(_gather(hu_t, v, j), _gather(hd_t, v, n - j), v)
+
+    # j*: the first j in [lo, hi] with L(j + 1) >= L(j) (L convex: its smallest minimiser).
+    j_star = _lift(lo - 1, hi - 1, lambda j: bound(j + 1) < bound(j)) + 1
+    ub = _exact(cost, up, down, v, j_star, n)
+    _fold(value, best_j, v, n, j_star, ub)
+    if exact_tables:  # the bound is the cost: j* is the answer
+        return value, best_j
+    thr = np.where(np.isfinite(ub), ub * (1 + 1e-9) + 1e-12, np.finfo(float).max)
+    live = bound(j_star) <= thr  # cells whose bound leaves room below the upper bound
+    v, n, lo, hi, j_star, thr = (x[live] for x in (v, n, lo, hi, j_star, thr))
+
+    def bound_at(j, v=v, n=n):
+        with np.errstate(invalid="ignore", over="ignore"):
+            return cost(_gather(hu_t, v, j), _gather(hd_t, v, n - j), v)
+
+    # {j : L(j) <= thr} is an interval around j* (L convex): its two ends by bisection.
+    left = _lift(lo - 1, j_star - 1, lambda j: bound_at(j) > thr) + 1
+    right = _lift(j_star, hi, lambda j: bound_at(j) <= thr)
+    _windows(value, best_j, cost, up, down, v, n, left, right, thr)
+    return value, best_j
+
+
+def _minorants(t: np.ndarray) -> tuple[np.ndarray, bool]:
+    """Per-row convex minorant of a ``(V, N+1)`` table (rows that are the same array once)."""
+    if t.strides[0] == 0:  # a broadcast row
+        h, ex = convex_minorant(np.ascontiguousarray(t[0]))
+        return np.broadcast_to(h, t.shape), ex
+    hs = [convex_minorant(np.ascontiguousarray(r)) for r in t]
+    return np.stack([h for h, _ in hs]), all(ex for _, ex in hs)
+
+
+def _span(tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per variant, the first and last device count where every table is finite (the
+    minorants are finite on a contiguous range)."""
+    first = last = None
+    for t in tables:
+        fin = np.isfinite(t)
+        fin[:, 0] = False
+        any_ = fin.any(axis=1)
+        f = np.where(any_, np.argmax(fin, axis=1), t.shape[1])
+        lst = np.where(any_, t.shape[1] - 1 - np.argmax(fin[:, ::-1], axis=1), 0)
+        first = f if first is None else np.maximum(first, f)
+        last = lst if last is None else np.minimum(last, lst)
+    return first, last
+
+
+def _lift(pos: np.ndarray, limit: np.ndarray, keep_going: Callable) -> np.ndarray:
+    """Largest p in [pos, limit] reachable while ``keep_going(p)`` holds, the predicate true
+    then false on the range (binary lifting); ``pos`` itself is not tested."""
+    width = int(np.max(limit - pos, initial=0))
+    step = 1 << max(width, 1).bit_length()
+    while step:
+        cand = pos + step
+        ok = cand <= limit
+        test = np.where(ok, cand, pos)
+        pos = np.where(ok & keep_going(test), cand, pos)
+        step >>= 1
+    return pos
+
+
+def _fold(value, best_j, v, n, j, val) -> None:
+    """Fold candidates into the per-(v, n) least value, then smallest j."""
+    fin = np.isfinite(val)
+    if not fin.any():
+        return
+    v, n, j, val = v[fin], n[fin], j[fin], val[fin]
+    order = np.lexsort((j, val, n, v))
+    v, n, j, val = v[order], n[order], j[order], val[order]
+    first = np.r_[True, (v[1:] != v[:-1]) | (n[1:] != n[:-1])]
+    v, n, j, val = v[first], n[first], j[first], val[first]
+    cur, cj = value[v, n], best_j[v, n]
+    win = (val < cur) | ((val == cur) & ((j < cj) | (cj < 0)))
+    value[v[win], n[win]] = val[win]
+    best_j[v[win], n[win]] = j[win]
+
+
+def _windows(value, best_j, cost, up, down, v, n, left, right, thr) -> None:
+    """Evaluate every split of every window ``[left, right]`` exactly, in blocks of about
+    :data:`BLOCK` splits, folding each (v, n)'s best into ``value``/``best_j``."""
+    counts = np.maximum(right - left + 1, 0)
+    keep = counts > 0
+    v, n, left, counts = v[keep], n[keep], left[keep], counts[keep]
+    if not v.size:
+        return
+    ends = np.cumsum(counts)
+    cuts = np.searchsorted(ends, np.arange(BLOCK, int(ends[-1]), BLOCK), side="right")
+    bounds = np.unique(np.r_[0, cuts, counts.size])
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        c = counts[a:b]
+        w = np.repeat(np.arange(a, b), c)
+        start = np.cumsum(c) - c
+        j = left[w] + np.arange(w.size) - np.repeat(start, c)
+        _fold(value, best_j, v[w], n[w], j, _exact(cost, up, down, v[w], j, n[w]))
