@@ -203,6 +203,22 @@ def _check_leaves(plan, wf, n, cap, idle):
         assert plan.idle(n) == [] and plan.devices == range(0, n)
 
 
+def _agrees(wf, cap, n, by_kinds, kw):
+    """The planner's plan for ``kw["mode"]``, checked against the brute force's best time and
+    kinds; ``None`` where the brute force finds no plan (the planner must refuse too)."""
+    mode = kw["mode"]
+    want = _mode_best(by_kinds, mode)
+    if math.isinf(want):
+        with pytest.raises(PlanError):
+            plan_workflow(wf, n, cap, **kw)
+        return None
+    got = plan_workflow(wf, n, cap, **kw)
+    assert math.isclose(got.time, want, rel_tol=1e-9), (wf.edges, n, mode, got.time, want)
+    used = {{"temporal": "T", "spatial": "S"}[k] for k in got.kinds()}
+    assert _mode_best({frozenset(used): 0.0}, mode) == 0.0, (mode, got.kinds())
+    return got
+
+
 @pytest.mark.parametrize(
     "idle, slack", [(True, 0.0), (True, 0.2), (False, 0.0)], ids=["idle", "idle-slack", "no-idle"]
 )
@@ -211,16 +227,9 @@ def test_brute_force_agreement(mode, idle, slack):
     checked = idles = 0
     kw = {"mode": mode, "allow_idle": idle, "slack": slack}
     for wf, cap, n, by_kinds in _cases(0, 60, idle, slack):
-        want = _mode_best(by_kinds, mode)
-        if math.isinf(want):
-            with pytest.raises(PlanError):
-                plan_workflow(wf, n, cap, **kw)
+        got = _agrees(wf, cap, n, by_kinds, kw)
+        if got is None:
             continue
-        got = plan_workflow(wf, n, cap, **kw)
-        assert math.isclose(got.time, want, rel_tol=1e-9), (wf.edges, n, mode, got.time, want)
-        kinds = {"temporal": "T", "spatial": "S"}
-        used = {kinds[k] for k in got.kinds()}
-        assert _mode_best({frozenset(used): 0.0}, mode) == 0.0, (mode, got.kinds())
         _check_leaves(got, wf, n, cap, idle)
         _check_ranges(got)
         idles += bool(got.idle(n))
@@ -267,15 +276,9 @@ def test_brute_force_agreement_with_a_splittable_cycle(mode, idle, slack):
     checked = splits = 0
     kw = {"mode": mode, "allow_idle": idle, "slack": slack}
     for wf, cap, n, by_kinds in _cycle_cases(1, 40, idle, slack):
-        want = _mode_best(by_kinds, mode)
-        if math.isinf(want):
-            with pytest.raises(PlanError):
-                plan_workflow(wf, n, cap, **kw)
+        got = _agrees(wf, cap, n, by_kinds, kw)
+        if got is None:
             continue
-        got = plan_workflow(wf, n, cap, **kw)
-        assert math.isclose(got.time, want, rel_tol=1e-9), (wf.edges, n, mode, got.time, want)
-        used = {{"temporal": "T", "spatial": "S"}[k] for k in got.kinds()}
-        assert _mode_best({frozenset(used): 0.0}, mode) == 0.0, (mode, got.kinds())
         _check_ranges(got)
         splits += _has_split(got)
         checked += 1
