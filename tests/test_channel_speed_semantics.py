@@ -10,19 +10,12 @@ import time
 
 import pytest
 import ray
+from helpers import wait_until
 
 from m2flow import Channel, Worker, WorkerError
 from m2flow.channel_codec import pack, unpack
 
 pytestmark = pytest.mark.e2e
-
-
-def _wait_until(predicate, timeout: float = 30.0, what: str = ""):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 @ray.remote(num_cpus=0)
@@ -183,7 +176,7 @@ def test_bounded_channel_still_blocks_its_producer(workers):
     prod, _ = workers
     ch = Channel.create("sp-bounded", maxsize=1)
     call = prod.put_bounded(ch, 3)
-    _wait_until(lambda: ch.qsize() == 1, what="the first item")
+    wait_until(lambda: ch.qsize() == 1, what="the first item")
     time.sleep(1.0)
     assert not call.done()  # full: the second put waits for room
     assert [ch.get(timeout=30) for _ in range(3)] == [0, 1, 2]
@@ -241,8 +234,12 @@ def test_reservation_is_taken_back_and_exclusion_holds(cluster):
     log = _Log.remote()
     try:
         x.work(0, log).wait(timeout=60)
-        state = ray.get(svc.state.remote())
-        assert state["reserved"].get(1) == "sp_x:0" and 1 not in state["holder"]
+        # the release is sent without waiting for its reply: the lock service gets it shortly
+        state = wait_until(
+            lambda: (s := ray.get(svc.state.remote()))["reserved"].get(1) == "sp_x:0" and s,
+            what="x's release to leave device 1 reserved for it",
+        )
+        assert 1 not in state["holder"]
         # x takes its reservation back without asking; y's request revokes it and waits
         calls = [x.work(0.5, log), y.work(0.1, log), x.work(0.1, log), y.work(0.1, log)]
         assert [c.wait(timeout=60)[0] for c in calls] == ["sp_x:0", "sp_y:0", "sp_x:0", "sp_y:0"]

@@ -188,8 +188,12 @@ def test_a_service_restart_mid_batch_loses_no_request_and_scores_each_once(rig):
                                      for i in range(3000)})  # fmt: skip
     next_chunk()
     _wait(lambda: b1.submitted == 2 * CHUNK, 30, "chunk 2's requests")
-    in_flight, scored_first = set(b1.live), {r["id"] for r in b1.results}
+    in_flight = set(b1.live)
     second = rig.serve()  # stops the first (gracefully: in-flight requests are lost)
+    # What the first instance scored before it went down (a request of chunk 2 may still have
+    # slipped through the flood), and what it left unscored.
+    scored_first = {r["id"] for r in b1.results}
+    in_flight -= scored_first
     for _ in range(CHUNKS - 2):
         next_chunk()
         time.sleep(0.1)
@@ -201,7 +205,7 @@ def test_a_service_restart_mid_batch_loses_no_request_and_scores_each_once(rig):
 
     assert stats["samples"] == STEP
     _check_rewards(scored)
-    assert len(in_flight) == CHUNK and in_flight.isdisjoint(scored_first)
+    assert in_flight, "the flood let every request of chunk 2 through: nothing was lost"
     # The second instance holds the same batch, re-announced with the results the reward
     # worker read from the first one (kept as ``settled`` results: they count toward the size
     # and are not sent again), and every other request once: the lost ones resubmitted, the
