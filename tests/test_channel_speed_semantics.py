@@ -10,24 +10,12 @@ import time
 
 import pytest
 import ray
-from helpers import wait_until
+from helpers import EventLog, wait_until
 
 from m2flow import Channel, Worker, WorkerError
 from m2flow.channel_codec import pack, unpack
 
 pytestmark = pytest.mark.e2e
-
-
-@ray.remote(num_cpus=0)
-class _Log:
-    def __init__(self) -> None:
-        self.events: list[str] = []
-
-    def add(self, event: str) -> None:
-        self.events.append(event)
-
-    def read(self) -> list[str]:
-        return list(self.events)
 
 
 class Producer(Worker):
@@ -231,7 +219,7 @@ def test_reservation_is_taken_back_and_exclusion_holds(cluster):
     svc = cluster.lock_service
     x = Locker.launch(cluster, placement=[1], name="sp_x")
     y = Locker.launch(cluster, placement=[1], name="sp_y")
-    log = _Log.remote()
+    log = EventLog.remote()
     try:
         x.work(0, log).wait(timeout=60)
         # the release is sent without waiting for its reply: the lock service gets it shortly

@@ -74,6 +74,20 @@ def _retry_after(
     return idempotent and resp.status_code in RETRY_STATUS
 
 
+def _settle(error, resp, idempotent: bool, delay: float, end: float, url, retry_s: float):
+    """One try's outcome: the answer's ``(json, instance)``, or ``None`` to try again after
+    ``delay`` seconds.
+
+    Raises:
+        RewardServiceError: a 4xx/5xx answer not to retry, or still unreachable at ``end``.
+    """
+    if _retry_after(error, resp, idempotent, delay, end):
+        return None
+    if error is not None:
+        raise _unreachable(url, error, retry_s) from error
+    return _decode(resp)
+
+
 def _unreachable(url, error: Exception, retry_s: float) -> RewardServiceError:
     return RewardServiceError(
         503, f"reward service at {url} unreachable for {retry_s:g} s: {error!r}"
@@ -124,12 +138,9 @@ class RewardClient:
                 resp = self.http.request(method, path, **kw)
             except httpx.TransportError as e:
                 error = e
-            if error is None and not _retry_after(None, resp, idempotent, 0, end):
-                return _decode(resp)
-            if not _retry_after(error, resp, idempotent, delay, end):
-                if error is not None:
-                    raise _unreachable(self.http.base_url, error, self.retry_s) from error
-                return _decode(resp)
+            out = _settle(error, resp, idempotent, delay, end, self.http.base_url, self.retry_s)
+            if out is not None:
+                return out
             time.sleep(delay)
             delay = min(2 * delay, 1.0)
 
@@ -220,12 +231,9 @@ class AsyncRewardClient:
                 resp = await self.http.request(method, path, **kw)
             except httpx.TransportError as e:
                 error = e
-            if error is None and not _retry_after(None, resp, idempotent, 0, end):
-                return _decode(resp)
-            if not _retry_after(error, resp, idempotent, delay, end):
-                if error is not None:
-                    raise _unreachable(self.http.base_url, error, self.retry_s) from error
-                return _decode(resp)
+            out = _settle(error, resp, idempotent, delay, end, self.http.base_url, self.retry_s)
+            if out is not None:
+                return out
             await asyncio.sleep(delay)
             delay = min(2 * delay, 1.0)
 
