@@ -9,6 +9,7 @@ chunk's responses finished."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from types import SimpleNamespace
 
@@ -137,12 +138,13 @@ def test_requests_arrive_as_the_rollout_streams_and_scaling_follows(rig):
     (b,) = service.tasks["stream"].batches.values()
     assert b.size == STEP and b.done and len(b.results) == STEP
     assert put_at[0] < b.start < put_at[1]
-    # Each chunk's requests reach the service right after the chunk's prompts were put (the
-    # tiny model generates in ms), not after the previous chunk's rewards (the service's
-    # first workers take 1-2 s to start here).
+    # Each chunk's requests reach the service soon after the chunk's prompts were put (the
+    # tiny model generates in ms): typically well under the 0.5 s between chunks. One chunk
+    # may lag on a loaded machine (0.83 s seen in CI while the service's workers started), so
+    # the bound is on the median; the max only rules out a chunk held for the whole rollout.
     arrivals = sorted(b.start + r.offset_s for r in b.records)
     lags = [arrivals[(k + 1) * CHUNK - 1] - put_at[k] for k in range(CHUNKS)]
-    assert max(lags) < 0.8, lags
+    assert statistics.median(lags) < 0.3 and max(lags) < 2.0, lags
     rollout_s, spread = put_at[-1] - put_at[0], arrivals[-1] - arrivals[0]
     assert spread >= 0.8 * rollout_s, (spread, rollout_s)
     # The service scaled on the hint before the second chunk's requests came, kept its

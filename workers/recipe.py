@@ -133,3 +133,17 @@ def prompt_items(train, tokenizer, n: int, seed: int, step: int) -> list[dict]:
         }
         for g, i in enumerate(rng.sample(range(len(train)), n))
     ]
+
+
+def response_length(rollout_outs: list[dict]) -> float:
+    """Mean response length (tokens) over every rollout rank's samples.
+
+    Args:
+        rollout_outs: ``RolloutWorker.generate``'s returns, one per rank (``samples``,
+            ``response_length``).
+
+    Which prompts a rank takes from the channel is a race, so one rank's mean is not a
+    step's metric: weight each rank's mean by its sample count.
+    """
+    samples = sum(o["samples"] for o in rollout_outs)
+    return sum(o["response_length"] * o["samples"] for o in rollout_outs) / max(samples, 1)

@@ -23,6 +23,7 @@ from m2flow.workers.recipe import (
     TaskConfig,
     WarmStartConfig,
     prompt_items,
+    response_length,
     validate_llm,
     validate_optim,
 )
@@ -148,7 +149,7 @@ def main(cfg) -> dict:
             metrics = {
                 "reward_mean": sum(o["reward_mean"] * o["samples"] for o in r_out) / samples,
                 "sample_accuracy": sum(o["accuracy"] * o["samples"] for o in r_out) / samples,
-                "response_length": g_out[0]["response_length"],
+                "response_length": response_length(g_out),
                 "tokens_per_s": tokens / seconds,
                 "step_s": seconds,
                 "rollout_s": gen.time(busy=True),

@@ -25,6 +25,7 @@ from m2flow.workers.recipe import (
     TaskConfig,
     WarmStartConfig,
     prompt_items,
+    response_length,
     validate_llm,
     validate_optim,
 )
@@ -207,7 +208,7 @@ def main(cfg) -> dict:
             metrics = {
                 **{k: r_out[k] for k in ("reward_mean", "verifier_mean", "rm_mean")},
                 "sample_accuracy": r_out["accuracy"],
-                "response_length": g_out[0]["response_length"],
+                "response_length": response_length(g_out),
                 "tokens_per_s": sum(o["tokens"] for o in g_out) / seconds,
                 "step_s": seconds,
                 **{f"{name}_s": call.time(busy=True) for name, call in
