@@ -27,6 +27,7 @@ from ._env import wait_timeout
 from .calls import CallContext, channels_in
 from .cluster import NAMESPACE, Cluster, wait_name_free
 from .mailbox import IO_GROUP
+from .placement import merge_options
 from .session import current_session
 from .work import flush_puts
 from .worker import (
@@ -376,6 +377,8 @@ def launch(
     if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
         raise TypeError(f"{worker_cls!r} is not a subclass of m2flow.Worker")
     name = name or worker_cls.__name__
+    if cluster.placement is not None and name in cluster.placement.options:
+        init_kwargs = merge_options(init_kwargs, cluster.placement.options[name])
     if placement is None:
         devices = cluster.devices_for(name)
         placement = devices if worker_cls.data_parallel else [devices]

@@ -47,6 +47,12 @@ class Placement:
         tree: the plan's composition tree as text (for reports).
         sub_batches: cycle member -> items per sub-batch of the leader's share when the plan
             splits the cycle across devices, ``None`` when the members time-share.
+        options: group name -> constructor keyword arguments the plan sets, deep-merged over
+            the runner's at launch (:func:`merge_options`): how a plan turns on the spot
+            rollout pool (``{"rollout": {"spot": {"enabled": True, "t_seed_init": ...}}}``)
+            without a line of the runner changing.
+        remote: what the plan runs off the reserved devices, for reports (the spot choice:
+            mode, ``t_seed``, ``n_prem``, cost per step; :mod:`m2flow.scheduler.spot_plan`).
     """
 
     mode: str = "temporal"
@@ -58,6 +64,8 @@ class Placement:
     predicted: dict[str, float] = field(default_factory=dict)
     tree: str = ""
     sub_batches: dict[str, int | None] = field(default_factory=dict)
+    options: dict[str, dict] = field(default_factory=dict)
+    remote: dict[str, Any] = field(default_factory=dict)
 
     def devices_for(self, group: str, cluster: Cluster) -> list[int]:
         """Device ids of ``group`` on ``cluster``."""
@@ -134,6 +142,8 @@ class Placement:
             "predicted": dict(self.predicted),
             "tree": self.tree,
             "sub_batches": dict(self.sub_batches),
+            "options": {k: dict(v) for k, v in self.options.items()},
+            "remote": dict(self.remote),
         }
 
     def save(self, path: str | Path) -> None:
@@ -171,6 +181,29 @@ class Placement:
                 f"plan file {str(p)!r}: unknown keys {unknown}; known: {sorted(known)}"
             )
         return cls(**data)
+
+
+def merge_options(kwargs: dict, options: dict | None) -> dict:
+    """``kwargs`` with ``options`` deep-merged over it (a nested dict updates the runner's
+    dict key by key; anything else replaces). Neither argument is modified.
+
+    Raises:
+        PlacementError: an option replaces a runner's dict with a non-dict (or the reverse),
+            which is a plan written for another runner.
+    """
+    out = dict(kwargs)
+    for key, value in (options or {}).items():
+        old = out.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            out[key] = merge_options(old, value)
+        elif isinstance(value, dict) != isinstance(old, dict) and old is not None:
+            raise PlacementError(
+                f"plan option {key}={value!r} does not fit the runner's {key}={old!r}: the plan "
+                "was made for another workflow; re-plan it for this one"
+            )
+        else:
+            out[key] = value
+    return out
 
 
 def _on_cycle(group: str, edges: list) -> bool:

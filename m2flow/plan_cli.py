@@ -28,6 +28,16 @@ checked (``N % K == 0``) and reported: each component's node range.
 
 ``--save`` and ``--gantt`` create missing parent directories (``mkdir -p``).
 
+Spot rollout (RLBoost): when the profile has a ``spot:`` pool (:mod:`m2flow.scheduler.profile`)
+the plan also says where rollout runs -- reserved only, spot, or seeded (reserved for
+``T_seed``, then spot) -- with ``T_seed``, the cap ``N_prem``, the predicted step time and the
+cost per step, and the runner-ups (reserved-only, spot without seeding) with theirs
+(:mod:`m2flow.scheduler.spot_plan` states the model). ``--spot-trace trace.csv`` sets the
+expected instances to the trace's time-weighted mean, ``--price reserved=10.47,spot=2.66``
+the $ per device-hour, ``--objective time|cost|tokens_per_dollar`` what the choice optimises.
+
+    m2flow plan benchmarks/profiles/spot_rlboost_8b.yaml -n 8 --spot-trace a.csv --objective cost
+
 Bad input (a missing or invalid profile, a component missing from it, memory infeasible at
 every split, fewer devices than a component's minimum, more than ``MAX_DEVICES`` (65,536)
 devices, a bad mode or node count, a ``--save``/``--gantt`` path that cannot be written)
@@ -58,12 +68,33 @@ def _is_workflow(target: str) -> bool:
     return target.endswith(".py") or not (target.endswith((".yaml", ".yml", ".json")))
 
 
-def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, slack=None):
-    """``(profile, PlanResult, Placement)``; raises ConfigError/ValueError on bad input."""
+def _prices(text: str | None):
+    """``reserved=10.47,spot=2.66`` -> :class:`~m2flow.scheduler.spot_plan.Prices` (None: the
+    profile's)."""
     from .config import ConfigError
-    from .planning import plan_from_profile, profile_to_file
+    from .scheduler.spot_plan import Prices, SpotPlanError
+
+    if text is None:
+        return None
+    try:
+        pairs = dict(kv.split("=", 1) for kv in text.split(","))
+        return Prices(**{k.strip(): float(v) for k, v in pairs.items()})
+    except (ValueError, TypeError, SpotPlanError) as e:
+        raise ConfigError(
+            f"--price {text!r}: write reserved=<$ per device-hour>,spot=<$ per device-hour> ({e})"
+        ) from None
+
+
+def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, slack=None,
+          trace=None, prices=None, objective="time"):  # fmt: skip
+    """``(profile, PlanResult, Placement, SpotPlan | None)``; raises ConfigError/ValueError on
+    bad input."""
+    from .config import ConfigError
+    from .planning import plan_with_spot, profile_to_file
     from .scheduler.planner import MAX_DEVICES, MODES
     from .scheduler.profile import ProfileError, load_profile
+    from .scheduler.spot_plan import OBJECTIVES, expected_instances
+    from .scheduler.spot_trace import TraceError, load_trace
 
     if mode not in MODES:
         raise ConfigError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -83,6 +114,8 @@ def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, s
         raise ConfigError(
             f"--slack {slack}: give a fraction in [0, 1) of the fastest time, e.g. 0.01"
         )
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"--objective {objective!r}: choose one of {', '.join(OBJECTIVES)}")
     if memory_gb is not None and not memory_gb > 0:
         raise ConfigError(f"--memory-gb {memory_gb}: give a positive capacity (GiB per device)")
     path = Path(target)
@@ -101,8 +134,22 @@ def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, s
     options = {"runner_ups": True, "allow_idle": allow_idle}
     if slack is not None:
         options["slack"] = slack
-    result, placement = plan_from_profile(prof, devices, capacity, mode, **options)
-    return prof, result, placement
+    n_bar = None
+    if trace is not None or prices is not None or objective != "time":
+        if prof.spot is None:
+            raise ConfigError(
+                f"--spot-trace/--price/--objective need a spot pool, and profile {str(path)!r} "
+                "has no spot: section; add one (m2flow.scheduler.profile documents it)"
+            )
+        if trace is not None:
+            try:
+                n_bar = expected_instances(load_trace(trace))
+            except (TraceError, OSError) as e:
+                raise ConfigError(f"--spot-trace {str(trace)!r}: {e}") from None
+    result, placement, spot = plan_with_spot(
+        prof, devices, capacity, mode, objective, n_bar, _prices(prices), **options
+    )
+    return prof, result, placement, spot
 
 
 def _nodes(devs: range, per_node: int) -> str:
@@ -321,14 +368,24 @@ def plan(
         help="use the fewest devices within this fraction of a component's fastest time "
         "(default 0.01; 0: exact)",
     ),
+    spot_trace: Optional[Path] = typer.Option(
+        None, "--spot-trace", help="spot availability CSV (t_s,instances): expected instances"
+    ),
+    price: Optional[str] = typer.Option(
+        None, "--price", help="$ per device-hour: reserved=10.47,spot=2.66 (default: profile's)"
+    ),
+    objective: str = typer.Option(
+        "time", "--objective", help="spot choice optimises: time|cost|tokens_per_dollar"
+    ),
 ) -> None:
     """Print the plan for N devices: tree, components, prediction, runner-ups."""
     from .config import ConfigError
 
     try:
-        prof, result, placement = _plan(
-            target, devices, nodes, mode, memory_gb, overrides or [], idle, slack
-        )
+        prof, result, placement, spot = _plan(
+            target, devices, nodes, mode, memory_gb, overrides or [], idle, slack, spot_trace,
+            price, objective,
+        )  # fmt: skip
     except (ConfigError, ValueError) as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
@@ -353,6 +410,7 @@ def plan(
             throughput_items_per_s=prof.batch_size / step if step > 0 else None,
             components=comps,
             fits=fit_doc,
+            spot=None if spot is None else spot.to_dict(),
         )
         print(json.dumps(doc, indent=2))
         return
@@ -390,10 +448,32 @@ def plan(
                 f"{p.time / result.time:.3f}x" if result.time > 0 else "-",
             )
         out.print(t)
+    if spot is not None:
+        out.print(_spot_table(spot, prof))
+        if spot.best.mode != "reserved":
+            out.print(
+                f"predicted step with spot rollout: [bold]{spot.best.step_s:.4f} s[/] "
+                f"(the tree above is the reserved-only plan; {placement.tree.splitlines()[0]})",
+                highlight=False,
+            )
     if gantt_png is not None:
         out.print(f"Gantt chart: {gantt_png}", highlight=False)
     if save is not None:
         out.print(f"plan file: {save} (run it with plan={save})", highlight=False)
+
+
+def _spot_table(spot, prof) -> Table:
+    t = Table(title=f"rollout: reserved or spot (objective {spot.objective})")
+    for col in ("", "rollout", "T_seed s", "N_prem", "instances", "step s", "$/step",
+                f"{prof.item}s/$"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("", "rollout") else "right")
+    for label, c in [("chosen", spot.best)] + [("runner-up", c) for c in spot.runner_ups]:
+        t.add_row(
+            label, c.mode, "-" if c.t_seed is None else f"{c.t_seed:.3f}", str(c.n_prem),
+            f"{c.instances:.2f}", f"{c.step_s:.4f}", f"{c.cost_per_step:.4f}",
+            "inf" if math.isinf(c.items_per_dollar) else f"{c.items_per_dollar:.2f}",
+        )  # fmt: skip
+    return t
 
 
 def register(app: typer.Typer) -> None:

@@ -94,6 +94,106 @@ def plan_from_profile(
     return out, placement
 
 
+def plan_with_spot(
+    prof,
+    num_devices: int,
+    capacity: float | None,
+    mode: str = "auto",
+    objective: str = "time",
+    expected_instances: float | None = None,
+    prices=None,
+    **options,
+):
+    """Plan the reserved devices and, when the profile has a ``spot:`` pool, where rollout
+    runs (:func:`m2flow.scheduler.spot_plan.plan_rollout`: reserved only, spot, or seeded).
+
+    Args:
+        expected_instances: overrides the profile's ``spot.expected_instances`` (a trace's
+            mean, ``m2flow plan --spot-trace``).
+        prices: a :class:`~m2flow.scheduler.spot_plan.Prices` overriding the profile's.
+        options: the planner's, as for :func:`plan_from_profile`.
+
+    Returns:
+        ``(plan, placement, spot_plan)``: the reserved planner's result, the placement the
+        run applies, and the :class:`~m2flow.scheduler.spot_plan.SpotPlan` (``None`` without
+        a pool). With rollout on the pool, the placement is the plan of the other components
+        with rollout on every reserved device (it seeds between steps' training, time-shared
+        under the device locks), ``options`` turn the spot pool on with the chosen
+        ``t_seed_init`` and ``n_prem_max``, and ``predicted_step_s`` is the spot model's.
+
+    Raises:
+        ConfigError: no feasible plan, a pool whose component is on a cycle, or bad spot input.
+    """
+    from dataclasses import replace
+
+    from .scheduler.spot_plan import Prices, SpotPlanError, plan_rollout
+
+    out, placement = plan_from_profile(prof, num_devices, capacity, mode, **options)
+    pool = prof.spot
+    if pool is None:
+        return out, placement, None
+    comp = pool.component
+    if any(comp in c.members for c in prof.cycles):
+        raise ConfigError(
+            f"spot.component {comp!r} is on a cycle ({prof.cycles}); a spot pool takes a "
+            "feed-forward rollout stage only: drop the spot section"
+        )
+    try:
+        if expected_instances is not None:
+            pool = replace(pool, expected_instances=expected_instances)
+        prices = prices or prof.prices or Prices()
+    except SpotPlanError as e:
+        raise ConfigError(str(e)) from None
+    plain = {k: v for k, v in options.items() if k != "runner_ups"}
+    alone = _sub_profile(prof, {comp})
+    rollout_s = plan_from_profile(alone, num_devices, capacity, "auto", **plain)[0].time
+    rest = _sub_profile(prof, set(prof.components) - {comp})
+    overhead = float(prof.step_overhead_s or 0.0)
+    train_plan, train_placement = None, None
+    train_s = overhead
+    if rest.components:
+        train_plan, train_placement = plan_from_profile(rest, num_devices, capacity, mode, **plain)
+        train_s = train_placement.predicted_step_s
+    try:
+        sp = plan_rollout(
+            prof.batch_size, placement.predicted_step_s, rollout_s, train_s, num_devices, pool,
+            prices, objective,
+        )  # fmt: skip
+    except SpotPlanError as e:
+        raise ConfigError(str(e)) from None
+    placement.remote = {"spot": sp.to_dict()}
+    best = sp.best
+    if best.mode == "reserved":
+        return out, placement, sp
+    spot_placement = train_placement or Placement(mode="temporal", tree="")
+    spot_placement.groups[comp] = list(range(num_devices))
+    spot_placement.options = {
+        comp: {"spot": {"enabled": True, "seeding": best.mode == "seeded",
+                        "t_seed_init": float(best.t_seed or 0.0), "n_prem_max": best.n_prem}}
+    }  # fmt: skip
+    spot_placement.remote = placement.remote
+    spot_placement.predicted_step_s = best.step_s
+    spot_placement.tree = (
+        f"{comp}: {best.mode} -- reserved devices [0, {num_devices}) for T_seed "
+        f"{best.t_seed or 0.0:.3f} s, then up to {best.n_prem} spot instances\n"
+        + spot_placement.tree
+    )
+    return out, spot_placement, sp
+
+
+def _sub_profile(prof, names: set[str]):
+    """``prof`` restricted to the components ``names`` (edges and cycles among them)."""
+    from dataclasses import replace
+
+    return replace(
+        prof,
+        components={n: c for n, c in prof.components.items() if n in names},
+        edges=[e for e in prof.edges if e.src in names and e.dst in names],
+        cycles=[c for c in prof.cycles if set(c.members) <= names],
+        spot=None,
+    )
+
+
 def placement_for(
     spec: str,
     workflow: str,
@@ -129,8 +229,11 @@ def placement_for(
 
     def resolve(cluster) -> Placement:
         capacity = min(d.memory_bytes for d in cluster.devices)
-        plan, placement = plan_from_profile(prof, cluster.num_devices, capacity, spec)
+        plan, placement, spot = plan_with_spot(prof, cluster.num_devices, capacity, spec)
         log(f"plan={spec} on {cluster.num_devices} devices:\n{placement.tree}")
+        if spot is not None:
+            b = spot.best
+            log(f"rollout: {b.mode}, predicted {b.step_s:.4f} s/step, ${b.cost_per_step:.4f}/step")
         return placement
 
     return resolve

@@ -25,9 +25,18 @@ Schema (YAML; units: seconds, bytes, items per step)::
         split_gap_s: 0.02             # per round trip, on disjoint devices: latency
         sub_batch_overhead_s: 0.001   # per extra sub-batch per round trip, each member
         split_scale: 0.8              # a member's time split / its time-shared busy time
+    spot:                             # a remote rollout pool the plan may use (optional)
+      component: rollout              # the component it can take over
+      instance_items_per_s: 2.5       # one instance's rollout throughput, items/s
+      devices_per_instance: 2         # TP size of an instance
+      expected_instances: 6.53        # available on average (or m2flow plan --spot-trace)
+      max_instances: null             # most the plan may hold (null: ceil(expected))
+      weight_sync_s: 1.5              # weight push to the instances, per step
+    prices: {reserved: 10.47, spot: 2.66}   # $ per device-hour (optional; cost reports)
 
 Only ``batch_size`` and ``components`` (each with ``points``) are required; a profile without
-``cycles`` (written before cycles could split) plans its cycles time-shared, as before. Numbers
+``cycles`` (written before cycles could split) plans its cycles time-shared, as before; one
+without ``spot`` plans rollout on the reserved devices only (:mod:`.spot_plan`). Numbers
 may be written ``1.2e8`` (YAML 1.1 reads that as a string; it is accepted as a number here).
 Every number must be finite and >= 0 (device counts and ``batch_size`` >= 1, whole).
 ``seconds: 0`` (the profiler rounds to 1 us, so a group with nothing measurable to do) or
@@ -45,7 +54,7 @@ section 5 (profiling-guided scheduling). Pure: no Ray, no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +62,7 @@ import yaml
 
 from .cycle import CycleCost, CycleError
 from .fit import Fit, fit_scaling
+from .spot_plan import Prices, SpotPlanError, SpotPool
 
 MEMORY_MODELS = ("constant", "amdahl")
 
@@ -116,6 +126,8 @@ class Profile:
     device_memory_bytes: float | None = None
     step_overhead_s: float = 0.0
     cycles: list[CycleCost] = field(default_factory=list)
+    spot: SpotPool | None = None
+    prices: Prices | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The document, keys in schema order (what :func:`save_profile` writes)."""
@@ -142,6 +154,8 @@ class Profile:
                 for name, c in self.components.items()
             },
             **({"cycles": [_cycle_doc(c) for c in self.cycles]} if self.cycles else {}),
+            **({"spot": asdict(self.spot)} if self.spot else {}),
+            **({"prices": asdict(self.prices)} if self.prices else {}),
         }
 
 
@@ -166,6 +180,8 @@ _TOP = {
     "edges",
     "components",
     "cycles",
+    "spot",
+    "prices",
 }
 _CYCLE = {
     "members",
@@ -299,6 +315,12 @@ def profile_from_dict(doc: Any) -> Profile:
     for i, c in enumerate(cycles_doc):
         cycles.append(_cycle(c, f"cycles[{i}]", comps))
     cap = doc.get("device_memory_bytes")
+    spot = _spot(doc["spot"], comps) if doc.get("spot") is not None else None
+    prices = None
+    if doc.get("prices") is not None:
+        _keys(doc["prices"], {"reserved", "spot"}, set(), "prices")
+        nums = {k: float(_number(v, f"prices.{k}")) for k, v in doc["prices"].items()}
+        prices = _build(Prices, nums, "prices")
     return Profile(
         batch_size=batch,
         components=comps,
@@ -308,7 +330,31 @@ def profile_from_dict(doc: Any) -> Profile:
         device_memory_bytes=None if cap is None else float(_number(cap, "device_memory_bytes", 1)),
         step_overhead_s=float(_number(doc.get("step_overhead_s", 0.0) or 0.0, "step_overhead_s")),
         cycles=cycles,
+        spot=spot,
+        prices=prices,
     )
+
+
+def _build(cls, doc: dict, where: str):
+    try:
+        return cls(**doc)
+    except (SpotPlanError, TypeError) as e:
+        raise ProfileError(f"{where}: {e}") from None
+
+
+def _spot(doc: Any, comps: dict) -> SpotPool:
+    known = {"component", "instance_items_per_s", "devices_per_instance", "expected_instances",
+             "max_instances", "weight_sync_s"}  # fmt: skip
+    _keys(doc, known, {"instance_items_per_s"}, "spot")
+    name = str(doc.get("component", "rollout"))
+    _need(
+        name in comps,
+        f"spot.component {name!r} is not a profiled component (components: {sorted(comps)}); "
+        "name the rollout component",
+    )
+    nums = {k: _number(v, f"spot.{k}", integer=k in ("devices_per_instance", "max_instances"))
+            for k, v in doc.items() if k != "component" and v is not None}  # fmt: skip
+    return _build(SpotPool, {**doc, **nums, "component": name}, "spot")
 
 
 def _cycle(doc: Any, where: str, comps: dict) -> CycleCost:

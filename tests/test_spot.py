@@ -24,6 +24,7 @@ from m2flow.workers.tasks import TaskDataset
 
 from m2flow import Channel, sync_weights
 from m2flow.cluster import NAMESPACE, VIRTUAL_DEVICE_RESOURCE, Cluster
+from m2flow.placement import Placement
 from m2flow.spot import LocalSpotCluster
 
 pytestmark = pytest.mark.e2e
@@ -56,13 +57,17 @@ def pool():
     local = LocalSpotCluster(2, {VIRTUAL_DEVICE_RESOURCE: 1}, spot_cpus=1)
     local.add_spot(2)
     cluster = Cluster(virtual_devices_per_node=1, offload="never", spot=local)
+    # The runner's rollout has the pool off; the plan turns it on (Placement.options, what a
+    # spot plan of m2flow plan / plan=auto sets), as a plan does without the runner changing.
+    cluster.placement = Placement(options={"rollout": {"spot": SPOT}})
     try:
         actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, alphabet=ALPHABET,
                                    threads=1)  # fmt: skip
         rollout = RolloutWorker.launch(
             cluster, [0], name="rollout", model=TINY, alphabet=ALPHABET, n_samples=SAMPLES,
-            max_new_tokens=MAX_NEW, temperature=1.0, threads=1, spot=SPOT, seed=7,
+            max_new_tokens=MAX_NEW, temperature=1.0, threads=1, spot={"enabled": False}, seed=7,
         )  # fmt: skip
+        cluster.placement = None
         assert sync_weights(actor, rollout) == 0
         mgr = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
         yield cluster, local, actor, rollout, mgr
