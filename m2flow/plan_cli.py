@@ -90,7 +90,7 @@ def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, s
     """``(profile, PlanResult, Placement, SpotPlan | None)``; raises ConfigError/ValueError on
     bad input."""
     from .config import ConfigError
-    from .planning import plan_with_spot, profile_to_file
+    from .planning import plan_with_remote, profile_to_file
     from .scheduler.planner import MAX_DEVICES, MODES
     from .scheduler.profile import ProfileError, load_profile
     from .scheduler.spot_plan import OBJECTIVES, expected_instances
@@ -146,7 +146,7 @@ def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, s
                 n_bar = expected_instances(load_trace(trace))
             except (TraceError, OSError) as e:
                 raise ConfigError(f"--spot-trace {str(trace)!r}: {e}") from None
-    result, placement, spot = plan_with_spot(
+    result, placement, spot = plan_with_remote(
         prof, devices, capacity, mode, objective, n_bar, _prices(prices), **options
     )
     return prof, result, placement, spot
@@ -428,9 +428,14 @@ def plan(
     out.print(_components_table(comps, nodes))
     out.print(_fits_table(fit_doc))
     extra = f" + unattributed {overhead:.4f} s" if overhead else ""
+    reserved_step = result.time + overhead
+    svc = placement.remote.get("reward_service")
+    if svc:
+        reserved_step += svc["tail_s"] + svc["extra_delay_s"]
+        extra += f" + reward service {svc['tail_s'] + svc['extra_delay_s']:.4f} s"
     out.print(
-        f"predicted step: [bold]{step:.4f} s[/] (plan {result.time:.4f} s{extra}); "
-        + _throughput(prof, step),
+        f"predicted step: [bold]{reserved_step:.4f} s[/] (plan {result.time:.4f} s{extra}); "
+        + _throughput(prof, reserved_step),
         highlight=False,
     )
     if result.runner_ups:
@@ -448,11 +453,18 @@ def plan(
                 f"{p.time / result.time:.3f}x" if result.time > 0 else "-",
             )
         out.print(t)
+    if svc:
+        out.print(
+            f"{svc['component']}: on the reward service, off the reserved devices (tail "
+            f"{svc['tail_s']:.3f} s + extra delay {svc['extra_delay_s']:.3f} s per step, included "
+            "in the prediction)",
+            highlight=False,
+        )
     if spot is not None:
         out.print(_spot_table(spot, prof))
         if spot.best.mode != "reserved":
             out.print(
-                f"predicted step with spot rollout: [bold]{spot.best.step_s:.4f} s[/] "
+                f"predicted step with spot rollout: [bold]{step:.4f} s[/] "
                 f"(the tree above is the reserved-only plan; {placement.tree.splitlines()[0]})",
                 highlight=False,
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ def plan_from_profile(
     return out, placement
 
 
-def plan_with_spot(
+def plan_with_remote(
     prof,
     num_devices: int,
     capacity: float | None,
@@ -104,8 +105,10 @@ def plan_with_spot(
     prices=None,
     **options,
 ):
-    """Plan the reserved devices and, when the profile has a ``spot:`` pool, where rollout
-    runs (:func:`m2flow.scheduler.spot_plan.plan_rollout`: reserved only, spot, or seeded).
+    """Plan the reserved devices and the nodes off them: a ``reward_service:`` component
+    leaves the reserved plan and adds the service's delay (:mod:`m2flow.scheduler.
+    reward_remote`), and with a ``spot:`` pool the plan says where rollout runs
+    (:func:`m2flow.scheduler.spot_plan.plan_rollout`: reserved only, spot, or seeded).
 
     Args:
         expected_instances: overrides the profile's ``spot.expected_instances`` (a trace's
@@ -122,22 +125,36 @@ def plan_with_spot(
         ``t_seed_init`` and ``n_prem_max``, and ``predicted_step_s`` is the spot model's.
 
     Raises:
-        ConfigError: no feasible plan, a pool whose component is on a cycle, or bad spot input.
+        ConfigError: no feasible plan, a remote component on a cycle, or bad spot input.
     """
     from dataclasses import replace
 
     from .scheduler.spot_plan import Prices, SpotPlanError, plan_rollout
 
+    for section, node in (("spot", prof.spot), ("reward_service", prof.reward_service)):
+        if node is not None and any(node.component in c.members for c in prof.cycles):
+            raise ConfigError(
+                f"{section}.component {node.component!r} is on a cycle; only a feed-forward "
+                f"stage can run off the reserved devices: drop the {section} section"
+            )
+    svc, added = prof.reward_service, 0.0
+    if svc is not None:
+        prof = _sub_profile(prof, set(prof.components) - {svc.component}, keep_spot=True)
+        added = svc.added_s
     out, placement = plan_from_profile(prof, num_devices, capacity, mode, **options)
+    if svc is not None:
+        placement.predicted_step_s += added
+        placement.predicted[svc.component] = added
+        placement.remote = {"reward_service": asdict(svc)}
+        placement.tree = (
+            f"{svc.component}: reward service (off the reserved devices), tail "
+            f"{svc.tail_s:.3f} s + extra delay {svc.extra_delay_s:.3f} s per step\n"
+            + placement.tree
+        )
     pool = prof.spot
     if pool is None:
         return out, placement, None
     comp = pool.component
-    if any(comp in c.members for c in prof.cycles):
-        raise ConfigError(
-            f"spot.component {comp!r} is on a cycle ({prof.cycles}); a spot pool takes a "
-            "feed-forward rollout stage only: drop the spot section"
-        )
     try:
         if expected_instances is not None:
             pool = replace(pool, expected_instances=expected_instances)
@@ -157,15 +174,17 @@ def plan_with_spot(
     try:
         sp = plan_rollout(
             prof.batch_size, placement.predicted_step_s, rollout_s, train_s, num_devices, pool,
-            prices, objective,
+            prices, objective, added,
         )  # fmt: skip
     except SpotPlanError as e:
         raise ConfigError(str(e)) from None
-    placement.remote = {"spot": sp.to_dict()}
+    placement.remote["spot"] = sp.to_dict()
     best = sp.best
     if best.mode == "reserved":
         return out, placement, sp
     spot_placement = train_placement or Placement(mode="temporal", tree="")
+    if svc is not None:
+        spot_placement.predicted[svc.component] = added
     spot_placement.groups[comp] = list(range(num_devices))
     spot_placement.options = {
         comp: {"spot": {"enabled": True, "seeding": best.mode == "seeded",
@@ -181,16 +200,26 @@ def plan_with_spot(
     return out, spot_placement, sp
 
 
-def _sub_profile(prof, names: set[str]):
-    """``prof`` restricted to the components ``names`` (edges and cycles among them)."""
+def _sub_profile(prof, names: set[str], keep_spot: bool = False):
+    """``prof`` restricted to the components ``names``: the edges of a dropped component are
+    bridged (:func:`~m2flow.scheduler.reward_remote.bridge`), the cycles among ``names`` kept;
+    no remote nodes unless ``keep_spot``."""
     from dataclasses import replace
 
+    from .scheduler.profile import Edge
+    from .scheduler.reward_remote import bridge
+
+    items = {(e.src, e.dst): e.items_per_step for e in prof.edges}
+    pairs = list(items)
+    for gone in set(prof.components) - names:
+        pairs = bridge(pairs, gone)
     return replace(
         prof,
         components={n: c for n, c in prof.components.items() if n in names},
-        edges=[e for e in prof.edges if e.src in names and e.dst in names],
+        edges=[Edge(s, d, items.get((s, d), prof.batch_size)) for s, d in pairs],
         cycles=[c for c in prof.cycles if set(c.members) <= names],
-        spot=None,
+        spot=prof.spot if keep_spot else None,
+        reward_service=None,
     )
 
 
@@ -229,7 +258,7 @@ def placement_for(
 
     def resolve(cluster) -> Placement:
         capacity = min(d.memory_bytes for d in cluster.devices)
-        plan, placement, spot = plan_with_spot(prof, cluster.num_devices, capacity, spec)
+        plan, placement, spot = plan_with_remote(prof, cluster.num_devices, capacity, spec)
         log(f"plan={spec} on {cluster.num_devices} devices:\n{placement.tree}")
         if spot is not None:
             b = spot.best

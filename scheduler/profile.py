@@ -33,6 +33,10 @@ Schema (YAML; units: seconds, bytes, items per step)::
       max_instances: null             # most the plan may hold (null: ceil(expected))
       weight_sync_s: 1.5              # weight push to the instances, per step
     prices: {reserved: 10.47, spot: 2.66}   # $ per device-hour (optional; cost reports)
+    reward_service:                   # a component scored by a remote service (optional)
+      component: reward               # runs off the reserved devices (.reward_remote)
+      extra_delay_s: 0.62             # the service's predicted extra delay per batch
+      tail_s: 0.05                    # scoring time of the last request
 
 Only ``batch_size`` and ``components`` (each with ``points``) are required; a profile without
 ``cycles`` (written before cycles could split) plans its cycles time-shared, as before; one
@@ -62,6 +66,7 @@ import yaml
 
 from .cycle import CycleCost, CycleError
 from .fit import Fit, fit_scaling
+from .reward_remote import RewardService, RewardServiceError
 from .spot_plan import Prices, SpotPlanError, SpotPool
 
 MEMORY_MODELS = ("constant", "amdahl")
@@ -128,6 +133,7 @@ class Profile:
     cycles: list[CycleCost] = field(default_factory=list)
     spot: SpotPool | None = None
     prices: Prices | None = None
+    reward_service: RewardService | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The document, keys in schema order (what :func:`save_profile` writes)."""
@@ -156,6 +162,7 @@ class Profile:
             **({"cycles": [_cycle_doc(c) for c in self.cycles]} if self.cycles else {}),
             **({"spot": asdict(self.spot)} if self.spot else {}),
             **({"prices": asdict(self.prices)} if self.prices else {}),
+            **({"reward_service": asdict(self.reward_service)} if self.reward_service else {}),
         }
 
 
@@ -182,6 +189,7 @@ _TOP = {
     "cycles",
     "spot",
     "prices",
+    "reward_service",
 }
 _CYCLE = {
     "members",
@@ -321,6 +329,9 @@ def profile_from_dict(doc: Any) -> Profile:
         _keys(doc["prices"], {"reserved", "spot"}, set(), "prices")
         nums = {k: float(_number(v, f"prices.{k}")) for k, v in doc["prices"].items()}
         prices = _build(Prices, nums, "prices")
+    service = None
+    if doc.get("reward_service") is not None:
+        service = _reward_service(doc["reward_service"], comps, spot)
     return Profile(
         batch_size=batch,
         components=comps,
@@ -332,14 +343,32 @@ def profile_from_dict(doc: Any) -> Profile:
         cycles=cycles,
         spot=spot,
         prices=prices,
+        reward_service=service,
     )
 
 
 def _build(cls, doc: dict, where: str):
     try:
         return cls(**doc)
-    except (SpotPlanError, TypeError) as e:
+    except (SpotPlanError, RewardServiceError, TypeError) as e:
         raise ProfileError(f"{where}: {e}") from None
+
+
+def _reward_service(doc: Any, comps: dict, spot: SpotPool | None) -> RewardService:
+    _keys(doc, {"component", "extra_delay_s", "tail_s"}, set(), "reward_service")
+    name = str(doc.get("component", "reward"))
+    _need(
+        name in comps,
+        f"reward_service.component {name!r} is not a profiled component (components: "
+        f"{sorted(comps)}); name the reward component",
+    )
+    _need(
+        spot is None or spot.component != name,
+        f"reward_service.component and spot.component are both {name!r}; a component runs "
+        "on one of them",
+    )
+    nums = {k: float(_number(v, f"reward_service.{k}")) for k, v in doc.items() if k != "component"}
+    return _build(RewardService, {**nums, "component": name}, "reward_service")
 
 
 def _spot(doc: Any, comps: dict) -> SpotPool:

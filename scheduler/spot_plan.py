@@ -174,6 +174,7 @@ def plan_rollout(
     pool: SpotPool,
     prices: Prices,
     objective: Objective = "time",
+    extra_s: float = 0.0,
 ) -> SpotPlan:
     """Choose reserved-only, spot or seeded rollout (module docstring: the model).
 
@@ -186,6 +187,8 @@ def plan_rollout(
         num_devices: reserved devices ``N``.
         pool: the spot pool; prices: $ per device-hour.
         objective: ``time``, ``cost`` or ``tokens_per_dollar``.
+        extra_s: seconds every non-reserved choice's step also pays (the remote reward
+            service's, :mod:`.reward_remote`; ``reserved_step_s`` already holds them).
 
     Returns:
         The best :class:`RolloutChoice` and the runner-ups (the best reserved-only one, and
@@ -197,7 +200,7 @@ def plan_rollout(
     if objective not in OBJECTIVES:
         raise SpotPlanError(f"objective {objective!r}: choose one of {', '.join(OBJECTIVES)}")
     for name, v in (("reserved step", reserved_step_s), ("rollout", rollout_s),
-                    ("training", train_s)):  # fmt: skip
+                    ("training", train_s), ("extra", extra_s)):  # fmt: skip
         _nonneg(f"{name} time", v)
     if batch_size < 1 or num_devices < 1:
         raise SpotPlanError(f"batch_size {batch_size} and devices {num_devices} must be >= 1")
@@ -219,7 +222,7 @@ def plan_rollout(
 
         def step(t: float, rate=rate) -> float:
             left = batch_size * (1.0 - t / rollout_s) if rollout_s > 0 else 0.0
-            return max(t + train_s, pool.weight_sync_s + left / rate)
+            return extra_s + max(t + train_s, pool.weight_sync_s + left / rate)
 
         spot.append(priced("spot", step(0.0), 0.0, n_prem, n))
         if rollout_s > 0:

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from m2flow.cli import app
 from m2flow.config import ConfigError
 from m2flow.placement import Placement, PlacementError, merge_options
-from m2flow.planning import plan_from_profile, plan_with_spot
+from m2flow.planning import plan_from_profile, plan_with_remote
 
 GiB = 1 << 30
 B, N = 128, 8
@@ -46,7 +46,7 @@ def _doc(spot: dict | None = None, rollout_s: float = 120.0, actor_s: float = 60
 
 
 def _plan(doc: dict, **kw):
-    return plan_with_spot(profile_from_dict(doc), N, 80 * GiB, "auto", **kw)
+    return plan_with_remote(profile_from_dict(doc), N, 80 * GiB, "auto", **kw)
 
 
 POOL = {"instance_items_per_s": 0.3, "devices_per_instance": 2, "expected_instances": 6.53,
@@ -118,7 +118,7 @@ def test_plan_and_profile_round_trip_to_yaml(tmp_path):
     save_profile(prof, tmp_path / "p.yaml")
     again = load_profile(tmp_path / "p.yaml")
     assert again.spot == prof.spot and again.prices == prof.prices
-    _, placement, sp = plan_with_spot(again, N, 80 * GiB, "auto")
+    _, placement, sp = plan_with_remote(again, N, 80 * GiB, "auto")
     placement.save(tmp_path / "plan.yaml")
     loaded = Placement.load(tmp_path / "plan.yaml")
     assert loaded.to_dict() == placement.to_dict()
@@ -210,3 +210,49 @@ def test_plan_options_merge_into_the_runner_kwargs():
     assert runner["spot"] == {"enabled": False, "theta": 8}  # not modified
     with pytest.raises(PlacementError, match="another workflow"):
         merge_options({"spot": 1}, {"spot": {"enabled": True}})
+
+
+def _service_doc(**svc) -> dict:
+    doc = _doc(POOL)
+    doc["components"]["reward"] = {"points": [{"devices": 1, "seconds": 30.0,
+                                               "memory_bytes": 1e9}]}  # fmt: skip
+    doc["edges"] = [{"src": "rollout", "dst": "reward", "items_per_step": B},
+                    {"src": "reward", "dst": "actor", "items_per_step": B}]  # fmt: skip
+    doc["reward_service"] = {"component": "reward", **svc}
+    return doc
+
+
+def test_reward_service_component_leaves_the_reserved_plan_and_adds_its_delay():
+    doc = _service_doc(extra_delay_s=0.62, tail_s=0.05)
+    del doc["spot"]
+    result, placement, sp = _plan(doc)
+    assert sp is None and "reward" not in placement.groups
+    assert all("reward" not in leaf.components for leaf in result.leaves())
+    # The same plan as rollout -> actor alone (the edge bridged), plus the service's seconds.
+    bridged = _doc()
+    del bridged["prices"]
+    _, alone = plan_from_profile(profile_from_dict(bridged), N, 80 * GiB, "auto")
+    assert placement.groups == alone.groups and placement.granularity == alone.granularity
+    assert placement.predicted_step_s == pytest.approx(alone.predicted_step_s + 0.67)
+    assert placement.remote["reward_service"]["extra_delay_s"] == 0.62
+    # With a spot pool as well, every choice pays the service's seconds.
+    _, with_spot, sp = _plan(_service_doc(extra_delay_s=0.62, tail_s=0.05))
+    assert with_spot.remote["reward_service"] and sp.best.mode != "reserved"
+    assert with_spot.predicted_step_s == pytest.approx(sp.best.step_s)
+    assert sp.best.step_s > 0.67
+
+
+@pytest.mark.parametrize(
+    "svc,needle",
+    [
+        ({"component": "critic"}, "not a profiled component"),
+        ({"component": "rollout"}, "both 'rollout'"),
+        ({"extra_delay_s": -1}, "extra_delay_s"),
+        ({"latency": 1}, "unknown keys"),
+    ],
+)
+def test_bad_reward_service_section_is_a_profile_error(svc, needle):
+    doc = _service_doc()
+    doc["reward_service"] = {"component": "reward", **svc}
+    with pytest.raises(ProfileError, match=needle):
+        profile_from_dict(doc)
