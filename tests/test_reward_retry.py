@@ -184,3 +184,50 @@ def test_a_stream_rides_out_restarts_and_each_request_is_scored_once():
         if stream is not None:
             stream.close()
         box["srv"].__exit__(None, None, None)
+
+
+def test_results_nobody_read_survive_a_restart_through_the_journal(tmp_path):
+    """With ``state_dir``, what an instance scored but no client read before it went down is
+    journaled: the next instance answers the resubmission from the journal (each request is
+    scored once over both), refuses another payload under a journaled id, and a second
+    service on the same ``state_dir`` is refused."""
+    cfg = _config().model_copy(update={"state_dir": str(tmp_path / "state")})
+    payloads = {"r0": RIGHT, "r1": WRONG, "r2": RIGHT, "r3": WRONG}
+    first = BackgroundServer(cfg)
+    url = first.__enter__()
+    try:
+        with RewardClient(url, TOKENS["alice"]) as alice:
+            alice.register("j", "math")
+            alice.announce("j", 4, batch="b")
+            alice.submit_many("j", "b", {k: payloads[k] for k in ("r0", "r1")})
+            b1 = first.service.tasks["j"].batches["b"]
+            deadline = time.monotonic() + 30
+            while len(b1.results) < 2:  # scored on the service; the client reads nothing
+                assert time.monotonic() < deadline, "the first instance did not score r0, r1"
+                time.sleep(0.05)
+            scored_first = {r["id"]: r["reward"] for r in b1.results}
+    finally:
+        first.__exit__(None, None, None)
+    second = BackgroundServer(cfg.model_copy(update={"port": first.config.port}))
+    url = second.__enter__()
+    try:
+        with RewardClient(url, TOKENS["alice"]) as alice:
+            alice.register("j", "math")
+            alice.announce("j", 4, batch="b")  # no rewards seen: the client read none
+            alice.submit_many("j", "b", payloads)  # all four again, as a client would
+            res = {r["id"]: r["reward"] for r in alice.results("j", "b", timeout_s=60)}
+            assert res == {"r0": 1.0, "r1": 0.0, "r2": 1.0, "r3": 0.0}
+            assert {k: res[k] for k in scored_first} == scored_first
+            assert second.service.requests_done == 2  # r2, r3 only: r0, r1 not scored again
+            with pytest.raises(RewardServiceError) as e:
+                alice.submit("j", "b", RIGHT, id="r1")  # r1 was scored with WRONG
+            assert _status(e) == 409
+            # Another tenant cannot reach alice's journaled batch.
+            with RewardClient(url, TOKENS["bob"]) as bob:
+                with pytest.raises(RewardServiceError) as e:
+                    bob.results("j", "b", timeout_s=5)
+                assert _status(e) == 404
+        with pytest.raises(RuntimeError, match="another reward service uses state_dir"):
+            BackgroundServer(cfg.model_copy(update={"port": 0})).__enter__()
+    finally:
+        second.__exit__(None, None, None)

@@ -44,6 +44,7 @@ import uuid
 from m2flow.scheduler.reward_scaling import BatchView, DistRSPolicy
 from m2flow.scheduler.reward_sim import RequestRecord, ebf_priority
 
+from .journal import ResultJournal
 from .pipelines import clamp_reward, validate_payload
 from .pools import Pool, Proc, ScratchRoot
 from .schemas import PipelineConfig, ServiceConfig
@@ -67,6 +68,7 @@ class RewardService:
             ]
         self.policies = {n: self._policy(p) for n, p in config.pipelines.items()}
         self.scratch = ScratchRoot(config.scratch_dir)
+        self.journal = ResultJournal(config.state_dir) if config.state_dir else None
         #: the last decisions (bounded: the service runs for days)
         self.decisions: collections.deque[dict] = collections.deque(maxlen=1000)
         self.n_decisions = 0
@@ -166,10 +168,34 @@ class RewardService:
             now = time.monotonic()
             prio = ebf_priority(now, t.history) if t.history else float("inf")
             b = Batch(t, bid, size, now, list(t.history), prio)
+            self._restore(b)
             t.batches[bid] = b
             self.rescale(t.pipeline, "announce")
         self._settle(b, scored)
         return b
+
+    def _restore(self, b: Batch) -> None:
+        """Give a newly announced ``b`` the results an earlier instance journaled for it
+        (:mod:`.journal`): they count toward its size, and a resubmission of one of their ids
+        is answered from them (with the same payload only).
+
+        Raises:
+            ServiceError: 409 when the journal holds more results for this batch id than the
+                announced size (another batch under a reused id).
+        """
+        if self.journal is None:
+            return
+        done = self.journal.batch((b.task.tenant, b.task.name, b.id))
+        if len(done) > b.size:
+            raise ServiceError(
+                409,
+                f"batch {b.id!r} was scored before with {len(done)} requests, more than its "
+                f"size {b.size}: use a new batch id",
+            )
+        for rid, (digest, result) in done.items():
+            b.settled.add(rid)
+            b.digests[rid] = bytes.fromhex(digest)
+            b.results.append(dict(result))
 
     def _settle(self, b: Batch, scored) -> None:
         """Take ``(id, reward)`` pairs scored by an earlier instance as results of ``b`` (the
@@ -250,9 +276,15 @@ class RewardService:
                 if rid in b.digests or rid in b.settled or rid in new:
                     raise ServiceError(409, f"request id {rid!r} already used in batch {batch!r}")
             ids.append(rid)
-            if rid in b.settled:
-                continue
             digest = _digest(payload)
+            if rid in b.settled:  # scored before a restart: by the client's word or journaled
+                if b.digests.get(rid, digest) != digest:
+                    raise ServiceError(
+                        409,
+                        f"request id {rid!r} was scored in batch {batch!r} with another "
+                        "payload: give each request its own id",
+                    )
+                continue
             old = b.digests.get(rid, new.get(rid, (None, None))[1])
             if old is None:
                 new[rid] = (payload, digest)
@@ -352,17 +384,18 @@ class RewardService:
         b = req.batch
         stages = list(self.config.pipelines[b.task.pipeline].stages)
         del b.live[req.id]
-        b.results.append(
-            {
-                "id": req.id,
-                "reward": reward,
-                "status": status,
-                "stage": stages[req.stage],
-                "detail": str(detail)[:500],
-                "stage_s": req.stage_s,
-                "latency_s": time.monotonic() - req.arrival,
-            }
-        )
+        result = {
+            "id": req.id,
+            "reward": reward,
+            "status": status,
+            "stage": stages[req.stage],
+            "detail": str(detail)[:500],
+            "stage_s": req.stage_s,
+            "latency_s": time.monotonic() - req.arrival,
+        }
+        if self.journal is not None:  # before anyone can read it (module .journal)
+            self.journal.append((b.task.tenant, b.task.name, b.id), b.digests[req.id], result)
+        b.results.append(result)
         b.records.append(RequestRecord(req.arrival - b.start, tuple(req.stage_s), status != "ok"))
         self.requests_done += 1
         b.changed.set()
@@ -524,6 +557,8 @@ class RewardService:
         await asyncio.gather(*others, return_exceptions=True)
         await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
         await asyncio.to_thread(self.scratch.close)
+        if self.journal is not None:
+            self.journal.close()
 
     # ---- views -------------------------------------------------------------------------
     def status(self, b: Batch) -> dict:

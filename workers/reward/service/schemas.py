@@ -59,7 +59,9 @@ class ServiceConfig(BaseModel):
     request body; 413 beyond), ``max_batch_size`` (most requests a batch may announce; 422
     beyond), ``max_decision_jobs`` (most requests a scaling decision simulates; sampled and
     scaled up beyond, DistRS section 5.2). ``scratch_dir``: where the service's scratch root
-    goes (default: the system temp dir).
+    goes (default: the system temp dir). ``state_dir``: where the results journal is kept
+    (:mod:`.journal`), so that a restarted service scores no request twice (default: none,
+    results live in memory only).
     """
 
     host: str = "127.0.0.1"
@@ -72,6 +74,7 @@ class ServiceConfig(BaseModel):
     max_batch_size: int = Field(65536, ge=1)
     max_decision_jobs: int = Field(2048, ge=16)
     scratch_dir: str | None = None
+    state_dir: str | None = None
 
     @model_validator(mode="after")
     def _unique_tokens(self) -> ServiceConfig:
