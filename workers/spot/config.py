@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EmulatedEngineConfig:
+    """``rollout.spot.emulated``: the emulated engine (``rollout.spot.engine=emulated``;
+    :mod:`m2flow.workers.rollout.emulated`, docs/emulation.md)."""
+
+    model: str = "qwen3-8b"  # throughput preset: qwen3-8b | qwen3-14b | qwen3-32b (TP 2, H100)
+    time_scale: float = 1.0  # emulated seconds per real second (as cluster.spot.time_scale)
+    length_median: float = 3000.0  # response tokens: lognormal median ...
+    length_sigma: float = 1.0  # ... and log-space std; capped at rollout.max_new_tokens
+    length_cap: int = 16384  # and at this
+    prompt_tokens: int = 0  # modelled prompt length (0: the real prompt's)
+    mem_util: float = 0.0  # HBM share for weights + KV cache (0: the preset's)
 
 
 @dataclass
@@ -30,6 +44,12 @@ class SpotPoolConfig:
     migration: str = "tokens"  # "tokens": keep the partial response; "recompute" (ablation)
     min_new_tokens: int = 0  # EOS is not sampled before this many tokens (vLLM's min_tokens)
     timeout_s: float = 1800.0  # longest wait for a step's responses
+    engine: str = "exact"  # "exact" (ExactEngine) or "emulated" (sleeps by a throughput model)
+    emulated: EmulatedEngineConfig = field(default_factory=EmulatedEngineConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.emulated, dict):  # from asdict()/a plain config section
+            self.emulated = EmulatedEngineConfig(**self.emulated)
 
     def check(self) -> None:
         """Raises ValueError naming the first bad value."""
@@ -45,7 +65,20 @@ class SpotPoolConfig:
             (self.n_prem_min >= 1, "rollout.spot.n_prem_min must be >= 1"),
             (self.migration in ("tokens", "recompute"), "rollout.spot.migration: tokens|recompute"),
             (self.min_new_tokens >= 0, "rollout.spot.min_new_tokens must be >= 0"),
+            (self.engine in ("exact", "emulated"), "rollout.spot.engine: exact|emulated"),
         ]
+        e = self.emulated
+        if self.engine == "emulated":
+            from ..rollout.emulated import PRESETS
+
+            bad += [
+                (e.model.lower() in PRESETS, f"rollout.spot.emulated.model: {'|'.join(PRESETS)}"),
+                (e.time_scale > 0, "rollout.spot.emulated.time_scale must be > 0"),
+                (e.length_median > 0 and e.length_sigma >= 0 and e.length_cap >= 1,
+                 "rollout.spot.emulated: length_median > 0, length_sigma >= 0, length_cap >= 1"),
+                (e.prompt_tokens >= 0, "rollout.spot.emulated.prompt_tokens must be >= 0"),
+                (0 <= e.mem_util <= 1, "rollout.spot.emulated.mem_util must be in [0, 1]"),
+            ]  # fmt: skip
         for ok, msg in bad:
             if not ok:
                 raise ValueError(msg)

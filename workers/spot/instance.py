@@ -1,11 +1,14 @@
-"""A spot rollout instance: one exact engine on a preemptible node, driven by pulls.
+"""A spot rollout instance: one engine on a preemptible node, driven by pulls.
 
 Its loop (RLBoost 4.2-4.3): pull the staged weights when the manager has a newer version
 (pull-based, versioned: an instance that joins mid-step loads them, then takes work), lease
 its pending requests up to its batch room, generate one block of tokens
 (:class:`~m2flow.workers.rollout.exact.ExactEngine`), report the block, drop what the manager
-revokes. If its node disappears, the process dies mid-block; the manager still holds every
-response up to the last reported block and moves it to another instance.
+revokes. With ``args["engine"] == "emulated"`` the engine is an
+:class:`~m2flow.workers.rollout.emulated.EmulatedEngine` on the same loop (no model is built; a
+weight pull sleeps its modelled transfer time). If its node disappears, the process dies
+mid-block; the manager still holds every response up to the last reported block and moves it
+to another instance.
 """
 
 from __future__ import annotations
@@ -22,25 +25,36 @@ class SpotInstance:
     instance_id: its name at the manager.
     block_tokens: tokens generated between reports.
     max_batch: requests executing at once.
-    args: ``{"model", "alphabet", "temperature", "top_p", "seed", "batch_rows", "threads"}``.
+    args: ``{"model", "alphabet", "temperature", "top_p", "seed", "batch_rows", "threads"}``;
+        for an emulated engine ``{"engine": "emulated", "emulated", "eos_id", "filler_id",
+        "seed"}`` (:class:`~m2flow.workers.spot.config.EmulatedEngineConfig` fields).
     """
 
     def __init__(self, instance_id: str, block_tokens: int, max_batch: int, args: dict) -> None:
+        self.id, self.block, self.max_batch = instance_id, block_tokens, max_batch
+        self.version = -1
+        self.stop = threading.Event()
+        if args.get("engine") == "emulated":
+            from ..rollout.emulated import EmulatedEngine
+
+            self.model = None
+            self.engine = EmulatedEngine.from_config(
+                args["emulated"], args["eos_id"], args["filler_id"], args["seed"],
+                args.get("min_new_tokens", 0),
+            )  # fmt: skip
+            return
         import torch
 
         from ..llm import ModelConfig, build_char_tokenizer, build_model
         from ..rollout.exact import ExactEngine
 
         torch.set_num_threads(args.get("threads", 1))
-        self.id, self.block, self.max_batch = instance_id, block_tokens, max_batch
         tok = build_char_tokenizer(args["alphabet"])
         self.model = build_model(ModelConfig(**args["model"]), tok)
         self.engine = ExactEngine(
             self.model, tok.eos_token_id, args["temperature"], args["top_p"], args["seed"],
             args["batch_rows"], args.get("min_new_tokens", 0),
         )  # fmt: skip
-        self.version = -1
-        self.stop = threading.Event()
 
     @ray.method(concurrency_group="watch")
     def watch(self) -> str:
@@ -59,7 +73,10 @@ class SpotInstance:
         while not self.stop.is_set():
             version, refs = ray.get(mgr.current_weights.remote())
             if version != self.version and refs:
-                self.model.load_state_dict(ray.get(refs[0]))
+                if self.model is None:  # emulated: the modelled pull of the weights' bytes
+                    self.engine.load_weights(version)
+                else:
+                    self.model.load_state_dict(ray.get(refs[0]))
                 self.version = version
                 executing = []  # leases of an older version are void (the manager requeued)
             room = self.max_batch - len(executing)

@@ -442,7 +442,11 @@ class RolloutManager:
             f.exception()  # retrieved: a dead instance's error is expected here
         for f in pending:
             f.cancel()
-        loop_ended = calls[1] in done and calls[0] not in done
+        # A dead process fails both calls, in either order: ``run`` failing with an actor
+        # error is the process dying (a preemption), not its loop raising.
+        run_err = calls[1].exception() if calls[1] in done else None
+        died = calls[0] in done or isinstance(run_err, ray.exceptions.RayActorError)
+        loop_ended = not died
         if loop_ended:
             ray.kill(inst.handle, no_restart=True)
         if self.instances.get(inst.id) is not inst:

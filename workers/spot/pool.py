@@ -21,6 +21,7 @@ from m2flow import Channel
 from m2flow.work import Work
 
 from ..batch import num_tokens, to_batch
+from ..rollout.emulated import EmulatedEngine
 from ..rollout.exact import ExactEngine, GenRequest, to_generation_output
 from .config import SpotPoolConfig
 from .manager import get_manager
@@ -39,12 +40,20 @@ class ReservedSeeder:
             "model": model, "alphabet": alphabet, "temperature": worker.temperature,
             "top_p": worker.top_p, "seed": worker.seed, "batch_rows": self.cfg.batch_rows,
             "threads": self.cfg.threads, "min_new_tokens": self.cfg.min_new_tokens,
+            "engine": self.cfg.engine, "emulated": asdict(self.cfg.emulated),
+            "eos_id": worker.tokenizer.eos_token_id, "filler_id": len(worker.tokenizer) - 1,
         }  # fmt: skip
         self.manager = get_manager(asdict(self.cfg), worker.world_size, args)
-        self.engine = ExactEngine(
-            worker.model, worker.tokenizer.eos_token_id, worker.temperature, worker.top_p,
-            worker.seed, self.cfg.batch_rows, self.cfg.min_new_tokens,
-        )  # fmt: skip
+        if self.cfg.engine == "emulated":  # same loop, modelled time (docs/emulation.md)
+            self.engine = EmulatedEngine.from_config(
+                args["emulated"], args["eos_id"], args["filler_id"], worker.seed,
+                self.cfg.min_new_tokens,
+            )  # fmt: skip
+        else:
+            self.engine = ExactEngine(
+                worker.model, worker.tokenizer.eos_token_id, worker.temperature, worker.top_p,
+                worker.seed, self.cfg.batch_rows, self.cfg.min_new_tokens,
+            )  # fmt: skip
 
     def stage(self, weights: dict, version: int) -> None:
         """Stage new weights once for every spot instance to pull (RLBoost 4.3)."""

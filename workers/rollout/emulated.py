@@ -1,0 +1,493 @@
+"""An emulated rollout engine: :class:`~.exact.ExactEngine`'s interface, but a block of tokens
+costs the time a GPU engine would take (a throughput model) and that time is slept, not
+computed. So the spot pool's manager, policies and Ray actors run unchanged at cluster scale
+(RLBoost section 6: Qwen3-8B/14B/32B, 16K-token responses, 128 prompts x 8 per step) with many
+instances sharing one CPU. Model, calibration and limits: ``docs/emulation.md``.
+
+Three small pieces, each usable alone:
+
+- :class:`ThroughputModel`: seconds of a decode iteration ``(batch, context)``, of a prefill, of
+  a weight transfer, for one engine of ``tp`` GPUs (presets: :data:`PRESETS`);
+- :class:`ResponseLengths`: a capped lognormal response length drawn from a counter keyed by
+  ``(seed, step, prompt, sample)``, so a response's length is fixed up front and does not
+  depend on which engine finishes it (migration keeps it);
+- :class:`EmulatedEngine`: advances :class:`~.exact.GenRequest` s block by block with
+  placeholder tokens (the filler id, then EOS at the drawn length unless the cap cut it),
+  logprobs 0.0, and sleeps ``modelled seconds / time_scale``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from statistics import NormalDist
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .exact import GenRequest
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator. Peak figures from the vendor's datasheet (H100 SXM5: HBM3 3.35 TB/s,
+    dense BF16 989.4 TFLOP/s, dense FP8 1978.9 TFLOP/s, 80 GB)."""
+
+    name: str
+    hbm_bytes_per_s: float
+    flops_bf16: float
+    flops_fp8: float
+    hbm_bytes: float
+
+
+H100_SXM = Hardware("H100 SXM5 80GB", 3.35e12, 989.4e12, 1978.9e12, 80 * GB)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A dense decoder-only transformer (GQA, SwiGLU MLP), as its ``config.json`` states it."""
+
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool = False
+
+    @property
+    def params(self) -> int:
+        """Parameters (norms left out: < 0.01 %)."""
+        h, q, kv = self.hidden, self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate
+        return self.layers * layer + self.vocab * h * (1 if self.tied_embeddings else 2)
+
+    def kv_elems_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim  # K and V, every layer
+
+
+# Qwen3 technical report / model cards (Hugging Face config.json of Qwen/Qwen3-8B, -14B, -32B).
+QWEN3_8B = ModelShape("Qwen3-8B", 36, 4096, 12288, 32, 8, 128, 151936)
+QWEN3_14B = ModelShape("Qwen3-14B", 40, 5120, 17408, 40, 8, 128, 151936)
+QWEN3_32B = ModelShape("Qwen3-32B", 64, 5120, 25600, 64, 8, 128, 151936)
+# The models of the published throughput table the model is calibrated on (docs/emulation.md).
+LLAMA31_8B = ModelShape("Llama-3.1-8B", 32, 4096, 14336, 32, 8, 128, 128256)
+LLAMA33_70B = ModelShape("Llama-3.3-70B", 80, 8192, 28672, 64, 8, 128, 128256)
+
+
+@dataclass(frozen=True)
+class ThroughputModel:
+    """Time of one inference engine (``tp`` GPUs, tensor parallel) in seconds.
+
+    Decode iteration over ``b`` requests of mean context ``L`` (tokens)::
+
+        t(b, L) = max(W / BW, 2 P b / F) + b L kv / BW + b a + t_step
+
+    ``W``: weight bytes; ``P``: parameters; ``kv``: KV-cache bytes per token; ``BW = tp *
+    HBM bandwidth * bw_eff``; ``F = tp * dense FLOP/s * flops_eff``. The GEMMs are a roofline
+    (the weights read once per iteration, or compute-bound at large ``b``); attention reads
+    every live request's KV cache and stays memory-bound at any batch, so it adds. With ``tp >
+    1``, each layer's two all-reduces cost ``allreduce_s`` each plus ``a = 2 layers * hidden * 2
+    bytes * 2 (tp - 1) / tp / tp_link_bytes_per_s`` per request; ``t_step = overhead_s + 2
+    layers allreduce_s``. Hence the batching plateau: tokens/s ``= b / t(b, L)`` grows about
+    linearly while the weight read dominates and flattens once the per-request terms do (at
+    ``b ~ W / (L kv)``): the longer the context, the sooner.
+
+    Prefill of ``n`` new tokens after ``c`` cached ones (a fresh request: the prompt; a
+    migrated one: prompt + its tokens so far): ``max(W / BW, (2 P n + 2 layers d_q n (2c + n))
+    / F) + t_step`` (GEMMs plus causal attention, compute-bound; ``a`` is a decode cost:
+    decode's all-reduces are small messages, far below the link's bandwidth, while prefill's
+    are large); several prefills in one call share the weight read. Weight transfer:
+    ``latency_s + bytes / (net_bytes_per_s * net_eff)``.
+
+    The efficiencies and TP costs are fitted to published H100 throughput (docs/emulation.md:
+    within 4 % (rms) of TensorRT-LLM's Llama-3.1-8B table, 9 % of its Llama-3.3-70B TP-2 one).
+
+    Attributes (beyond the formula's): ``weight_bytes_per_param``/``kv_bytes_per_elem`` (2:
+    BF16; 1: FP8, which also doubles ``F``); ``mem_util``: share of the engine's HBM for
+    weights + KV cache (vLLM's ``gpu_memory_utilization``), giving :attr:`kv_capacity_tokens`.
+    """
+
+    shape: ModelShape
+    hw: Hardware = H100_SXM
+    tp: int = 2
+    weight_bytes_per_param: int = 2
+    kv_bytes_per_elem: int = 2
+    bw_eff: float = 0.8
+    flops_eff: float = 0.6
+    overhead_s: float = 1e-3
+    allreduce_s: float = 25e-6
+    tp_link_bytes_per_s: float = 45e9
+    mem_util: float = 0.6
+    net_bytes_per_s: float = 50e9 / 8
+    net_eff: float = 0.8
+    latency_s: float = 2.0
+
+    # -- derived -----------------------------------------------------------------------------
+
+    @property
+    def params(self) -> int:
+        return self.shape.params
+
+    @property
+    def weight_bytes(self) -> float:
+        return float(self.params * self.weight_bytes_per_param)
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return float(self.shape.kv_elems_per_token() * self.kv_bytes_per_elem)
+
+    @property
+    def bandwidth(self) -> float:
+        return self.tp * self.hw.hbm_bytes_per_s * self.bw_eff
+
+    @property
+    def flops(self) -> float:
+        peak = self.hw.flops_fp8 if self.weight_bytes_per_param == 1 else self.hw.flops_bf16
+        return self.tp * peak * self.flops_eff
+
+    @property
+    def step_overhead_s(self) -> float:
+        return self.overhead_s + (2 * self.shape.layers * self.allreduce_s if self.tp > 1 else 0.0)
+
+    @property
+    def comm_s_per_token(self) -> float:
+        """All-reduce seconds per token in the batch (0 without tensor parallelism)."""
+        if self.tp <= 1:
+            return 0.0
+        nbytes = 2 * self.shape.layers * self.shape.hidden * 2 * 2 * (self.tp - 1) / self.tp
+        return nbytes / self.tp_link_bytes_per_s
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV cache the engine holds (``mem_util`` of its HBM, less the weights)."""
+        free = self.tp * self.hw.hbm_bytes * self.mem_util - self.weight_bytes
+        return max(int(free // self.kv_bytes_per_token), 0)
+
+    # -- times -------------------------------------------------------------------------------
+
+    def decode_step_s(self, batch, context):
+        """Seconds of one decode iteration: ``batch`` requests of mean ``context`` tokens
+        (scalars or numpy arrays)."""
+        b = np.asarray(batch, dtype=np.float64)
+        ctx = np.asarray(context, dtype=np.float64)
+        gemm = np.maximum(self.weight_bytes / self.bandwidth, 2.0 * self.params * b / self.flops)
+        per_req = ctx * self.kv_bytes_per_token / self.bandwidth + self.comm_s_per_token
+        out = gemm + b * per_req + self.step_overhead_s
+        return float(out) if out.ndim == 0 else out
+
+    def decode_tokens_per_s(self, batch, context):
+        """Decode throughput (tokens/s) at ``batch`` requests of mean ``context`` tokens."""
+        return np.asarray(batch, dtype=np.float64) / self.decode_step_s(batch, context)
+
+    def prefill_s(self, tokens: Sequence[int] | int, cached: Sequence[int] | int = 0) -> float:
+        """Seconds to prefill ``tokens[i]`` new tokens of request ``i`` after ``cached[i]``
+        tokens already in its KV cache, all in one engine call (0.0 for nothing)."""
+        n = np.atleast_1d(np.asarray(tokens, dtype=np.float64))
+        c = np.broadcast_to(np.asarray(cached, dtype=np.float64), n.shape)
+        if not n.size or not n.sum():
+            return 0.0
+        d_q = self.shape.q_heads * self.shape.head_dim
+        attn = 2.0 * self.shape.layers * d_q * (n * (2 * c + n)).sum()
+        flops = 2.0 * self.params * n.sum() + attn
+        return max(self.weight_bytes / self.bandwidth, flops / self.flops) + self.step_overhead_s
+
+    def weight_transfer_s(self, nbytes: float | None = None) -> float:
+        """Seconds to pull ``nbytes`` of weights (default: this model's) over the network."""
+        size = self.weight_bytes if nbytes is None else nbytes
+        return self.latency_s + size / (self.net_bytes_per_s * self.net_eff)
+
+    # -- summaries ---------------------------------------------------------------------------
+
+    def plateau(self, context: float, tolerance: float = 0.1, max_batch: int = 1024) -> int:
+        """The smallest batch reaching ``1 - tolerance`` of the best decode throughput over
+        ``1..max_batch`` at mean ``context`` (RLBoost's batching plateau ``B``)."""
+        b = np.arange(1, max_batch + 1)
+        tps = self.decode_tokens_per_s(b, context)
+        return int(b[np.argmax(tps >= (1.0 - tolerance) * tps.max())])
+
+    def steady_state_tps(self, isl: int, osl: int, max_batch: int = 2048) -> float:
+        """Output tokens/s of the engine under a saturating load of requests with ``isl``
+        prompt and ``osl`` output tokens (the setting of offline throughput benchmarks): as
+        many requests run as the KV cache holds at their mean context ``isl + osl / 2`` (at
+        most ``max_batch``); each iteration also prefills the requests that replace the
+        ``b / osl`` finishing ones."""
+        mean_ctx = isl + osl / 2
+        b = max(min(max_batch, self.kv_capacity_tokens / mean_ctx), 1.0)
+        new = b / osl  # requests admitted per iteration
+        d_q = self.shape.q_heads * self.shape.head_dim
+        pre = new * (2.0 * self.params * isl + 2.0 * self.shape.layers * d_q * isl * isl)
+        return b / (self.decode_step_s(b, mean_ctx) + pre / self.flops)
+
+
+#: One engine per spot instance (2 x H100, TP 2: RLBoost section 6.1 and its released launch
+#: scripts), BF16 weights and KV cache. docs/emulation.md gives the sources of every number.
+PRESETS: dict[str, ThroughputModel] = {
+    "qwen3-8b": ThroughputModel(QWEN3_8B),
+    "qwen3-14b": ThroughputModel(QWEN3_14B),
+    "qwen3-32b": ThroughputModel(QWEN3_32B, mem_util=0.85),
+}
+
+
+def throughput_preset(name: str, **overrides) -> ThroughputModel:
+    """The preset ``name`` (a key of :data:`PRESETS`, case-insensitive) with ``overrides``.
+
+    Raises:
+        ValueError: an unknown preset.
+    """
+    try:
+        model = PRESETS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown throughput preset {name!r}: one of {sorted(PRESETS)}") from None
+    return replace(model, **overrides) if overrides else model
+
+
+# -- response lengths ------------------------------------------------------------------------
+
+_LENGTH_SALT = 0x1E46_7115  # a 4th key column: the length draw never equals a token's draw
+
+
+@dataclass(frozen=True)
+class ResponseLengths:
+    """Response lengths in tokens: ``min(max(round(exp(N(ln median, sigma^2))), low), cap)``.
+
+    Defaults (median 3000, sigma 1.0, cap 16384): a choice, not a fit (docs/emulation.md):
+    mean ~4.5K tokens, p90 ~10.8K, ~4.5 % of responses cut at the 16K cap, the long tail
+    of reasoning RL on OpenR1-Math-like prompts.
+
+    A length is a function of ``(seed, step, prompt, sample)`` alone (a counter, like the
+    sampling of :mod:`.sampling`), so it is decided before the first token and survives
+    migration.
+    """
+
+    median: float = 3000.0
+    sigma: float = 1.0
+    cap: int = 16384
+    low: int = 1
+
+    def lengths(self, seed: int, keys) -> np.ndarray:
+        """Lengths for ``keys`` ``[B, 3]`` (step, prompt, sample) -> ``[B]`` int64."""
+        from .sampling import counter_uniforms_at  # here: that module imports torch
+
+        k = np.asarray(keys, dtype=np.int64).reshape(-1, 3)
+        salted = np.concatenate([k, np.full((len(k), 1), _LENGTH_SALT, dtype=np.int64)], axis=1)
+        u = counter_uniforms_at(seed, salted, np.zeros(len(k), dtype=np.int64))
+        z = np.array([NormalDist().inv_cdf(x) for x in u])
+        n = np.rint(self.median * np.exp(self.sigma * z))
+        return np.clip(n, self.low, self.cap).astype(np.int64)
+
+    def length(self, seed: int, key: tuple[int, int, int]) -> int:
+        return int(self.lengths(seed, [key])[0])
+
+    def quantile(self, q: float) -> float:
+        """The ``q`` quantile (before rounding), capped."""
+        return min(max(self.median * np.exp(self.sigma * NormalDist().inv_cdf(q)), self.low),
+                   self.cap)  # fmt: skip
+
+
+# -- the engine ------------------------------------------------------------------------------
+
+
+class TokenRuns(list):
+    """A list whose pickle is run-length encoded: an emulated response is one filler token
+    repeated (and EOS), its logprobs one 0.0 repeated, so shipping a 16K-token partial
+    response between instance and manager costs a few bytes instead of ~150 KB.
+
+    The engine appends through :meth:`add` (which keeps the runs); a list changed any other
+    way is encoded from its items when pickled (correct, slower).
+    """
+
+    __slots__ = ("_runs", "_n")
+
+    def __init__(self, items=()) -> None:
+        super().__init__(items)
+        self._runs: list[list] = []
+        self._n = 0
+        if len(self):
+            self._runs, self._n = _encode(self), len(self)
+
+    def add(self, value, count: int) -> None:
+        count = int(count)
+        if count <= 0:
+            return
+        if self._n != len(self):  # changed behind our back: re-encode
+            self._runs, self._n = _encode(self), len(self)
+        self.extend([value] * count)
+        if self._runs and self._runs[-1][0] == value:
+            self._runs[-1][1] += count
+        else:
+            self._runs.append([value, count])
+        self._n += count
+
+    def __reduce_ex__(self, protocol):
+        runs = self._runs if self._n == len(self) else _encode(self)
+        return (_decode, (tuple(map(tuple, runs)),))
+
+
+def _encode(items: list) -> list[list]:
+    runs: list[list] = []
+    for x in items:
+        if runs and runs[-1][0] == x:
+            runs[-1][1] += 1
+        else:
+            runs.append([x, 1])
+    return runs
+
+
+def _decode(runs: tuple) -> TokenRuns:
+    out = TokenRuns()
+    for value, count in runs:
+        out.add(value, count)
+    return out
+
+
+class EmulatedEngine:
+    """Advances :class:`~.exact.GenRequest` s like :class:`~.exact.ExactEngine` (same
+    ``step``), in modelled time.
+
+    Each call: the requests are admitted in order while their KV cache (context + this block)
+    fits :attr:`ThroughputModel.kv_capacity_tokens` (at least one; the others wait this block
+    and lose their cache, as a vLLM preemption by recompute); those without a cache here
+    (new, migrated, resumed, or evicted) are prefilled; then ``tokens`` decode iterations run,
+    each over the requests still short of their length. The call sleeps the modelled seconds
+    divided by ``time_scale`` (``time_scale = 10``: ten emulated seconds per real second).
+
+    A request's length is ``min(max(lengths(seed, key), min_new_tokens), max_new_tokens)``;
+    its tokens are ``filler_id`` then ``eos_id`` when it ends before ``max_new_tokens`` (else
+    it is cut there, no EOS); logprobs are 0.0.
+
+    Args:
+        model: the engine's throughput model.
+        lengths: the response length distribution (its ``cap`` and the request's
+            ``max_new_tokens`` both cap).
+        eos_id, filler_id: placeholder token ids.
+        seed: the run seed (the length counter's).
+        time_scale: emulated seconds per real second.
+        prompt_tokens: modelled prompt length (0: the request's real prompt length).
+        min_new_tokens: floor on a length (as ExactEngine's ``min_new_tokens``).
+        sleep: ``time.sleep`` (tests may pass a recorder).
+
+    Attributes:
+        emulated_s: modelled seconds so far (decode + prefill + weight transfers).
+        steps, tokens: calls to :meth:`step` that generated, and tokens generated.
+    """
+
+    def __init__(
+        self,
+        model: ThroughputModel,
+        lengths: ResponseLengths,
+        eos_id: int,
+        filler_id: int,
+        seed: int = 0,
+        time_scale: float = 1.0,
+        prompt_tokens: int = 0,
+        min_new_tokens: int = 0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
+        self.model, self.lengths = model, lengths
+        self.eos_id, self.filler_id, self.seed = eos_id, filler_id, seed
+        self.time_scale, self.prompt_tokens = time_scale, prompt_tokens
+        self.min_new_tokens = min_new_tokens
+        self.sleep = sleep
+        self.cached: dict[str, int] = {}  # request id -> context tokens in its KV cache here
+        self.emulated_s = 0.0
+        self.steps = self.tokens = 0
+
+    @classmethod
+    def from_config(cls, cfg: dict, eos_id: int, filler_id: int, seed: int = 0,
+                    min_new_tokens: int = 0) -> EmulatedEngine:  # fmt: skip
+        """From ``rollout.spot.emulated`` (:class:`~m2flow.workers.spot.config.
+        EmulatedEngineConfig` fields)."""
+        over = {"mem_util": cfg["mem_util"]} if cfg.get("mem_util") else {}
+        model = throughput_preset(cfg.get("model", "qwen3-8b"), **over)
+        lengths = ResponseLengths(
+            median=cfg.get("length_median", 3000.0), sigma=cfg.get("length_sigma", 1.0),
+            cap=cfg.get("length_cap", 16384),
+        )  # fmt: skip
+        return cls(model, lengths, eos_id, filler_id, seed, cfg.get("time_scale", 1.0),
+                   cfg.get("prompt_tokens", 0), min_new_tokens)  # fmt: skip
+
+    def targets(self, requests: list[GenRequest]) -> np.ndarray:
+        """The response lengths of ``requests`` (their keys' draws, floored and capped)."""
+        n = self.lengths.lengths(self.seed, [r.key for r in requests])
+        n = np.maximum(n, max(self.min_new_tokens, 1))
+        return np.minimum(n, [r.max_new_tokens for r in requests])
+
+    def _context(self, r: GenRequest) -> int:
+        return (self.prompt_tokens or len(r.prompt_ids)) + len(r.tokens)
+
+    def step(self, requests: list[GenRequest], tokens: int, version: int, label: str = "") -> int:
+        """Generate up to ``tokens`` more tokens for every unfinished request (its length or
+        ``max_new_tokens`` ends one early), sleeping the modelled time. Returns the tokens
+        generated."""
+        live = [r for r in requests if not r.done]
+        if not live or tokens <= 0:
+            return 0
+        targets = self.targets(live)
+        have = np.array([len(r.tokens) for r in live], dtype=np.int64)
+        ctx = np.array([self._context(r) for r in live], dtype=np.int64)
+        new = np.minimum(np.maximum(targets - have, 0), tokens)
+        # KV capacity: admit in order while context + block fits (at least one)
+        fits = np.cumsum(ctx + new) <= self.model.kv_capacity_tokens
+        fits[0] = True
+        run = np.flatnonzero(np.logical_and.accumulate(fits))
+        cold = [i for i in run if self.cached.get(live[i].id) != ctx[i]]
+        seconds = self.model.prefill_s(ctx[cold]) if cold else 0.0
+        seconds += self._decode_s(ctx[run], new[run])
+        self.emulated_s += seconds
+        self.sleep(seconds / self.time_scale)
+        cached: dict[str, int] = {}
+        made = 0
+        for i in run:
+            r, n = live[i], int(new[i])
+            if not isinstance(r.tokens, TokenRuns):
+                r.tokens = TokenRuns(r.tokens)
+            if not isinstance(r.logprobs, TokenRuns):
+                r.logprobs = TokenRuns(r.logprobs)
+            end = bool(have[i] + n >= targets[i])
+            eos = int(end and targets[i] < r.max_new_tokens)
+            r.tokens.add(self.filler_id, n - eos)
+            r.tokens.add(self.eos_id, eos)
+            r.logprobs.add(0.0, n)
+            if n:
+                r.weight_version = version
+                r.by[label] = r.by.get(label, 0) + n
+            r.done = end
+            made += n
+            if not r.done:
+                cached[r.id] = int(ctx[i]) + n
+        self.cached = cached  # the others left, finished, or were evicted
+        self.steps += 1
+        self.tokens += made
+        return made
+
+    def _decode_s(self, ctx: np.ndarray, new: np.ndarray) -> float:
+        """Seconds of ``max(new)`` decode iterations; request ``j`` takes part in the first
+        ``new[j]`` of them, at context ``ctx[j] + i`` in iteration ``i``."""
+        if not len(new) or new.max() <= 0:
+            return 0.0
+        order = np.argsort(new, kind="stable")
+        n_sorted, c_sorted = new[order], ctx[order].astype(np.float64)
+        it = np.arange(int(n_sorted[-1]))
+        k = np.searchsorted(n_sorted, it, side="right")  # requests already done at iteration i
+        batch = len(new) - k
+        suffix = np.concatenate([np.cumsum(c_sorted[::-1])[::-1], [0.0]])
+        mean_ctx = (suffix[k] + it * batch) / batch
+        return float(np.sum(self.model.decode_step_s(batch, mean_ctx)))
+
+    def load_weights(self, version: int, nbytes: float | None = None) -> float:
+        """Pull weights of ``version`` (modelled transfer of ``nbytes``, default the model's):
+        sleeps, drops every KV cache. Returns the modelled seconds."""
+        seconds = self.model.weight_transfer_s(nbytes)
+        self.emulated_s += seconds
+        self.sleep(seconds / self.time_scale)
+        self.cached.clear()
+        return seconds
