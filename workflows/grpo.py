@@ -49,6 +49,7 @@ class ActorConfig(OptimConfig):
     drop_flat_groups: bool = True  # groups with one reward for all samples: no signal
     recompute_old_logprobs: bool = False
     shared_prefix: bool = True  # forward each group's prompt once (same math, ~3x fewer tokens)
+    data_parallel: bool = False  # one rank per device, gradients all-reduced (gloo/NCCL)
 
 
 @dataclass

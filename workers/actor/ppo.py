@@ -28,6 +28,11 @@ class PPOActorWorker(ActorWorker):
     """
 
     def __init__(self, epochs: int = 1, whiten_advantages: bool = True, **kwargs) -> None:
+        if kwargs.get("data_parallel"):
+            raise ValueError(
+                "the PPO actor trains on mini-batches of a whole batch, which data-parallel "
+                "ranks do not share yet: leave actor.data_parallel off for PPO"
+            )
         super().__init__(**kwargs)
         self.epochs, self.whiten = epochs, whiten_advantages
         self.generator = torch.Generator().manual_seed(kwargs.get("seed", 0))

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
+from . import data_parallel
 from .losses import grpo_loss, sequence_logprobs, shared_prefix_logprobs
 
 RESPONSE_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
@@ -244,12 +245,21 @@ class PolicyTrainer:
     def finish_accumulation(self) -> dict[str, float]:
         """Scale the accumulated gradients to the token mean and take one optimizer step.
 
+        Data parallel (:mod:`.data_parallel` active): a collective every rank calls once per
+        step, its parts or none: gradients, token counts and metric sums are summed over the
+        ranks first, so every rank takes the step one rank would on all the parts.
+
         Returns:
             ``loss``, ``pg_loss``, ``clip_frac``, ``ratio_mean``, ``kl`` (token means over the
             accumulated batch), ``grad_norm`` (pre-clip), ``steps`` (1; 0 if nothing was
             accumulated).
         """
         acc, self._accumulated = self._accumulated, None
+        if data_parallel.active():  # every rank: the sums and gradients of all ranks' parts
+            keys = ("tokens", "loss", "pg_loss", "clip_frac", "ratio_mean")
+            acc = data_parallel.all_reduce_sums(acc or {}, keys + ("kl",) * (self.kl_coef > 0))
+            if acc["tokens"] > 0:
+                data_parallel.all_reduce_grads(self.model)
         if not acc or acc["tokens"] <= 0:
             self.optimizer.zero_grad(set_to_none=True)
             return {"steps": 0}

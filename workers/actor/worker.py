@@ -17,15 +17,21 @@ from ..llm import ModelConfig, build_char_tokenizer, build_model
 from ..llm.placement import torch_device
 from ..sft import run_sft
 from ..tasks import TaskDataset
+from . import data_parallel as dp
 from .losses import grpo_advantages
 from .trainer import PolicyTrainer
 
 
 class ActorWorker(Worker):
-    """The policy being trained (plain torch; data parallel > 1 is not supported yet).
+    """The policy being trained (plain torch).
 
-    One rank: given several devices by a plan, it uses them as one (``data_parallel =
-    False``): all their CPU threads on virtual devices.
+    By default one rank: given several devices by a plan, it uses them as one (``data_parallel
+    = False``): all their CPU threads on virtual devices. With ``data_parallel=True`` it runs
+    one rank per device, each with the whole model, reading its share of the step's chunks
+    from the channel; one gradient all-reduce per step (:mod:`.data_parallel`, gloo on CPU,
+    NCCL on CUDA) makes every rank take the optimizer step one rank would on all the chunks.
+    The warm start runs on rank 0 and its weights are broadcast; rank 0 is the weight source
+    and writes the checkpoints (every rank loads them).
 
     Args:
         model: :class:`~m2flow.workers.llm.ModelConfig` fields.
@@ -46,10 +52,29 @@ class ActorWorker(Worker):
             forwards (:func:`~.losses.shared_prefix_logprobs`); same math as the full forward.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
         seed: model init seed.
+        data_parallel: one rank per device (launch) and a gradient all-reduce (see above);
+            streaming updates only (``mini_batch_size`` 0).
+        dist: the process group's rendezvous ``{"addr", "port"}`` (set by :meth:`launch`).
 
     Raises:
-        ValueError: launched with more than one rank.
+        ValueError: several ranks without ``data_parallel``, or ``data_parallel`` with a
+            ``mini_batch_size``.
     """
+
+    @classmethod
+    def launch(cls, cluster, placement=None, **kwargs):
+        """:meth:`Worker.launch`; with ``data_parallel=True`` one rank per device of the
+        placement (default: where the plan puts the group) and, for several ranks, the
+        rendezvous of their process group, drawn here."""
+        if kwargs.get("data_parallel"):
+            from m2flow.group import normalize_placement
+
+            if placement is None:
+                placement = cluster.devices_for(kwargs.get("name") or cls.__name__)
+            ranks = normalize_placement(placement, cluster)
+            if len(ranks) > 1:
+                kwargs["dist"] = dp.rendezvous(cluster, ranks)
+        return super().launch(cluster, placement, **kwargs)
 
     data_parallel = False  # one rank over all its devices (see the class docstring)
 
@@ -72,15 +97,25 @@ class ActorWorker(Worker):
         shared_prefix: bool = True,
         threads: int = 0,
         seed: int = 0,
+        data_parallel: bool = False,
+        dist: dict | None = None,
     ) -> None:
-        if self.world_size != 1:
+        if self.world_size != 1 and (not data_parallel or dist is None):
             raise ValueError(
-                f"the actor runs on one rank for now (got {self.world_size}): data-parallel "
-                "training needs a gradient all-reduce that is not implemented yet"
+                f"the actor got {self.world_size} ranks: launch it with data_parallel=True "
+                "(actor.data_parallel=true) for data-parallel training, or give it one rank"
+            )
+        if self.world_size != 1 and mini_batch_size:
+            raise ValueError(
+                f"data-parallel training takes one optimizer step per step (streaming); "
+                f"mini_batch_size={mini_batch_size} would need the ranks to agree on every "
+                "mini-batch: set actor.mini_batch_size=0"
             )
         torch.set_num_threads(threads or self.num_threads)
         transformers.utils.logging.disable_progress_bar()  # no shard bars in run logs
         self.device = torch_device(self.devices)
+        if self.world_size != 1:
+            dp.init(self.rank, self.world_size, dist["addr"], dist["port"], self.device)
         self.tokenizer = build_char_tokenizer(alphabet)
         self.model = build_model(ModelConfig(**model), self.tokenizer, seed=seed).to(self.device)
         self.lr = lr
@@ -125,6 +160,13 @@ class ActorWorker(Worker):
         Returns:
             ``steps``, ``seconds``, ``loss`` (last), ``val_accuracy`` (greedy, last check).
         """
+        if dp.active() and self.rank != 0:  # rank 0 warm-starts; the others take its weights
+            dp.broadcast_model(self.model)
+            self.trainer.set_lr(self.lr)
+            self._freeze_reference()
+            out = [None]
+            torch.distributed.broadcast_object_list(out, 0)
+            return out[0]
         train = TaskDataset(
             task["name"], dict(task["config"]), seed=task["train_seed"], size=task["train_size"]
         )
@@ -149,12 +191,16 @@ class ActorWorker(Worker):
         # Fresh AdamW moments for RL: the supervised ones point elsewhere.
         self.trainer.optimizer.state.clear()
         self._freeze_reference()
-        return {
+        out = {
             "steps": res.steps,
             "seconds": res.seconds,
             "loss": res.last_loss,
             "val_accuracy": res.val_accuracy,
         }
+        if dp.active():
+            dp.broadcast_model(self.model)
+            torch.distributed.broadcast_object_list([out], 0)
+        return out
 
     def _freeze_reference(self) -> None:
         """The reference policy: a frozen copy of the current weights (KL on only)."""
@@ -259,7 +305,10 @@ class ActorWorker(Worker):
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def save_checkpoint(self, path: str) -> str:
-        """Model, tokenizer, optimizer state, version and RNG state under ``path``."""
+        """Model, tokenizer, optimizer state, version and RNG state under ``path`` (rank 0
+        only: data-parallel ranks hold the same state)."""
+        if self.rank != 0:
+            return str(path)
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out)

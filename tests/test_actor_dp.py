@@ -1,0 +1,93 @@
+"""The data-parallel torch actor (gloo): two ranks that read their shares of a step's chunks
+from one channel take the optimizer step one rank takes on all of them, and stay identical."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from m2flow.workers.actor.worker import ActorWorker
+from m2flow.workers.batch import to_batch
+from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
+from m2flow.workers.rollout.generation import generate
+from test_workflow import ALPHABET, TINY_MODEL
+
+from m2flow import Channel, Worker, WorkerError
+
+pytestmark = pytest.mark.e2e
+VIRTUAL_DEVICES = 3
+PROMPTS = ["1+2=", "3+4=", "5+6=", "7+1=", "2+2=", "9-3=", "8-8=", "4+5="]
+
+
+class Feeder(Worker):
+    """The step's producer: puts the given rollout chunks, one at a time."""
+
+    def feed(self, out: Channel, chunks: list) -> int:
+        for c in chunks:
+            out.put(c)
+        return len(chunks)
+
+
+def _chunks() -> list[dict]:
+    """4 rollout chunks of 2 GRPO groups x 4 samples, with rewards that vary in each group."""
+    tok = build_char_tokenizer(ALPHABET)
+    model = build_model(ModelConfig(**TINY_MODEL), tok, seed=0)
+    torch.manual_seed(0)
+    chunks = []
+    for k in range(4):
+        prompts = PROMPTS[2 * k : 2 * k + 2]
+        gen = generate(model, tok, [tok(p).input_ids for p in prompts], n_samples=4,
+                       max_new_tokens=4, temperature=1.0)  # fmt: skip
+        gen["group_index"] = gen["group_index"] + 2 * k
+        gen["rewards"] = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+        chunks.append({"batch": to_batch(gen), "weight_version": 0})
+    return chunks
+
+
+def _step(cluster, actor, chunks, name: str) -> list[dict]:
+    feeder = Feeder.launch(cluster, [2], name=f"feeder_{name}")
+    ch = Channel.create(f"scored_{name}")
+    try:
+        call = actor.train(ch)
+        feeder.feed(ch, chunks).wait(60)
+        return call.wait(120)
+    finally:
+        feeder.shutdown()
+        ch.close()
+
+
+def test_two_ranks_take_the_one_rank_step(cluster):
+    chunks = _chunks()
+    kw = dict(model=TINY_MODEL, alphabet=ALPHABET, lr=1e-2, threads=1, seed=0)
+    one = ActorWorker.launch(cluster, [0], name="actor_one", **kw)
+    two = ActorWorker.launch(cluster, [0, 1], name="actor_dp", data_parallel=True, **kw)
+    try:
+        assert two.world_size == 2 and one.world_size == 1
+        before = one.get_weights().wait(60)[0]
+        (r1,) = _step(cluster, one, chunks, "one")
+        r2 = _step(cluster, two, chunks, "dp")
+        # Each rank trained on its share of the chunks; together, all of them.
+        # (which rank gets which chunk is a race; a rank with none adds zero gradients)
+        assert sum(r["samples"] for r in r2) == r1["samples"] == 32
+        print("samples per rank:", [r["samples"] for r in r2])
+        for k in ("loss", "pg_loss", "clip_frac", "ratio_mean", "grad_norm"):
+            assert r2[0][k] == pytest.approx(r1[k], rel=1e-4, abs=1e-6), k
+            assert r2[1][k] == r2[0][k], k  # every rank reports the global step
+        w1 = one.get_weights().wait(60)[0]
+        w_dp = two.get_weights().wait(60)  # both ranks
+        moved = max(float((w1[n] - before[n]).abs().max()) for n in w1)
+        assert moved > 1e-4  # the step did something
+        for n in w1:
+            assert torch.equal(w_dp[0][n], w_dp[1][n]), n  # the ranks stay identical
+            assert torch.allclose(w_dp[0][n], w1[n], atol=1e-6), n  # = one rank's step
+    finally:
+        one.shutdown()
+        two.shutdown()
+
+
+def test_several_ranks_need_data_parallel_and_streaming(cluster):
+    kw = dict(model=TINY_MODEL, alphabet=ALPHABET, threads=1)
+    with pytest.raises(WorkerError, match="data_parallel=True"):
+        ActorWorker.launch(cluster, [[0], [1]], name="actor_two", **kw)
+    with pytest.raises(WorkerError, match="mini_batch_size=0"):
+        ActorWorker.launch(cluster, [0, 1], name="actor_mb", data_parallel=True,
+                           mini_batch_size=8, **kw)  # fmt: skip
