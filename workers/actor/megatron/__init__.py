@@ -1,0 +1,8 @@
+"""Megatron-core actor backend (optional extra ``m2flow[megatron]``, ``megatron-core==0.16.1``).
+
+- :mod:`.shims`: the CPU/gloo patches megatron-core needs without CUDA, one comment each.
+- :mod:`.model`: a Megatron ``GPTModel`` shaped like our Qwen2, parallel state, logprobs.
+- :mod:`.convert`: Hugging Face <-> Megatron checkpoint layout (TP shards split / gathered).
+
+Nothing here imports ``megatron`` at package import time; see docs/megatron.md.
+"""

@@ -1,0 +1,214 @@
+"""A Megatron-core ``GPTModel`` shaped like our tiny Qwen2, its parallel state, and logprobs.
+
+The model is megatron-core's own GPT with its local (non Transformer-Engine) layer spec
+(``get_gpt_layer_local_spec``): RMSNorm, SwiGLU (``gated_linear_unit`` + SiLU), rotary
+embeddings with Qwen2's ``rope_theta`` (non-interleaved, i.e. HF's ``rotate_half``), grouped
+query attention (``num_query_groups``), bias on Q/K/V only (Qwen2 has no bias on ``o_proj`` or
+the MLP), tied or untied output embeddings as the HF config says.
+
+Parallelism: :func:`init_parallel` calls ``parallel_state.initialize_model_parallel`` for the
+given tensor (TP) and pipeline (PP) sizes over whatever ``torch.distributed`` backend is
+initialised (gloo on CPU, NCCL on GPU); data parallel size is ``world / (TP * PP)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .shims import CPU_CONFIG_FLAGS, apply_cpu_shims
+
+
+@dataclass(frozen=True)
+class MegatronShape:
+    """What conversion and logprobs need to know about a Megatron model."""
+
+    vocab_size: int  # the HF (true) vocabulary
+    padded_vocab_size: int  # Megatron's, a multiple of ``vocab_multiple * tp``
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    tie_word_embeddings: bool
+
+
+def _rope_theta(hf_config) -> float:
+    theta = getattr(hf_config, "rope_theta", None)
+    if theta is None:  # transformers 5 keeps it in rope_parameters
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        theta = params.get("rope_theta", 10000.0)
+    return float(theta)
+
+
+def padded_vocab(vocab_size: int, tp: int, multiple: int = 8) -> int:
+    """Smallest multiple of ``multiple * tp`` >= ``vocab_size`` (Megatron splits rows evenly)."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
+def megatron_shape(hf_config, tp: int = 1, vocab_multiple: int = 8) -> MegatronShape:
+    """The :class:`MegatronShape` of an HF ``Qwen2Config`` at tensor-parallel size ``tp``."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return MegatronShape(
+        vocab_size=hf_config.vocab_size,
+        padded_vocab_size=padded_vocab(hf_config.vocab_size, tp, vocab_multiple),
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=bool(hf_config.tie_word_embeddings),
+    )
+
+
+def transformer_config(hf_config, tp: int = 1, pp: int = 1, dtype=torch.float32):
+    """Megatron ``TransformerConfig`` equivalent to an HF ``Qwen2Config``.
+
+    fp32 everywhere, no dropout (so TP ranks need no forked RNG), and on CPU the fused kernels
+    off (:data:`~.shims.CPU_CONFIG_FLAGS`).
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    shape = megatron_shape(hf_config, tp)
+    cpu = not torch.cuda.is_available()
+    flags = dict(CPU_CONFIG_FLAGS) if cpu else {}
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf_config.rms_norm_eps),
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,  # Qwen2: no bias on o_proj, gate/up/down
+        add_qkv_bias=True,  # Qwen2: bias on q/k/v
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        **flags,
+    )
+
+
+def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, seed: int = 0) -> None:
+    """``parallel_state.initialize_model_parallel(tp, pp)`` on the initialised process group.
+
+    ``torch.distributed`` must already be initialised (gloo on CPU, NCCL on GPU) with
+    ``world = tp * pp * dp``; ``dp`` (if given) is checked against it. Applies the CPU shims;
+    on a CUDA host seeds Megatron's CUDA RNG tracker with ``seed`` instead.
+    """
+    from megatron.core import parallel_state
+
+    apply_cpu_shims()
+    if not dist.is_initialized():
+        raise RuntimeError("init torch.distributed (gloo/nccl) before init_parallel")
+    world = dist.get_world_size()
+    if world % (tp * pp) or (dp is not None and world != tp * pp * dp):
+        raise ValueError(f"world size {world} is not tp={tp} * pp={pp} * dp={dp}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    if torch.cuda.is_available():  # GPU init draws from the CUDA RNG tracker (untested here)
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_gpt_model(hf_config, vocab_multiple: int = 8, dtype=torch.float32):
+    """The Megatron ``GPTModel`` for this rank's pipeline stage (after :func:`init_parallel`).
+
+    Logits come out gathered over TP (``parallel_output=False``) and cover the padded vocabulary;
+    :func:`megatron_sequence_logprobs` drops the padding columns.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    apply_cpu_shims()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    config = transformer_config(hf_config, tp=tp, pp=pp, dtype=dtype)
+    shape = megatron_shape(hf_config, tp, vocab_multiple)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=shape.padded_vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=False,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=_rope_theta(hf_config),
+    )
+    model.m2flow_shape = shape
+    return model
+
+
+def rolled_inputs(prompt_ids, prompt_mask, response_ids):
+    """``(tokens, position_ids, attention_mask, back)`` for a Megatron forward of
+    ``[prompt | response]``: each row rotated left by its prompt's padding (see
+    :func:`megatron_sequence_logprobs`), positions ``0..S-1``, a causal mask (True = masked,
+    ``[1, 1, S, S]``), and ``back`` (``[B, S]``) to rotate logits back."""
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    b, length = input_ids.shape
+    n_pad = (prompt_ids.shape[1] - prompt_mask.sum(dim=1)).long()
+    cols = torch.arange(length, device=input_ids.device)
+    fwd = (cols.unsqueeze(0) + n_pad.unsqueeze(1)) % length  # rolled[:, j] = orig[:, fwd[:, j]]
+    back = (cols.unsqueeze(0) - n_pad.unsqueeze(1)) % length  # orig[:, t] = rolled[:, back[:, t]]
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=input_ids.device), 1)
+    position_ids = cols.unsqueeze(0).expand(b, length)
+    return input_ids.gather(1, fwd), position_ids, causal.view(1, 1, length, length), back
+
+
+def logprobs_from_rolled_logits(
+    logits, back, prompt_len, response_ids, response_mask, vocab_size, temperature=1.0
+):
+    """Per-token response logprobs ``[B, R]`` from the logits of a :func:`rolled_inputs`
+    forward (``[B, S, V_pad]``): rotated back, padded vocabulary columns dropped."""
+    b, length, v_pad = logits.shape
+    logits = logits.gather(1, back.unsqueeze(-1).expand(b, length, v_pad))
+    logits = logits[:, prompt_len - 1 : -1, :vocab_size].float() / temperature
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+    return logprobs * response_mask
+
+
+def megatron_sequence_logprobs(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """:func:`~m2flow.workers.actor.losses.sequence_logprobs` for a single-stage (PP=1)
+    Megatron model: per-token logprobs ``[B, R]``, 0 where masked.
+
+    Megatron's local attention takes no padding mask (only the causal one) and its rotary
+    positions are ``0..S-1``, so each row is rotated left by its prompt's padding first: the real
+    tokens then start at position 0 (what HF's ``cumsum(mask) - 1`` positions give) and the
+    padding moves after them, where causal attention keeps it from touching any scored token.
+    Logits are rotated back and the padded vocabulary columns dropped.
+    """
+    tokens, position_ids, causal, back = rolled_inputs(prompt_ids, prompt_mask, response_ids)
+    logits = model(tokens, position_ids, attention_mask=causal)  # [B, S, V_pad]
+    return logprobs_from_rolled_logits(
+        logits,
+        back,
+        prompt_ids.shape[1],
+        response_ids,
+        response_mask,
+        model.m2flow_shape.vocab_size,
+        temperature,
+    )
