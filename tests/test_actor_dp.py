@@ -11,7 +11,7 @@ from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
 from m2flow.workers.rollout.generation import generate
 from test_workflow import ALPHABET, TINY_MODEL
 
-from m2flow import Channel, Worker, WorkerError
+from m2flow import Channel, Worker
 
 pytestmark = pytest.mark.e2e
 VIRTUAL_DEVICES = 3
@@ -85,9 +85,11 @@ def test_two_ranks_take_the_one_rank_step(cluster):
 
 
 def test_several_ranks_need_data_parallel_and_streaming(cluster):
+    """Refused at launch, before any process starts."""
     kw = dict(model=TINY_MODEL, alphabet=ALPHABET, threads=1)
-    with pytest.raises(WorkerError, match="data_parallel=True"):
+    with pytest.raises(ValueError, match="data_parallel=True"):
         ActorWorker.launch(cluster, [[0], [1]], name="actor_two", **kw)
-    with pytest.raises(WorkerError, match="mini_batch_size=0"):
+    with pytest.raises(ValueError, match="mini_batch_size=0"):
         ActorWorker.launch(cluster, [0, 1], name="actor_mb", data_parallel=True,
                            mini_batch_size=8, **kw)  # fmt: skip
+    assert not [g for g in cluster.groups if g.name in ("actor_two", "actor_mb")]

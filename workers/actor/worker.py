@@ -66,15 +66,32 @@ class ActorWorker(Worker):
         """:meth:`Worker.launch`; with ``data_parallel=True`` one rank per device of the
         placement (default: where the plan puts the group) and, for several ranks, the
         rendezvous of their process group, drawn here."""
-        if kwargs.get("data_parallel"):
-            from m2flow.group import normalize_placement
+        from m2flow.group import normalize_placement
 
-            if placement is None:
-                placement = cluster.devices_for(kwargs.get("name") or cls.__name__)
+        if kwargs.get("data_parallel") and placement is None:
+            placement = cluster.devices_for(kwargs.get("name") or cls.__name__)
+        if placement is not None:  # refuse here, before any process starts
             ranks = normalize_placement(placement, cluster)
+            cls._check_ranks(len(ranks), kwargs)
             if len(ranks) > 1:
                 kwargs["dist"] = dp.rendezvous(cluster, ranks)
         return super().launch(cluster, placement, **kwargs)
+
+    @staticmethod
+    def _check_ranks(world_size: int, kwargs: dict) -> None:
+        if world_size == 1:
+            return
+        if not kwargs.get("data_parallel"):
+            raise ValueError(
+                f"the actor got {world_size} ranks: launch it with data_parallel=True "
+                "(actor.data_parallel=true) for data-parallel training, or give it one rank"
+            )
+        if kwargs.get("mini_batch_size"):
+            raise ValueError(
+                f"data-parallel training takes one optimizer step per step (streaming); "
+                f"mini_batch_size={kwargs['mini_batch_size']} would need the ranks to agree "
+                "on every mini-batch: set actor.mini_batch_size=0"
+            )
 
     data_parallel = False  # one rank over all its devices (see the class docstring)
 
@@ -100,17 +117,10 @@ class ActorWorker(Worker):
         data_parallel: bool = False,
         dist: dict | None = None,
     ) -> None:
-        if self.world_size != 1 and (not data_parallel or dist is None):
-            raise ValueError(
-                f"the actor got {self.world_size} ranks: launch it with data_parallel=True "
-                "(actor.data_parallel=true) for data-parallel training, or give it one rank"
-            )
-        if self.world_size != 1 and mini_batch_size:
-            raise ValueError(
-                f"data-parallel training takes one optimizer step per step (streaming); "
-                f"mini_batch_size={mini_batch_size} would need the ranks to agree on every "
-                "mini-batch: set actor.mini_batch_size=0"
-            )
+        self._check_ranks(
+            self.world_size,
+            {"data_parallel": data_parallel and dist, "mini_batch_size": mini_batch_size},
+        )
         torch.set_num_threads(threads or self.num_threads)
         transformers.utils.logging.disable_progress_bar()  # no shard bars in run logs
         self.device = torch_device(self.devices)
