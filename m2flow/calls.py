@@ -1,6 +1,6 @@
 """What the driver tells a worker about one group call: channel epochs and chunk size.
 
-A runner never computes chunk counts (RLinf section 5, elastic pipelining, is the runtime's
+A runner never computes chunk counts (RLinf section 3.3, elastic pipelining, is the runtime's
 job). For that the driver stamps each group call with a :class:`CallContext`:
 
 - **epochs**: for every channel the call receives as an argument (directly, in a container, or

@@ -1,4 +1,5 @@
-"""Placement: a plan as the runtime applies it (RLinf section 5, "executing the plan").
+"""Placement: a plan as the runtime applies it (RLinf section 3.4's plan, executed by the
+elastic pipelining and context switching of section 3.3).
 
 A :class:`Placement` says, per worker group, which global device ids it runs on, and per
 channel edge ``src -> dst`` how many items a producer puts per chunk (elastic pipelining:

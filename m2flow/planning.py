@@ -3,7 +3,7 @@
 Glue between the runtime and the pure planner (:mod:`m2flow.scheduler`): ``plan=...`` of
 ``m2flow run`` becomes a :class:`~m2flow.placement.Placement` here, and after the run
 :func:`report` compares the plan's predicted step time with the measured one (RLinf section
-7 reports the same comparison).
+5.2, Figure 16(a), reports the same comparison).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Profiler: measure a workflow runner to plan it (RLinf section 5, "profiling").
+"""Profiler: measure a workflow runner to plan it (RLinf section 3.4, "Profiler").
 
 ``m2flow profile WORKFLOW.py [overrides] -o profile.yaml`` runs the unchanged runner a few
 steps at a time under temporal placements on ``n = 1, 2, 4, ...`` devices (every group on

@@ -1,4 +1,4 @@
-"""Workflow graph traced from channel traffic (RLinf section 5, profiling input).
+"""Workflow graph traced from channel traffic (RLinf section 3.4, profiling input).
 
 Each channel records, for every item handed to a consumer, the edge
 ``producer group -> consumer group``. :func:`workflow_graph` merges them over the channels this

@@ -219,7 +219,7 @@ class Worker(Mailbox, Residency, Weights):
 
     def chunk_size(self, default: int) -> int:
         """Items per chunk this rank should put on its output channels in the current group
-        call: the plan's granularity for this group (elastic pipelining, RLinf section 5), or
+        call: the plan's granularity for this group (elastic pipelining, RLinf section 3.3), or
         ``default`` (coalesced: the whole share) when the run has no plan for it."""
         ctx = self._m2flow_call_ctx
         g = None if ctx is None else ctx.granularity

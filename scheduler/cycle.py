@@ -1,6 +1,6 @@
 """Cost model of a collapsed cycle (env <-> policy): time-shared, or split across devices.
 
-RLinf (section 5, Algorithm 1) collapses every cycle of the workflow graph into one node before
+RLinf (section 3.4, Algorithm 1) collapses every cycle of the workflow graph into one node before
 cutting the graph (``ConvertCircleToNode``), so the cycle's members always share devices. Its
 embodied experiment (section 5.1.2, ManiSkill) runs the simulator and the policy on separate
 devices instead, pipelined over sub-batches of the environments: while the policy computes

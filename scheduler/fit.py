@@ -1,6 +1,6 @@
 """Fit a component's time or memory as a function of its device count from measured points.
 
-RLinf (section 5, "profiling") profiles each worker on a few device counts and extrapolates
+RLinf (section 3.4, "Profiler") profiles each worker on a few device counts and extrapolates
 the cost to any count. This module offers a few candidate models, all fitted by (weighted,
 constrained) least squares with scipy, and picks the one whose held-out error is lowest:
 

@@ -1,6 +1,6 @@
 """The plan tree the planner returns, and its JSON/YAML-friendly form.
 
-A plan (RLinf section 5, Algorithm 1's output) is a tree: :class:`Leaf` (one component, or a
+A plan (RLinf section 3.4, Algorithm 1's output) is a tree: :class:`Leaf` (one component, or a
 collapsed cycle of components time-sharing a device range), :class:`Temporal` (children one
 after the other on the same devices), :class:`Spatial` (upstream and downstream on disjoint
 devices, pipelined in chunks of ``granularity`` items) and :class:`CycleSplit` (a collapsed

@@ -1,4 +1,4 @@
-"""M2Flow planner: RLinf Algorithm 1 (profiling-guided scheduling, RLinf paper section 5).
+"""M2Flow planner: RLinf Algorithm 1 (profiling-guided scheduling, RLinf paper section 3.4).
 
 Pure (numpy/networkx). Given per-component time and memory estimates, a workflow graph and a
 cluster (N devices, per-device memory capacity), find the composition of temporal (same
@@ -46,14 +46,22 @@ Algorithm:
        of two leaves this is exactly "sum of times + sum of the members' switch costs"; nested
        temporal nodes do not pay a component's switch twice. Each child may use its own
        k <= n of the shared range (its first k devices, whose locks they share).
-     - spatial: for every split ``n_U + n_D = n`` (each >= 1) and granularity ``m | M``, the
-       pipelined cost of :mod:`m2flow.scheduler.cost` (:func:`~.cost.spatial_time`) with
-       ``T_U = P(U, n_U)``, ``T_D = P(D, n_D)`` and per-chunk overhead of a part = sum of its
-       members' ``chunk_overhead`` (paid per extra chunk: one chunk costs ``T_U + T_D``).
-       With the envelope every ``P(S, n)`` is nonincreasing in n (both compositions are
-       nondecreasing in their parts' times), so a sub-plan given n_U devices may use fewer.
-   * ties: cuts in increasing bitmask order over a fixed topological order, temporal before
-     spatial, then the cheaper split, smallest n_U, largest m. Only strictly better replaces.
+     - spatial: U and D on disjoint devices (``n_U + n_D = n``, each >= 1), pipelined. A
+       chain of spatial compositions is ONE pipeline (RLinf section 3.4's ``T_critical +
+       (M/m - 1) * T_bottleneck`` over the whole chain, however the tree nests it): its
+       *stages* (the leaves, temporal nodes and split cycles joined by spatial nodes) share
+       one granularity ``m | M`` and, in ``k = M/m`` chunks, it costs ``sum_i t_i + (k - 1)
+       max_i t_i`` (:func:`~.cost.flow_shop_time`) with a stage's chunk ``t_i = (T_i - o_i) /
+       k + o_i``: its whole-batch time ``T_i = P(stage, n_i)`` and per-chunk overhead ``o_i``
+       = sum of its members' ``chunk_overhead`` (paid per extra chunk: one chunk costs
+       ``sum_i T_i``). A chain's cost is not a function of its halves' costs, so the search
+       takes U as the chain's first stage and carries the bottleneck into the rest
+       (:mod:`.tables` states how, exactly). With the envelope every ``P(S, n)`` is
+       nonincreasing in n (both compositions are nondecreasing in their parts' times), so a
+       sub-plan given n_U devices may use fewer.
+   * ties: temporal (or a leaf) before spatial, then cuts in increasing bitmask order over a
+     fixed topological order, the smaller n_U, the largest m. Only strictly better replaces.
+     A chain's plan nests to the right: ``S(a | S(b | c))``.
 3. Modes restrict the compositions (exactly, by DP over *families* of tables): ``auto``
    (unrestricted), ``temporal`` (temporal only: every component given all N devices), ``spatial``
    (spatial only: disjoint devices everywhere) and ``hybrid`` (at least one temporal AND one
@@ -67,7 +75,7 @@ Algorithm:
    ``[u, N)`` is idle (:meth:`~m2flow.scheduler.plan.PlanResult.idle`). With every device
    used, spatial upstream gets ``[start, start + n_U)`` and downstream the rest.
 5. Scale: the tables (:mod:`.tables`) are arrays over n = 0..N, so memory grows linearly in
-   N; the split search streams its candidates (:func:`~.cost.best_split_all`). Clusters above
+   N; the split search streams its candidates (:func:`~.search.split_query`). Clusters above
    :data:`MAX_DEVICES` are refused.
 
 Units: times in seconds (per step, whole batch of M items), memory in bytes per device.
@@ -82,7 +90,7 @@ from typing import Literal, overload
 import networkx as nx
 import numpy as np
 
-from .cost import INF
+from .cost import INF, flow_shop_time
 from .cycle import CycleCost
 from .plan import CycleSplit, Leaf, Plan, PlanError, PlanResult, Spatial, Temporal
 from .tables import FAMILY, Planner
@@ -109,6 +117,7 @@ __all__ = [
     "Workflow",
     "condense",
     "plan_workflow",
+    "predicted_time",
 ]
 
 MODES = ("auto", "temporal", "spatial", "hybrid")
@@ -404,3 +413,48 @@ def plan_workflow(
         allow_idle=allow_idle,
         slack=slack,
     )
+
+
+def predicted_time(plan: Plan, workflow: Workflow) -> float:
+    """Predicted step time (seconds) of ``plan``, nested in any way, under the planner's cost
+    model (module docstring, point 2): a leaf or split cycle takes its ``time``, a temporal node
+    the sum of its children's, and a chain of spatial nodes (with its stages: the nodes below
+    it that are not spatial) ``sum_i t_i + (k - 1) max_i t_i`` (RLinf section 3.4;
+    :func:`~.cost.flow_shop_time`), each stage's per-chunk overhead the sum of its components'
+    ``chunk_overhead`` in ``workflow``. For a plan of :func:`plan_workflow` this is
+    ``plan.time`` (up to rounding); it costs hand-written plans the same way.
+
+    Raises:
+        PlanError: a component of the plan is not in ``workflow``, or one chain's spatial
+            nodes have different chunk counts (one pipeline has one granularity).
+    """
+    over = {c.name: c.chunk_overhead for c in workflow.components}
+
+    def overhead(node: Plan) -> float:
+        names = [c for lf in node.leaves() for c in lf.components]
+        missing = [c for c in names if c not in over]
+        if missing:
+            raise PlanError(f"component {missing[0]!r} of the plan is not in the workflow")
+        return sum(over[c] for c in names)
+
+    def stages(node: Plan, k: int) -> list[Plan]:
+        if not isinstance(node, Spatial) or isinstance(node, CycleSplit):
+            return [node]
+        if node.chunks != k:
+            raise PlanError(
+                f"spatial node {node.shape()} has {node.chunks} chunks inside a pipeline of "
+                f"{k}: one chain of spatial nodes is one pipeline with one granularity"
+            )
+        return stages(node.upstream, k) + stages(node.downstream, k)
+
+    def cost(node: Plan) -> float:
+        if isinstance(node, Temporal):
+            return sum(cost(c) for c in node.children)
+        if isinstance(node, Spatial) and not isinstance(node, CycleSplit):
+            parts = stages(node, node.chunks)
+            times = [cost(p) for p in parts]
+            return float(flow_shop_time(times, [overhead(p) for p in parts], node.chunks))
+        overhead(node)  # every component known
+        return float(node.time)
+
+    return cost(plan)

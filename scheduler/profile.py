@@ -52,7 +52,7 @@ exact and predict about 0 at every device count.
 :func:`to_workflow` turns a profile into the planner's :class:`~.planner.Workflow`, each
 component's time and memory fitted over its points (:mod:`.fit`: time over every model,
 memory over ``constant`` and ``amdahl``, i.e. replicated + sharded bytes). Source: RLinf
-section 5 (profiling-guided scheduling). Pure: no Ray, no torch.
+section 3.4 (the profiler and the scheduler). Pure: no Ray, no torch.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ For two parts U and D with tables over device counts (``T[j]``: seconds on ``j``
 ``inf``: infeasible) and a cost ``f_v(U[j], D[n - j])`` per *variant* ``v`` (a chunk count, a
 sub-batch count...), :func:`split_min` finds, for every total ``n = 0..N`` and every variant,
 the least cost over ``1 <= j <= n - 1`` and the smallest ``j`` attaining it. A part may hold
-several tables (e.g. a pipeline's summed and slowest per-chunk times), each of shape ``(N+1,)``
-or ``(V, N+1)`` (one row per variant).
+several tables, each of shape ``(N+1,)`` or ``(V, N+1)`` (one row per variant).
 
 Requirement on the cost: nondecreasing and convex in every table value. Then, with the
 greatest convex minorants ``H <= T`` (:func:`~.cost.convex_minorant`), ``L_v(j) = f_v(H_U(j),
@@ -13,12 +12,15 @@ H_D(n - j))`` is convex in ``j`` and a lower bound of the true cost. The search 
 slope for its minimiser ``j*``, takes the exact cost there as an upper bound ``ub`` and
 evaluates exactly every ``j`` with ``L(j) <= ub`` (an interval around ``j*``, two more
 bisections). Where every table is convex and finite on its range (``H = T``) the bound is the
-cost and ``j*`` is the answer. This is the method of :func:`~.cost.best_split_all` (the
-pipelined cost of RLinf section 5) with the cost left open, so that the cycle split
-(:mod:`.cycle`) can use it. Small problems (up to
+cost and ``j*`` is the answer. The cycle split (:mod:`.cycle`) uses it. Small problems (up to
 ``exhaustive_splits`` splits) are searched exhaustively.
 
-Memory: O(V N) plus blocks of at most :data:`BLOCK` evaluated splits.
+:func:`split_query` is the same method for a cost that is not a function of two tables: per
+query a range of splits, a convex lower bound and an exact cost given as callables. The
+planner's chain search (:mod:`.tables`: a pipeline's first stage and the rest, whose exact cost
+is itself a search) uses it.
+
+Memory: O(V N) (O(Q) queries) plus blocks of at most :data:`BLOCK` evaluated splits.
 """
 
 from __future__ import annotations
@@ -212,3 +214,171 @@ def _windows(value, best_j, cost, up, down, v, n, left, right, thr) -> None:
         start = np.cumsum(c) - c
         j = left[w] + np.arange(w.size) - np.repeat(start, c)
         _fold(value, best_j, v[w], n[w], j, _exact(cost, up, down, v[w], j, n[w]))
+
+
+Exact = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+def split_query(
+    lo: np.ndarray,
+    hi: np.ndarray,
+    bound: Callable[[np.ndarray], Callable[[np.ndarray], np.ndarray]],
+    exact: Exact,
+    ub: np.ndarray | None = None,
+    runs: np.ndarray | None = None,
+    exhaustive: bool = False,
+    group: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Least exact cost of every query ``q`` over the splits ``lo[q] <= j <= hi[q]``.
+
+    :func:`split_min` for a cost that is not a function of two tables: each query has its own
+    range, and the exact cost of a split comes from a callable (the planner's chain search,
+    :mod:`.tables`, evaluates it by a nested search). Where :func:`split_min` bounds its cost
+    with the tables' convex minorants, the caller passes the bound.
+
+    Args:
+        lo, hi: int arrays ``(Q,)``: the range of ``j`` per query (none where ``lo > hi``).
+        bound: ``bound(q)(j)`` -> seconds, elementwise over index arrays (``bound(q)`` takes
+            what the queries ``q`` share, then is called with many ``j``): a lower bound of
+            the exact cost, finite and convex in ``j`` on each query's range (so that ``{j :
+            bound <= t}`` is an interval). Exhaustive mode needs only the lower bound.
+        exact: ``exact(q, j, cap)`` -> ``(seconds, payload)``: the exact cost where it is at
+            most ``cap`` (else any value above ``cap``, which lets the callee skip work; ``inf``
+            where infeasible, never NaN) and one float of the caller's per split (returned at
+            the winner).
+        ub: seconds ``(Q,)``: splits whose bound is above ``ub`` (within 1e-9) are skipped, so a
+            query no split of which beats it gets ``inf`` (the caller holds a better one).
+        runs: table over ``j`` (length above every ``hi``) such that the exact cost is
+            nondecreasing in ``j`` along every run of equal ``runs[j]`` (a nonincreasing
+            downstream); then only the first ``j`` of each run in a window is evaluated.
+        exhaustive: evaluate the bound at every split (no convexity needed; O(range) per
+            query) instead of bisecting on it.
+        group: int array ``(Q,)``: only the least cost of each group is wanted exactly (the
+            planner's chunk counts of one device count), so splits whose bound is above the
+            group's best so far are skipped; a query that loses this way gets a lower bound.
+
+    Returns:
+        ``(value, j, payload, lower)``, each ``(Q,)``: ``inf``, ``-1``, ``nan`` where no split
+        is feasible (or none beats ``ub``); ``lower <= value`` bounds the query's least cost
+        from below, equal to ``value`` where that is exact (always without ``group``; at
+        least the least ``value`` of each group). Ties: the smallest ``j``.
+
+    Bisection as in :func:`split_min`: ``j*`` minimises the bound, ``exact(j*)`` is an upper
+    bound, and only the interval ``{j : bound(j) <= min(exact(j*), ub)}`` around ``j*`` is
+    evaluated exactly, in blocks of about :data:`BLOCK` splits.
+    """
+    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    nq = lo.size
+    value, best_j, payload = np.full(nq, INF), np.full(nq, -1, np.int64), np.full(nq, np.nan)
+    lower = np.full(nq, INF)
+    ub = np.full(nq, INF) if ub is None else np.asarray(ub, dtype=float)
+    q = np.flatnonzero(lo <= hi)
+    if not q.size:
+        return value, best_j, payload, lower
+    with np.errstate(invalid="ignore", over="ignore"):
+        if exhaustive:
+            j_star = lo[q].copy()
+            b_star = np.full(q.size, INF)
+            for w, j in _blocks(lo[q], hi[q] - lo[q] + 1):
+                _fold_runs(b_star, j_star, None, np.arange(q.size), w, j, bound(q[w])(j), None)
+        else:
+            bq = bound(q)
+            j_star = _lift(lo[q] - 1, hi[q] - 1, lambda j: np.subtract(*bq(j + _PAIR)) < 0) + 1
+            b_star = np.where(np.isnan(b := bq(j_star)), INF, b)
+        lower[q] = b_star
+        keep = b_star <= _threshold(ub[q])
+        q, j_star, b_star = q[keep], j_star[keep], b_star[keep]
+        if not q.size:
+            return value, best_j, payload, lower
+        v, x = exact(q, j_star, _threshold(ub[q]))
+        _fold_q(value, best_j, payload, q, j_star, v, x)
+        cap = np.minimum(value[q], ub[q])
+        if group is not None and q.size:
+            best = np.full(int(group.max()) + 1, INF)
+            np.minimum.at(best, group, np.minimum(value, ub))
+            cap = np.minimum(cap, best[group[q]])
+        thr = _threshold(cap)
+        if exhaustive:
+            for w, j in _blocks(lo[q], hi[q] - lo[q] + 1):
+                sel = np.flatnonzero((bound(q[w])(j) <= thr[w]) & (j != j_star[w]))
+                if sel.size:
+                    v, x = exact(q[w[sel]], j[sel], thr[w[sel]])
+                    _fold_runs(value, best_j, payload, q, w[sel], j[sel], v, x)
+        else:
+            # {j : bound(j) <= thr}: an interval around j* (the bound is convex); most are
+            # j* alone, seen from its neighbours.
+            bq = bound(q)
+            wide = (bq(np.maximum(j_star - 1, lo[q])) <= thr) & (j_star > lo[q])
+            wide |= (bq(np.minimum(j_star + 1, hi[q])) <= thr) & (j_star < hi[q])
+            wide &= b_star <= thr
+            qw, jw, tw = q[wide], j_star[wide], thr[wide]
+            bq = bound(qw)
+            left = _lift(lo[qw] - 1, jw - 1, lambda j: bq(j) > tw) + 1
+            right = _lift(jw, hi[qw], lambda j: bq(j) <= tw)
+            for w, j in _blocks(left, right - left + 1, runs):
+                v, x = exact(qw[w], j, tw[w])
+                _fold_runs(value, best_j, payload, qw, w, j, v, x)
+        # Splits left out have bounds above the threshold: exact where the best is below it.
+        done = value[q] <= thr
+        lower[q] = np.where(done, value[q], np.maximum(b_star, np.minimum(value[q], cap)))
+    return value, best_j, payload, lower
+
+
+_PAIR = np.array([[1], [0]])  # j + _PAIR: the splits j + 1 and j in one evaluation
+
+
+def _threshold(ub: np.ndarray) -> np.ndarray:
+    """Bounds up to this may still reach ``ub`` (rounding slack; no limit where ``ub = inf``)."""
+    return np.where(np.isfinite(ub), ub * (1 + 1e-9) + 1e-12, np.finfo(float).max)
+
+
+def _blocks(start: np.ndarray, counts: np.ndarray, runs: np.ndarray | None = None):
+    """``(w, j)`` blocks of about :data:`BLOCK` splits: every ``j`` in ``[start[w], start[w] +
+    counts[w])`` for each window ``w``; with ``runs``, only a window's first ``j`` and those
+    where ``runs[j] != runs[j - 1]`` (the first of each run of equal values)."""
+    counts = np.maximum(counts, 0)
+    steps = first = None
+    if runs is not None:
+        steps = np.flatnonzero(runs[2:] != runs[1:-1]) + 2  # j with runs[j] != runs[j - 1]
+        first = np.searchsorted(steps, start, side="right")
+        last = start + counts - 1
+        counts = np.where(counts > 0, np.searchsorted(steps, last, side="right") - first + 1, 0)
+    if not counts.any():
+        return
+    ends = np.cumsum(counts)
+    cut = np.searchsorted(ends, np.arange(BLOCK, int(ends[-1]), BLOCK), side="right")
+    edges = np.unique(np.r_[0, cut, counts.size])
+    for a, b in zip(edges[:-1].tolist(), edges[1:].tolist()):
+        c = counts[a:b]
+        w = np.repeat(np.arange(a, b), c)
+        pos = np.arange(w.size) - np.repeat(np.cumsum(c) - c, c)  # index within the window
+        if steps is None:
+            yield w, start[w] + pos
+            continue
+        j = start[w].copy()
+        inner = np.flatnonzero(pos)
+        j[inner] = steps[first[w[inner]] + pos[inner] - 1]
+        yield w, j
+
+
+def _fold_q(value, best_j, payload, q, j, v, x) -> None:
+    """Fold candidates ``(q, j, v, x)``, one per query ``q`` (distinct), into the per-query
+    least finite ``v``, then smallest ``j`` (``payload`` follows the winner; ``None`` skips
+    it)."""
+    cur, cj = value[q], best_j[q]
+    win = np.flatnonzero(np.isfinite(v) & ((v < cur) | ((v == cur) & ((j < cj) | (cj < 0)))))
+    value[q[win]], best_j[q[win]] = v[win], j[win]
+    if payload is not None:
+        payload[q[win]] = x[win]
+
+
+def _fold_runs(value, best_j, payload, q, w, j, v, x) -> None:
+    """:func:`_fold_q` of a block of :func:`_blocks`: ``w`` (window per candidate) is
+    nondecreasing, ``j`` increasing within a window, ``q[w]`` the window's query (distinct)."""
+    v = np.where(np.isnan(v), INF, v)
+    starts = np.flatnonzero(np.r_[True, w[1:] != w[:-1]])
+    v_w = np.minimum.reduceat(v, starts)
+    at = np.flatnonzero(v == np.repeat(v_w, np.diff(np.r_[starts, w.size])))
+    first = at[np.searchsorted(at, starts)][np.isfinite(v_w)]  # each window's least, first j
+    _fold_q(value, best_j, payload, q[w[first]], j[first], v[first],
+            None if x is None else x[first])  # fmt: skip

@@ -1,109 +1,93 @@
-"""DP tables of the planner (RLinf Algorithm 1, section 5): ``P(S, n)`` of every node subset S
-for every device count n = 0..N, per family of compositions, and the plan they encode.
+"""DP tables of the planner (RLinf Algorithm 1, section 3.4): the best time of every node
+subset S on every device count n = 0..N, per family of compositions, and the plan they encode.
 
 :mod:`.planner` holds the model (components, workflow, condensation) and the entry point;
 the search itself is described in its module docstring (points 2-4). Split out of it to keep
-each module short; nothing here is public API.
+each module short, and split further: the chain tables' search in :mod:`.chain_search`, the
+plan tree in :mod:`.plan_build`, the records they share in :mod:`.table_types`. Nothing here
+is public API.
 
-Memory: each table is one float64 array over n = 0..N plus the winning choice per n in small
-integer arrays (int8 variant, int32 cut and n_U, int16 granularity index: 19 bytes per device
-count instead of 40), each memoised split 14 bytes, each non-convex table's minorant 8 bytes:
-about 5 KB per device for the 5-component PPO graph with every family (runner-ups), so
-memory grows linearly in N (:func:`~.cost.best_split_all` keeps its temporaries bounded).
+Spatial compositions are costed as one pipeline per chain (RLinf section 3.4, the pipelined
+cost ``T_critical + (M/m - 1) * T_bottleneck`` applied to the whole chain): nested spatial
+nodes flatten into a chain of *stages* (each a leaf, a temporal node or a split cycle), and a
+chain in ``k`` chunks costs
+
+    T = sum_i t_i + (k - 1) * max_i t_i,        t_i = (T_i - o_i) / k + o_i
+
+(:func:`~.cost.flow_shop_time`; ``T_i``, ``o_i``: a stage's whole-batch seconds and per-chunk
+overhead). The first chunk passes every stage; each further chunk adds the slowest stage's
+chunk. So a chain has one ``k``, its nodes all carry it, and the cost does not depend on how
+the tree nests the stages. A stage's per-chunk time is its whole-batch time over ``k`` (its
+inner structure, a temporal node's children say, is not pipelined).
+
+Three kinds of table per (subset, time-shared flag, family):
+
+- *stage* ``P_st(S, n)``: the best plan whose top is not spatial (a leaf or a temporal node);
+- *chain*: the best pipeline of two or more stages. Per chunk count k it keeps ``C_k(S, n)``,
+  the least cost over its chains, and a lower bound of the slowest chunk of the chain reaching
+  it; and ``A(S, n)``, the least sum of stage times (k-free: ``sum t_i = (sum T_i - o_S) / k +
+  o_S``; it is ``C_1``), with the slowest stage of that chain;
+- *any*: the better of the two (``P(S, n)``, what a temporal parent and the root use).
+
+A chain's cost is not a function of its parts' costs (it needs their sums and bottlenecks), so
+the chain table is not a plain DP over subsets: a chain on S is its first stage U (a down-set
+of S, stage table) and the rest D = S \\ U (any table) on the other devices, and with the
+first stage's chunk time ``t = t_U(j)`` as a *floor* under D's bottleneck the cost is
+``t + Phi_D(n - j, t)`` with
+
+    Phi_D(m, B) = min over D's plans on m devices of  sum_i t_i + (k - 1) * max(B, max_i t_i).
+
+``Phi_D`` is exact without a search where the floor does not bind (``B`` at most the bottleneck
+of D's best chain: ``C_k(D, m)``) or where D's least-sum chain fits under it (``A(D, m)`` plus
+``(k - 1) B``); otherwise (the floor between the two) D's chains are searched again with the
+floor (:meth:`Planner._chain_query`). Every split search bisects on the lower bound
+``t + max(C_k(D, m), A_k(D, m) + (k - 1) max(B, t))``, convex in the split with the tables'
+convex minorants, and evaluates exactly only the splits whose bound reaches the best exact
+cost (:func:`~.search.split_query`). Only each n's best k must be exact in a table: a k that
+cannot beat it keeps a lower bound of ``C_k`` and is solved when a query needs it. Exact
+throughout: ``tests/test_planner.py`` checks every mode against a brute force over every
+chain, split and chunk count, bisecting and not.
+
+Memory: per table a float64 array over n = 0..N plus the winning choice per n in small integer
+arrays; a chain table adds two ``(K, N+1)`` float64 arrays (K chunk counts: ``C_k`` and its
+bottleneck) and three over n, an any table with a chain the ``(K, N+1)`` convex minorants of
+its per-k lower bound. The chain search works in
+blocks of :data:`_CELLS` queries. The 3-stage chain at 16,384 devices with every family
+(runner-ups) peaks at 30 MiB of allocations (23 MiB before chains were costed as one
+pipeline; ``tests/test_planner.py::test_large_plan_memory_is_bounded``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import numpy as np
 
-from .cost import INF, best_split_all, best_split_at, convex_minorant, divisors
+from .chain_search import ChainSearch
+from .cost import INF, divisors
 from .cycle import split_table
-from .plan import CycleSplit, Leaf, Plan, PlanError, Spatial, Temporal
+from .plan import PlanError
+from .plan_build import PlanBuilder
+from .table_types import (  # noqa: F401 (FAMILY, Choice: re-exported)
+    _SPATIAL,
+    _TEMPORAL,
+    _VARIANTS,
+    FAMILY,
+    Choice,
+    _Any,
+    _Branch,
+    _Chain,
+    _evaluate,
+    _leaf_kind,
+    _of_kind,
+    _span,
+    _Stage,
+    _used,
+)
+
+# Up to this many splits (N <= 192) every split of a chain search is bounded (no bisection).
+EXHAUSTIVE_SPLITS = 18_336
 
 
-def _used(c, n):
-    """Devices component ``c`` (a :class:`~.planner.Component`) uses when given ``n`` (int or
-    int array)."""
-    return n if c.max_devices is None else np.minimum(n, c.max_devices)
-
-
-def _evaluate(fn: Callable, ns: np.ndarray) -> np.ndarray:
-    """``fn`` at every device count in ``ns`` (floats; one call per distinct count)."""
-    if getattr(fn, "vectorized", False):
-        out = np.asarray(fn(ns), dtype=float)
-        if out.shape == ns.shape:
-            return out
-    uniq, inv = np.unique(ns, return_inverse=True)
-    return np.array([float(fn(int(x))) for x in uniq])[inv]
-
-
-# Families of DP tables: for each, the (composition, upstream family, downstream family)
-# variants tried at every cut, in tie-break order (temporal first). "A": any plan, "T"/"S":
-# temporal/spatial compositions only, "CS"/"CT": contains a spatial/temporal node, "H": both.
-_TEMPORAL, _SPATIAL = 1, 2
-_VARIANTS: dict[str, tuple[tuple[int, str, str], ...]] = {
-    "A": ((_TEMPORAL, "A", "A"), (_SPATIAL, "A", "A")),
-    "T": ((_TEMPORAL, "T", "T"),),
-    "S": ((_SPATIAL, "S", "S"),),
-    "CS": ((_TEMPORAL, "CS", "A"), (_TEMPORAL, "A", "CS"), (_SPATIAL, "A", "A")),
-    "CT": ((_TEMPORAL, "A", "A"), (_SPATIAL, "CT", "A"), (_SPATIAL, "A", "CT")),
-    "H": (
-        (_TEMPORAL, "CS", "A"),
-        (_TEMPORAL, "A", "CS"),
-        (_SPATIAL, "CT", "A"),
-        (_SPATIAL, "A", "CT"),
-    ),
-}
-FAMILY = {"auto": "A", "temporal": "T", "spatial": "S", "hybrid": "H"}
-
-
-def _leaf_kind(fam: str, node) -> str | None:
-    """Which runs of a single node family ``fam`` allows: ``"shared"`` (its members on the
-    same devices; a plain component), ``"split"`` (a cycle split across devices: a spatial
-    composition), ``"any"`` (the faster), or None (a leaf has no temporal composition: CT and
-    H are infeasible, and so is CS without a split)."""
-    splits = node.cycle is not None
-    if fam == "T" or (fam in ("A", "S") and not splits):
-        return "shared"
-    if fam in ("A", "S"):
-        return "any"
-    return "split" if fam == "CS" and splits else None
-
-
-class Choice(NamedTuple):
-    """How a subgraph is planned on ``n`` devices: its ``cost`` (seconds), and -- unless it is
-    a leaf (``variant < 0``) -- the composition ``variant`` of its family, the s-t ``cut``
-    (index into the subgraph's cuts), the upstream side's device count ``n_up`` and the
-    granularity index ``k`` (spatial only; -1 for temporal)."""
-
-    cost: float
-    variant: int = -1
-    cut: int = -1
-    n_up: int = -1
-    k: int = -1
-
-
-@dataclass(eq=False)
-class _Table:
-    """P(S, n) for n = 0..N and, per n, the winning variant, cut index, n_U and k index."""
-
-    cost: np.ndarray
-    var: np.ndarray | None = None
-    cut: np.ndarray | None = None
-    nu: np.ndarray | None = None
-    ki: np.ndarray | None = None
-    hull: tuple | None = None
-
-    @property
-    def feasible(self) -> bool:
-        return bool(np.isfinite(self.cost).any())
-
-
-class Planner:
+class Planner(ChainSearch, PlanBuilder):
     """DP over node subsets (bitmasks) with arrays over device counts 0..N."""
 
     def __init__(self, nodes, edges, n_devices, capacity, batch_size, allow_idle=True, slack=0.0):
@@ -111,14 +95,15 @@ class Planner:
         self.allow_idle, self.slack = allow_idle, slack
         self.m_list = divisors(batch_size)[::-1]  # largest m first: ties prefer fewer chunks
         self.chunks = np.array([batch_size // m for m in self.m_list])
+        self.kf = self.chunks.astype(float)
+        self.exhaustive = n_devices * (n_devices - 1) // 2 <= EXHAUSTIVE_SPLITS
         self.pred = [0] * len(nodes)
         for u, v in edges:
             self.pred[v] |= 1 << u
         self.switch_mask = sum(1 << i for i, nd in enumerate(nodes) if nd.switch_cost > 0)
-        self.memo: dict[tuple, _Table] = {}
-        self.splits: dict[tuple[int, int], tuple] = {}
+        self.memo: dict[tuple, object] = {}
         self._cuts: dict[int, list[int]] = {}
-        self.inf = _Table(np.full(n_devices + 1, INF))
+        self.inf = _Stage(np.full(n_devices + 1, INF), 0.0)
         for node in nodes:
             self._leaf_arrays(node)
 
@@ -202,67 +187,103 @@ class Planner:
         split = node.split[0]
         return split if kind == "split" else np.where(split < node.times, split, node.times)
 
-    def table(self, mask: int, shared: bool, fam: str) -> _Table:
-        """P(mask, n) for all n within family ``fam``; ``shared``: under a temporal node."""
-        shared = shared and bool(mask & self.switch_mask)  # no switch cost: same table
-        leaf = mask & (mask - 1) == 0
-        if leaf:
+    def _shared(self, mask: int, shared: bool) -> bool:
+        return shared and bool(mask & self.switch_mask)  # no switch cost: the same tables
+
+    # ----------------------------------------------------------------------- the tables
+
+    def stage(self, mask: int, shared: bool, fam: str) -> _Stage:
+        """``P_st(mask, n)`` for all n within family ``fam``: a leaf, or the best temporal
+        composition (``shared``: under a temporal node)."""
+        shared = self._shared(mask, shared)
+        if mask & (mask - 1) == 0:
             node = self.nodes[mask.bit_length() - 1]
             kind = _leaf_kind(fam, node)
             if kind is None:
                 return self.inf
-            key: tuple = (mask, shared, kind)
-        else:
-            key = (mask, shared, fam)
-        if key in self.memo:
+            key: tuple = ("leaf", mask, shared, kind)
+            if key not in self.memo:
+                cost = self._leaf_cost(node, kind) + node.switch_cost * shared
+                self.memo[key] = _Stage(cost, node.chunk_overhead)
             return self.memo[key]
-        if leaf:
-            self.memo[key] = _Table(self._leaf_cost(node, kind) + (node.switch_cost * shared))
+        variants = _of_kind(fam, _TEMPORAL)
+        key = ("stage", mask, shared, variants)
+        if key in self.memo:
             return self.memo[key]
         size = self.n + 1
         cost = np.full(size, INF)
-        var, cut, nu, ki = (np.full(size, -1, d) for d in (np.int8, np.int32, np.int32, np.int16))
+        var, cut = np.full(size, -1, np.int8), np.full(size, -1, np.int32)
         for c_i, u in enumerate(self.cuts(mask)):
             d = mask & ~u
-            for v_i, (kind, fu, fd) in enumerate(_VARIANTS[fam]):
-                sub = True if kind == _TEMPORAL else shared
-                tu, td = self.table(u, sub, fu), self.table(d, sub, fd)
+            for v_i, (fu, fd) in enumerate(variants):
+                tu, td = self.table(u, True, fu), self.table(d, True, fd)
                 if not (tu.feasible and td.feasible):
                     continue
-                if kind == _TEMPORAL:
-                    val, snu, ski = tu.cost + td.cost, None, None
-                else:
-                    val, snu, ski = self.split(tu, td, u, d)
+                val = tu.cost + td.cost
                 better = val < cost
-                if not better.any():
-                    continue
                 cost = np.where(better, val, cost)
                 var[better], cut[better] = v_i, c_i
-                if snu is not None:
-                    nu[better], ki[better] = snu[better], ski[better]
-        self.memo[key] = _Table(cost, var, cut, nu, ki)
+        self.memo[key] = _Stage(cost, self.overhead(mask), var, cut)
         return self.memo[key]
 
-    def _hull(self, t: _Table):
-        if t.hull is None:
-            t.hull = convex_minorant(t.cost)
-        return t.hull
+    def table(self, mask: int, shared: bool, fam: str) -> _Any:
+        """``P(mask, n)`` for all n within family ``fam``: the better of its stage and chain
+        tables (ties: the stage, i.e. temporal before spatial)."""
+        shared = self._shared(mask, shared)
+        key = ("any", mask, shared, fam)
+        if key in self.memo:
+            return self.memo[key]
+        st = self.stage(mask, shared, fam)
+        ch = None if mask & (mask - 1) == 0 else self.chain(mask, shared, fam)
+        parts = ("any of", id(st), id(ch))  # families with the same parts share the table
+        if parts in self.memo:
+            self.memo[key] = self.memo[parts]
+            return self.memo[key]
+        o = self.overhead(mask)
+        a_st, b_st = st.cost - o, np.full(self.n + 1, o)
+        if ch is None:
+            cost, is_chain = st.cost, np.zeros(self.n + 1, bool)
+            asum, aa, ab = st.cost, a_st, b_st
+        else:
+            is_chain = ch.cost < st.cost
+            cost = np.where(is_chain, ch.cost, st.cost)
+            sum_chain = ch.asum < st.cost
+            asum = np.where(sum_chain, ch.asum, st.cost)
+            aa, ab = np.where(sum_chain, ch.aa, a_st), np.where(sum_chain, ch.ab, b_st)
+        self.memo[key] = self.memo[parts] = _Any(
+            st, ch, cost, is_chain, asum, aa, ab, o, _span(cost)
+        )
+        return self.memo[key]
 
-    def split(self, tu: _Table, td: _Table, u: int, d: int):
-        """Best spatial split of (u, d) for every n (memoised on the two tables)."""
-        key = (id(tu), id(td))  # tables live in self.memo, so ids are stable
-        if key not in self.splits:
-            o_u, o_d = self.overhead(u), self.overhead(d)
+    def chain(self, mask: int, shared: bool, fam: str) -> _Chain | None:
+        """The chain table of ``mask`` within family ``fam`` (None: no spatial variant, or no
+        feasible first stage and rest)."""
+        shared = self._shared(mask, shared)
+        variants = _of_kind(fam, _SPATIAL)
+        key = ("chain", mask, shared, variants)
+        if key in self.memo:
+            return self.memo[key]
+        branches = []
+        for c_i, u in enumerate(self.cuts(mask)):
+            for fu, fd in variants:
+                b = self._branch(c_i, u, mask & ~u, shared, fu, fd)
+                if b is not None:
+                    branches.append(b)
+        # Families whose branches are the same tables share the chain (the tables live in
+        # self.memo, so their ids are stable).
+        parts = ("chain of", *((b.cut, id(b.stage), id(b.rest)) for b in branches))
+        if parts not in self.memo:
+            self.memo[parts] = self._chain_table(branches) if branches else None
+        self.memo[key] = self.memo[parts]
+        return self.memo[key]
 
-            def hulls():  # the minorant of a shifted table is the shifted minorant
-                (hu, eu), (hd, ed) = self._hull(tu), self._hull(td)
-                return (hu - o_u, eu), (hd - o_d, ed)
+    def _branch(self, c_i, u, d, shared, fu, fd) -> _Branch | None:
+        st, rest = self.stage(u, shared, fu), self.table(d, shared, fd)
+        return _Branch(c_i, u, d, fu, fd, st, rest) if st.feasible and rest.feasible else None
 
-            # Shifted tables: spatial_time(T_U, T_D) = pipelined_time(T_U - o_U, T_D - o_D).
-            pu, pd = tu.cost - o_u, td.cost - o_d
-            cost, nu, ki = best_split_all(pu, pd, o_u, o_d, self.chunks, hulls)
-            self.splits[key] = cost, nu.astype(np.int32), ki.astype(np.int16)  # 14 bytes per n
-        return self.splits[key]
+    # ------------------------------------------------------------------ chain search
+
+    # ------------------------------------------------------------------- the root
 
     def options(self, mask: int, fam: str) -> list[Choice]:
         """Every :class:`Choice` at the root (n = N only, skipping the all-n table of the root
@@ -271,19 +292,25 @@ class Planner:
             t = self.table(mask, False, fam)
             return [Choice(float(t.cost[self.n]))]
         out = []
-        for c_i, u in enumerate(self.cuts(mask)):
+        cuts = list(enumerate(self.cuts(mask)))
+        order = [(c_i, u, v_i) for c_i, u in cuts for v_i in range(len(_VARIANTS[fam]))]
+        order.sort(key=lambda x: _VARIANTS[fam][x[2]][0])  # temporal first, as in table()
+        nk = self.chunks.size
+        for c_i, u, v_i in order:
             d = mask & ~u
-            for v_i, (kind, fu, fd) in enumerate(_VARIANTS[fam]):
-                sub = kind == _TEMPORAL
-                tu, td = self.table(u, sub, fu), self.table(d, sub, fd)
-                if kind == _TEMPORAL:
-                    out.append(Choice(float(tu.cost[self.n] + td.cost[self.n]), v_i, c_i))
-                    continue
-                o_u, o_d = self.overhead(u), self.overhead(d)
-                sv, snu, ski = best_split_at(
-                    tu.cost - o_u, td.cost - o_d, o_u, o_d, self.chunks, self.n
-                )
-                out.append(Choice(sv, v_i, c_i, snu, ski))
+            kind, fu, fd = _VARIANTS[fam][v_i]
+            if kind == _TEMPORAL:
+                tu, td = self.table(u, True, fu), self.table(d, True, fd)
+                out.append(Choice(float(tu.cost[self.n] + td.cost[self.n]), v_i, c_i))
+                continue
+            b = self._branch(c_i, u, d, False, fu, fd)
+            if b is None:
+                out.append(Choice(INF, v_i, c_i))
+                continue
+            ki, at_n, no_floor = np.arange(nk), np.full(nk, self.n), np.zeros(nk)
+            val, _, _, j, _ = self._chain_query([b], ki, at_n, no_floor, group=np.zeros(nk, int))
+            k = int(np.argmin(val))  # the fewest chunks among the least
+            out.append(Choice(float(val[k]), v_i, c_i, int(j[k]), k))
         return out
 
     def root(self, mask: int, fam: str) -> Choice:
@@ -293,66 +320,3 @@ class Planner:
             if opt.cost < best.cost:
                 best = opt
         return best
-
-    def build(self, mask, shared, fam, start, n, choice: Choice | None = None) -> Plan:
-        """The Plan subtree of ``mask`` in family ``fam`` on devices [start, start + n)."""
-        if choice is None:
-            t = self.table(mask, shared, fam)
-            choice = (
-                Choice(t.cost[n])
-                if t.var is None
-                else Choice(t.cost[n], t.var[n], t.cut[n], t.nu[n], t.ki[n])
-            )
-        cost, v_i, c_i, n_u, k_i = choice
-        if v_i < 0:
-            node = self.nodes[mask.bit_length() - 1]
-            kind = _leaf_kind(fam, node)
-            if kind == "split" or (kind == "any" and node.split[0][n] < node.times[n]):
-                return self._build_split(node, shared, start, n, float(cost))
-            k = int(node.use[n])  # devices it uses of the n it is given
-            devices = range(start, start + k)
-            used = [int(_used(c, k)) for c in node.members]
-            times = tuple(
-                float(c.time(k)) + (c.switch_cost if shared else 0.0)
-                for c, k in zip(node.members, used, strict=True)
-            )
-            mem = tuple(float(c.memory(k)) for c, k in zip(node.members, used, strict=True))
-            names = tuple(c.name for c in node.members)
-            return Leaf(devices, float(cost), node.name, names, times, shared, mem, tuple(used))
-        kind, fu, fd = _VARIANTS[fam][int(v_i)]
-        u = self.cuts(mask)[int(c_i)]
-        d = mask & ~u
-        if kind == _TEMPORAL:
-            kids: list[Plan] = []
-            for part in (self.build(u, True, fu, start, n), self.build(d, True, fd, start, n)):
-                kids.extend(part.children if isinstance(part, Temporal) else [part])
-            stop = max(kid.devices.stop for kid in kids)
-            return Temporal(range(start, stop), float(cost), tuple(kids))
-        n_u, m = int(n_u), self.m_list[int(k_i)]
-        up = self.build(u, shared, fu, start, n_u)
-        # Downstream right after what upstream uses: its cost depends on its count, not start.
-        down = self.build(d, shared, fd, up.devices.stop, n - n_u)
-        return Spatial(range(start, down.devices.stop), float(cost), up, down, m, self.M // m)
-
-    def _build_split(self, node, shared: bool, start: int, n: int, cost: float) -> CycleSplit:
-        """The :class:`~.plan.CycleSplit` of cycle ``node`` given n devices from ``start``:
-        the leader on the first devices it uses, the follower right after."""
-        cyc = node.cycle
-        _, n_a, k, parts = node.split
-        j, sub = int(n_a[n]), int(k[n])
-        leaves, pos = [], start
-        for c, (_, use), given in zip(node.members, parts, (j, n - j), strict=True):
-            kd = int(use[given])
-            used = int(_used(c, kd))
-            busy = float(cyc.member_busy(float(c.time(used)), sub))
-            busy += c.switch_cost if shared else 0.0
-            mem = float(c.memory(used))
-            leaves.append(
-                Leaf(range(pos, pos + kd), busy, c.name, (c.name,), (busy,), shared, (mem,),
-                     (used,))
-            )  # fmt: skip
-            pos += kd
-        return CycleSplit(
-            range(start, pos), cost, leaves[0], leaves[1], cyc.batch // sub, sub, node.name,
-            float(cyc.round_trips),
-        )  # fmt: skip

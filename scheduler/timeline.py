@@ -1,6 +1,6 @@
 """One predicted step of a plan as busy intervals per leaf (what a Gantt chart draws).
 
-The intervals follow the cost model exactly (RLinf section 5; :mod:`.cost`), so the last one
+The intervals follow the cost model exactly (RLinf section 3.4; :mod:`.cost`), so the last one
 ends at the plan's predicted time:
 
 - a leaf runs its members one after the other; a time-shared member first pays its switch
@@ -10,10 +10,11 @@ ends at the plan's predicted time:
   from the cycle's start (the round trips interleave too finely to draw) and ends at the
   cycle's predicted time;
 - a temporal node runs its children one after the other on the same devices;
-- a spatial node with ``k`` chunks runs chunk ``i`` of the upstream sub-plan at
-  ``i * t_U`` (``t_U = T_U / k + o_U``: the sub-plan's own schedule scaled by ``1/k``, then
-  the per-chunk overhead) and chunk ``i`` of the downstream sub-plan as soon as both that
-  chunk and the downstream's previous chunk are done (two-stage flow shop).
+- a spatial node with ``k`` chunks is one pipeline with its spatial descendants (a chain of
+  *stages*: the leaves, temporal nodes and split cycles below it through spatial nodes;
+  :func:`~.cost.flow_shop_time`): chunk ``i`` of a stage (``t = T / k + o (k - 1) / k``: the
+  stage's own schedule scaled by ``1/k``, then the per-chunk overhead) starts as soon as both
+  that chunk of the previous stage and the stage's previous chunk are done (flow shop).
 
 When chunking would draw more than ``max_bars`` intervals, a chunked sub-plan is drawn as one
 "busy" interval per leaf and chunk instead of its inner structure (times unchanged).
@@ -60,7 +61,15 @@ def _count(node: Plan) -> int:
     if isinstance(node, CycleSplit):
         return _count(node.upstream) + _count(node.downstream)
     assert isinstance(node, Spatial)
-    return node.chunks * (_count(node.upstream) + _count(node.downstream) + 2)
+    return node.chunks * sum(_count(st) + 2 for st in _stages(node))
+
+
+def _stages(node: Plan) -> list[Plan]:
+    """The stages of the pipeline at ``node``: its spatial descendants flattened (a split
+    cycle is one stage)."""
+    if isinstance(node, Spatial) and not isinstance(node, CycleSplit):
+        return _stages(node.upstream) + _stages(node.downstream)
+    return [node]
 
 
 def step_timeline(
@@ -119,24 +128,22 @@ def step_timeline(
             return t0 + s * node.time
         assert isinstance(node, Spatial)
         k = node.chunks
-        up, down = node.upstream, node.downstream
-        o_u, o_d = o(up), o(down)
-        # The whole-batch times hold one chunk's overhead (cost.spatial_time): k chunks add
+        stages = _stages(node)
+        # The whole-batch times hold one chunk's overhead (cost.chunk_time): k chunks add
         # (k - 1) more, spread over the chunks.
-        o_u, o_d = o_u * (k - 1) / k, o_d * (k - 1) / k
-        cu, cd = up.time / k + o_u, down.time / k + o_d
+        extra = [o(st) * (k - 1) / k for st in stages]
+        per = [st.time / k + x for st, x in zip(stages, extra, strict=True)]
         inner_flat = coarse and k > 1
-        end_d = t0
+        ends = [t0] * len(stages)  # when each stage finished its previous chunk
         for i in range(k):
             tag = i if chunk < 0 else chunk
-            su = t0 + i * s * cu
-            mid = run(up, su, s / k, tag, inner_flat)
-            _overheads(up, mid, s * o_u, tag)
-            sd = max(su + s * cu, end_d)
-            mid = run(down, sd, s / k, tag, inner_flat)
-            _overheads(down, mid, s * o_d, tag)
-            end_d = sd + s * cd
-        return end_d
+            ready = t0  # chunk i is at the pipeline's input from its start
+            for x, (st, dur, ov) in enumerate(zip(stages, per, extra, strict=True)):
+                begin = max(ready, ends[x])
+                mid = run(st, begin, s / k, tag, inner_flat)
+                _overheads(st, mid, s * ov, tag)
+                ends[x] = ready = begin + s * dur
+        return ends[-1]
 
     def _overheads(node: Plan, t: float, dur: float, chunk: int) -> None:
         if dur > 0:

@@ -94,11 +94,12 @@ def test_idle_devices_shown_and_no_idle(app):
 
 
 def test_slack_leaves_spare_devices_to_a_flat_fit(app):
-    """The exact optimum gives the nearly flat rollout 1023 of 1024 devices; the default 1 %
-    slack stops it at a handful, for a step time within 1 %."""
+    """The exact optimum gives the nearly flat rollout 1022 of 1024 devices (reward and actor
+    one each, a three-stage pipeline); the default 1 % slack stops it at a handful, for a step
+    time within 1 %."""
     exact = json.loads(run(app, FLAT, "-n", "1024", "--slack", "0", "--json").stdout)
     assert exact["slack"] == 0 and exact["idle_devices"] == []
-    assert exact["components"]["rollout"]["devices"] == [0, 1023]
+    assert exact["components"]["rollout"]["devices"] == [0, 1022]
     lean = run(app, FLAT, "-n", "1024")
     assert lean.exit_code == 0, lean.stderr
     assert "no component is more than 1% faster on more of them" in lean.stdout

@@ -1,10 +1,10 @@
 """Planner (RLinf Algorithm 1): brute-force agreement in every mode (with and without idle
-devices), the split search, cycles, memory, every cut, device ranges, idle devices, max_devices,
-edge granularity, plan documents, timelines."""
+devices, bisecting or not), a chain of spatial stages costed as one flow shop however it nests,
+the split search, cycles, memory, every cut, device ranges, idle devices, max_devices, edge
+granularity, plan documents, timelines."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import math
@@ -16,9 +16,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from m2flow.scheduler import cost as cost_module
 from m2flow.scheduler import planner as planner_module
-from m2flow.scheduler.cost import best_split_all, divisors, pipelined_time, spatial_time
+from m2flow.scheduler import search as search_module
+from m2flow.scheduler import tables as tables_module
+from m2flow.scheduler.cost import (
+    convex_minorant,
+    divisors,
+    flow_shop_time,
+    pipelined_time,
+    spatial_time,
+)
 from m2flow.scheduler.cycle import CycleCost
 from m2flow.scheduler.planner import (
     DEFAULT_SLACK,
@@ -32,8 +39,10 @@ from m2flow.scheduler.planner import (
     Temporal,
     Workflow,
     plan_workflow,
+    predicted_time,
 )
 from m2flow.scheduler.profile import load_profile, to_workflow
+from m2flow.scheduler.search import split_query
 from m2flow.scheduler.timeline import step_timeline
 
 PROFILES = Path(__file__).resolve().parents[1] / "benchmarks" / "profiles"
@@ -42,10 +51,36 @@ PROFILES = Path(__file__).resolve().parents[1] / "benchmarks" / "profiles"
 def _brute(names, preds, comp, n, M, cap, shared, idle=True, slack=0.0):
     """Independent exhaustive search of the same plan space (no memo, scalar arithmetic).
 
+    A plan is a stage (:func:`_brute_stages`: a leaf or a temporal node) or a chain of two or
+    more stages on disjoint devices (every spatial node of a plan flattened), costed as one
+    pipeline: ``sum t_i + (k - 1) max t_i`` over its stages' chunk times in ``k`` chunks.
     ``idle``: a leaf given n devices may use any k <= n of them (feasible at k): the fewest
     whose time is within ``slack`` of the fastest such k; otherwise k = n. Returns {set of
     compositions used: best cost}, e.g. {frozenset({"T", "S"}): 3.5}."""
-    rec = functools.partial(_brute, idle=idle, slack=slack)
+    best = dict(_brute_stages(names, preds, comp, n, M, cap, shared, idle, slack))
+    for m in divisors(M):
+        k = M // m
+        for kinds, total, slowest in _brute_chains(
+            names, preds, comp, n, M, cap, shared, idle, slack, k
+        ):
+            value = total + (k - 1) * slowest
+            if value < best.get(kinds | {"S"}, math.inf):
+                best[kinds | {"S"}] = value
+    return best
+
+
+def _cuts(names, preds):
+    """Every s-t cut (U, D) of ``names``: U nonempty, no edge D -> U."""
+    for r in range(1, len(names)):
+        for up in itertools.combinations(names, r):
+            down = [x for x in names if x not in up]
+            if not any(p in down for u in up for p in preds[u]):
+                yield list(up), down
+
+
+def _brute_stages(names, preds, comp, n, M, cap, shared, idle, slack):
+    """{kinds: best cost} of the plans of ``names`` whose top is not spatial: a leaf (a
+    component, or a cycle time-shared or split) or a temporal node of any two plans."""
     if len(names) == 1:
         c = comp[names[0]]
         if isinstance(c, _Cycle):
@@ -55,34 +90,39 @@ def _brute(names, preds, comp, n, M, cap, shared, idle=True, slack=0.0):
             return {}
         return {frozenset(): best_t + (c.switch_cost if shared else 0.0)}
     best: dict[frozenset, float] = {}
-
-    def offer(kinds, value):
-        if value < best.get(kinds, math.inf):
-            best[kinds] = value
-
-    for r in range(1, len(names)):
-        for up in itertools.combinations(names, r):
-            down = [x for x in names if x not in up]
-            if any(p in down for u in up for p in preds[u]):
-                continue  # an edge goes D -> U: not an s-t cut
-            up = list(up)
-            bu = rec(up, preds, comp, n, M, cap, True)
-            bd = rec(down, preds, comp, n, M, cap, True)
-            for (ku, vu), (kd, vd) in itertools.product(bu.items(), bd.items()):
-                offer(ku | kd | {"T"}, vu + vd)
-            ou = sum(comp[x].chunk_overhead for x in up)
-            od = sum(comp[x].chunk_overhead for x in down)
-            for nu in range(1, n):
-                bu = rec(up, preds, comp, nu, M, cap, shared)
-                bd = rec(down, preds, comp, n - nu, M, cap, shared)
-                for (ku, tu), (kd, td) in itertools.product(bu.items(), bd.items()):
-                    for m in range(1, M + 1):
-                        if M % m:
-                            continue
-                        # unchunked times hold one chunk's overhead: k chunks add k - 1
-                        cu, cd = (tu - ou) * m / M + ou, (td - od) * m / M + od
-                        offer(ku | kd | {"S"}, cu + cd + (M / m - 1) * max(cu, cd))
+    for up, down in _cuts(names, preds):
+        bu = _brute(up, preds, comp, n, M, cap, True, idle, slack)
+        bd = _brute(down, preds, comp, n, M, cap, True, idle, slack)
+        for (ku, vu), (kd, vd) in itertools.product(bu.items(), bd.items()):
+            kinds = ku | kd | {"T"}
+            if vu + vd < best.get(kinds, math.inf):
+                best[kinds] = vu + vd
     return best
+
+
+def _brute_chains(names, preds, comp, n, M, cap, shared, idle, slack, k):
+    """``(kinds, sum of chunk times, slowest chunk)`` of every chain of two or more stages of
+    ``names`` on n devices in k chunks: a first stage (a cut's upstream) on n_U devices, then
+    one stage or a chain on the rest. A stage's chunk takes ``(T - o) / k + o`` (T measured as
+    one chunk, o its members' overhead per chunk)."""
+    out = []
+    for up, down in _cuts(names, preds):
+        ou = sum(comp[x].chunk_overhead for x in up)
+        od = sum(comp[x].chunk_overhead for x in down)
+        for nu in range(1, n):
+            first = _brute_stages(up, preds, comp, nu, M, cap, shared, idle, slack)
+            rest = [
+                (kd, (td - od) / k + od, (td - od) / k + od)
+                for kd, td in _brute_stages(
+                    down, preds, comp, n - nu, M, cap, shared, idle, slack
+                ).items()
+            ]
+            if len(down) > 1:
+                rest += _brute_chains(down, preds, comp, n - nu, M, cap, shared, idle, slack, k)
+            for ku, tu in first.items():
+                cu = (tu - ou) / k + ou
+                out += [(ku | kd, cu + s, max(cu, mu)) for kd, s, mu in rest]
+    return out
 
 
 def _leaf_best(members, n, cap, idle, slack, extra=0.0):
@@ -237,6 +277,19 @@ def test_brute_force_agreement(mode, idle, slack):
     assert checked > {"auto": 150, "temporal": 150, "spatial": 100, "hybrid": 30}[mode]
     least = {"auto": 10, "temporal": 20, "spatial": 5, "hybrid": 1}[mode]
     assert (idles > least) if idle else idles == 0  # the enlarged space is exercised
+
+
+@pytest.mark.parametrize("mode", ["auto", "spatial"])
+def test_brute_force_agreement_by_bisection(mode, monkeypatch):
+    """The same agreement with the chain search bisecting at every size (its windows, lower
+    bounds and nested floor searches), not bounding every split as it does below 192 devices."""
+    for mod in (tables_module, search_module):
+        monkeypatch.setattr(mod, "EXHAUSTIVE_SPLITS", 0)
+    checked = 0
+    kw = {"mode": mode, "allow_idle": True, "slack": 0.0}
+    for wf, cap, n, by_kinds in _cases(5, 30):
+        checked += _agrees(wf, cap, n, by_kinds, kw) is not None
+    assert checked > 50
 
 
 def _cycle_cases(seed, count, idle=True, slack=0.0):
@@ -445,9 +498,37 @@ def test_memory_is_checked_at_the_devices_used():
         assert plan.devices == range(0, k) and plan.time == 10.0 - k, (n, plan)
 
 
+def _pipelined_queries(pu, pd, o_u, o_d, chunks):
+    """split_query arguments for U -> D pipelined (the two-stage chain) for every (k, n):
+    queries ``k``-major, the bound on the tables' convex minorants."""
+    n_max = len(pu) - 1
+    ns = np.arange(2, n_max + 1)
+    kk, nn = np.repeat(chunks.astype(float), ns.size), np.tile(ns, chunks.size)
+    hu, hd = convex_minorant(pu)[0], convex_minorant(pd)[0]
+    (fa, la), (fb, lb) = (_finite_span(h) for h in (hu, hd))  # the bound finite on the range
+
+    def bound(q):
+        return lambda j: pipelined_time(hu[j], hd[nn[q] - j], o_u, o_d, kk[q])
+
+    def exact(q, j, cap):
+        with np.errstate(invalid="ignore"):
+            v = pipelined_time(pu[j], pd[nn[q] - j], o_u, o_d, kk[q])
+        return np.where(np.isfinite(pu[j]) & np.isfinite(pd[nn[q] - j]), v, math.inf), pu[j]
+
+    lo = np.maximum(np.maximum(fa, nn - lb), 1)
+    return lo, np.minimum(np.minimum(la, nn - fb), nn - 1), bound, exact, nn
+
+
+def _finite_span(p):
+    fin = np.flatnonzero(np.isfinite(p[1:])) + 1
+    return (int(fin[0]), int(fin[-1])) if fin.size else (1, 0)
+
+
 def test_split_search_matches_exhaustive():
-    """cost.best_split_all (bisection on convex minorants + windows) against every split, on
-    convex, non-convex, non-monotone tables and tables with infeasible holes."""
+    """search.split_query (bisection on a convex bound + windows) against its exhaustive mode
+    and against every split, on the two-stage pipelined cost over convex, non-convex,
+    non-monotone tables and tables with infeasible holes; with ``group`` (per n, only the best
+    k exact) the best of every group is exact and every lower bound holds."""
     rng = np.random.default_rng(0)
 
     def table(n_max):
@@ -479,24 +560,32 @@ def test_split_search_matches_exhaustive():
         chunks = np.array([batch // m for m in divisors(batch)[::-1]])
         pu, pd = table(n_max), table(n_max)
         o_u, o_d = (float(rng.choice([0.0, rng.uniform(0, 0.5)])) for _ in range(2))
-        search = best_split_all(pu, pd, o_u, o_d, chunks, exhaustive_splits=0)  # bisection
-        direct = best_split_all(pu, pd, o_u, o_d, chunks, exhaustive_splits=10**9)
-        for got, want in zip(search, direct):  # same costs, and the same tie-breaks
+        lo, hi, bound, exact, nn = _pipelined_queries(pu, pd, o_u, o_d, chunks)
+        fast = split_query(lo, hi, bound, exact)
+        slow = split_query(lo, hi, bound, exact, exhaustive=True)
+        for got, want in zip(fast, slow):  # same costs, and the same tie-breaks
             assert np.allclose(got, want, rtol=1e-9, equal_nan=True)
-        cost, n_u, k_i = search
-        for n in range(2, n_max + 1):
-            j = np.arange(1, n)
-            ok = np.isfinite(pu[j]) & np.isfinite(pd[n - j])
-            want = math.inf
+        value, j, payload, lower = fast
+        assert np.array_equal(value, lower)  # every query exact
+        want = np.full(value.size, math.inf)
+        for q, (n, k) in enumerate(zip(nn, np.repeat(chunks, n_max - 1))):
+            js = np.arange(1, n)
+            ok = np.isfinite(pu[js]) & np.isfinite(pd[n - js])
             if ok.any():
-                vals = pipelined_time(pu[j][ok, None], pd[n - j][ok, None], o_u, o_d, chunks)
-                want = float(vals.min())
-            if math.isinf(want):
-                assert math.isinf(cost[n]) and n_u[n] == -1
-                continue
-            assert math.isclose(cost[n], want, rel_tol=1e-9), (n, cost[n], want)
-            got = pipelined_time(pu[n_u[n]], pd[n - n_u[n]], o_u, o_d, chunks[k_i[n]])
-            assert math.isclose(got, cost[n], rel_tol=1e-12)
+                want[q] = float(pipelined_time(pu[js][ok], pd[n - js][ok], o_u, o_d, k).min())
+        assert np.allclose(value, want, rtol=1e-9)
+        fin = np.isfinite(value)
+        assert np.all(j[~fin] == -1) and np.array_equal(payload[fin], pu[j[fin]])
+        got = exact(np.flatnonzero(fin), j[fin], None)[0]
+        assert np.allclose(got, value[fin], rtol=1e-12)
+        # group = n: per n, the least value over k is exact; every lower bound holds
+        v_g, _, _, low_g = split_query(lo, hi, bound, exact, group=nn)
+        assert np.all(low_g <= want * (1 + 1e-9) + 1e-12) and np.all(low_g <= v_g)
+        for n in range(2, n_max + 1):
+            at = nn == n
+            assert math.isclose(v_g[at].min(), want[at].min(), rel_tol=1e-9) or (
+                math.isinf(v_g[at].min()) and math.isinf(want[at].min())
+            )
 
 
 def test_planner_search_equals_exhaustive_at_scale(monkeypatch):
@@ -522,9 +611,11 @@ def test_planner_search_equals_exhaustive_at_scale(monkeypatch):
     times = {}
     for mode, idle in itertools.product(("auto", "hybrid"), (True, False)):
         kw = {"capacity": 80.0, "mode": mode, "runner_ups": True, "allow_idle": idle, "slack": 0.0}
-        monkeypatch.setattr(cost_module, "EXHAUSTIVE_SPLITS", 0)  # bisection everywhere
+        for mod in (tables_module, search_module):  # bisection everywhere
+            monkeypatch.setattr(mod, "EXHAUSTIVE_SPLITS", 0)
         fast = plan_workflow(wf, 200, **kw)
-        monkeypatch.setattr(cost_module, "EXHAUSTIVE_SPLITS", 10**12)  # every split
+        for mod in (tables_module, search_module):  # every split
+            monkeypatch.setattr(mod, "EXHAUSTIVE_SPLITS", 10**12)
         slow = plan_workflow(wf, 200, **kw)
         monkeypatch.undo()
         for p, q in zip((fast.plan, *fast.runner_ups), (slow.plan, *slow.runner_ups)):
@@ -691,6 +782,56 @@ def test_spatial_time_pays_overhead_per_extra_chunk():
     assert spatial_time(0.02, 0.15, 0.05, 0.1, 4) > 0.02 + 0.15
 
 
+def test_flow_shop_time_by_hand():
+    """Three stages in 4 chunks: per chunk (T - o)/4 + o = 0.5875, 0.54, 0.575; the first
+    chunk passes all three, each of the 3 others adds the slowest."""
+    got = flow_shop_time([2.2, 2.1, 2.0], [0.05, 0.02, 0.1], 4)
+    assert got == pytest.approx(0.5875 + 0.54 + 0.575 + 3 * 0.5875)
+    assert flow_shop_time([2.2, 2.1, 2.0], [0.05, 0.02, 0.1], 1) == pytest.approx(6.3)
+    assert flow_shop_time([2.0, 1.0], [0.5, 0.25], 4) == spatial_time(2.0, 1.0, 0.5, 0.25, 4)
+    with pytest.raises(ValueError, match="one overhead per stage"):
+        flow_shop_time([1.0, 2.0], [0.1], 2)
+
+
+def test_nested_chain_is_one_flow_shop():
+    """A chain of spatial stages is one pipeline (RLinf section 3.4): a -> b -> c on 4 + 2 + 6
+    devices in 4 chunks costs the flow-shop time however the tree nests it. (Costing the
+    nested sub-pipeline as one stage taking T/k per chunk gave 3.675 s for S(S(a | b) | c) and
+    3.7875 s for S(a | S(b | c)).) The planner's plans cost the same way."""
+    comps = [
+        _c("a", 8.0, 0.2, chunk_overhead=0.05),
+        _c("b", 4.0, 0.1, chunk_overhead=0.02),
+        _c("c", 6.0, 1.0, chunk_overhead=0.1),
+    ]
+    wf = Workflow(comps, [("a", "b"), ("b", "c")], 8)
+    # By hand: T = 8/4 + 0.2 = 2.2, 4/2 + 0.1 = 2.1, 6/6 + 1 = 2.0 seconds; per chunk
+    # (T - o)/4 + o = 0.5875, 0.54, 0.575; the first chunk passes all three stages, each of
+    # the 3 others adds the slowest chunk (a's).
+    want = 0.5875 + 0.54 + 0.575 + 3 * 0.5875  # 3.465 s
+    t = {"a": 2.2, "b": 2.1, "c": 2.0}
+    span = {"a": range(0, 4), "b": range(4, 6), "c": range(6, 12)}
+    leaf = {x: Leaf(span[x], t[x], x, (x,), (t[x],)) for x in "abc"}
+    left = Spatial(range(0, 12), 0.0, Spatial(range(0, 6), 0.0, leaf["a"], leaf["b"], 2, 4),
+                   leaf["c"], 2, 4)  # fmt: skip
+    right = Spatial(range(0, 12), 0.0, leaf["a"],
+                    Spatial(range(4, 12), 0.0, leaf["b"], leaf["c"], 2, 4), 2, 4)  # fmt: skip
+    assert predicted_time(left, wf) == pytest.approx(want, rel=1e-12)
+    assert predicted_time(right, wf) == pytest.approx(want, rel=1e-12)
+    # The planner: each plan's time is the hand formula for its own devices and chunk count.
+    o = {c.name: c.chunk_overhead for c in comps}
+    for n in (6, 12, 24):
+        plan = plan_workflow(wf, n, mode="spatial")
+        k, used = plan.chunks, plan.placement()
+        per = [(c.time(len(used[c.name])) - o[c.name]) / k + o[c.name] for c in comps]
+        assert math.isclose(plan.time, sum(per) + (k - 1) * max(per), rel_tol=1e-12), n
+        assert math.isclose(predicted_time(plan, wf), plan.time, rel_tol=1e-12)
+    # One pipeline has one granularity.
+    mixed = Spatial(range(0, 12), 0.0, leaf["a"],
+                    Spatial(range(4, 12), 0.0, leaf["b"], leaf["c"], 4, 2), 2, 4)  # fmt: skip
+    with pytest.raises(PlanError, match="2 chunks inside a pipeline of 4"):
+        predicted_time(mixed, wf)
+
+
 def _staircase(rng, n_max):
     """A planner leaf table with slack (module docstring, point 2): nonincreasing, with steps."""
     n = np.arange(n_max + 1, dtype=float)
@@ -721,8 +862,8 @@ def _split_table(rng, n_max):
 def test_split_search_streams_exactly(monkeypatch):
     """The window search evaluates its candidates in blocks (here of 50, so many per call) and,
     where the downstream table is nonincreasing, only where the upstream table changes: the
-    same (cost, n_U, k) for every n, bit for bit, as trying every split."""
-    monkeypatch.setattr(cost_module, "_BLOCK", 50)
+    same (cost, n_U) for every (k, n), bit for bit, as bounding every split."""
+    monkeypatch.setattr(search_module, "BLOCK", 50)
     rng = np.random.default_rng(7)
     checked = 0
     for _ in range(40):
@@ -731,9 +872,11 @@ def test_split_search_streams_exactly(monkeypatch):
         chunks = np.array([batch // m for m in divisors(batch)[::-1]])
         pu, pd = _split_table(rng, n_max), _split_table(rng, n_max)
         o_u, o_d = (float(rng.choice([0.0, rng.uniform(0, 0.3)])) for _ in range(2))
-        search = best_split_all(pu, pd, o_u, o_d, chunks, exhaustive_splits=0)
-        direct = best_split_all(pu, pd, o_u, o_d, chunks, exhaustive_splits=10**9)
-        for got, want in zip(search, direct):
+        lo, hi, bound, exact, _ = _pipelined_queries(pu, pd, o_u, o_d, chunks)
+        runs = pu if np.all(pd[1:-1] >= pd[2:]) else None
+        search = split_query(lo, hi, bound, exact, runs=runs)
+        direct = split_query(lo, hi, bound, exact, exhaustive=True)
+        for got, want in zip(search[:2], direct[:2]):
             np.testing.assert_array_equal(got, want)
         checked += bool(np.isfinite(search[0]).any())
     assert checked > 30

@@ -199,7 +199,7 @@ class PolicyTrainer:
         divides them by the total token count and steps. Over parts ``B_1 .. B_k`` this is the
         update :meth:`train_on_batch` makes on their concatenation with one mini-batch (the
         token mean is linear), up to float rounding, while training starts on the first part:
-        the consumer side of elastic pipelining (RLinf section 5). Same keys as
+        the consumer side of elastic pipelining (RLinf section 3.3). Same keys as
         :meth:`train_on_batch`. Returns the responses processed.
         """
         if "old_logprobs" not in batch:
