@@ -184,7 +184,8 @@ class RolloutManager:
 
     async def lease(self, instance_id: str, version: int, capacity: int) -> list[GenRequest]:
         """Up to ``capacity`` of the instance's pending requests, now executing on it (waits up
-        to 0.2 s for some). ``[]`` when there are none, when it is leaving, or when its
+        to 0.2 s for some, only when it executes nothing: one that has work goes on with its
+        next block at once). ``[]`` when there are none, when it is leaving, or when its
         ``version`` is not the current one (it must pull the weights first)."""
         inst = self.instances.get(instance_id)
         if inst is None:
@@ -193,7 +194,8 @@ class RolloutManager:
         if version != self.version:
             return []
         deadline = time.monotonic() + 0.2
-        while not inst.pending and inst.accepting and time.monotonic() < deadline:
+        while (not inst.pending and not inst.executing and inst.accepting
+               and time.monotonic() < deadline):  # fmt: skip
             await self._wait_change(deadline - time.monotonic())
         out = []
         capacity = min(capacity, self.cfg.max_batch - len(inst.executing))

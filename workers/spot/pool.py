@@ -123,32 +123,40 @@ class ReservedSeeder:
             "spot": {k: pool[k] for k in keep},
         }
 
-    @torch.no_grad()
     def _seed(self, t_seed: float) -> float:
         """Generate as a reserved instance for ``t_seed`` seconds, then hand over (see the
         module docstring). Returns the seconds it generated."""
-        w, mgr = self.w, self.manager
-        iid = f"reserved:{w.rank}"
-        ray.get(mgr.register.remote(iid), timeout=120)
-        t0 = time.monotonic()
-        executing: list[GenRequest] = []
-        try:
-            while True:
-                if time.monotonic() - t0 >= t_seed and ray.get(mgr.spot_ready.remote()) > 0:
-                    break  # hand the seeds over
-                room = self.cfg.max_batch - len(executing)
-                leased = ray.get(mgr.lease.remote(iid, w.weight_version, room)) if room else []
-                executing += leased
-                if not executing:
-                    break  # nothing for this rank: the rest is on spot instances
-                t1 = time.perf_counter()
-                context = sum(r.length for r in executing) / len(executing)
-                made = self.engine.step(executing, self.cfg.block_tokens, w.weight_version, iid)
-                busy = time.perf_counter() - t1
-                drop = set(
-                    ray.get(mgr.report.remote(iid, executing, busy, len(executing), made, context))
-                )
-                executing = [r for r in executing if not r.done and r.id not in drop]
-        finally:
-            ray.get(mgr.leave.remote(iid), timeout=120)
-        return time.monotonic() - t0
+        w = self.w
+        return seed(self.manager, self.engine, f"reserved:{w.rank}", w.weight_version, t_seed,
+                    self.cfg.max_batch, self.cfg.block_tokens)  # fmt: skip
+
+
+@torch.no_grad()
+def seed(mgr, engine, iid: str, version: int, t_seed: float, max_batch: int, block: int) -> float:
+    """A reserved instance's seeding loop (RLBoost section 4.1; the module docstring): register
+    as ``iid`` at the manager ``mgr``, lease up to ``max_batch`` requests of weight version
+    ``version``, generate ``block`` tokens per report with ``engine`` (exact or emulated), until
+    ``t_seed`` seconds have passed and a spot instance is ready to take the seeds (or nothing is
+    left), then leave. Returns the seconds it generated."""
+    ray.get(mgr.register.remote(iid), timeout=120)
+    t0 = time.monotonic()
+    executing: list[GenRequest] = []
+    try:
+        while True:
+            if time.monotonic() - t0 >= t_seed and ray.get(mgr.spot_ready.remote()) > 0:
+                break  # hand the seeds over
+            room = max_batch - len(executing)
+            leased = ray.get(mgr.lease.remote(iid, version, room)) if room else []
+            executing += leased
+            if not executing:
+                break  # nothing for this rank: the rest is on spot instances
+            t1 = time.perf_counter()
+            context = sum(r.length for r in executing) / len(executing)
+            made = engine.step(executing, block, version, iid)
+            busy = time.perf_counter() - t1
+            drop = set(ray.get(mgr.report.remote(iid, executing, busy, len(executing), made,
+                                                 context)))  # fmt: skip
+            executing = [r for r in executing if not r.done and r.id not in drop]
+    finally:
+        ray.get(mgr.leave.remote(iid), timeout=120)
+    return time.monotonic() - t0
