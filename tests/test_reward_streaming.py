@@ -34,6 +34,9 @@ pytestmark = pytest.mark.e2e
 VIRTUAL_DEVICES = 2
 PROMPTS, SAMPLES, PER_CHUNK = 12, 4, 2  # 6 chunks of 8 responses; the step has 48
 CHUNKS, CHUNK, STEP = PROMPTS // PER_CHUNK, PER_CHUNK * SAMPLES, PROMPTS * SAMPLES
+# Another tenant's requests ahead of chunk 2 in the restart test: enough that chunk 2 is still
+# queued when the service goes down (3,000 were all scored first once, on a quiet machine).
+FLOOD = 20_000
 
 
 def _wait(predicate, timeout: float, what: str):
@@ -185,9 +188,9 @@ def test_a_service_restart_mid_batch_loses_no_request_and_scores_each_once(rig):
     # without history) and is in flight when the service goes down.
     with RewardClient(rig.url, TOKENS["bob"]) as bob:
         bob.register("flood", "math")
-        f = bob.announce("flood", 3000)
+        f = bob.announce("flood", FLOOD)
         bob.submit_many("flood", f, {str(i): {"response": "1", "answer": "1"}
-                                     for i in range(3000)})  # fmt: skip
+                                     for i in range(FLOOD)})  # fmt: skip
     next_chunk()
     _wait(lambda: b1.submitted == 2 * CHUNK, 30, "chunk 2's requests")
     in_flight = set(b1.live)
