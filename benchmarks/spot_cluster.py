@@ -54,6 +54,7 @@ from m2flow.workers.rollout.emulated import (  # noqa: E402
 from m2flow.workers.rollout.exact import GenRequest  # noqa: E402
 from m2flow.workers.spot.config import SpotPoolConfig  # noqa: E402
 from m2flow.workers.spot.manager import get_manager  # noqa: E402
+from m2flow.workers.spot.pool import seed as seed_loop  # noqa: E402
 
 from m2flow.spot import LocalSpotCluster  # noqa: E402
 
@@ -205,7 +206,7 @@ def run_config(local: LocalSpotCluster, cfg: Config, ts: float, seed: int,
         t_run0 = time.monotonic()
 
         def seed_all(t_seed: float) -> None:
-            threads = [threading.Thread(target=seed, args=(mgr, engines[i], f"reserved:{i}",
+            threads = [threading.Thread(target=seed_loop, args=(mgr, engines[i], f"reserved:{i}",
                                                            version, t_seed, pc.max_batch,
                                                            pc.block_tokens))
                        for i in range(n_engines)]  # fmt: skip
