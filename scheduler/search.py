@@ -128,7 +128,7 @@ def split_min(
     _fold(value, best_j, v, n, j_star, ub)
     if exact_tables:  # the bound is the cost: j* is the answer
         return value, best_j
-    thr = np.where(np.isfinite(ub), ub * (1 + 1e-9) + 1e-12, np.finfo(float).max)
+    thr = _threshold(ub)
     live = bound(j_star) <= thr  # cells whose bound leaves room below the upper bound
     v, n, lo, hi, j_star, thr = (x[live] for x in (v, n, lo, hi, j_star, thr))
 
@@ -139,7 +139,7 @@ def split_min(
     # {j : L(j) <= thr} is an interval around j* (L convex): its two ends by bisection.
     left = _lift(lo - 1, j_star - 1, lambda j: bound_at(j) > thr) + 1
     right = _lift(j_star, hi, lambda j: bound_at(j) <= thr)
-    _windows(value, best_j, cost, up, down, v, n, left, right, thr)
+    _windows(value, best_j, cost, up, down, v, n, left, right)
     return value, best_j
 
 
@@ -197,22 +197,10 @@ def _fold(value, best_j, v, n, j, val) -> None:
     best_j[v[win], n[win]] = j[win]
 
 
-def _windows(value, best_j, cost, up, down, v, n, left, right, thr) -> None:
+def _windows(value, best_j, cost, up, down, v, n, left, right) -> None:
     """Evaluate every split of every window ``[left, right]`` exactly, in blocks of about
     :data:`BLOCK` splits, folding each (v, n)'s best into ``value``/``best_j``."""
-    counts = np.maximum(right - left + 1, 0)
-    keep = counts > 0
-    v, n, left, counts = v[keep], n[keep], left[keep], counts[keep]
-    if not v.size:
-        return
-    ends = np.cumsum(counts)
-    cuts = np.searchsorted(ends, np.arange(BLOCK, int(ends[-1]), BLOCK), side="right")
-    bounds = np.unique(np.r_[0, cuts, counts.size])
-    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        c = counts[a:b]
-        w = np.repeat(np.arange(a, b), c)
-        start = np.cumsum(c) - c
-        j = left[w] + np.arange(w.size) - np.repeat(start, c)
+    for w, j in _blocks(left, right - left + 1):
         _fold(value, best_j, v[w], n[w], j, _exact(cost, up, down, v[w], j, n[w]))
 
 
