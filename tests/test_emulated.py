@@ -16,7 +16,6 @@ import ray
 from helpers import wait_until
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import build_char_tokenizer
-from m2flow.workers.recipe import prompt_items
 from m2flow.workers.rollout.emulated import (
     LLAMA31_8B,
     LLAMA33_70B,
@@ -31,9 +30,9 @@ from m2flow.workers.rollout.exact import GenRequest
 from m2flow.workers.rollout.worker import RolloutWorker
 from m2flow.workers.spot.config import SpotPoolConfig
 from m2flow.workers.spot.manager import MANAGER_NAME
-from m2flow.workers.tasks import TaskDataset
+from test_spot import metrics, pool_step
 
-from m2flow import Channel, sync_weights
+from m2flow import sync_weights
 from m2flow.cluster import NAMESPACE, VIRTUAL_DEVICE_RESOURCE, Cluster
 from m2flow.spot import LocalSpotCluster
 
@@ -268,34 +267,14 @@ def pool():
         cluster.shutdown()
 
 
-def metrics(mgr) -> dict:
-    return ray.get(mgr.metrics.remote(), timeout=60)
-
-
 def run_step(rollout, mgr, step: int, prompts: int = 16, during=None) -> tuple:
-    """One rollout step through the pool. Returns ``(generate's result, {(prompt, sample):
-    response ids}, prompt items)``."""
-    tok = build_char_tokenizer(ALPHABET)
-    train = TaskDataset("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1,
-                                      "max_digits": 1}, seed=1, size=256)  # fmt: skip
-    items = prompt_items(train, tok, prompts, seed=0, step=step)
-    inp, out = Channel.create(f"ep{step}"), Channel.create(f"eo{step}")
-    inp.put_many(items)
-    call = rollout.generate(inp, out, prompts)
-    while not call.done():
-        if during is not None:
-            during(metrics(mgr))
-        time.sleep(0.05)
-    (res,) = call.wait(timeout=600)
-    got: dict = {}
-    while len(got) < prompts * SAMPLES:
-        b = out.get(timeout=60)["batch"]
-        for i, g in enumerate(b["group_index"].tolist()):
-            j = sum(1 for (gg, _) in got if gg == g)
-            got[(g, j)] = b["response_ids"][i, : int(b["response_mask"][i].sum())].tolist()
-    assert out.qsize() == 0
-    inp.close()
-    out.close()
+    """One rollout step through the pool (test_spot's :func:`pool_step`). Returns
+    ``(generate's result, {(prompt, sample): response ids}, prompt items)``."""
+    res, rows, items = pool_step(rollout, mgr, step, prompts, SAMPLES, during)
+    got = {}
+    for key, (chunk, i) in rows.items():
+        b = chunk["batch"]
+        got[key] = b["response_ids"][i, : int(b["response_mask"][i].sum())].tolist()
     return res, {k: got[k] for k in sorted(got)}, items
 
 

@@ -95,10 +95,10 @@ def reference(actor, items: list[dict]) -> dict:
     return {(r.key[1], r.key[2]): (r.tokens, r.logprobs) for r in reqs}
 
 
-def run_step(cluster, rollout, mgr, step: int, prompts: int = 16, during=None) -> tuple:
-    """One rollout step through the pool; ``during(metrics)`` is polled while it runs.
-    Returns ``(generate's result, {(prompt, sample): (tokens, logprobs)}, weight versions,
-    prompt items)``."""
+def pool_step(rollout, mgr, step: int, prompts: int, samples: int, during=None) -> tuple:
+    """One rollout step through the pool (also test_emulated's); ``during(metrics)`` is polled
+    while it runs. Returns ``(generate's result, {(prompt, sample): the chunk's row},
+    prompt items)``, the row as ``(chunk, batch index)``."""
     tok = build_char_tokenizer(ALPHABET)
     train = TaskDataset("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1,
                                       "max_digits": 1}, seed=1, size=256)  # fmt: skip
@@ -111,19 +111,27 @@ def run_step(cluster, rollout, mgr, step: int, prompts: int = 16, during=None) -
             during(metrics(mgr))
         time.sleep(0.05)
     (res,) = call.wait(timeout=600)
-    got, versions, samples = {}, set(), 0
-    while samples < prompts * SAMPLES:
+    rows: dict = {}
+    while len(rows) < prompts * samples:
         chunk = out.get(timeout=60)
-        b = chunk["batch"]
-        versions.add(chunk["weight_version"])
-        for i, g in enumerate(b["group_index"].tolist()):
-            j = sum(1 for (gg, _) in got if gg == g)
-            n = int(b["response_mask"][i].sum())
-            got[(g, j)] = (b["response_ids"][i, :n].tolist(), b["logprobs"][i, :n].tolist())
-        samples += len(b)
+        for i, g in enumerate(chunk["batch"]["group_index"].tolist()):
+            rows[(g, sum(1 for (gg, _) in rows if gg == g))] = (chunk, i)
     assert out.qsize() == 0, "more samples than prompts x n_samples"
     inp.close()
     out.close()
+    return res, rows, items
+
+
+def run_step(rollout, mgr, step: int, prompts: int = 16, during=None) -> tuple:
+    """:func:`pool_step`, returning ``(generate's result, {(prompt, sample): (tokens,
+    logprobs)}, weight versions, prompt items)``."""
+    res, rows, items = pool_step(rollout, mgr, step, prompts, SAMPLES, during)
+    got = {}
+    for key, (chunk, i) in rows.items():
+        b = chunk["batch"]
+        n = int(b["response_mask"][i].sum())
+        got[key] = (b["response_ids"][i, :n].tolist(), b["logprobs"][i, :n].tolist())
+    versions = {chunk["weight_version"] for chunk, _ in rows.values()}
     return res, got, versions, items
 
 
@@ -140,7 +148,7 @@ def test_preempted_instance_migrates_and_responses_stay_exact(pool):
             local.remove_node_id(busy[0])  # a node that holds partial responses
             killed.append(busy[0])
 
-    res, got, versions, items = run_step(cluster, rollout, mgr, step=1, during=preempt_one)
+    res, got, versions, items = run_step(rollout, mgr, step=1, during=preempt_one)
     assert killed, "the step ended before a spot instance held a partial response"
     spot = res["spot"]
     assert spot["preemptions"] == 1 and spot["migrated_samples"] >= 1, spot
@@ -157,7 +165,7 @@ def test_zero_spot_instances_finish_on_the_reserved_devices(pool):
     cluster, local, actor, rollout, mgr = pool
     local.remove_spot(local.spot_nodes)
     wait_until(lambda: spot_ready(mgr) == 0, 60, "the spot instances to be gone")
-    res, got, versions, items = run_step(cluster, rollout, mgr, step=2)
+    res, got, versions, items = run_step(rollout, mgr, step=2)
     assert res["spot"]["spot_tokens"] == 0 and res["spot"]["reserved_tokens"] > 0
     expected = reference(actor, items)
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in expected.items()}
@@ -179,7 +187,7 @@ def test_node_joining_mid_step_pulls_weights_and_takes_work(pool):
             joined.append(time.monotonic())
 
     try:
-        res, got, versions, items = run_step(cluster, rollout, mgr, step=3, prompts=128,
+        res, got, versions, items = run_step(rollout, mgr, step=3, prompts=128,
                                              during=join_once)  # fmt: skip
     finally:
         ray.get(mgr.set_config.remote(max_batch=SPOT["max_batch"]), timeout=60)
