@@ -12,13 +12,14 @@ no lock-order deadlock).
 - Release: frees the devices; the holder stays resident until a *different* worker takes them
   (lazy offload). Devices configured to keep everyone resident (:meth:`LockService.configure`;
   the Cluster's ``offload`` setting) never evict: the lock only serialises their use.
-- Reservation: a worker ending a group call releases with ``reserve``; when nobody waits for
-  its devices they stay *reserved* for it (free, but granted to no one else), and its next
-  acquire takes them without a round trip here (the release's reply told it so). A request
-  for reserved devices first revokes the reservation (:meth:`LockService._revoke` asks the
-  worker, which says whether it has taken them again meanwhile, and then holds them until its
-  release). So a worker running consecutive calls on idle devices (the rollout's weight load,
-  then its next generation) does not ask twice.
+- Reservation: a worker ending a group call, or yielding its devices while it waits for data
+  in one, releases with ``reserve``; when nobody waits for its devices they stay *reserved*
+  for it (free, but granted to no one else), and its next acquire takes them without a round
+  trip here (the release's reply told it so). A request for reserved devices first revokes
+  the reservation (:meth:`LockService._revoke` asks the worker, which says whether it has
+  taken them again meanwhile, and then holds them until its release). So a worker running
+  consecutive calls on idle devices (the rollout's weight load, then its next generation), or
+  waiting for data many times in one call, does not ask each time.
 - Dependencies: channels report every producer -> consumer edge they see
   (:meth:`LockService.add_dependency`); the grant order reads them.
 - Registry and liveness: every worker of the run registers here, locking or not. The service
