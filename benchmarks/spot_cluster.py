@@ -34,6 +34,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -44,13 +45,20 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION", "0.05")
 
 import ray  # noqa: E402
-from m2flow.scheduler.spot_plan import Prices, SpotPool, expected_instances, plan_rollout  # noqa: E402
+from m2flow.scheduler.spot_plan import (  # noqa: E402
+    Prices,
+    SpotPool,
+    expected_instances,
+    plan_rollout,
+    tail_term,
+)
 from m2flow.scheduler.spot_trace import generate_segment, instances_at  # noqa: E402
 from m2flow.workers.rollout.emulated import (  # noqa: E402
     EmulatedEngine,
     ResponseLengths,
     throughput_preset,
 )
+from m2flow.workers.rollout.emulated_rollout import rollout_finish_times  # noqa: E402
 from m2flow.workers.rollout.exact import GenRequest  # noqa: E402
 from m2flow.workers.spot.config import SpotPoolConfig  # noqa: E402
 from m2flow.workers.spot.manager import get_manager  # noqa: E402
@@ -368,17 +376,50 @@ def plan_for(model: str, segment: str, seed: int, reserved_nodes: int, block: in
     n = max(1, round(n_bar))
     one = offline_rollout_s(model, n, seed, steps[0], block, max_batch)
     r_items = PROMPTS / n / one
+    # the long responses' term: when each GRPO group is complete on those n engines
+    ends = [group_end_s(model, n, seed, s, block, max_batch) for s in steps]
+    tails = [tail_term(g, t_train) for g in ends]
     pool = SpotPool(
         instance_items_per_s=r_items,
         devices_per_instance=2,
         expected_instances=n_bar,
         weight_sync_s=preset.weight_transfer_s(),
+        tail_s=statistics.fmean(t for t, _ in tails),
+        tail_train_fraction=statistics.fmean(f for _, f in tails),
     )
     prices = Prices(reserved=RESERVED_GPU_PER_H, spot=SPOT_INSTANCE_PER_H / 2)
     plan = plan_rollout(PROMPTS, R + t_train, R, t_train, 8 * reserved_nodes, pool, prices,
                         objective="time")  # fmt: skip
     return {"R": R, "t_train": t_train, "instance_items_per_s": r_items, "n_bar": n_bar,
-            "weight_sync_s": pool.weight_sync_s, "plan": plan.to_dict()}  # fmt: skip
+            "weight_sync_s": pool.weight_sync_s, "tail_s": pool.tail_s,
+            "tail_train_fraction": pool.tail_train_fraction, "plan": plan.to_dict()}  # fmt: skip
+
+
+def group_end_s(model: str, n_engines: int, seed: int, step: int, block: int,
+                max_batch: int) -> list[float]:  # fmt: skip
+    """Emulated seconds from the step's start until each GRPO group's last sample ends, the
+    step's responses sharing ``n_engines`` engines (``rollout_finish_times``)."""
+    keys = [r.key for r in _requests(step)]
+    lengths = ResponseLengths(3000.0, 1.0, 16384)
+    fin, _ = rollout_finish_times(throughput_preset(model), lengths, keys, n_engines, seed,
+                                  max_batch, block, PROMPT_TOKENS)  # fmt: skip
+    return [float(fin[p * SAMPLES : (p + 1) * SAMPLES].max()) for p in range(PROMPTS)]
+
+
+def replan(path: str) -> None:
+    """Recompute the planner's choices (pure, from the emulator's models) and the derived table
+    of an earlier run's results, keeping its measured rows; for a planner change."""
+    results = json.loads(Path(path).read_text())
+    st = results["settings"]
+    for key in results["plans"]:
+        model, seg = key.split("/")
+        nodes = 2 if model == "qwen3-32b" else 1
+        results["plans"][key] = plan_for(model, seg, st["seed"], nodes, st["block"], 256,
+                                         range(st["warmup"], st["steps"]))  # fmt: skip
+    results["replanned"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    results["derived"] = derived(results)
+    Path(path).write_text(json.dumps(results, indent=2, default=float) + "\n")
+    _report(results, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +438,11 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=512, help="tokens per report")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--replan", metavar="JSON", help="recompute the planner rows of a results "
+                    "file (its measured rows kept) and exit")  # fmt: skip
     a = ap.parse_args()
+    if a.replan:
+        return replan(a.replan)
     if a.quick:
         a.models, a.segments, a.steps, a.warmup, a.baseline_steps = ["qwen3-8b"], ["A"], 5, 1, 2
         a.no_ablations = True
@@ -478,10 +523,17 @@ def main() -> None:
         ray.shutdown()
         local.shutdown()
     results["wall_s"] = time.time() - wall0
-    table(results)
     _save(results, a.out, wall0)
+    _report(results, a.out)
+
+
+def _report(results: dict, out: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from spot_cluster_report import plot, table
+
+    table(results)
     try:
-        _plot(results, Path(a.out).with_suffix(".png"))
+        plot(results, Path(out).with_suffix(".png"))
     except Exception as e:  # noqa: BLE001
         print(f"no plot: {e}")
 
@@ -532,63 +584,6 @@ def _save(results: dict, out: str, wall0: float) -> None:
     results["wall_s"] = time.time() - wall0
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(results, indent=2, default=float) + "\n")
-
-
-def table(results: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title="RLBoost emulated at cluster scale (emulated seconds; RLBoost section 6.2)")
-    for col in (
-        "model/config",
-        "tok/s",
-        "x veRL",
-        "tok/$",
-        "x veRL $",
-        "step s",
-        "$/step",
-        "avail",
-        "held",
-        "spot share",
-        "planner step (err)",
-        "planner $ (err)",
-        "planner@avail step (err)",
-    ):
-        t.add_column(col, justify="right")
-    for key, d in results["derived"].items():
-        p = d.get("planner")
-        t.add_row(
-            key, f"{d['throughput']:,.0f}", f"{d.get('x_throughput', float('nan')):.2f}",
-            f"{d['tokens_per_dollar']:,.0f}", f"{d.get('x_tokens_per_dollar', float('nan')):.2f}",
-            f"{d['step_s']:.0f}", f"{d['cost_per_step']:.3f}", f"{d['avg_available']:.1f}",
-            f"{d['avg_held']:.1f}", f"{d['spot_share']:.0%}",
-            f"{p['step_s']:.0f} ({p['step_error']:+.0%})" if p else "",
-            f"{p['cost_per_step']:.3f} ({p['cost_error']:+.0%})" if p else "",
-            (f"{d['planner_window']['step_s']:.0f} ({d['planner_window']['step_error']:+.0%})"
-             if p else ""),
-        )  # fmt: skip
-    Console(width=200).print(t)
-    print(f"wall: {results['wall_s']:.0f} s")
-
-
-def _plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    d = {k: v for k, v in results["derived"].items() if "x_throughput" in v}
-    names = list(d)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax1.barh(names, [d[n]["x_throughput"] for n in names])
-    ax1.set(xlabel="throughput / veRL", title="training throughput (tokens/s)")
-    ax2.barh(names, [d[n]["x_tokens_per_dollar"] for n in names], color="tab:green")
-    ax2.set(xlabel="tokens per $ / veRL", title="cost efficiency")
-    for ax in (ax1, ax2):
-        ax.axvline(1.0, color="k", lw=0.8)
-        ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ Schema (YAML; units: seconds, bytes, items per step)::
       expected_instances: 6.53        # available on average (or m2flow plan --spot-trace)
       max_instances: null             # most the plan may hold (null: ceil(expected))
       weight_sync_s: 1.5              # weight push to the instances, per step
+      tail_s: 0.0                     # when the longest responses end (s from step start)
+      tail_train_fraction: 0.0        # share of training that waits for them, [0, 1]
     prices: {reserved: 10.47, spot: 2.66}   # $ per device-hour (optional; cost reports)
     reward_service:                   # a component scored by a remote service (optional)
       component: reward               # runs off the reserved devices (.reward_remote)
@@ -373,7 +375,7 @@ def _reward_service(doc: Any, comps: dict, spot: SpotPool | None) -> RewardServi
 
 def _spot(doc: Any, comps: dict) -> SpotPool:
     known = {"component", "instance_items_per_s", "devices_per_instance", "expected_instances",
-             "max_instances", "weight_sync_s"}  # fmt: skip
+             "max_instances", "weight_sync_s", "tail_s", "tail_train_fraction"}  # fmt: skip
     _keys(doc, known, {"instance_items_per_s"}, "spot")
     name = str(doc.get("component", "rollout"))
     _need(

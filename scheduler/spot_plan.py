@@ -18,19 +18,29 @@ the rollout component's remote option and prices both. Its model of one step (se
   ``max(T + t_train, sync + B (1 - T / R) / (n r))``: the trainer's end, or the last
   response's. Seeding pays where the reserved devices would otherwise wait (the weight push,
   a spot pool slower than training).
+- Long responses (optional; ``tail_s``, ``tail_train_fraction``): no number of instances
+  decodes one response faster, so the step cannot end before the longest responses do
+  (``tail_s`` after the step's start, at the pool's batch sizes) plus the training of the GRPO
+  groups that wait for them (a group trains once all its samples are in): a third term
+  ``tail_s + f t_train``. :func:`tail_term` derives both from the times each group's last
+  sample ends. The throughput lines alone put the step 32-40 % under the emulated cluster's
+  (docs/spot_cluster.md), as most of its step is this tail.
 
 The step is the max of a rising and a falling line in ``T``, so the best window is their
 crossing ``T* = (sync + B / (n r) - t_train) / (1 + B / (R n r))`` (RLBoost Algorithm 1
 line 9's fixed point: neither side waits) clamped to ``[0, R)``; ``T = 0`` is spot rollout
 without seeding. ``T >= R`` would leave the pool idle, which the reserved plan beats, so it is
-not a spot choice. ``N_prem`` is searched over ``1..ceil(n_bar)`` (more instances than are
-available change nothing). RLBoost's line 10 gives the cap an adaptive run starts from; this
-planner instead picks the cap that optimises the objective under the expected availability,
-and the run's Algorithm 1 adapts both from there.
+not a spot choice. The tail term does not depend on ``T``: where it is above the crossing
+the step is flat around ``T*``, and the plan keeps ``T*``. ``N_prem`` is searched over
+``1..ceil(n_bar)`` (more instances than are available change nothing). RLBoost's line 10
+gives the cap an adaptive run starts from; this planner instead picks the cap that optimises
+the objective under the expected availability, and the run's Algorithm 1 adapts both from
+there.
 
-Not modelled: the trainer waiting for its first micro-batch (a GRPO group needs all its
-samples, and long responses delay it), preemptions' lost work (the expected availability
-stands for it), and rollout and training contending for the reserved devices' memory.
+Not modelled: preemptions' lost work (the expected availability stands for it), migration's
+re-prefill, and rollout and training contending for the reserved devices' memory. The tail
+term takes the group end times of one rollout on the pool from the step's start; seeding and
+migration move responses between engines, which shifts them a little.
 
 Cost per step ($): ``step * (N p_res + n d p_spot) / 3600`` with ``p`` in $ per device-hour:
 the reserved devices are paid for the whole step, spot instances for the time they are held
@@ -70,6 +80,10 @@ class SpotPool:
             time-weighted mean), >= 0.
         max_instances: most instances the plan may hold (``None``: ``ceil(n_bar)``).
         weight_sync_s: seconds per step to push the new weights to the instances.
+        tail_s: seconds from the step's start until the last response ends (the longest
+            responses' decode; 0: not modelled).
+        tail_train_fraction: share of ``t_train`` that can only run after that, in [0, 1]
+            (the groups that wait for the longest responses; :func:`tail_term`).
     """
 
     component: str = "rollout"
@@ -78,11 +92,20 @@ class SpotPool:
     expected_instances: float = 0.0
     max_instances: int | None = None
     weight_sync_s: float = 0.0
+    tail_s: float = 0.0
+    tail_train_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("spot.instance_items_per_s", self.instance_items_per_s)
         _nonneg("spot.expected_instances", self.expected_instances)
         _nonneg("spot.weight_sync_s", self.weight_sync_s)
+        _nonneg("spot.tail_s", self.tail_s)
+        _nonneg("spot.tail_train_fraction", self.tail_train_fraction)
+        if self.tail_train_fraction > 1:
+            raise SpotPlanError(
+                f"spot.tail_train_fraction={self.tail_train_fraction!r}: a share of the "
+                "training time, give a number in [0, 1]"
+            )
         if not (isinstance(self.devices_per_instance, int) and self.devices_per_instance >= 1):
             raise SpotPlanError(
                 f"spot.devices_per_instance={self.devices_per_instance!r}: give a whole number "
@@ -165,6 +188,31 @@ def expected_instances(trace: Sequence[tuple[float, int]]) -> float:
     return area / (t_last - t0)
 
 
+def tail_term(group_end_s: Sequence[float], train_s: float) -> tuple[float, float]:
+    """``(tail_s, tail_train_fraction)`` of :class:`SpotPool` from when each GRPO group of a
+    step is complete (the end of its last sample, seconds from the step's start).
+
+    A trainer that takes complete groups as they come, each costing ``t_train / B``, ends at
+    ``max_k (g_k + (B - k) t_train / B)`` over the end times sorted ascending (``k`` from 0):
+    some group, and every group after it, trains after that group ends. ``tail_s`` is the last
+    end ``g_{B-1}``, and the fraction is what the trainer still has to do then,
+    ``(end - tail_s) / t_train`` (at least ``1 / B``: the last group itself).
+
+    Raises:
+        SpotPlanError: no groups, or a time that is negative or not finite.
+    """
+    if not group_end_s:
+        raise SpotPlanError("tail_term needs the end time of at least one group")
+    for v in (*group_end_s, train_s):
+        _nonneg("group end / training time", v)
+    g = sorted(float(x) for x in group_end_s)
+    b, tail = len(g), g[-1]
+    if train_s == 0:
+        return tail, 0.0
+    end = max(gk + (b - k) * train_s / b for k, gk in enumerate(g))
+    return tail, min(1.0, (end - tail) / train_s)
+
+
 def plan_rollout(
     batch_size: int,
     reserved_step_s: float,
@@ -216,13 +264,14 @@ def plan_rollout(
     top = math.ceil(pool.expected_instances - 1e-9) if cap is None else cap
     top = min(top, math.ceil(pool.expected_instances - 1e-9))
     spot, seeded = [], []
+    floor = pool.tail_s + pool.tail_train_fraction * train_s  # the long responses' term
     for n_prem in range(1, top + 1):
         n = min(float(n_prem), pool.expected_instances)
         rate = n * pool.instance_items_per_s  # items per second of the held pool
 
         def step(t: float, rate=rate) -> float:
             left = batch_size * (1.0 - t / rollout_s) if rollout_s > 0 else 0.0
-            return extra_s + max(t + train_s, pool.weight_sync_s + left / rate)
+            return extra_s + max(t + train_s, pool.weight_sync_s + left / rate, floor)
 
         spot.append(priced("spot", step(0.0), 0.0, n_prem, n))
         if rollout_s > 0:

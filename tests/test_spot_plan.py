@@ -16,7 +16,7 @@ from m2flow.scheduler.profile import (
     profile_from_dict,
     save_profile,
 )
-from m2flow.scheduler.spot_plan import Prices, SpotPlanError, SpotPool, plan_rollout
+from m2flow.scheduler.spot_plan import Prices, SpotPlanError, SpotPool, plan_rollout, tail_term
 from typer.testing import CliRunner
 
 from m2flow.cli import app
@@ -72,6 +72,29 @@ def test_window_and_cap_are_the_optimum_of_the_model(rate, n_bar, sync, train):
         best = min(best, float(steps.min()))
     assert sp.best.step_s == pytest.approx(best, rel=1e-5)
     assert sp.best.step_s <= min(c.step_s for c in sp.runner_ups) + 1e-9
+
+
+def test_tail_term_is_the_streaming_trainers_end():
+    """tail_term's end equals a step-by-step simulation of a trainer taking complete groups
+    as they come (each t_train / B), and the floor it gives bounds the spot step."""
+    rng = np.random.default_rng(0)
+    ends = list(rng.lognormal(4.0, 1.0, B))
+    train = 90.0
+    tail, f = tail_term(ends, train)
+    clock = 0.0
+    for g in sorted(ends):  # one trainer: starts a group when it is complete and it is free
+        clock = max(clock, g) + train / B
+    assert tail == max(ends)
+    assert tail + f * train == pytest.approx(clock, rel=1e-12)
+    assert 1 / B - 1e-12 <= f <= 1
+    # all groups complete at once: the whole training waits for them
+    assert tail_term([5.0] * B, train) == (5.0, pytest.approx(1.0))
+    pool = SpotPool(instance_items_per_s=100.0, expected_instances=8, tail_s=tail,
+                    tail_train_fraction=f)  # fmt: skip
+    fast = plan_rollout(B, 1e4, 120.0, train, N, pool, Prices(), "time").best
+    assert fast.mode != "reserved" and fast.step_s == pytest.approx(tail + f * train)
+    with pytest.raises(SpotPlanError, match="at least one group"):
+        tail_term([], train)
 
 
 def test_zero_expected_instances_gives_the_reserved_only_plan():
@@ -180,6 +203,8 @@ def test_spot_options_need_a_spot_pool(tmp_path):
         ({"instance_items_per_s": 1, "devices_per_instance": 0}, "devices_per_instance"),
         ({"instance_items_per_s": 1, "expected_instances": -1}, "expected_instances"),
         ({"instance_items_per_s": 1, "max_instances": 2.5}, "max_instances"),
+        ({"instance_items_per_s": 1, "tail_train_fraction": 1.5}, "tail_train_fraction"),
+        ({"instance_items_per_s": 1, "tail_s": -1}, "tail_s"),
         ({"expected_instances": 3}, "missing"),
     ],
 )
