@@ -8,18 +8,27 @@ returns the weight version they now hold. A source worker defines :meth:`Weights
 runtime moves the weights and records the version on every receiving rank
 (``worker.weight_version``) and in the run session.
 
-Transport: the object store (one copy, referenced by every receiving rank; the source's
-``broadcast``). Collective transports (NCCL/gloo broadcast, CUDA IPC) and versioned pulls plug
+Transports (``transport=``, default ``M2FLOW_WEIGHT_TRANSPORT`` or ``"object_store"``):
+
+- ``"object_store"``: one copy in the Ray object store, referenced by every receiving rank (the
+  source's ``broadcast``).
+- ``"collective"``: a gloo (CPU) or NCCL (CUDA) broadcast in bucketed buffers over a process
+  group of the source and the receivers, built once per pair and cached
+  (:mod:`m2flow.weight_transport`; measured in docs/weight_sync.md).
+
+Both end in the same ``load_weights(weights, version)``. CUDA IPC and versioned pulls would plug
 in here, behind the same call.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
 import ray
 
+from . import weight_transport
 from ._env import wait_timeout
 
 if TYPE_CHECKING:
@@ -54,49 +63,101 @@ class Weights:
             f"{type(self).__name__} cannot receive weights: define load_weights(weights, version)"
         )
 
-    def _m2flow_send_weights(self, dst_group: str, dst_world_size: int) -> int:
+    def _m2flow_send_weights(
+        self, dst_group: str, dst_world_size: int, transport: str = "object_store", link=None
+    ) -> int:
         # The device locks cover get_weights only: the broadcast touches host memory, so the
-        # receivers may take the devices while it is under way.
+        # receivers may take the devices while it is under way (over NCCL it touches the
+        # device: the locks stay taken until the end of the call).
+        collective = transport == "collective"
         self._m2flow_call_wait += self._m2flow_acquire()
         try:
             weights, version = self.get_weights(), self.weight_version
+        except BaseException as e:
+            if collective:  # the receivers would wait for metadata that never comes
+                weight_transport.send_error(self, dst_group, dst_world_size, e)
+            raise
         finally:
-            self._m2flow_release()
-        self.broadcast((weights, version), dst_group, dst_world_size)
+            if not (collective and link["backend"] == "nccl"):
+                self._m2flow_release()
+        if collective:
+            weight_transport.send(self, weights, version, dst_group, **link)
+        else:
+            self.broadcast((weights, version), dst_group, dst_world_size)
         return version
 
-    def _m2flow_recv_weights(self, src_group: str, src_rank: int) -> int:
+    def _m2flow_recv_weights(
+        self, src_group: str, src_rank: int, transport: str = "object_store"
+    ) -> int:
         # Wait for the weights without the device locks (the sender needs them to read its
         # weights), then take them to load; the end of the call releases them.
         t0 = time.time()
         ref = self._m2flow_recv_ref(src_group, src_rank, wait_timeout())
-        self._m2flow_call_wait += time.time() - t0 + self._m2flow_acquire()
-        weights, version = ray.get(ref)
+        if transport == "collective":
+            meta = ray.get(ref)  # the metadata; the tensors follow over the link
+            on_device = meta.get("backend") == "nccl"  # receive buffers on the GPU: lock first
+            self._m2flow_call_wait += time.time() - t0
+            if on_device:
+                self._m2flow_call_wait += self._m2flow_acquire()
+            weights, version = weight_transport.recv(self, src_group, src_rank, meta)
+            if not on_device:
+                self._m2flow_call_wait += self._m2flow_acquire()
+        else:
+            self._m2flow_call_wait += time.time() - t0 + self._m2flow_acquire()
+            weights, version = ray.get(ref)
         self.load_weights(weights, version)
         self.weight_version = version
         return version
 
-    # Both take the device locks themselves, for part of the call (see above).
+    def _m2flow_close_weight_links(self, peer_group: str) -> int:
+        return weight_transport.close_peer(self, peer_group)
+
+    # All take the device locks themselves, for part of the call (see above), or not at all.
     _m2flow_send_weights._m2flow_no_device_lock = True
     _m2flow_recv_weights._m2flow_no_device_lock = True
+    _m2flow_close_weight_links._m2flow_no_device_lock = True
 
 
 def sync_weights(
-    src: WorkerGroup, dst: WorkerGroup, *, src_rank: int = 0, timeout: float | None = None
+    src: WorkerGroup,
+    dst: WorkerGroup,
+    *,
+    src_rank: int = 0,
+    timeout: float | None = None,
+    transport: str | None = None,
+    bucket_bytes: int | None = None,
 ) -> int:
     """Send the weights of ``src``'s rank ``src_rank`` to every rank of ``dst``.
+
+    Args:
+        timeout: seconds to wait for both sides (default ``M2FLOW_WAIT_TIMEOUT``).
+        transport: ``"object_store"`` or ``"collective"`` (module docstring); default the
+            ``M2FLOW_WEIGHT_TRANSPORT`` environment variable, else ``"object_store"``.
+        bucket_bytes: collective only: size in bytes of the buffers small tensors are packed
+            into (default :data:`m2flow.weight_transport.BUCKET_BYTES`, 32 MiB).
 
     Returns:
         the weight version every rank of ``dst`` now holds.
 
     Raises:
+        ValueError: an unknown ``transport`` (before anything is sent), or a collective link
+            over NCCL whose members share a GPU.
         WorkerError: either side failed (e.g. a worker that defines no ``get_weights`` or
-            ``load_weights``).
+            ``load_weights``; a member of a collective link died or timed out).
     """
     from .session import current_session
 
-    sent = src.on(src_rank).call("_m2flow_send_weights", dst.name, dst.world_size)
-    got = dst.call("_m2flow_recv_weights", src.name, src_rank)
+    if transport is None:
+        transport = os.environ.get("M2FLOW_WEIGHT_TRANSPORT", "object_store")
+    weight_transport.check_transport(transport)
+    if transport == "collective":
+        link = weight_transport.link_spec(src, src_rank, dst, bucket_bytes)
+        sent = src.on(src_rank).call(
+            "_m2flow_send_weights", dst.name, dst.world_size, transport, link
+        )
+    else:
+        sent = src.on(src_rank).call("_m2flow_send_weights", dst.name, dst.world_size)
+    got = dst.call("_m2flow_recv_weights", src.name, src_rank, transport)
     versions = got.wait(timeout)
     sent.wait(timeout)
     session = current_session()
