@@ -50,6 +50,9 @@ class ActorConfig(OptimConfig):
     recompute_old_logprobs: bool = False
     shared_prefix: bool = True  # forward each group's prompt once (same math, ~3x fewer tokens)
     data_parallel: bool = False  # one rank per device, gradients all-reduced (gloo/NCCL)
+    engine: str = "torch"  # or "megatron": Megatron-core, one rank per device (docs/megatron.md)
+    tensor_parallel: int = 1  # megatron: TP size; DP = the actor's devices / TP
+    pipeline_parallel: int = 1  # megatron: only 1 so far
 
 
 @dataclass
@@ -89,6 +92,10 @@ def validate(cfg) -> None:
         [
             (a.clip_eps_low > 0 and a.clip_eps_high > 0, "actor.clip_eps_* must be > 0"),
             (a.kl_coef >= 0, "actor.kl_coef must be >= 0"),
+            (a.engine in ("torch", "megatron"), "actor.engine must be torch or megatron"),
+            (a.engine == "megatron" or a.tensor_parallel == 1, "TP needs actor.engine=megatron"),
+            (a.tensor_parallel >= 1, "actor.tensor_parallel must be >= 1"),
+            (a.pipeline_parallel == 1, "actor.pipeline_parallel must be 1 (no PP schedule yet)"),
             (finite_positive(cfg.reward_service.timeout_s), "reward_service.timeout_s > 0"),
         ]
     )

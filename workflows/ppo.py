@@ -56,12 +56,14 @@ class ActorConfig(OptimConfig):
     mini_batch_size: int = 128  # responses per optimizer step; 0 = the whole batch
     whiten_advantages: bool = True
     recompute_old_logprobs: bool = False  # the rollout's logprobs are the same weights'
+    engine: str = "torch"  # PPO: torch only (Megatron is wired for the GRPO actor)
 
 
 @dataclass
 class CriticConfig(OptimConfig):
     lr: float = 5e-4  # the head starts at 0: the critic must catch up fast
     mini_batch_size: int = 128
+    engine: str = "torch"  # torch only (no Megatron value head yet)
 
 
 @dataclass
@@ -123,6 +125,11 @@ def validate(cfg) -> None:
             (a.clip_eps > 0 and a.epochs >= 1, "algorithm.clip_eps > 0 and algorithm.epochs >= 1"),
             (0 <= cfg.reward.verifier_weight <= 1, "reward.verifier_weight must be in [0, 1]"),
             (0 <= f.heldout_batches < f.batches, "need 0 <= reward_fit.heldout_batches < batches"),
+            (
+                cfg.actor.engine == cfg.critic.engine == "torch",
+                "PPO runs on the torch engine: set actor.engine=torch and critic.engine=torch "
+                "(Megatron is wired for the GRPO actor only, docs/megatron.md)",
+            ),
         ]
     )
 

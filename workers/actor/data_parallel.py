@@ -61,9 +61,10 @@ def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def all_reduce_grads(model: torch.nn.Module) -> None:
-    """Sum every parameter's gradient over the ranks, in place (a rank that trained on nothing
-    contributes zeros). One flat buffer per dtype: one collective, not one per tensor."""
+def all_reduce_grads(model: torch.nn.Module, group=None) -> None:
+    """Sum every parameter's gradient over the ranks of ``group`` (default: all), in place (a
+    rank that trained on nothing contributes zeros). One flat buffer per dtype: one collective,
+    not one per tensor."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
@@ -73,17 +74,19 @@ def all_reduce_grads(model: torch.nn.Module) -> None:
         by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
 
-def all_reduce_sums(values: dict[str, float], keys: tuple[str, ...]) -> dict[str, float]:
-    """``keys`` of ``values`` (missing: 0) summed over the ranks."""
+def all_reduce_sums(
+    values: dict[str, float], keys: tuple[str, ...], group=None
+) -> dict[str, float]:
+    """``keys`` of ``values`` (missing: 0) summed over the ranks of ``group`` (default: all)."""
     t = torch.tensor([float(values.get(k, 0.0)) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     return dict(zip(keys, t.tolist()))
 
 

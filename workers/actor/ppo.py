@@ -24,10 +24,18 @@ class PPOActorWorker(ActorWorker):
         epochs: passes over each batch (PPO epochs; mini-batches shuffled when > 1).
         whiten_advantages: normalise advantages over the batch's tokens (mean 0, std 1).
         **kwargs: :class:`ActorWorker` arguments; leave ``kl_coef`` at 0 (the KL penalty is
-            in the reward here).
+            in the reward here); ``engine`` must stay ``"torch"``.
+
+    Raises:
+        ValueError: ``data_parallel`` or ``engine="megatron"`` (not wired for PPO).
     """
 
     def __init__(self, epochs: int = 1, whiten_advantages: bool = True, **kwargs) -> None:
+        if kwargs.get("engine", "torch") != "torch":
+            raise ValueError(
+                "the PPO actor runs on the torch engine only (Megatron is wired for the GRPO "
+                "actor): set actor.engine=torch"
+            )
         if kwargs.get("data_parallel"):
             raise ValueError(
                 "the PPO actor trains on mini-batches of a whole batch, which data-parallel "

@@ -72,6 +72,9 @@ class PolicyTrainer:
             rounding. Supervised steps keep the full forward (their prompts are distinct).
     """
 
+    #: process group of the data-parallel sums (None: every rank; Megatron: its DP group)
+    dp_group = None
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -257,9 +260,10 @@ class PolicyTrainer:
         acc, self._accumulated = self._accumulated, None
         if data_parallel.active():  # every rank: the sums and gradients of all ranks' parts
             keys = ("tokens", "loss", "pg_loss", "clip_frac", "ratio_mean")
-            acc = data_parallel.all_reduce_sums(acc or {}, keys + ("kl",) * (self.kl_coef > 0))
+            keys += ("kl",) * (self.kl_coef > 0)
+            acc = data_parallel.all_reduce_sums(acc or {}, keys, self.dp_group)
             if acc["tokens"] > 0:
-                data_parallel.all_reduce_grads(self.model)
+                data_parallel.all_reduce_grads(self.model, self.dp_group)
         if not acc or acc["tokens"] <= 0:
             self.optimizer.zero_grad(set_to_none=True)
             return {"steps": 0}

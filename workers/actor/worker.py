@@ -23,7 +23,7 @@ from .trainer import PolicyTrainer
 
 
 class ActorWorker(Worker):
-    """The policy being trained (plain torch).
+    """The policy being trained (plain torch, or Megatron-core with ``engine="megatron"``).
 
     By default one rank: given several devices by a plan, it uses them as one (``data_parallel
     = False``): all their CPU threads on virtual devices. With ``data_parallel=True`` it runs
@@ -32,6 +32,13 @@ class ActorWorker(Worker):
     NCCL on CUDA) makes every rank take the optimizer step one rank would on all the chunks.
     The warm start runs on rank 0 and its weights are broadcast; rank 0 is the weight source
     and writes the checkpoints (every rank loads them).
+
+    With ``engine="megatron"`` (:mod:`.megatron.engine`) the actor runs one rank per device, the
+    ranks forming Megatron's tensor- and data-parallel groups; GRPO steps train a Megatron
+    ``GPTModel`` shard per rank on the whole step's batch (mini-batches allowed). The warm
+    start runs on rank 0's Hugging Face copy (torch engine) and is scattered into the shards;
+    after each step the shards are gathered into that copy, so rank 0's :meth:`get_weights` and
+    checkpoints stay in Hugging Face layout (optimizer state: one file per rank).
 
     Args:
         model: :class:`~m2flow.workers.llm.ModelConfig` fields.
@@ -55,10 +62,14 @@ class ActorWorker(Worker):
         data_parallel: one rank per device (launch) and a gradient all-reduce (see above);
             streaming updates only (``mini_batch_size`` 0).
         dist: the process group's rendezvous ``{"addr", "port"}`` (set by :meth:`launch`).
+        engine: ``"torch"`` or ``"megatron"`` (needs the ``megatron`` extra).
+        tensor_parallel, pipeline_parallel: Megatron TP size (divides the ranks; DP = ranks /
+            TP) and PP size (only 1 so far).
 
     Raises:
-        ValueError: several ranks without ``data_parallel``, or ``data_parallel`` with a
-            ``mini_batch_size``.
+        ValueError: several ranks without ``data_parallel``, ``data_parallel`` with a
+            ``mini_batch_size``, an unknown ``engine``, or a Megatron setting it cannot run
+            (:func:`.megatron.engine.check_config`).
     """
 
     @classmethod
@@ -68,17 +79,29 @@ class ActorWorker(Worker):
         rendezvous of their process group, drawn here."""
         from m2flow.group import normalize_placement
 
-        if kwargs.get("data_parallel") and placement is None:
+        megatron = kwargs.get("engine", "torch") == "megatron"
+        if (kwargs.get("data_parallel") or megatron) and placement is None:
             placement = cluster.devices_for(kwargs.get("name") or cls.__name__)
         if placement is not None:  # refuse here, before any process starts
             ranks = normalize_placement(placement, cluster)
             cls._check_ranks(len(ranks), kwargs)
-            if len(ranks) > 1:
+            if len(ranks) > 1 or megatron:
                 kwargs["dist"] = dp.rendezvous(cluster, ranks)
         return super().launch(cluster, placement, **kwargs)
 
     @staticmethod
     def _check_ranks(world_size: int, kwargs: dict) -> None:
+        from .megatron.engine import ENGINES, check_config
+
+        engine = kwargs.get("engine", "torch")
+        if engine not in ENGINES:
+            raise ValueError(f"actor.engine={engine!r}: pick one of {', '.join(ENGINES)}")
+        if engine == "megatron":
+            return check_config(world_size, kwargs)
+        if kwargs.get("tensor_parallel", 1) != 1 or kwargs.get("pipeline_parallel", 1) != 1:
+            raise ValueError(
+                "actor.tensor_parallel / actor.pipeline_parallel need actor.engine=megatron"
+            )
         if world_size == 1:
             return
         if not kwargs.get("data_parallel"):
@@ -116,21 +139,28 @@ class ActorWorker(Worker):
         seed: int = 0,
         data_parallel: bool = False,
         dist: dict | None = None,
+        engine: str = "torch",
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
     ) -> None:
+        megatron = engine == "megatron"
         self._check_ranks(
             self.world_size,
-            {"data_parallel": data_parallel and dist, "mini_batch_size": mini_batch_size},
-        )
+            {"data_parallel": data_parallel and dist, "mini_batch_size": mini_batch_size,
+             "engine": engine, "tensor_parallel": tensor_parallel, "model": model,
+             "pipeline_parallel": pipeline_parallel, "kl_coef": kl_coef},
+        )  # fmt: skip
+        if megatron and dist is None:
+            raise ValueError("engine='megatron' needs the rendezvous: start with launch()")
         torch.set_num_threads(threads or self.num_threads)
         transformers.utils.logging.disable_progress_bar()  # no shard bars in run logs
         self.device = torch_device(self.devices)
-        if self.world_size != 1:
+        if self.world_size != 1 and not megatron:
             dp.init(self.rank, self.world_size, dist["addr"], dist["port"], self.device)
         self.tokenizer = build_char_tokenizer(alphabet)
         self.model = build_model(ModelConfig(**model), self.tokenizer, seed=seed).to(self.device)
         self.lr = lr
-        self.trainer = PolicyTrainer(
-            self.model,
+        optim = dict(
             lr=lr,
             betas=tuple(betas),
             weight_decay=weight_decay,
@@ -141,6 +171,25 @@ class ActorWorker(Worker):
             kl_coef=kl_coef,
             shared_prefix=shared_prefix,
         )
+        # The torch engine's trainer; with Megatron, rank 0's warm-start trainer of the HF copy.
+        self.trainer = self.sft_trainer = PolicyTrainer(self.model, **optim)
+        self.megatron = None
+        if megatron:
+            from .megatron.engine import MegatronEngine
+
+            self.megatron = MegatronEngine(
+                self.model.config,
+                self.model.state_dict() if self.rank == 0 else None,
+                self.rank,
+                self.world_size,
+                dist,
+                self.device,
+                tensor_parallel,
+                optim,
+            )
+            self.trainer = self.megatron.trainer
+            if self.rank != 0:  # only rank 0 keeps a Hugging Face copy (the weight source)
+                self.model = self.sft_trainer = None
         self.kl_coef = kl_coef
         self.ref_model: torch.nn.Module | None = None
         self._freeze_reference()  # refreshed after the warm start
@@ -171,7 +220,10 @@ class ActorWorker(Worker):
             ``steps``, ``seconds``, ``loss`` (last), ``val_accuracy`` (greedy, last check).
         """
         if dp.active() and self.rank != 0:  # rank 0 warm-starts; the others take its weights
-            dp.broadcast_model(self.model)
+            if self.megatron is not None:
+                self.megatron.load_hf(None)
+            else:
+                dp.broadcast_model(self.model)
             self.trainer.set_lr(self.lr)
             self._freeze_reference()
             out = [None]
@@ -183,9 +235,9 @@ class ActorWorker(Worker):
         val = TaskDataset(
             task["name"], dict(task["config"]), seed=task["val_seed"], size=task["val_size"]
         )
-        self.trainer.set_lr(lr)
+        self.sft_trainer.set_lr(lr)
         res = run_sft(
-            self.trainer,
+            self.sft_trainer,
             self.tokenizer,
             train,
             steps=steps,
@@ -197,9 +249,9 @@ class ActorWorker(Worker):
             time_budget_s=time_budget_s,
             log=None,
         )
-        self.trainer.set_lr(self.lr)
+        self.sft_trainer.set_lr(self.lr)
         # Fresh AdamW moments for RL: the supervised ones point elsewhere.
-        self.trainer.optimizer.state.clear()
+        self.sft_trainer.optimizer.state.clear()
         self._freeze_reference()
         out = {
             "steps": res.steps,
@@ -207,8 +259,11 @@ class ActorWorker(Worker):
             "loss": res.last_loss,
             "val_accuracy": res.val_accuracy,
         }
-        if dp.active():
+        if self.megatron is not None:
+            self.megatron.load_hf(self.model.state_dict())
+        elif dp.active():
             dp.broadcast_model(self.model)
+        if dp.active():
             torch.distributed.broadcast_object_list([out], 0)
         return out
 
@@ -230,20 +285,28 @@ class ActorWorker(Worker):
             streaming (no ``mini_batch_size``): ``parts``, the forward/backward passes over
             arrived chunks (chunks queued together are one part).
         """
-        if self.mini_batch_size is None:
+        if self.mini_batch_size is None and self.megatron is None:
             return self._train_streaming(inp)
+        parts = inp.stream(balance=all_queued, target_weight=1)
+        if self.megatron is not None:  # every rank: the whole step (see .megatron.engine)
+            parts = [self.megatron.read_step(parts)]
         # A fixed order (by first prompt id), whichever rank or chunk arrived first: the
         # mini-batches, hence the update, do not depend on the plan.
         chunks = sorted(
-            (c for part in inp.stream(balance=all_queued, target_weight=1) for c in part),
-            key=lambda c: int(c["batch"]["group_index"][0]),
+            (c for part in parts for c in part), key=lambda c: int(c["batch"]["group_index"][0])
         )
         batch = concat([c["batch"] for c in chunks], self.tokenizer.pad_token_id)
         stale = sum(len(c["batch"]) for c in chunks if c["weight_version"] != self.weight_version)
         data = self._training_data(batch)
         trained = len(data["advantages"])
         metrics = {}
-        if trained:
+        if self.megatron is not None:
+            if trained:  # every rank decides alike: they hold the same batch
+                metrics = self.megatron.train(data, self.mini_batch_size, self.micro_batch_size)
+            hf = self.megatron.gather_hf()  # rank 0's HF copy: the weight source
+            if hf is not None:
+                self.model.load_state_dict(hf)
+        elif trained:
             metrics = self.trainer.train_on_batch(data, self.mini_batch_size, self.micro_batch_size)
         return self._finish(metrics, len(batch), trained, stale)
 
@@ -311,12 +374,25 @@ class ActorWorker(Worker):
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The policy's weights, on CPU (detached copies): the source of
-        ``m2flow.sync_weights(actor, ...)``."""
+        ``m2flow.sync_weights(actor, ...)``. Megatron: the gathered TP shards, in Hugging Face
+        layout, on rank 0 only.
+
+        Raises:
+            RuntimeError: a Megatron rank other than 0 (it holds no gathered copy).
+        """
+        if self.model is None:
+            raise RuntimeError(
+                "the Megatron actor's weights are gathered on rank 0: call get_weights there "
+                "(actor.on(0).get_weights(); sync_weights does)"
+            )
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def save_checkpoint(self, path: str) -> str:
         """Model, tokenizer, optimizer state, version and RNG state under ``path`` (rank 0
-        only: data-parallel ranks hold the same state)."""
+        only: data-parallel ranks hold the same state; Megatron: the model in Hugging Face
+        layout, each rank's optimizer shard in its own file)."""
+        if self.megatron is not None:
+            self.megatron.save_optimizer(path)
         if self.rank != 0:
             return str(path)
         out = Path(path)
@@ -325,7 +401,7 @@ class ActorWorker(Worker):
         self.tokenizer.save_pretrained(out)
         torch.save(
             {
-                "optimizer": self.trainer.optimizer.state_dict(),
+                "optimizer": None if self.megatron else self.trainer.optimizer.state_dict(),
                 "weight_version": self.weight_version,
                 "trainer_steps": self.trainer.steps,
                 "torch_rng": torch.get_rng_state(),
@@ -341,18 +417,23 @@ class ActorWorker(Worker):
         from safetensors.torch import load_file
 
         src = Path(path)
-        missing, unexpected = self.model.load_state_dict(
-            load_file(src / "model.safetensors"), strict=False
-        )
-        # save_pretrained drops the LM head when it is tied to the embeddings.
-        if unexpected or set(missing) - {"lm_head.weight"}:
-            raise ValueError(
-                f"checkpoint {src} does not match the model: missing {missing}, "
-                f"unexpected {unexpected}"
+        if self.model is not None:  # Megatron: rank 0's HF copy, scattered below
+            missing, unexpected = self.model.load_state_dict(
+                load_file(src / "model.safetensors"), strict=False
             )
-        self.model.tie_weights()
+            # save_pretrained drops the LM head when it is tied to the embeddings.
+            if unexpected or set(missing) - {"lm_head.weight"}:
+                raise ValueError(
+                    f"checkpoint {src} does not match the model: missing {missing}, "
+                    f"unexpected {unexpected}"
+                )
+            self.model.tie_weights()
         state = torch.load(src / "actor_state.pt", weights_only=False)
-        self.trainer.optimizer.load_state_dict(state["optimizer"])
+        if self.megatron is not None:
+            self.megatron.load_hf(None if self.model is None else self.model.state_dict())
+            self.megatron.load_optimizer(src)
+        else:
+            self.trainer.optimizer.load_state_dict(state["optimizer"])
         self.trainer.steps = state["trainer_steps"]
         self.weight_version = state["weight_version"]
         torch.set_rng_state(state["torch_rng"])
@@ -372,10 +453,14 @@ class ActorWorker(Worker):
         host RAM is not saved (the state lives in host memory either way).
         """
         self.trainer.offload()
+        if self.sft_trainer is not None and self.sft_trainer is not self.trainer:
+            self.sft_trainer.offload()  # Megatron rank 0's HF copy
         if self.ref_model is not None and self.device.type == "cuda":
             self.ref_model.to("cpu")
 
     def onload(self) -> None:
         self.trainer.onload()
+        if self.sft_trainer is not None and self.sft_trainer is not self.trainer:
+            self.sft_trainer.onload()
         if self.ref_model is not None and self.device.type == "cuda":
             self.ref_model.to(self.device)

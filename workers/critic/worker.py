@@ -38,6 +38,10 @@ class CriticWorker(Worker):
         epochs: passes over each batch; mini_batch_size, micro_batch_size: responses per
             optimizer step / per forward (0: the whole batch / mini-batch).
         threads: torch threads (0: the CPUs of the rank's devices); seed: init and shuffling.
+        engine: ``"torch"`` only.
+
+    Raises:
+        ValueError: another ``engine`` (there is no Megatron value head yet).
     """
 
     data_parallel = False
@@ -59,7 +63,13 @@ class CriticWorker(Worker):
         micro_batch_size: int = 0,
         threads: int = 0,
         seed: int = 0,
+        engine: str = "torch",
     ) -> None:
+        if engine != "torch":
+            raise ValueError(
+                f"critic.engine={engine!r}: the critic runs on the torch engine only (no "
+                "Megatron value head yet, docs/megatron.md): set critic.engine=torch"
+            )
         torch.set_num_threads(threads or self.num_threads)
         self.tokenizer = build_char_tokenizer(alphabet)
         device = torch_device(self.devices)

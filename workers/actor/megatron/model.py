@@ -152,8 +152,23 @@ def build_gpt_model(hf_config, vocab_multiple: int = 8, dtype=torch.float32):
         position_embedding_type="rope",
         rotary_base=_rope_theta(hf_config),
     )
+    pad = getattr(hf_config, "pad_token_id", None)
+    if pad is not None and model.pre_process:
+        model.embedding.word_embeddings.register_forward_hook(_padding_idx_hook(pad))
     model.m2flow_shape = shape
     return model
+
+
+def _padding_idx_hook(pad_id: int):
+    """HF's ``nn.Embedding(..., padding_idx=pad_token_id)``: the lookup of the pad token sends
+    no gradient to its row (a sampled pad token in a response would otherwise move it; with
+    tied embeddings the output layer's gradient still does). Forward values are unchanged."""
+
+    def hook(module, args, output):  # output: [B, S, H], TP-reduced
+        is_pad = (args[0] == pad_id).unsqueeze(-1)
+        return torch.where(is_pad, output.detach(), output) if is_pad.any() else output
+
+    return hook
 
 
 def rolled_inputs(prompt_ids, prompt_mask, response_ids):

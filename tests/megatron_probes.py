@@ -1,0 +1,51 @@
+"""Probes for tests/test_megatron_engine.py: the GRPO workers plus methods that show their
+state. In a module of their own so that the Ray workers which unpickle them import only this,
+not the test modules (and all those import)."""
+
+from __future__ import annotations
+
+import torch
+from m2flow.workers.actor.worker import ActorWorker
+from m2flow.workers.rollout.worker import RolloutWorker
+
+
+class ShardedActor(ActorWorker):
+    """The actor plus probes: its training data per step, its Megatron shard, its optimizer."""
+
+    def _training_data(self, batch) -> dict:
+        data = super()._training_data(batch)
+        self.seen = {**getattr(self, "seen", {}), self.weight_version: data}
+        return data
+
+    def training_data(self, version: int) -> dict:
+        """What the step from weight version ``version`` trained on (``[B, ...]`` tensors)."""
+        return self.seen[version]
+
+    def shard(self) -> tuple[int, int, dict]:
+        """``(tp_rank, dp_rank, Megatron state dict)`` of this rank."""
+        from m2flow.workers.actor.megatron.convert import megatron_state
+
+        e = self.megatron
+        return e.tp_rank, e.dp_rank, megatron_state(e.model)
+
+    def optimizer_state(self) -> dict:
+        return self.trainer.optimizer.state_dict()
+
+    def scramble(self) -> None:
+        """Weights to 0 and a fresh optimizer: what a checkpoint load must undo."""
+        with torch.no_grad():
+            for p in self.megatron.model.parameters():
+                p.zero_()
+        self.trainer.optimizer.state.clear()
+
+
+class ProbedRollout(RolloutWorker):
+    """The rollout plus a probe: the weights each sync left it with."""
+
+    def load_weights(self, weights: dict, version: int) -> None:
+        super().load_weights(weights, version)
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.history = {**getattr(self, "history", {}), version: state}
+
+    def weights(self, version: int) -> dict:
+        return self.history[version]
