@@ -248,3 +248,17 @@ def test_same_runner_same_weights_under_each_plan(cluster, tmp_path):
 def test_builtin_workflow_by_name():
     module = load_workflow(resolve_workflow("grpo"))
     assert hasattr(module, "Config") and hasattr(module, "main")
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["rollout.engine=bogus"], "rollout.engine must be hf or vllm"),
+        (["rollout.engine=vllm"], r"head dimension >= 64 .*model.num_attention_heads=2"),
+        (["actor.engine=bogus"], "actor.engine must be torch or megatron"),
+    ],
+)
+def test_engine_config_errors_name_the_fix(overrides, needle):
+    """Engine choices the config cannot run are refused before anything starts."""
+    with pytest.raises(ConfigError, match=needle):
+        prepare(str(GRPO), overrides)

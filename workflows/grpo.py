@@ -107,6 +107,13 @@ def validate(cfg) -> None:
                 cfg.rollout.engine == "hf" or not cfg.rollout.spot.enabled,
                 "rollout.spot needs rollout.engine=hf (block-wise streaming)",
             ),
+            (
+                cfg.rollout.engine == "hf"
+                or cfg.model.hidden_size // cfg.model.num_attention_heads >= 64,
+                "rollout.engine=vllm: vLLM's CPU attention needs a head dimension >= 64 "
+                f"(model.hidden_size / model.num_attention_heads = {cfg.model.hidden_size} / "
+                f"{cfg.model.num_attention_heads}); e.g. model.num_attention_heads=2",
+            ),
         ]
     )
 
