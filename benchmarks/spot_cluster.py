@@ -44,6 +44,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION", "0.05")
 
+import numpy as np  # noqa: E402
 import ray  # noqa: E402
 from m2flow.scheduler.spot_plan import (  # noqa: E402
     Prices,
@@ -75,6 +76,7 @@ SPOT_INSTANCE_PER_H = 5.32  # 2 x H100 spot
 RESERVED_GPU_PER_H = RESERVED_NODE_PER_H / 8
 
 PROMPTS, SAMPLES = 128, 8  # paper:301 (global batch 128 prompts, GRPO group 8)
+LENGTHS = ResponseLengths(3000.0, 1.0, 16384)  # docs/emulation.md (median, sigma: chosen)
 PROMPT_TOKENS = 200  # modelled prompt length (OpenR1-Math prompts; docs/emulation.md)
 EOS, FILL = 1, 2
 
@@ -331,30 +333,26 @@ def summarise(records: list[dict], warmup: int) -> dict:
 # offline model (no sleeping): rollout times for the planner and the disaggregated sizing
 
 
+def finish_times(model: str, n_engines: int, seed: int, step: int, block: int,
+                 max_batch: int) -> np.ndarray:  # fmt: skip
+    """Modelled seconds from the step's start until each of step ``step``'s 1024 responses
+    ends on ``n_engines`` engines sharing its queue (``rollout_finish_times``), in
+    ``_requests`` order (prompt-major: a group's samples are contiguous)."""
+    keys = [r.key for r in _requests(step)]
+    fin, _ = rollout_finish_times(throughput_preset(model), LENGTHS, keys, n_engines, seed,
+                                  max_batch, block, PROMPT_TOKENS)  # fmt: skip
+    return fin
+
+
 def offline_rollout_s(model: str, n_engines: int, seed: int, step: int, block: int,
                       max_batch: int) -> float:  # fmt: skip
-    """Modelled seconds for ``n_engines`` engines to roll out step ``step``'s 1024 responses
-    (requests split round-robin, each engine running its share to the end in blocks)."""
-    emu = {"model": model, "time_scale": 1.0, "prompt_tokens": PROMPT_TOKENS}
-    reqs = _requests(step)
-    worst = 0.0
-    for e in range(n_engines):
-        eng = EmulatedEngine.from_config(emu, EOS, FILL, seed)
-        eng.sleep = lambda s: None
-        mine = reqs[e::n_engines]
-        queue, running = list(mine), []
-        while queue or running:
-            room = max_batch - len(running)
-            running += queue[:room]
-            queue = queue[room:]
-            eng.step(running, block, 0)
-            running = [r for r in running if not r.done]
-        worst = max(worst, eng.emulated_s)
-    return worst
+    """Modelled seconds for ``n_engines`` engines to roll out step ``step``: its last
+    response's end (:func:`finish_times`)."""
+    return float(finish_times(model, n_engines, seed, step, block, max_batch).max())
 
 
 def step_tokens(seed: int, step: int) -> int:
-    lengths = ResponseLengths(3000.0, 1.0, 16384).lengths(seed, [r.key for r in _requests(step)])
+    lengths = LENGTHS.lengths(seed, [r.key for r in _requests(step)])
     return int(lengths.sum()) + PROMPTS * SAMPLES * PROMPT_TOKENS
 
 
@@ -397,13 +395,10 @@ def plan_for(model: str, segment: str, seed: int, reserved_nodes: int, block: in
 
 def group_end_s(model: str, n_engines: int, seed: int, step: int, block: int,
                 max_batch: int) -> list[float]:  # fmt: skip
-    """Emulated seconds from the step's start until each GRPO group's last sample ends, the
-    step's responses sharing ``n_engines`` engines (``rollout_finish_times``)."""
-    keys = [r.key for r in _requests(step)]
-    lengths = ResponseLengths(3000.0, 1.0, 16384)
-    fin, _ = rollout_finish_times(throughput_preset(model), lengths, keys, n_engines, seed,
-                                  max_batch, block, PROMPT_TOKENS)  # fmt: skip
-    return [float(fin[p * SAMPLES : (p + 1) * SAMPLES].max()) for p in range(PROMPTS)]
+    """Emulated seconds from the step's start until each GRPO group's last sample ends
+    (:func:`finish_times`)."""
+    fin = finish_times(model, n_engines, seed, step, block, max_batch)
+    return [float(g.max()) for g in fin.reshape(PROMPTS, SAMPLES)]
 
 
 def replan(path: str) -> None:

@@ -99,9 +99,8 @@ class Residency:
         The release keeps a reservation (:mod:`m2flow.lock`): a worker waiting for them, or
         asking later, gets them at once, but when nobody does (a cycle member whose device
         another group uses only at other times of the step) taking them back costs no round
-        trip to the lock service. Without it every wait for data cost two round trips: in the
-        embodied cycle (env on the actor's device, 33 waits per step) the env's waits were
-        0.40-0.58 s per step against 0.22-0.23 s with it (docs/planning.md)."""
+        trip to the lock service. Without it every wait for data cost two round trips: 33 per
+        step for an embodied env on the actor's device (docs/planning.md, stop 20)."""
         if not self._m2flow_holding:
             yield
             return
