@@ -23,7 +23,8 @@ record, or a process that no longer answers) ends the sync with
 others, instead of a hang. A failed sync drops the link; the next one builds a new one.
 
 The NCCL path (members on CUDA) is written but untested here (no GPU); two members on one GPU
-cannot share an NCCL group, and :func:`link_spec` refuses that (CUDA IPC would serve it).
+cannot share an NCCL group, and :func:`link_spec` refuses that (``transport="cuda_ipc"``,
+:mod:`m2flow.weight_ipc`, serves it).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 from . import liveness
 from ._env import wait_timeout
 
-TRANSPORTS = ("object_store", "collective")
+TRANSPORTS = ("object_store", "collective", "cuda_ipc")
 BUCKET_BYTES = 32 << 20  # packed-bucket size: tens of MB amortise a collective's fixed cost
 
 
@@ -100,7 +101,7 @@ def link_spec(src, src_rank: int, dst, bucket_bytes: int | None = None) -> dict:
                     raise ValueError(
                         f"collective weight sync {src.name}:{src_rank} -> {dst.name}: two members "
                         f"share GPU {d}, which one NCCL group cannot; use transport="
-                        "'object_store' (CUDA IPC is not implemented)"
+                        "'cuda_ipc' (one GPU for all) or 'object_store'"
                     )
     return {"members": members, "backend": backend, "bucket_bytes": bucket_bytes}
 

@@ -15,9 +15,13 @@ Transports (``transport=``, default ``M2FLOW_WEIGHT_TRANSPORT`` or ``"object_sto
 - ``"collective"``: a gloo (CPU) or NCCL (CUDA) broadcast in bucketed buffers over a process
   group of the source and the receivers, built once per pair and cached
   (:mod:`m2flow.weight_transport`; measured in docs/weight_sync.md).
+- ``"cuda_ipc"``: source and receivers on one GPU: the receivers map the source's packed
+  device buffers (CUDA IPC handles through the object store) and copy from them
+  (:mod:`m2flow.weight_ipc`; GPU only, untested here).
 
-Both end in the same ``load_weights(weights, version)``. CUDA IPC and versioned pulls would plug
-in here, behind the same call.
+All end in the same ``load_weights(weights, version)``. With ``cuda_ipc`` the tensors are views
+of the source's memory, valid during that call only: ``load_weights`` must copy them (as
+``load_state_dict`` does).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from . import weight_transport
+from . import weight_ipc, weight_transport
 from ._env import wait_timeout
 
 if TYPE_CHECKING:
@@ -67,9 +71,10 @@ class Weights:
         self, dst_group: str, dst_world_size: int, transport: str = "object_store", link=None
     ) -> int:
         # The device locks cover get_weights only: the broadcast touches host memory, so the
-        # receivers may take the devices while it is under way (over NCCL it touches the
-        # device: the locks stay taken until the end of the call).
+        # receivers may take the devices while it is under way (over NCCL, and when packing
+        # for CUDA IPC, it touches the device: the locks stay taken until the end of the call).
         collective = transport == "collective"
+        on_device = transport == "cuda_ipc" or (collective and link["backend"] == "nccl")
         self._m2flow_call_wait += self._m2flow_acquire()
         try:
             weights, version = self.get_weights(), self.weight_version
@@ -78,10 +83,12 @@ class Weights:
                 weight_transport.send_error(self, dst_group, dst_world_size, e)
             raise
         finally:
-            if not (collective and link["backend"] == "nccl"):
+            if not on_device:
                 self._m2flow_release()
         if collective:
             weight_transport.send(self, weights, version, dst_group, **link)
+        elif transport == "cuda_ipc":
+            weight_ipc.send(self, weights, version, dst_group, dst_world_size)
         else:
             self.broadcast((weights, version), dst_group, dst_world_size)
         return version
@@ -105,9 +112,19 @@ class Weights:
         else:
             self._m2flow_call_wait += time.time() - t0 + self._m2flow_acquire()
             weights, version = ray.get(ref)
+            if transport == "cuda_ipc":
+                weights = weight_ipc.receive(weights)
         self.load_weights(weights, version)
         self.weight_version = version
+        if transport == "cuda_ipc":
+            import torch
+
+            del weights
+            torch.cuda.synchronize()  # the copies out of the source's buffers are done
         return version
+
+    def _m2flow_release_ipc(self) -> bool:
+        return weight_ipc.release(self)
 
     def _m2flow_close_weight_links(self, peer_group: str) -> int:
         return weight_transport.close_peer(self, peer_group)
@@ -116,6 +133,7 @@ class Weights:
     _m2flow_send_weights._m2flow_no_device_lock = True
     _m2flow_recv_weights._m2flow_no_device_lock = True
     _m2flow_close_weight_links._m2flow_no_device_lock = True
+    _m2flow_release_ipc._m2flow_no_device_lock = True
 
 
 def sync_weights(
@@ -131,8 +149,9 @@ def sync_weights(
 
     Args:
         timeout: seconds to wait for both sides (default ``M2FLOW_WAIT_TIMEOUT``).
-        transport: ``"object_store"`` or ``"collective"`` (module docstring); default the
-            ``M2FLOW_WEIGHT_TRANSPORT`` environment variable, else ``"object_store"``.
+        transport: ``"object_store"``, ``"collective"`` or ``"cuda_ipc"`` (module docstring);
+            default the ``M2FLOW_WEIGHT_TRANSPORT`` environment variable, else
+            ``"object_store"``.
         bucket_bytes: collective only: size in bytes of the buffers small tensors are packed
             into (default :data:`m2flow.weight_transport.BUCKET_BYTES`, 32 MiB).
 
@@ -140,8 +159,9 @@ def sync_weights(
         the weight version every rank of ``dst`` now holds.
 
     Raises:
-        ValueError: an unknown ``transport`` (before anything is sent), or a collective link
-            over NCCL whose members share a GPU.
+        ValueError: an unknown ``transport`` (before anything is sent), a collective link
+            over NCCL whose members share a GPU, or ``cuda_ipc`` with members not all on one
+            GPU.
         WorkerError: either side failed (e.g. a worker that defines no ``get_weights`` or
             ``load_weights``; a member of a collective link died or timed out).
     """
@@ -156,10 +176,16 @@ def sync_weights(
             "_m2flow_send_weights", dst.name, dst.world_size, transport, link
         )
     else:
-        sent = src.on(src_rank).call("_m2flow_send_weights", dst.name, dst.world_size)
+        if transport == "cuda_ipc":
+            weight_ipc.check_placement(src, src_rank, dst)
+        sent = src.on(src_rank).call("_m2flow_send_weights", dst.name, dst.world_size, transport)
     got = dst.call("_m2flow_recv_weights", src.name, src_rank, transport)
-    versions = got.wait(timeout)
-    sent.wait(timeout)
+    try:
+        versions = got.wait(timeout)
+        sent.wait(timeout)
+    finally:
+        if transport == "cuda_ipc":  # every receiver has copied (or failed): free the buffers
+            src.on(src_rank).call("_m2flow_release_ipc").wait(timeout)
     session = current_session()
     if session is not None:
         session.weight_versions[dst.name] = versions[0]

@@ -120,17 +120,53 @@ def test_collective_weight_sync_over_nccl(cluster):
 
 def test_collective_weight_sync_refuses_one_gpu_for_both(cluster):
     """Source and receiver on one GPU cannot share an NCCL group: a clear error naming the
-    object-store transport (CUDA IPC is not implemented), before anything is sent."""
+    transports that serve it (cuda_ipc, object_store), before anything is sent."""
     from m2flow import sync_weights
 
     src = CudaWeights.launch(cluster, [0], name="ipc_src")
     dst = CudaWeights.launch(cluster, [0], name="ipc_dst")
     try:
         src.make(1).wait()
-        with pytest.raises(ValueError, match="object_store"):
+        with pytest.raises(ValueError, match="cuda_ipc.*object_store"):
             sync_weights(src, dst, transport="collective")
         assert sync_weights(src, dst) == 1  # the object store serves it
         assert dst.digest().wait() == src.digest().wait()
+    finally:
+        src.shutdown()
+        dst.shutdown()
+
+
+class IpcSink(CudaWeights):
+    """Copies what it receives: over CUDA IPC the tensors are views of the source's memory."""
+
+    def load_weights(self, weights: dict, version: int) -> None:
+        self.weights = {k: v.clone() for k, v in weights.items()}
+
+
+class IpcSource(CudaWeights):
+    def allocated(self) -> int:
+        import torch
+
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+
+def test_cuda_ipc_weight_sync_on_one_gpu(cluster):
+    """Source and receiver collocated on GPU 0: the receiver maps the source's packed buffers
+    (CUDA IPC), copies them bitwise onto its GPU, twice; after each sync the source holds no
+    extra buffer."""
+    from m2flow import sync_weights
+
+    src = IpcSource.launch(cluster, [0], name="ipc_src2")
+    dst = IpcSink.launch(cluster, [0], name="ipc_dst2")
+    try:
+        for seed in (1, 2):
+            src.make(seed).wait()
+            (before,) = src.allocated().wait()
+            assert sync_weights(src, dst, transport="cuda_ipc") == seed
+            assert dst.digest().wait() == src.digest().wait()
+            assert dst.digest().wait()[0]["w"][0] == "cuda"
+            assert src.allocated().wait()[0] == before  # packed buffers released
     finally:
         src.shutdown()
         dst.shutdown()

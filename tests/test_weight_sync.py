@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from m2flow import Worker, WorkerError, sync_weights
+from m2flow import Worker, WorkerError, sync_weights, weight_ipc
 from m2flow.weight_transport import close_links, plan_buckets
 
 pytestmark = pytest.mark.e2e
@@ -121,6 +121,23 @@ def test_plan_buckets():
     ]
 
 
+def test_ipc_pack_is_one_buffer_per_dtype_and_views_alias_it():
+    """CUDA IPC's packing (the part that runs without a GPU): every tensor lands bitwise in its
+    dtype's buffer, and the receiver's views alias that buffer (no copy on the receiving
+    side)."""
+    tensors = {k: v for k, v in make_weights(3).items() if torch.is_tensor(v)}
+    buffers, layout = weight_ipc.pack(tensors, torch.device("cpu"))
+    assert sorted(buffers) == ["bfloat16", "float32", "int64"]
+    assert sum(b.numel() for b in buffers.values()) == sum(t.numel() for t in tensors.values())
+    views = weight_ipc.unpack(buffers, layout)
+    assert list(views) == list(tensors)
+    assert all(same_bytes(views[k], t) for k, t in tensors.items())
+    buffers["float32"].zero_()
+    assert float(views["embed"].abs().sum()) == 0.0
+    with pytest.raises(ValueError, match="CUDA"):
+        weight_ipc.share(buffers)
+
+
 def test_collective_twice_reuses_link(groups):
     src, dst = groups
     t0 = time.monotonic()
@@ -178,6 +195,14 @@ def test_unknown_transport(groups):
         sync_weights(src, dst, transport="carrier_pigeon")
     with pytest.raises(ValueError, match="bucket_bytes"):
         sync_weights(src, dst, transport="collective", bucket_bytes=0)
+
+
+def test_ipc_refused_off_gpu_before_anything_is_sent(groups):
+    src, dst = groups
+    before = [st["loaded"] for st in dst.state().wait()]
+    with pytest.raises(ValueError, match="cuda_ipc.*object_store"):
+        sync_weights(src, dst, transport="cuda_ipc")
+    assert [st["loaded"] for st in dst.state().wait()] == before
 
 
 def test_failing_source_fails_fast(cluster, groups):
