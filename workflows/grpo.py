@@ -51,7 +51,7 @@ class ActorConfig(OptimConfig):
     shared_prefix: bool = True  # forward each group's prompt once (same math, ~3x fewer tokens)
     data_parallel: bool = False  # one rank per device, gradients all-reduced (gloo/NCCL)
     engine: str = "torch"  # or "megatron": Megatron-core, one rank per device (docs/megatron.md)
-    tensor_parallel: int = 1  # megatron: TP size; DP = the actor's devices / TP
+    tensor_parallel: int = 1  # megatron: TP size (divides the heads)
     pipeline_parallel: int = 1  # megatron: PP size (divides the layers); DP = devices / (TP*PP)
 
 

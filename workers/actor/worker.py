@@ -397,7 +397,8 @@ class ActorWorker(Worker):
     def save_checkpoint(self, path: str) -> str:
         """Model, tokenizer, optimizer state, version and RNG state under ``path`` (rank 0
         only: data-parallel ranks hold the same state; Megatron: the model in Hugging Face
-        layout, each rank's optimizer shard in its own file)."""
+        layout, each rank's optimizer shard in its own file, the reference shard gathered to
+        Hugging Face layout in ``actor_state.pt``; a collective of all ranks)."""
         reference = None if self.ref_model is None else self.ref_model.state_dict()
         if self.megatron is not None:
             self.megatron.save_optimizer(path)

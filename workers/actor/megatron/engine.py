@@ -505,6 +505,8 @@ class MegatronEngine:
         f = self._optimizer_file(path)
         layout = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
         state = torch.load(f, weights_only=False) if f.is_file() else None
+        if state is not None:  # files written before PP existed hold no "pp": one stage
+            state["layout"] = {"pp": 1, **state["layout"]}
         if state is None or state["layout"] != layout:
             found = None if state is None else state["layout"]
             raise ValueError(
