@@ -21,20 +21,24 @@ class ShardedActor(ActorWorker):
         """What the step from weight version ``version`` trained on (``[B, ...]`` tensors)."""
         return self.seen[version]
 
-    def shard(self) -> tuple[int, int, dict]:
-        """``(tp_rank, dp_rank, Megatron state dict)`` of this rank."""
+    def shard(self, reference: bool = False) -> tuple[int, int, int, dict]:
+        """``(tp_rank, pp_rank, dp_rank, Megatron state dict)`` of this rank's policy shard (or
+        reference shard)."""
         from m2flow.workers.actor.megatron.convert import megatron_state
 
         e = self.megatron
-        return e.tp_rank, e.dp_rank, megatron_state(e.model)
+        model = e.ref_model if reference else e.model
+        return e.tp_rank, e.pp_rank, e.dp_rank, megatron_state(model)
 
     def optimizer_state(self) -> dict:
         return self.trainer.optimizer.state_dict()
 
     def scramble(self) -> None:
-        """Weights to 0 and a fresh optimizer: what a checkpoint load must undo."""
+        """Weights (and the reference's) to 0 and a fresh optimizer: what a checkpoint load
+        must undo."""
+        models = [self.megatron.model, self.megatron.ref_model]
         with torch.no_grad():
-            for p in self.megatron.model.parameters():
+            for p in (p for m in models if m is not None for p in m.parameters()):
                 p.zero_()
         self.trainer.optimizer.state.clear()
 

@@ -8,7 +8,10 @@ Tolerances (measured on this 2-core CPU box, see docs/megatron.md):
   HF model on one rank: ``atol=1e-5`` (observed: logprobs 2.4e-7, loss 7e-8);
 - gradients: ``atol=1e-6, rtol=1e-4`` (observed 1.8e-7 absolute, largest gradient 0.64);
 - weights after one AdamW step (``lr=1e-3``): ``atol=1e-5``, i.e. 1% of a step (observed 7.8e-7:
-  Adam's first step is ``lr * g / (|g| + eps)``, so rounding in tiny gradients is amplified).
+  Adam's first step is ``lr * g / (|g| + eps)``, so rounding in tiny gradients is amplified);
+- the actor's engine (``MegatronEngine``, TP=1 x PP=2, KL to its reference shard, padded
+  micro-batches) vs ``PolicyTrainer``: metrics ``1e-5``, weights after three AdamW steps
+  (``lr=1e-3``, torch's ``eps=1e-8``) ``3e-5``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ cpu_only = pytest.mark.skipif(
 )
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
+#: the same AdamW as ``PolicyTrainer`` arguments (its eps is torch's default, 1e-8)
+ADAMW_TRAINER = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01, grad_clip=1.0)
 LOGPROB_ATOL = 1e-5
 WEIGHT_ATOL = 1e-5
 
@@ -282,6 +287,61 @@ def test_parallel_step_matches_hf(tmp_path, tp, pp, dp, tie):
             torch.testing.assert_close(grads[k], v, atol=1e-6, rtol=1e-4, msg=k)
         for k, v in want_state.items():
             torch.testing.assert_close(state[k], v, atol=WEIGHT_ATOL, rtol=0, msg=k)
+
+
+@cpu_only
+@pytest.mark.timeout(240)
+def test_engine_pp2_kl_padded_micro_batches_match_torch_engine(tmp_path):
+    """The actor's engine (``MegatronEngine``) at TP=1 x PP=2, tied embeddings, ``kl_coef``
+    0.1 against its frozen reference shard, offload/onload before each call: two ``train``
+    calls (mini-batches of 6 in micro-batches of 4, then the whole batch of 10 in micro-batches
+    of 4: short micro-batches padded for the schedule) vs the torch engine's
+    ``PolicyTrainer.train_on_batch`` with reference logprobs from a frozen copy, as the torch
+    actor computes them: metrics (loss incl. the KL term, kl, grad_norm) and weights."""
+    import copy
+
+    from m2flow.workers.actor.megatron.parity import engine_rank, spawn_parity
+    from m2flow.workers.actor.trainer import PolicyTrainer
+
+    hf = _hf_model(tie=True)
+    reference = copy.deepcopy(hf).eval().requires_grad_(False)
+    batch = _batch(hf.config.vocab_size, b=10)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # the policy off its reference, so the KL term is not 0
+        for p in hf.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    trainer = dict(ADAMW_TRAINER, kl_coef=0.1)
+    steps = [(6, 4), (None, 4)]
+    torch.save(
+        {
+            "hf_config": hf.config,
+            "hf_state": reference.state_dict(),
+            "policy_state": hf.state_dict(),
+            "batch": batch,
+            "trainer": dict(trainer, shared_prefix=False),
+            "steps": steps,
+        },
+        tmp_path / "case.pt",
+    )
+    spawn_parity(tmp_path, tp=1, pp=2, timeout_s=200, target=engine_rank)
+    got = torch.load(tmp_path / "engine.pt", weights_only=False)
+
+    torch_engine = PolicyTrainer(hf, **trainer, shared_prefix=False)
+    diffs = {}
+    for (mini, micro), metrics in zip(steps, got["metrics"]):
+        torch_engine.model = reference
+        ref = torch_engine.compute_logprobs(batch, micro)
+        torch_engine.model = hf
+        want = torch_engine.train_on_batch(dict(batch, ref_logprobs=ref), mini, micro)
+        assert metrics["steps"] == want["steps"] and want["kl"] > 1e-3
+        for k in ("loss", "pg_loss", "kl", "grad_norm"):
+            diffs[k] = max(diffs.get(k, 0.0), abs(metrics[k] - want[k]))
+    want_state = hf.state_dict()
+    diffs["weights"] = max(float((got["hf"][k] - v).abs().max()) for k, v in want_state.items())
+    print("engine PP2 KL vs torch engine:", {k: f"{v:.2g}" for k, v in diffs.items()})
+    assert all(diffs[k] <= LOGPROB_ATOL for k in ("loss", "pg_loss", "kl", "grad_norm")), diffs
+    # three AdamW steps at lr=1e-3: rounding in tiny gradients amplified thrice (see above)
+    assert diffs["weights"] <= 3 * WEIGHT_ATOL, diffs
 
 
 def _gathered(ranks, key, dp_rank, tp, shape):

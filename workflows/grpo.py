@@ -51,8 +51,8 @@ class ActorConfig(OptimConfig):
     shared_prefix: bool = True  # forward each group's prompt once (same math, ~3x fewer tokens)
     data_parallel: bool = False  # one rank per device, gradients all-reduced (gloo/NCCL)
     engine: str = "torch"  # or "megatron": Megatron-core, one rank per device (docs/megatron.md)
-    tensor_parallel: int = 1  # megatron: TP size; DP = the actor's devices / TP
-    pipeline_parallel: int = 1  # megatron: only 1 so far
+    tensor_parallel: int = 1  # megatron: TP size (divides the heads)
+    pipeline_parallel: int = 1  # megatron: PP size (divides the layers); DP = devices / (TP*PP)
 
 
 @dataclass
@@ -100,7 +100,16 @@ def validate(cfg) -> None:
             (a.engine in ("torch", "megatron"), "actor.engine must be torch or megatron"),
             (a.engine == "megatron" or a.tensor_parallel == 1, "TP needs actor.engine=megatron"),
             (a.tensor_parallel >= 1, "actor.tensor_parallel must be >= 1"),
-            (a.pipeline_parallel == 1, "actor.pipeline_parallel must be 1 (no PP schedule yet)"),
+            (a.pipeline_parallel >= 1, "actor.pipeline_parallel must be >= 1"),
+            (
+                a.engine == "megatron" or a.pipeline_parallel == 1,
+                "actor.pipeline_parallel needs actor.engine=megatron",
+            ),
+            (
+                cfg.model.num_hidden_layers % max(a.pipeline_parallel, 1) == 0,
+                f"actor.pipeline_parallel={a.pipeline_parallel} must divide "
+                f"model.num_hidden_layers={cfg.model.num_hidden_layers} (equal stages)",
+            ),
             (finite_positive(cfg.reward_service.timeout_s), "reward_service.timeout_s > 0"),
             (cfg.rollout.engine in ("hf", "vllm"), "rollout.engine must be hf or vllm"),
             (

@@ -34,8 +34,9 @@ class ActorWorker(Worker):
     and writes the checkpoints (every rank loads them).
 
     With ``engine="megatron"`` (:mod:`.megatron.engine`) the actor runs one rank per device, the
-    ranks forming Megatron's tensor- and data-parallel groups; GRPO steps train a Megatron
-    ``GPTModel`` shard per rank on the whole step's batch (mini-batches allowed). The warm
+    ranks forming Megatron's tensor-, pipeline- and data-parallel groups; GRPO steps train a
+    Megatron ``GPTModel`` shard per rank on the whole step's batch (mini-batches allowed; with
+    ``kl_coef > 0`` against a frozen reference shard of the same layout). The warm
     start runs on rank 0's Hugging Face copy (torch engine) and is scattered into the shards;
     after each step the shards are gathered into that copy, so rank 0's :meth:`get_weights` and
     checkpoints stay in Hugging Face layout (optimizer state: one file per rank).
@@ -63,8 +64,8 @@ class ActorWorker(Worker):
             streaming updates only (``mini_batch_size`` 0).
         dist: the process group's rendezvous ``{"addr", "port"}`` (set by :meth:`launch`).
         engine: ``"torch"`` or ``"megatron"`` (needs the ``megatron`` extra).
-        tensor_parallel, pipeline_parallel: Megatron TP size (divides the ranks; DP = ranks /
-            TP) and PP size (only 1 so far).
+        tensor_parallel, pipeline_parallel: Megatron TP and PP sizes (TP x PP divides the
+            ranks; DP = ranks / (TP x PP); PP divides the model's layers).
 
     Raises:
         ValueError: several ranks without ``data_parallel``, ``data_parallel`` with a
@@ -186,6 +187,7 @@ class ActorWorker(Worker):
                 self.device,
                 tensor_parallel,
                 optim,
+                pipeline_parallel=pipeline_parallel,
             )
             self.trainer = self.megatron.trainer
             if self.rank != 0:  # only rank 0 keeps a Hugging Face copy (the weight source)
@@ -252,7 +254,6 @@ class ActorWorker(Worker):
         self.sft_trainer.set_lr(self.lr)
         # Fresh AdamW moments for RL: the supervised ones point elsewhere.
         self.sft_trainer.optimizer.state.clear()
-        self._freeze_reference()
         out = {
             "steps": res.steps,
             "seconds": res.seconds,
@@ -263,13 +264,19 @@ class ActorWorker(Worker):
             self.megatron.load_hf(self.model.state_dict())
         elif dp.active():
             dp.broadcast_model(self.model)
+        self._freeze_reference()  # Megatron: after the shards took the warm-started weights
         if dp.active():
             torch.distributed.broadcast_object_list([out], 0)
         return out
 
     def _freeze_reference(self) -> None:
-        """The reference policy: a frozen copy of the current weights (KL on only)."""
-        if self.kl_coef > 0:
+        """The reference policy: a frozen copy of the current weights (KL on only; Megatron:
+        the engine's reference shard, whose logprobs the engine computes)."""
+        if self.kl_coef <= 0:
+            return
+        if self.megatron is not None:
+            self.megatron.freeze_reference()
+        else:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
     def train(self, inp: Channel) -> dict:
@@ -390,9 +397,13 @@ class ActorWorker(Worker):
     def save_checkpoint(self, path: str) -> str:
         """Model, tokenizer, optimizer state, version and RNG state under ``path`` (rank 0
         only: data-parallel ranks hold the same state; Megatron: the model in Hugging Face
-        layout, each rank's optimizer shard in its own file)."""
+        layout, each rank's optimizer shard in its own file, the reference shard gathered to
+        Hugging Face layout in ``actor_state.pt``; a collective of all ranks)."""
+        reference = None if self.ref_model is None else self.ref_model.state_dict()
         if self.megatron is not None:
             self.megatron.save_optimizer(path)
+            if self.megatron.ref_model is not None:  # a collective: the reference in HF layout
+                reference = self.megatron.gather_hf(reference=True)
         if self.rank != 0:
             return str(path)
         out = Path(path)
@@ -406,7 +417,7 @@ class ActorWorker(Worker):
                 "trainer_steps": self.trainer.steps,
                 "torch_rng": torch.get_rng_state(),
                 "py_rng": random.getstate(),
-                "reference": None if self.ref_model is None else self.ref_model.state_dict(),
+                "reference": reference,
             },
             out / "actor_state.pt",
         )
@@ -438,7 +449,10 @@ class ActorWorker(Worker):
         self.weight_version = state["weight_version"]
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["py_rng"])
-        if state["reference"] is not None:
+        if self.megatron is not None:
+            if self.megatron.ref_model is not None and state["reference"] is not None:
+                self.megatron.load_hf(state["reference"] if self.rank == 0 else None, True)
+        elif state["reference"] is not None:
             self._freeze_reference()
             self.ref_model.load_state_dict(state["reference"])
         return self.weight_version
@@ -452,14 +466,14 @@ class ActorWorker(Worker):
         one buffer and the tensors freed: the switch runs for real and restores bit-exactly, but
         host RAM is not saved (the state lives in host memory either way).
         """
-        self.trainer.offload()
+        (self.megatron or self.trainer).offload()  # Megatron: shard, AdamW, reference shard
         if self.sft_trainer is not None and self.sft_trainer is not self.trainer:
             self.sft_trainer.offload()  # Megatron rank 0's HF copy
         if self.ref_model is not None and self.device.type == "cuda":
             self.ref_model.to("cpu")
 
     def onload(self) -> None:
-        self.trainer.onload()
+        (self.megatron or self.trainer).onload()
         if self.sft_trainer is not None and self.sft_trainer is not self.trainer:
             self.sft_trainer.onload()
         if self.ref_model is not None and self.device.type == "cuda":

@@ -3,8 +3,10 @@ runs instead of the torch trainer.
 
 Layout. The actor's ranks (one per device) form one ``torch.distributed`` world (gloo on CPU,
 NCCL on CUDA) and Megatron's model-parallel groups over it: ``tp = tensor_parallel``,
-``pp = 1`` (see :func:`check_config`), ``dp = world / tp``. Each rank holds its TP shard of a
-Megatron ``GPTModel`` built from the same Hugging Face config as the torch engine's model.
+``pp = pipeline_parallel``, ``dp = world / (tp * pp)``. Each rank holds its TP shard of its
+pipeline stage (``num_layers / pp`` layers; the first stage the embedding, the last the final
+norm and output layer) of a Megatron ``GPTModel`` built from the same Hugging Face config as the
+torch engine's model; with ``kl_coef > 0`` also a frozen reference shard of the same layout.
 
 A GRPO step (:meth:`MegatronEngine.read_step`, :meth:`MegatronEngine.train`):
 
@@ -13,16 +15,20 @@ A GRPO step (:meth:`MegatronEngine.read_step`, :meth:`MegatronEngine.train`):
    one ``all_gather_object`` gives every rank all chunks;
 2. the worker sorts and concatenates them (every rank alike) and computes advantages;
 3. per mini-batch, DP rank ``d`` takes the ``d``-th contiguous slice of its rows; the TP ranks
-   of one DP replica forward the same rows together;
+   and pipeline stages of one DP replica forward the same rows together (PP > 1: all of the
+   slice's micro-batches in one call of Megatron's 1F1B schedule, :mod:`.pipeline`); reference
+   logprobs (KL) come from the reference shard the same way, before any update;
 4. :class:`MegatronPolicyTrainer` (the torch engine's :class:`~..trainer.PolicyTrainer` with
    Megatron logprobs) accumulates token-sum gradients, sums gradients, token counts and metric
-   sums over the DP group, divides by the global token count, clips by the global gradient norm
-   (over TP shards, replicated parameters counted once) and takes a plain ``torch.optim.AdamW``
-   step on the local shards: the torch engine's update up to float rounding.
+   sums over the DP group (PP: loss sums from the last stage, tied-embedding gradients summed
+   over the first and last stage), divides by the global token count, clips by the global
+   gradient norm (over TP shards and stages, replicated parameters and the tied output copy
+   counted once) and takes a plain ``torch.optim.AdamW`` step on the local shards: the torch
+   engine's update up to float rounding.
 
 Megatron's ``DistributedOptimizer`` is not used: on a CPU torch it rejects non-CUDA parameters
 (docs/megatron.md). Weights leave through rank 0 in Hugging Face layout
-(:meth:`MegatronEngine.gather_hf`, :func:`~.convert.megatron_to_hf`) and come in the same way
+(:meth:`MegatronEngine.gather_hf`: stages merged, TP shards gathered) and come in the same way
 (:meth:`MegatronEngine.load_hf`).
 """
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -54,11 +61,12 @@ def check_config(world_size: int, kwargs: dict) -> None:
     Args:
         world_size: the actor's ranks (one per device).
         kwargs: the :class:`~..worker.ActorWorker` arguments (``tensor_parallel``,
-            ``pipeline_parallel``, ``kl_coef``, ``model``).
+            ``pipeline_parallel``, ``model``).
 
     Raises:
-        ValueError: megatron-core missing, ``pipeline_parallel != 1``, a TP size that does not
-            divide the ranks or the model's heads, or ``kl_coef > 0``; the message names the fix.
+        ValueError: megatron-core missing, ``tensor_parallel * pipeline_parallel`` not dividing
+            the ranks, a TP size that does not divide the model's heads, or a PP size that does
+            not divide its layers; the message names the fix.
     """
     from ...llm import ModelConfig
 
@@ -70,16 +78,12 @@ def check_config(world_size: int, kwargs: dict) -> None:
             "-e '.[megatron]' (or set actor.engine=torch)"
         )
     tp, pp = int(kwargs.get("tensor_parallel", 1)), int(kwargs.get("pipeline_parallel", 1))
-    if pp != 1:
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
         raise ValueError(
-            f"actor.pipeline_parallel={pp}: the Megatron actor runs one pipeline stage "
-            "(the training loop does not drive Megatron's pipeline schedule yet): set "
-            "actor.pipeline_parallel=1 and use actor.tensor_parallel / more devices"
-        )
-    if tp < 1 or world_size % tp:
-        raise ValueError(
-            f"actor.tensor_parallel={tp} must divide the actor's {world_size} ranks (one per "
-            "device): change actor.tensor_parallel or the devices the plan gives the actor"
+            f"actor.tensor_parallel={tp} x actor.pipeline_parallel={pp} must divide the "
+            f"actor's {world_size} ranks (one per device; DP = ranks / (TP x PP)): change "
+            "actor.tensor_parallel / actor.pipeline_parallel or the devices the plan gives the "
+            "actor"
         )
     model = ModelConfig(**kwargs.get("model", {}))
     for field in ("num_attention_heads", "num_key_value_heads"):
@@ -88,25 +92,28 @@ def check_config(world_size: int, kwargs: dict) -> None:
                 f"model.{field}={getattr(model, field)} is not divisible by "
                 f"actor.tensor_parallel={tp}: pick a tensor_parallel that divides it"
             )
-    if kwargs.get("kl_coef", 0.0) > 0:
+    if model.num_hidden_layers % pp:
         raise ValueError(
-            "the Megatron actor keeps no reference model yet: set actor.kl_coef=0 "
-            "(or actor.engine=torch)"
+            f"model.num_hidden_layers={model.num_hidden_layers} is not divisible by "
+            f"actor.pipeline_parallel={pp} (each stage takes the same number of layers): pick "
+            "a pipeline_parallel that divides it"
         )
 
 
 class MegatronPolicyTrainer(PolicyTrainer):
     """:class:`~..trainer.PolicyTrainer` on this rank's Megatron shard.
 
-    Same loss code (``grpo_loss`` on per-token logprobs, token mean), same AdamW (plain
-    ``torch.optim.AdamW`` on the local shards). Differences: logprobs come from
-    :func:`~.model.megatron_sequence_logprobs` (``shared_prefix`` is ignored: one full forward),
-    data-parallel sums run over Megatron's DP group, and :meth:`_step` clips by the norm of the
-    whole (TP-gathered) gradient. Supervised steps are not supported (the warm start runs on
-    the torch engine, see :class:`MegatronEngine`).
+    Same loss code (``grpo_loss`` on per-token logprobs, token mean, the k3 KL term with
+    ``ref_logprobs``), same AdamW (plain ``torch.optim.AdamW`` on the local shards).
+    Differences: logprobs come from :func:`~.model.megatron_sequence_logprobs` (``shared_prefix``
+    is ignored: one full forward), or with pipeline stages from Megatron's pipeline schedule
+    (:func:`~.pipeline.run_schedule`); data-parallel sums run over Megatron's DP group, and
+    :meth:`_step` clips by the norm of the whole (TP- and PP-gathered) gradient. Supervised
+    steps are not supported (the warm start runs on the torch engine, see
+    :class:`MegatronEngine`).
 
     Args:
-        model: this rank's Megatron ``GPTModel`` (after :func:`~.model.init_parallel`).
+        model: this rank's Megatron ``GPTModel`` (its stage; after :func:`~.model.init_parallel`).
         **kwargs: :class:`~..trainer.PolicyTrainer` arguments.
     """
 
@@ -118,17 +125,123 @@ class MegatronPolicyTrainer(PolicyTrainer):
         super().__init__(model, **kwargs)
         self.logprobs_fn = megatron_sequence_logprobs
         self.dp_group = ps.get_data_parallel_group()
-        self.mp_group = ps.get_model_parallel_group()
+        self.mp_group = ps.get_model_parallel_group()  # TP x PP
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.pp_last = ps.get_pipeline_model_parallel_last_rank()  # global rank
+
+    def _micro_batches(self, batch, keys, micro_batch_size) -> tuple[list, list[int]]:
+        """``batch``'s rows in micro-batches of one size (the last padded, see
+        :func:`~.pipeline.pad_rows`) on the device, and each one's real row count."""
+        from ..trainer import _chunks
+        from .pipeline import pad_rows
+
+        chunks = _chunks(torch.arange(len(batch["response_ids"])), micro_batch_size)
+        size = len(chunks[0])
+        mbs = [pad_rows({k: batch[k][i].to(self.device) for k in keys}, size) for i in chunks]
+        return mbs, [len(i) for i in chunks]
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch, micro_batch_size: int | None = None) -> torch.Tensor:
+        """``[B, R]`` logprobs under the current weights; with pipeline stages through the
+        schedule (forward only), computed on the last stage and broadcast to the pipeline's
+        other stages (every stage returns them)."""
+        if self.pp == 1:
+            return super().compute_logprobs(batch, micro_batch_size)
+        from ..trainer import RESPONSE_KEYS
+        from .pipeline import run_schedule
+
+        was_training = self.model.training
+        self.model.eval()
+        mbs, sizes = self._micro_batches(batch, RESPONSE_KEYS, micro_batch_size)
+        outs = run_schedule(self.model, mbs, self.temperature)
+        self.model.train(was_training)
+        if outs:  # the last stage
+            lp = torch.cat([o[:n] for o, n in zip(outs, sizes)])
+        else:
+            lp = torch.zeros(batch["response_ids"].shape, device=self.device)
+        dist.broadcast(lp, src=self.pp_last, group=self.pp_group)
+        return lp.cpu()
+
+    def accumulate(self, batch, micro_batch_size: int | None = None) -> int:
+        """:meth:`PolicyTrainer.accumulate` (token-sum loss, gradients kept); with pipeline
+        stages all micro-batches go through one schedule call (1F1B). Token counts are kept on
+        every stage, the loss and metric sums on the last one (summed over the pipeline in
+        :meth:`finish_accumulation`)."""
+        if self.pp == 1:
+            return super().accumulate(batch, micro_batch_size)
+        from ..losses import grpo_loss
+        from ..trainer import RESPONSE_KEYS
+        from .pipeline import run_schedule
+
+        if "old_logprobs" not in batch:
+            batch = dict(batch, old_logprobs=self.compute_logprobs(batch, micro_batch_size))
+        keys = [*RESPONSE_KEYS, "advantages", "old_logprobs"] + (
+            ["ref_logprobs"] if "ref_logprobs" in batch else []
+        )
+        if self._accumulated is None:
+            self._accumulated = defaultdict(float)
+        acc = self._accumulated
+        acc["tokens"] += float(batch["response_mask"].sum())
+
+        def loss_fn(lp, mb):
+            loss, m = grpo_loss(
+                lp,
+                mb["old_logprobs"],
+                mb["advantages"],
+                mb["response_mask"],
+                self.clip_eps_low,
+                self.clip_eps_high,
+                ref_logprobs=mb.get("ref_logprobs"),
+                kl_coef=self.kl_coef,
+                num_tokens=1.0,  # a token sum: divided by the whole batch's tokens at the end
+            )
+            tokens = float(mb["response_mask"].sum())
+            acc["loss"] += loss.item()
+            for k, v in m.items():
+                acc[k] += v * tokens
+            return loss
+
+        self.model.train()
+        run_schedule(self.model, self._micro_batches(batch, keys, micro_batch_size)[0],
+                     self.temperature, loss_fn)  # fmt: skip
+        return len(batch["response_ids"])
+
+    def finish_accumulation(self) -> dict[str, float]:
+        """:meth:`PolicyTrainer.finish_accumulation` over Megatron's DP group; with pipeline
+        stages the last stage's loss and metric sums are first summed over the pipeline (the
+        other stages hold zeros) and, with tied embeddings, the first stage's embedding and
+        the last stage's output-layer copy get their gradients summed (Megatron's
+        ``finalize_model_grads``) so both take the same step. A collective of every rank."""
+        if self.pp > 1:
+            acc = self._accumulated if self._accumulated is not None else defaultdict(float)
+            keys = ("loss", "pg_loss", "clip_frac", "ratio_mean") + ("kl",) * (self.kl_coef > 0)
+            acc.update(dp.all_reduce_sums(acc, keys, self.pp_group))
+            self._accumulated = acc
+            self._sum_tied_embedding_grads()
+        return super().finish_accumulation()
+
+    def _sum_tied_embedding_grads(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        if not (self.model.share_embeddings_and_output_weights and ps.is_rank_in_embedding_group()):
+            return
+        weight = self.model.shared_embedding_or_output_weight()
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
     def _step(self) -> float:
         """Clip by the global gradient norm (TP-split parameters summed over the TP group,
-        replicated ones counted once), step, zero grads; returns the pre-clip norm."""
+        stages over the pipeline; replicated ones and the last stage's copy of tied embeddings
+        counted once), step, zero grads; returns the pre-clip norm."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
 
         params = [p for p in self.model.parameters() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in params:
-            if param_is_not_tensor_parallel_duplicate(p):
+            if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p):
                 sq += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(sq, group=self.mp_group)
         norm = sq.sqrt().float()
@@ -146,7 +259,7 @@ class MegatronPolicyTrainer(PolicyTrainer):
 
 
 class MegatronEngine:
-    """This rank's part of a Megatron actor: process groups, model shard, trainer.
+    """This rank's part of a Megatron actor: process groups, model shard, trainer, reference.
 
     Args:
         hf_config: the Hugging Face ``Qwen2Config`` of the policy (the torch engine's model).
@@ -154,8 +267,14 @@ class MegatronEngine:
         rank, world_size: this rank in the actor group (one rank per device).
         rendezvous: ``{"addr", "port"}`` of the group's process group.
         device: this rank's torch device (gloo on CPU, NCCL on CUDA).
-        tensor_parallel: TP size (divides ``world_size``; DP = world / TP).
-        trainer: :class:`MegatronPolicyTrainer` arguments (lr, betas, clip range, ...).
+        tensor_parallel: TP size.
+        trainer: :class:`MegatronPolicyTrainer` arguments (lr, betas, clip range, ``kl_coef``,
+            ...); ``kl_coef > 0`` also builds a frozen reference shard (:meth:`freeze_reference`).
+        pipeline_parallel: PP size (divides the model's layers; TP x PP divides
+            ``world_size``; DP = world / (TP x PP)).
+
+    Every collective of Megatron's groups waits at most ``M2FLOW_WAIT_TIMEOUT`` (rounded up to
+    minutes), the world's as long.
 
     Raises:
         RuntimeError: the rendezvous failed (:func:`~..data_parallel.init`).
@@ -171,24 +290,55 @@ class MegatronEngine:
         device: torch.device,
         tensor_parallel: int,
         trainer: dict,
+        pipeline_parallel: int = 1,
     ) -> None:
         warnings.filterwarnings("ignore", message=_QUIET)
         from megatron.core import parallel_state as ps
+
+        from m2flow._env import wait_timeout
 
         from .model import build_gpt_model, init_parallel
 
         if not dist.is_initialized():
             dp.init(rank, world_size, rendezvous["addr"], rendezvous["port"], device)
-        init_parallel(tp=tensor_parallel, pp=1)
-        self.rank = rank
-        self.tp, self.dp = tensor_parallel, world_size // tensor_parallel
+        init_parallel(tp=tensor_parallel, pp=pipeline_parallel, timeout_s=wait_timeout())
+        self.rank, self.device = rank, device
+        self.tp, self.pp = tensor_parallel, pipeline_parallel
+        self.dp = world_size // (tensor_parallel * pipeline_parallel)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         self.model = build_gpt_model(hf_config).to(device)
         self.shape = self.model.m2flow_shape
+        self.layers = self.shape.num_layers // self.pp  # per stage
+        # The frozen reference (KL): same layout, no optimizer, no gradients. Built here, with
+        # the policy, because building a stage is a collective (tied embeddings, PP > 1).
+        self.ref_model = None
+        if trainer.get("kl_coef", 0.0) > 0:
+            self.ref_model = build_gpt_model(hf_config).to(device).eval().requires_grad_(False)
+        self._ref_packed = None
         trainer = {k: v for k, v in trainer.items() if k != "shared_prefix"}
         self.trainer = MegatronPolicyTrainer(self.model, **trainer)
         self.load_hf(hf_state)
+        self.freeze_reference()
+
+    def freeze_reference(self) -> None:
+        """The reference shard := the policy shard now (no collective). The worker calls it at
+        start and after the warm start (the torch engine's ``copy.deepcopy`` of the policy)."""
+        from .convert import load_megatron_state, megatron_state
+
+        if self.ref_model is not None:
+            load_megatron_state(self.ref_model, megatron_state(self.model))
+
+    def reference_logprobs(self, batch: dict, micro_batch_size: int | None) -> torch.Tensor:
+        """``[B, R]`` logprobs of the reference shard (forward only; through the pipeline
+        schedule with PP > 1): the trainer's own function, so the same numerics as the
+        policy's. A collective of the rank's TP/PP groups."""
+        policy, self.trainer.model = self.trainer.model, self.ref_model
+        try:
+            return self.trainer.compute_logprobs(batch, micro_batch_size)
+        finally:
+            self.trainer.model = policy
 
     # -- data ------------------------------------------------------------------------------
 
@@ -207,24 +357,31 @@ class MegatronEngine:
 
         Args:
             data: ``[B, ...]`` training tensors as :meth:`PolicyTrainer.train_on_batch` takes
-                them (``old_logprobs`` recomputed here before any update if absent).
+                them (``old_logprobs`` recomputed here before any update if absent; with a
+                reference, ``ref_logprobs`` computed here by the reference shard).
             mini_batch_size: responses per optimizer step (``None``: the whole batch).
             micro_batch_size: responses per forward on one DP rank (``None``: its share).
 
         Returns:
             the torch engine's metrics (``loss``, ``pg_loss``, ``clip_frac``, ``ratio_mean``,
-            ``grad_norm``; means over the optimizer steps) and ``steps``.
+            ``grad_norm``, ``kl`` with a reference; means over the optimizer steps) and
+            ``steps``.
         """
         n = len(data["response_ids"])
         minis = list(torch.split(torch.arange(n), mini_batch_size or n))
         mine = [torch.tensor_split(m, self.dp)[self.dp_rank] for m in minis]
-        if "old_logprobs" not in data:  # behaviour logprobs of this rank's rows, before updates
-            rows = torch.cat(mine)
-            old = torch.zeros(data["response_ids"].shape)
-            if len(rows):
-                local = {k: v[rows] for k, v in data.items()}
-                old[rows] = self.trainer.compute_logprobs(local, micro_batch_size)
-            data = dict(data, old_logprobs=old)
+        rows = torch.cat(mine)
+        local = {k: v[rows] for k, v in data.items()}
+        extra = {}  # computed for this rank's rows before any update; zeros elsewhere
+        if "old_logprobs" not in data:  # behaviour logprobs
+            extra["old_logprobs"] = self.trainer.compute_logprobs
+        if self.ref_model is not None and "ref_logprobs" not in data:  # KL reference
+            extra["ref_logprobs"] = self.reference_logprobs
+        for key, fn in extra.items():
+            full = torch.zeros(data["response_ids"].shape)
+            if len(rows):  # every stage of a pipeline holds the same rows
+                full[rows] = fn(local, micro_batch_size)
+            data = dict(data, **{key: full})
         sums: dict[str, float] = {}
         for rows in mine:
             if len(rows):
@@ -243,9 +400,10 @@ class MegatronEngine:
 
     # -- weights ---------------------------------------------------------------------------
 
-    def load_hf(self, hf_state: dict[str, torch.Tensor] | None) -> None:
-        """Every rank loads its TP shard of rank 0's ``hf_state`` (HF Qwen2 layout; the other
-        ranks pass ``None``). A collective of the whole actor group.
+    def load_hf(self, hf_state: dict[str, torch.Tensor] | None, reference: bool = False) -> None:
+        """Every rank loads its shard (its TP slice of its pipeline stage's layers) of rank
+        0's ``hf_state`` (HF Qwen2 layout; the other ranks pass ``None``) into the policy, or
+        with ``reference`` into the reference shard. A collective of the whole actor group.
 
         Raises:
             KeyError: the state does not fit the model (:func:`~.convert.load_megatron_state`).
@@ -255,24 +413,75 @@ class MegatronEngine:
         state = self.broadcast_object(
             None if hf_state is None else {k: v.detach().cpu() for k, v in hf_state.items()}
         )
-        shard = hf_to_megatron(state, self.shape, tp_rank=self.tp_rank, tp_size=self.tp)
-        load_megatron_state(self.model, shard)
+        model = self.ref_model if reference else self.model
+        shard = hf_to_megatron(
+            state,
+            self.shape,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp,
+            layer_offset=self.pp_rank * self.layers,
+            num_layers=self.layers,
+            pre_process=model.pre_process,
+            post_process=model.post_process,
+        )
+        load_megatron_state(model, shard)
 
-    def gather_hf(self) -> dict[str, torch.Tensor] | None:
-        """The model in HF Qwen2 layout (TP shards of DP replica 0 gathered, vocabulary
-        padding dropped) on rank 0, ``None`` on the other ranks. A collective of the whole
-        actor group."""
-        from .convert import megatron_state, megatron_to_hf
+    def gather_hf(self, reference: bool = False) -> dict[str, torch.Tensor] | None:
+        """The policy (or with ``reference`` the reference) in HF Qwen2 layout on rank 0: the
+        shards of DP replica 0 gathered, stages merged (:func:`~.convert.merge_pipeline_stages`),
+        TP shards concatenated, vocabulary padding dropped; ``None`` on the other ranks. A
+        collective of the whole actor group."""
+        from .convert import megatron_state, megatron_to_hf, merge_pipeline_stages
 
         mine = None
         if self.dp_rank == 0:
-            mine = (self.tp_rank, {k: v.cpu() for k, v in megatron_state(self.model).items()})
+            model = self.ref_model if reference else self.model
+            state = {k: v.cpu() for k, v in megatron_state(model).items()}
+            mine = (self.tp_rank, self.pp_rank, state)
         every: list = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(mine, every, dst=0)
         if self.rank != 0:
             return None
-        shards = dict(s for s in every if s is not None)
-        return megatron_to_hf([shards[r] for r in range(self.tp)], self.shape)
+        stages = {(t, p): s for t, p, s in (x for x in every if x is not None)}
+        shards = [
+            merge_pipeline_stages([stages[t, p] for p in range(self.pp)], [self.layers] * self.pp)
+            for t in range(self.tp)
+        ]
+        return megatron_to_hf(shards, self.shape)
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """Release the policy shard, its AdamW state (:meth:`PolicyTrainer.offload`) and the
+        reference shard: on CUDA to host memory; on CPU packed into one flat buffer and the
+        tensors freed, as the policy is (restored bit-exactly by :meth:`onload`)."""
+        from ..trainer import _pack
+
+        self.trainer.offload()
+        if self.ref_model is None or self._ref_packed is not None:
+            return
+        params = list(self.ref_model.parameters())
+        if self.device.type != "cpu":
+            self.ref_model.to("cpu")
+            self._ref_packed = "moved"
+            return
+        self._ref_packed = _pack([p.data for p in params])
+        for p in params:
+            p.data = torch.empty(0, dtype=p.dtype)
+
+    def onload(self) -> None:
+        """Undo :meth:`offload`."""
+        from ..trainer import _unpack
+
+        self.trainer.onload()
+        packed, self._ref_packed = self._ref_packed, None
+        if packed is None:
+            return
+        if packed == "moved":
+            self.ref_model.to(self.device)
+            return
+        for p, t in zip(self.ref_model.parameters(), _unpack(*packed)):
+            p.data = t
 
     # -- optimizer checkpoints -------------------------------------------------------------
 
@@ -282,7 +491,7 @@ class MegatronEngine:
     def save_optimizer(self, path: str | Path) -> None:
         """This rank's AdamW state (of its shard) under ``path``, with the layout it fits."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        layout = {"tp": self.tp, "dp": self.dp}
+        layout = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
         state = {"optimizer": self.trainer.optimizer.state_dict(), "layout": layout}
         torch.save(state, self._optimizer_file(path))
 
@@ -290,17 +499,20 @@ class MegatronEngine:
         """Restore what :meth:`save_optimizer` wrote for this rank.
 
         Raises:
-            ValueError: the checkpoint was written with another TP/DP layout (its weights, in
+            ValueError: the checkpoint was written with another TP/PP/DP layout (its weights, in
                 HF layout, load anywhere; its optimizer shards do not).
         """
         f = self._optimizer_file(path)
-        layout = {"tp": self.tp, "dp": self.dp}
+        layout = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
         state = torch.load(f, weights_only=False) if f.is_file() else None
+        if state is not None:  # files written before PP existed hold no "pp": one stage
+            state["layout"] = {"pp": 1, **state["layout"]}
         if state is None or state["layout"] != layout:
             found = None if state is None else state["layout"]
             raise ValueError(
                 f"{path}: Megatron optimizer state for layout {layout} not found (found "
-                f"{found}): resume with the actor.tensor_parallel and devices it was saved with"
+                f"{found}): resume with the actor.tensor_parallel, actor.pipeline_parallel "
+                "and devices it was saved with"
             )
         self.trainer.optimizer.load_state_dict(state["optimizer"])
 

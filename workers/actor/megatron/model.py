@@ -13,6 +13,7 @@ initialised (gloo on CPU, NCCL on GPU); data parallel size is ``world / (TP * PP
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -99,12 +100,20 @@ def transformer_config(hf_config, tp: int = 1, pp: int = 1, dtype=torch.float32)
     )
 
 
-def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, seed: int = 0) -> None:
+def init_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    dp: int | None = None,
+    seed: int = 0,
+    timeout_s: float | None = None,
+) -> None:
     """``parallel_state.initialize_model_parallel(tp, pp)`` on the initialised process group.
 
     ``torch.distributed`` must already be initialised (gloo on CPU, NCCL on GPU) with
-    ``world = tp * pp * dp``; ``dp`` (if given) is checked against it. Applies the CPU shims;
-    on a CUDA host seeds Megatron's CUDA RNG tracker with ``seed`` instead.
+    ``world = tp * pp * dp``; ``dp`` (if given) is checked against it. ``timeout_s``: the
+    timeout of every collective of Megatron's groups (rounded up to whole minutes, Megatron's
+    unit; default Megatron's 30 minutes). Applies the CPU shims; on a CUDA host seeds
+    Megatron's CUDA RNG tracker with ``seed`` instead.
     """
     from megatron.core import parallel_state
 
@@ -116,8 +125,11 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, seed: int = 0
         raise ValueError(f"world size {world} is not tp={tp} * pp={pp} * dp={dp}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    minutes = 30 if timeout_s is None else max(1, math.ceil(timeout_s / 60))
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=minutes,
     )
     if torch.cuda.is_available():  # GPU init draws from the CUDA RNG tracker (untested here)
         from megatron.core import tensor_parallel

@@ -15,6 +15,11 @@ back to HF layout and compares with the same step on the HF model.
 - DP is plain: every DP rank takes a contiguous slice of the responses, the loss is normalised
   by the global token count, and gradients are summed over the DP group with one ``all_reduce``
   per parameter (no Megatron DDP wrapper, no distributed optimizer).
+
+:func:`engine_rank` runs the actor's own engine instead (:class:`~.engine.MegatronEngine`:
+mini- and micro-batches, the pipeline schedule with padded micro-batches, the reference shard
+for KL, offload/onload) on the same kind of case, and saves its metrics and the weights it
+gathers to HF layout, for comparison with the torch engine's ``PolicyTrainer``.
 """
 
 from __future__ import annotations
@@ -152,16 +157,67 @@ def _run(rank: int, workdir: Path, tp: int, dp: int, pp: int) -> None:
     ps.destroy_model_parallel()
 
 
+def engine_rank(rank: int, world: int, workdir: str, tp: int, dp: int, pp: int = 1) -> None:
+    """One rank of a :class:`~.engine.MegatronEngine` run on ``workdir/case.pt`` (``hf_config``,
+    ``hf_state``, ``batch``, ``trainer`` arguments, ``steps``: a list of ``(mini_batch_size,
+    micro_batch_size)``, one :meth:`~.engine.MegatronEngine.train` call each, with an
+    offload/onload before each); rank 0 writes ``engine.pt`` (``metrics`` per call, ``hf``: the
+    gathered weights)."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    workdir = Path(workdir)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{workdir / 'rendezvous'}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    from .engine import MegatronEngine
+
+    case = torch.load(workdir / "case.pt", weights_only=False)
+    engine = MegatronEngine(
+        case["hf_config"],
+        case["hf_state"] if rank == 0 else None,
+        rank,
+        world,
+        {},
+        torch.device("cpu"),
+        tp,
+        case["trainer"],
+        pipeline_parallel=pp,
+    )
+    try:
+        if "policy_state" in case:  # the policy moved away from the reference (KL != 0)
+            engine.load_hf(case["policy_state"] if rank == 0 else None)
+        metrics = []
+        for mini, micro in case["steps"]:
+            engine.offload()
+            engine.onload()
+            metrics.append(engine.train(case["batch"], mini, micro))
+        hf = engine.gather_hf()
+        if rank == 0:
+            torch.save({"metrics": metrics, "hf": hf}, workdir / "engine.pt")
+    finally:
+        engine.shutdown()
+
+
 def spawn_parity(
-    workdir: str | os.PathLike, tp: int, dp: int = 1, pp: int = 1, timeout_s: float = 120
+    workdir: str | os.PathLike,
+    tp: int,
+    dp: int = 1,
+    pp: int = 1,
+    timeout_s: float = 120,
+    target=None,
 ) -> None:
-    """Run :func:`parity_rank` on ``tp * pp * dp`` spawned processes (raises if one fails or the
-    whole run exceeds ``timeout_s``; stragglers are terminated)."""
+    """Run ``target`` (default :func:`parity_rank`; or :func:`engine_rank`) on ``tp * pp * dp``
+    spawned processes (raises if one fails or the whole run exceeds ``timeout_s``; stragglers
+    are terminated)."""
     import torch.multiprocessing as mp
 
     world = tp * pp * dp
     ctx = mp.start_processes(
-        parity_rank,
+        target or parity_rank,
         args=(world, str(Path(workdir).resolve()), tp, dp, pp),  # file:// needs an absolute path
         nprocs=world,
         join=False,
