@@ -63,7 +63,8 @@ class ActorConfig(OptimConfig):
 class CriticConfig(OptimConfig):
     lr: float = 5e-4  # the head starts at 0: the critic must catch up fast
     mini_batch_size: int = 128
-    engine: str = "torch"  # torch only (no Megatron value head yet)
+    engine: str = "torch"  # or "megatron": Megatron-core, one rank per device (docs/megatron.md)
+    tensor_parallel: int = 1  # megatron: TP size; DP = the critic's devices / TP
 
 
 @dataclass
@@ -126,10 +127,19 @@ def validate(cfg) -> None:
             (0 <= cfg.reward.verifier_weight <= 1, "reward.verifier_weight must be in [0, 1]"),
             (0 <= f.heldout_batches < f.batches, "need 0 <= reward_fit.heldout_batches < batches"),
             (
-                cfg.actor.engine == cfg.critic.engine == "torch",
-                "PPO runs on the torch engine: set actor.engine=torch and critic.engine=torch "
-                "(Megatron is wired for the GRPO actor only, docs/megatron.md)",
+                cfg.actor.engine == "torch",
+                "the PPO actor runs on the torch engine: set actor.engine=torch (Megatron is "
+                "wired for the GRPO actor and the PPO critic, docs/megatron.md)",
             ),
+            (
+                cfg.critic.engine in ("torch", "megatron"),
+                "critic.engine must be torch or megatron",
+            ),
+            (
+                cfg.critic.engine == "megatron" or cfg.critic.tensor_parallel == 1,
+                "critic.tensor_parallel needs critic.engine=megatron",
+            ),
+            (cfg.critic.tensor_parallel >= 1, "critic.tensor_parallel must be >= 1"),
         ]
     )
 

@@ -153,15 +153,22 @@ def _run(rank: int, workdir: Path, tp: int, dp: int, pp: int) -> None:
 
 
 def spawn_parity(
-    workdir: str | os.PathLike, tp: int, dp: int = 1, pp: int = 1, timeout_s: float = 120
+    workdir: str | os.PathLike,
+    tp: int,
+    dp: int = 1,
+    pp: int = 1,
+    timeout_s: float = 120,
+    rank_fn=None,
 ) -> None:
-    """Run :func:`parity_rank` on ``tp * pp * dp`` spawned processes (raises if one fails or the
-    whole run exceeds ``timeout_s``; stragglers are terminated)."""
+    """Run :func:`parity_rank` (or ``rank_fn``, same arguments, e.g. the critic's
+    :func:`~m2flow.workers.critic.megatron_parity.critic_parity_rank`) on ``tp * pp * dp``
+    spawned processes (raises if one fails or the whole run exceeds ``timeout_s``; stragglers
+    are terminated)."""
     import torch.multiprocessing as mp
 
     world = tp * pp * dp
     ctx = mp.start_processes(
-        parity_rank,
+        rank_fn or parity_rank,
         args=(world, str(Path(workdir).resolve()), tp, dp, pp),  # file:// needs an absolute path
         nprocs=world,
         join=False,
