@@ -198,27 +198,76 @@ def test_tp2_dp2_matches_torch_critic(tmp_path):
           f"(largest change {moved:.3g})")  # fmt: skip
 
 
-def test_ppo_run_with_megatron_critic(cluster, tmp_path):
-    """``m2flow run workflows/ppo.py critic.engine=megatron critic.tensor_parallel=2``, 2 steps,
-    the critic on both devices (TP=2), every other group on device 0 (the critic's rank 0
-    time-shares it: offload/onload run); the critic trains, and its step-2 checkpoint (torch
-    critic format, rank 0's file) holds the gathered weights and loads into a torch critic."""
+def test_ppo_epochs_on_megatron_engine_match_torch():
+    """The PPO actor's update on the Megatron engine (:func:`megatron_ppo_update`, TP=1 in this
+    process) vs the torch engine's ``train_on_batch``: 2 epochs of 2 shuffled mini-batches on
+    per-token advantages, same metrics and weights (fp32 rounding)."""
+    import socket
+
+    import torch.distributed as dist
+    from m2flow.workers.actor.losses import sequence_logprobs
+    from m2flow.workers.actor.megatron.engine import MegatronEngine
+    from m2flow.workers.actor.ppo import megatron_ppo_update
+    from m2flow.workers.actor.trainer import PolicyTrainer
+    from m2flow.workers.llm import build_model
+
+    hf = build_model(MODEL, build_char_tokenizer(), seed=0)
+    batch = _batch(hf.config.vocab_size)
+    data = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+    g = torch.Generator().manual_seed(2)
+    data["advantages"] = torch.randn(batch["returns"].shape, generator=g) * data["response_mask"]
+    with torch.no_grad():  # behaviour policy slightly off the current one: ratios != 1
+        old = sequence_logprobs(hf, *(data[k] for k in list(data)[:4]))
+        data["old_logprobs"] = (old + 0.05 * torch.randn(old.shape, generator=g)) * data[
+            "response_mask"
+        ]
+    optim = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01, grad_clip=1.0, shared_prefix=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    engine = MegatronEngine(hf.config, hf.state_dict(), 0, 1, None, torch.device("cpu"), 1, optim)
+    try:
+        got = megatron_ppo_update(engine, data, 2, 1, 2, torch.Generator().manual_seed(5))
+        weights = engine.gather_hf()
+    finally:
+        engine.shutdown()
+    want = PolicyTrainer(hf, **optim).train_on_batch(
+        data, 2, 1, epochs=2, shuffle=True, generator=torch.Generator().manual_seed(5)
+    )
+    assert got["steps"] == want["steps"] == 4
+    for key in ("loss", "pg_loss", "clip_frac", "ratio_mean", "grad_norm"):
+        assert abs(got[key] - want[key]) <= VALUE_ATOL, (key, got[key], want[key])
+    diff = _close(weights, hf.state_dict(), WEIGHT_ATOL)
+    print(f"PPO actor on the Megatron engine (TP=1, 4 steps) vs torch: weights {diff:.3g}")
+
+
+def test_ppo_run_with_megatron_actor_and_critic(cluster, tmp_path):
+    """``m2flow run workflows/ppo.py actor.engine=megatron actor.tensor_parallel=2
+    critic.engine=megatron critic.tensor_parallel=2``, 2 steps of 2 PPO epochs; actor and
+    critic on both devices (TP=2 each), rollout, reward and reference on device 0 (time-shared
+    with both groups' rank 0: offload/onload run). Both train, and the critic's step-2
+    checkpoint (torch critic format, rank 0's file) holds the gathered weights and loads into
+    a torch critic, moments included."""
     run_dir = tmp_path / "run"
     overrides = TINY_RUN + [
         "model.num_key_value_heads=2",
+        "actor.engine=megatron",
+        "actor.tensor_parallel=2",
         "critic.engine=megatron",
         "critic.tensor_parallel=2",
+        "algorithm.epochs=2",
         "warm_start.steps=0",
         "trainer.steps=3",  # stopped after step 2 (max_steps), the groups kept for the checks
         "trainer.save_every=2",
         f"trainer.run_dir={run_dir}",
     ]
-    groups = {g: [0] for g in ("rollout", "reward", "reference", "actor")}
-    plan = Placement(mode="hybrid", groups={**groups, "critic": [0, 1]})
+    groups = {g: [0] for g in ("rollout", "reward", "reference")}
+    plan = Placement(mode="hybrid", groups={**groups, "actor": [0, 1], "critic": [0, 1]})
     session = run_workflow(PPO, overrides, plan=plan, max_steps=2, keep_cluster=True)
     try:
         critic = {g.name: g for g in session.cluster.groups}["critic"]
-        assert session.groups["critic"] == [[0], [1]]
+        assert session.groups["critic"] == session.groups["actor"] == [[0], [1]]
         gathered = critic.state_dict().wait(60)
         assert gathered[1] is None
         now = gathered[0]
@@ -226,7 +275,7 @@ def test_ppo_run_with_megatron_critic(cluster, tmp_path):
         session.cluster.shutdown()
     records = _records(run_dir)
     assert [r["step"] for r in records] == [0, 1, 2]
-    assert all(r["critic_update_norm"] > 0 for r in records[1:])
+    assert all(r["critic_update_norm"] > 0 and r["actor_update_norm"] > 0 for r in records[1:])
     ckpt = load_state(run_dir / "checkpoints" / "step_000002" / "critic", 0)
     assert ckpt["model"].keys() == now.keys()
     assert all(torch.equal(ckpt["model"][k], now[k]) for k in now)

@@ -176,7 +176,8 @@ def test_bad_megatron_settings_are_refused_at_launch(cluster):
         ("grpo", "actor.engine=jax", "actor.engine must be torch or megatron"),
         ("grpo", "actor.tensor_parallel=2", "actor.engine=megatron"),
         ("grpo", "actor.pipeline_parallel=2", "actor.pipeline_parallel must be 1"),
-        ("ppo", "actor.engine=megatron", "the PPO actor runs on the torch engine"),
+        ("ppo", "actor.engine=jax", "actor.engine must be torch or megatron"),
+        ("ppo", "critic.tensor_parallel=2", "critic.engine=megatron"),
     ],
 )
 def test_bad_engine_config_is_a_config_error(tmp_path, workflow, override, match):

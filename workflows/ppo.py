@@ -56,7 +56,8 @@ class ActorConfig(OptimConfig):
     mini_batch_size: int = 128  # responses per optimizer step; 0 = the whole batch
     whiten_advantages: bool = True
     recompute_old_logprobs: bool = False  # the rollout's logprobs are the same weights'
-    engine: str = "torch"  # PPO: torch only (Megatron is wired for the GRPO actor)
+    engine: str = "torch"  # or "megatron": Megatron-core, one rank per device (docs/megatron.md)
+    tensor_parallel: int = 1  # megatron: TP size; DP = the actor's devices / TP
 
 
 @dataclass
@@ -111,6 +112,17 @@ class Config:
     resume: bool = False  # continue from the last checkpoint in trainer.run_dir
 
 
+def _engine_checks(name: str, section) -> list[tuple[bool, str]]:
+    return [
+        (section.engine in ("torch", "megatron"), f"{name}.engine must be torch or megatron"),
+        (
+            section.engine == "megatron" or section.tensor_parallel == 1,
+            f"{name}.tensor_parallel needs {name}.engine=megatron",
+        ),
+        (section.tensor_parallel >= 1, f"{name}.tensor_parallel must be >= 1"),
+    ]
+
+
 def validate(cfg) -> None:
     """Value checks the types cannot express, before anything starts. Raises ConfigError."""
     a, f = cfg.algorithm, cfg.reward_fit
@@ -126,20 +138,8 @@ def validate(cfg) -> None:
             (a.clip_eps > 0 and a.epochs >= 1, "algorithm.clip_eps > 0 and algorithm.epochs >= 1"),
             (0 <= cfg.reward.verifier_weight <= 1, "reward.verifier_weight must be in [0, 1]"),
             (0 <= f.heldout_batches < f.batches, "need 0 <= reward_fit.heldout_batches < batches"),
-            (
-                cfg.actor.engine == "torch",
-                "the PPO actor runs on the torch engine: set actor.engine=torch (Megatron is "
-                "wired for the GRPO actor and the PPO critic, docs/megatron.md)",
-            ),
-            (
-                cfg.critic.engine in ("torch", "megatron"),
-                "critic.engine must be torch or megatron",
-            ),
-            (
-                cfg.critic.engine == "megatron" or cfg.critic.tensor_parallel == 1,
-                "critic.tensor_parallel needs critic.engine=megatron",
-            ),
-            (cfg.critic.tensor_parallel >= 1, "critic.tensor_parallel must be >= 1"),
+            *_engine_checks("actor", cfg.actor),
+            *_engine_checks("critic", cfg.critic),
         ]
     )
 
