@@ -266,12 +266,6 @@ class MegatronCritic:
         self.trainer = MegatronValueTrainer(self.model, **trainer)
         self.load(torch_state)
 
-    def read_step(self, items: list) -> list:
-        """Every rank's ``items`` (its share of the step), on every rank, in rank order."""
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, items)
-        return [item for part in every for item in part]
-
     # -- weights ---------------------------------------------------------------------------
 
     def load(self, state: dict[str, torch.Tensor], head: bool = True) -> None:

@@ -30,7 +30,7 @@ class CriticWorker(Worker):
     Torch engine: one rank (``data_parallel = False``); given several devices it uses them as
     one. ``engine="megatron"`` (:mod:`.megatron_engine`): one rank per device, the ranks forming
     Megatron's tensor- and data-parallel groups (DP = ranks / TP); each rank reads its share of
-    the step's chunks, the ranks exchange them (``all_gather_object``), every rank computes the
+    the step's chunks, the ranks exchange them (mailboxes), every rank computes the
     values of all of them (TP peers forward together) and passes its own chunks on, then the
     value update runs on the whole batch, split over the DP ranks. Weights and checkpoints stay
     in the torch critic's layout (gathered to rank 0), so either engine resumes the other's.
@@ -162,9 +162,13 @@ class CriticWorker(Worker):
 
     def _read_megatron(self, rollouts: Channel, scores: Channel, refs: Channel, out: Channel):
         """Megatron: every rank reads its share of the chunks (with their scores and reference
-        logprobs) to the end of step, then the ranks exchange them: a TP forward is a
-        collective, and no rank may block in one while a producer still needs its device. Every
-        rank computes all values (in key order); each puts its own chunks into ``out``."""
+        logprobs) to the end of step, then the ranks exchange them through their mailboxes
+        (``send``/``recv``; a ``recv`` yields the device while it waits). Not a
+        ``torch.distributed`` collective: a rank blocked in one holds its device, and a peer may
+        still wait for a score whose producer needs that device (a hang found in 1 of 3 runs
+        with the reward on the critic's rank-0 device). After the exchange every producer is
+        done, so the TP forwards may block. Every rank computes all values (in key order);
+        each puts its own chunks into ``out``."""
         mine = []
         for (chunk,) in rollouts.stream():
             key = chunk_key(chunk["batch"])
@@ -172,12 +176,21 @@ class CriticWorker(Worker):
         own = {chunk_key(c["batch"]) for c, _, _ in mine}
         batches = []
         for chunk, score, ref in sorted(
-            self.megatron.read_step(mine), key=lambda t: chunk_key(t[0]["batch"])
+            self._exchange(mine), key=lambda t: chunk_key(t[0]["batch"])
         ):
             batches.append(self._advantages(chunk, score, ref))
             if chunk_key(chunk["batch"]) in own:
                 out.put(chunk, weight=num_tokens(chunk["batch"]))
         return batches
+
+    def _exchange(self, mine: list) -> list:
+        """Every rank's ``mine``, on every rank (rank order), through the mailboxes."""
+        for r in range(self.world_size):
+            if r != self.rank:
+                self.send(mine, self.group_name, r)
+        parts = [mine if r == self.rank else self.recv(self.group_name, r)
+                 for r in range(self.world_size)]  # fmt: skip
+        return [item for part in parts for item in part]
 
     def step(self, rollouts: Channel, scores: Channel, refs: Channel, out: Channel) -> dict:
         """Advantages for the step's rollout chunks (until the rollout's end of step), then one
