@@ -241,8 +241,8 @@ def test_bad_megatron_settings_are_refused_at_launch(cluster):
         ("grpo", "actor.tensor_parallel=2", "actor.engine=megatron"),
         ("grpo", "actor.pipeline_parallel=2", "pipeline_parallel needs actor.engine=megatron"),
         ("grpo", "actor.engine=megatron,actor.pipeline_parallel=3", "must divide model.num_hidden"),
-        ("ppo", "actor.engine=megatron", "PPO runs on the torch engine"),
-        ("ppo", "critic.engine=megatron", "critic.engine=torch"),
+        ("ppo", "actor.engine=jax", "actor.engine must be torch or megatron"),
+        ("ppo", "critic.tensor_parallel=2", "critic.engine=megatron"),
     ],
 )
 def test_bad_engine_config_is_a_config_error(tmp_path, workflow, override, match):

@@ -56,14 +56,16 @@ class ActorConfig(OptimConfig):
     mini_batch_size: int = 128  # responses per optimizer step; 0 = the whole batch
     whiten_advantages: bool = True
     recompute_old_logprobs: bool = False  # the rollout's logprobs are the same weights'
-    engine: str = "torch"  # PPO: torch only (Megatron is wired for the GRPO actor)
+    engine: str = "torch"  # or "megatron": Megatron-core, one rank per device (docs/megatron.md)
+    tensor_parallel: int = 1  # megatron: TP size; DP = the actor's devices / TP
 
 
 @dataclass
 class CriticConfig(OptimConfig):
     lr: float = 5e-4  # the head starts at 0: the critic must catch up fast
     mini_batch_size: int = 128
-    engine: str = "torch"  # torch only (no Megatron value head yet)
+    engine: str = "torch"  # or "megatron": Megatron-core, one rank per device (docs/megatron.md)
+    tensor_parallel: int = 1  # megatron: TP size; DP = the critic's devices / TP
 
 
 @dataclass
@@ -110,6 +112,17 @@ class Config:
     resume: bool = False  # continue from the last checkpoint in trainer.run_dir
 
 
+def _engine_checks(name: str, section) -> list[tuple[bool, str]]:
+    return [
+        (section.engine in ("torch", "megatron"), f"{name}.engine must be torch or megatron"),
+        (
+            section.engine == "megatron" or section.tensor_parallel == 1,
+            f"{name}.tensor_parallel needs {name}.engine=megatron",
+        ),
+        (section.tensor_parallel >= 1, f"{name}.tensor_parallel must be >= 1"),
+    ]
+
+
 def validate(cfg) -> None:
     """Value checks the types cannot express, before anything starts. Raises ConfigError."""
     a, f = cfg.algorithm, cfg.reward_fit
@@ -125,11 +138,8 @@ def validate(cfg) -> None:
             (a.clip_eps > 0 and a.epochs >= 1, "algorithm.clip_eps > 0 and algorithm.epochs >= 1"),
             (0 <= cfg.reward.verifier_weight <= 1, "reward.verifier_weight must be in [0, 1]"),
             (0 <= f.heldout_batches < f.batches, "need 0 <= reward_fit.heldout_batches < batches"),
-            (
-                cfg.actor.engine == cfg.critic.engine == "torch",
-                "PPO runs on the torch engine: set actor.engine=torch and critic.engine=torch "
-                "(Megatron is wired for the GRPO actor only, docs/megatron.md)",
-            ),
+            *_engine_checks("actor", cfg.actor),
+            *_engine_checks("critic", cfg.critic),
         ]
     )
 

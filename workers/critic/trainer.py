@@ -14,16 +14,27 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from ..actor import data_parallel
 from ..actor.trainer import RESPONSE_KEYS, PolicyTrainer, _chunks
 from .losses import clipped_value_loss
 from .model import ValueModel, response_values, sequence_scores
 
+_METRICS = ("vf_loss", "vf_clip_frac", "value_mean")
+
 
 class ValueTrainer(PolicyTrainer):
     """AdamW on a value model (``lr``, ``betas``, ``weight_decay``, ``grad_clip`` as in
-    :class:`PolicyTrainer`)."""
+    :class:`PolicyTrainer`).
+
+    ``values_fn`` computes ``[B, R]`` values (:func:`response_values`; the Megatron critic's
+    :func:`~.megatron_engine.megatron_values`). With ``dp_size > 1`` (the Megatron critic) this
+    rank trains on the ``dp_rank``-th contiguous slice of every mini-batch and gradients and
+    metric sums are summed over ``dp_group`` before each step.
+    """
 
     model: ValueModel
+    values_fn = staticmethod(response_values)
+    dp_rank, dp_size = 0, 1
 
     def _inputs(self, batch: Mapping[str, torch.Tensor], idx: torch.Tensor) -> list:
         return [batch[k][idx].to(self.device) for k in RESPONSE_KEYS]
@@ -34,7 +45,7 @@ class ValueTrainer(PolicyTrainer):
         self.model.eval()
         idx_all = torch.arange(len(batch["response_ids"]))
         out = [
-            response_values(self.model, *self._inputs(batch, i)).cpu()
+            self.values_fn(self.model, *self._inputs(batch, i)).cpu()
             for i in _chunks(idx_all, micro_batch_size)
         ]
         return torch.cat(out)
@@ -73,11 +84,14 @@ class ValueTrainer(PolicyTrainer):
         for _ in range(epochs):
             order = torch.randperm(n, generator=generator) if epochs > 1 else torch.arange(n)
             for mini in _chunks(order, mini_batch_size):
+                # Token mean over the whole mini-batch (all DP slices), whatever the split.
                 num_tokens = float(batch["response_mask"][mini].sum().clamp(min=1))
-                for micro in _chunks(mini, micro_batch_size):
+                mine = torch.tensor_split(mini, self.dp_size)[self.dp_rank]
+                part: dict[str, float] = defaultdict(float)
+                for micro in _chunks(mine, micro_batch_size) if len(mine) else []:
                     inputs = self._inputs(batch, micro)
                     loss, m = clipped_value_loss(
-                        response_values(self.model, *inputs),
+                        self.values_fn(self.model, *inputs),
                         batch["old_values"][micro].to(self.device),
                         batch["returns"][micro].to(self.device),
                         inputs[3],
@@ -87,7 +101,12 @@ class ValueTrainer(PolicyTrainer):
                     loss.backward()
                     share = float(inputs[3].sum()) / num_tokens
                     for k, v in m.items():
-                        sums[k] += v * share
+                        part[k] += v * share
+                if self.dp_size > 1:  # every DP rank: the sums and gradients of all slices
+                    part = data_parallel.all_reduce_sums(part, _METRICS, self.dp_group)
+                    data_parallel.all_reduce_grads(self.model, self.dp_group)
+                for k, v in part.items():
+                    sums[k] += v
                 sums["grad_norm"] += self._step()
                 steps += 1
         out = {k: v / max(steps, 1) for k, v in sums.items()}

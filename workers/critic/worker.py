@@ -12,12 +12,14 @@ import torch
 
 from m2flow import Channel, Worker
 
+from ..actor import data_parallel as dp
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
 from ..llm import build_char_tokenizer
 from ..llm.placement import torch_device
 from .data import chunk_key, token_rewards
 from .losses import explained_variance, gae
+from .megatron_engine import lm_to_critic
 from .model import ValueModel
 from .trainer import ValueTrainer
 
@@ -25,8 +27,13 @@ from .trainer import ValueTrainer
 class CriticWorker(Worker):
     """Value head on a tiny Qwen2, initialised from the (warm-started) policy.
 
-    One rank (``data_parallel = False``): training needs a gradient all-reduce across ranks,
-    which the runtime does not have yet; given several devices it uses them as one.
+    Torch engine: one rank (``data_parallel = False``); given several devices it uses them as
+    one. ``engine="megatron"`` (:mod:`.megatron_engine`): one rank per device, the ranks forming
+    Megatron's tensor- and data-parallel groups (DP = ranks / TP); each rank reads its share of
+    the step's chunks, the ranks exchange them (mailboxes), every rank computes the
+    values of all of them (TP peers forward together) and passes its own chunks on, then the
+    value update runs on the whole batch, split over the DP ranks. Weights and checkpoints stay
+    in the torch critic's layout (gathered to rank 0), so either engine resumes the other's.
 
     Args:
         model: :class:`~m2flow.workers.llm.ModelConfig` fields (the policy's shape).
@@ -38,13 +45,46 @@ class CriticWorker(Worker):
         epochs: passes over each batch; mini_batch_size, micro_batch_size: responses per
             optimizer step / per forward (0: the whole batch / mini-batch).
         threads: torch threads (0: the CPUs of the rank's devices); seed: init and shuffling.
-        engine: ``"torch"`` only.
+        engine: ``"torch"`` or ``"megatron"`` (needs the ``megatron`` extra).
+        tensor_parallel: Megatron TP size (divides the ranks and the model's heads).
+        dist: the process group's rendezvous ``{"addr", "port"}`` (set by :meth:`launch`).
 
     Raises:
-        ValueError: another ``engine`` (there is no Megatron value head yet).
+        ValueError: an unknown ``engine``, a ``tensor_parallel`` without Megatron, or a
+            Megatron setting it cannot run (:func:`.megatron_engine.check_config`).
     """
 
-    data_parallel = False
+    data_parallel = False  # torch: one rank over all its devices
+
+    @classmethod
+    def launch(cls, cluster, placement=None, **kwargs):
+        """:meth:`Worker.launch`; with ``engine="megatron"`` one rank per device of the
+        placement (default: where the plan puts the group) and their process group's
+        rendezvous. Refuses a bad engine setting before any process starts."""
+        from m2flow.group import normalize_placement
+
+        if kwargs.get("engine", "torch") == "megatron":
+            if placement is None:
+                placement = cluster.devices_for(kwargs.get("name") or cls.__name__)
+            ranks = [[d] for r in normalize_placement(placement, cluster) for d in r]
+            cls._check(len(ranks), kwargs)
+            kwargs["dist"] = dp.rendezvous(cluster, ranks)
+            placement = ranks
+        else:
+            cls._check(1, kwargs)
+        return super().launch(cluster, placement, **kwargs)
+
+    @staticmethod
+    def _check(world_size: int, kwargs: dict) -> None:
+        engine = kwargs.get("engine", "torch")
+        if engine not in ("torch", "megatron"):
+            raise ValueError(f"critic.engine={engine!r}: pick torch or megatron")
+        if engine == "megatron":
+            from .megatron_engine import check_config
+
+            return check_config(world_size, kwargs)
+        if kwargs.get("tensor_parallel", 1) != 1:
+            raise ValueError("critic.tensor_parallel needs critic.engine=megatron")
 
     def __init__(
         self,
@@ -64,30 +104,93 @@ class CriticWorker(Worker):
         threads: int = 0,
         seed: int = 0,
         engine: str = "torch",
+        tensor_parallel: int = 1,
+        dist: dict | None = None,
     ) -> None:
-        if engine != "torch":
-            raise ValueError(
-                f"critic.engine={engine!r}: the critic runs on the torch engine only (no "
-                "Megatron value head yet, docs/megatron.md): set critic.engine=torch"
-            )
+        kw = {"engine": engine, "tensor_parallel": tensor_parallel, "model": model}
+        self._check(self.world_size, kw)
+        if engine == "megatron" and dist is None:
+            raise ValueError("critic.engine=megatron needs the rendezvous: start with launch()")
         torch.set_num_threads(threads or self.num_threads)
         self.tokenizer = build_char_tokenizer(alphabet)
         device = torch_device(self.devices)
-        self.trainer = ValueTrainer(
-            ValueModel(model, self.tokenizer, seed=seed).to(device),
-            lr=lr,
-            betas=tuple(betas),
-            weight_decay=weight_decay,
-            grad_clip=grad_clip,
-        )
+        value_model = ValueModel(model, self.tokenizer, seed=seed)
+        optim = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, grad_clip=grad_clip)
+        self.megatron = None
+        if engine == "megatron":
+            from .megatron_engine import MegatronCritic
+
+            self.megatron = MegatronCritic(
+                value_model.backbone.config,
+                value_model.state_dict(),
+                [n for n, _ in value_model.named_parameters()],
+                self.rank,
+                self.world_size,
+                dist,
+                device,
+                tensor_parallel,
+                optim,
+            )
+            self.trainer = self.megatron.trainer
+        else:
+            self.trainer = ValueTrainer(value_model.to(device), **optim)
         self.value_clip, self.gamma, self.lam, self.kl_coef = value_clip, gamma, lam, kl_coef
         self.epochs = epochs
         self.mini, self.micro = mini_batch_size or None, micro_batch_size or None
         self.generator = torch.Generator().manual_seed(seed)
 
     def load_weights(self, weights: dict, version: int) -> None:
-        """Start from the policy's transformer (``m2flow.sync_weights(actor, critic)``)."""
-        self.trainer.model.load_backbone(weights)
+        """Start from the policy's transformer (``m2flow.sync_weights(actor, critic)``; every
+        rank gets the whole policy; a Megatron rank keeps its shard)."""
+        if self.megatron is not None:
+            self.megatron.load(lm_to_critic(weights), head=False)
+        else:
+            self.trainer.model.load_backbone(weights)
+
+    def _advantages(self, chunk: dict, score: torch.Tensor, ref: torch.Tensor) -> dict:
+        """Values, KL-shaped rewards and GAE of one rollout chunk, added to its batch."""
+        batch = chunk["batch"]
+        values = self.trainer.values(batch, self.micro)
+        rewards, dones, kl = token_rewards(
+            score, batch["logprobs"], ref, batch["response_mask"], self.kl_coef
+        )
+        adv, ret = gae(rewards, values, dones, torch.zeros(len(batch)), self.gamma, self.lam)
+        mask = batch["response_mask"]
+        batch["advantages"], batch["returns"] = adv * mask, ret * mask
+        batch["old_values"], batch["kl"], batch["scores"] = values, kl, score.float()
+        return batch
+
+    def _read_megatron(self, rollouts: Channel, scores: Channel, refs: Channel, out: Channel):
+        """Megatron: every rank reads its share of the chunks (with their scores and reference
+        logprobs) to the end of step, then the ranks exchange them through their mailboxes
+        (``send``/``recv``; a ``recv`` yields the device while it waits). Not a
+        ``torch.distributed`` collective: a rank blocked in one holds its device, and a peer may
+        still wait for a score whose producer needs that device (a hang found in 1 of 3 runs
+        with the reward on the critic's rank-0 device). After the exchange every producer is
+        done, so the TP forwards may block. Every rank computes all values (in key order);
+        each puts its own chunks into ``out``."""
+        mine = []
+        for (chunk,) in rollouts.stream():
+            key = chunk_key(chunk["batch"])
+            mine.append((chunk, scores.get(key=key)["scores"], refs.get(key=key)["ref_logprobs"]))
+        own = {chunk_key(c["batch"]) for c, _, _ in mine}
+        batches = []
+        for chunk, score, ref in sorted(
+            self._exchange(mine), key=lambda t: chunk_key(t[0]["batch"])
+        ):
+            batches.append(self._advantages(chunk, score, ref))
+            if chunk_key(chunk["batch"]) in own:
+                out.put(chunk, weight=num_tokens(chunk["batch"]))
+        return batches
+
+    def _exchange(self, mine: list) -> list:
+        """Every rank's ``mine``, on every rank (rank order), through the mailboxes."""
+        for r in range(self.world_size):
+            if r != self.rank:
+                self.send(mine, self.group_name, r)
+        parts = [mine if r == self.rank else self.recv(self.group_name, r)
+                 for r in range(self.world_size)]  # fmt: skip
+        return [item for part in parts for item in part]
 
     def step(self, rollouts: Channel, scores: Channel, refs: Channel, out: Channel) -> dict:
         """Advantages for the step's rollout chunks (until the rollout's end of step), then one
@@ -104,21 +207,17 @@ class CriticWorker(Worker):
             ``vf_clip_frac``, ``value_mean``, ``grad_norm``), ``update_norm`` (L2 norm of the
             weight change).
         """
-        batches = []
-        for (chunk,) in rollouts.stream():
-            batch, key = chunk["batch"], chunk_key(chunk["batch"])
-            score = scores.get(key=key)["scores"]
-            ref = refs.get(key=key)["ref_logprobs"]
-            values = self.trainer.values(batch, self.micro)
-            rewards, dones, kl = token_rewards(
-                score, batch["logprobs"], ref, batch["response_mask"], self.kl_coef
-            )
-            adv, ret = gae(rewards, values, dones, torch.zeros(len(batch)), self.gamma, self.lam)
-            mask = batch["response_mask"]
-            batch["advantages"], batch["returns"] = adv * mask, ret * mask
-            batch["old_values"], batch["kl"], batch["scores"] = values, kl, score.float()
-            out.put(chunk, weight=num_tokens(batch))
-            batches.append(batch)
+        if self.megatron is not None:
+            batches = self._read_megatron(rollouts, scores, refs, out)
+        else:
+            batches = []
+            for (chunk,) in rollouts.stream():
+                key = chunk_key(chunk["batch"])
+                score = scores.get(key=key)["scores"]
+                ref = refs.get(key=key)["ref_logprobs"]
+                batch = self._advantages(chunk, score, ref)
+                out.put(chunk, weight=num_tokens(batch))
+                batches.append(batch)
         batches.sort(key=chunk_key)
         data = concat(batches, self.tokenizer.pad_token_id)
         mask = data["response_mask"]
@@ -133,30 +232,41 @@ class CriticWorker(Worker):
         stats |= self.trainer.train_values(
             data, self.value_clip, self.mini, self.micro, self.epochs, self.generator
         )
-        stats["update_norm"] = _change(before, self.trainer.model.parameters())
+        if self.megatron is not None:
+            stats["update_norm"] = self.megatron.change_norm(before)
+        else:
+            stats["update_norm"] = _change(before, self.trainer.model.parameters())
         return stats
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The value model's weights, on CPU (copies)."""
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The value model's weights, on CPU (copies), in the torch critic's layout. Megatron:
+        gathered on rank 0 (a collective of the group; the other ranks return ``None``)."""
+        if self.megatron is not None:
+            return self.megatron.gather()
         return {k: v.detach().cpu().clone() for k, v in self.trainer.model.state_dict().items()}
 
     def save_checkpoint(self, path: str) -> str:
-        """Value model, optimizer state and the shuffling RNG under ``path``."""
-        return save_state(
-            path,
-            self.rank,
-            {
-                "model": self.trainer.model.state_dict(),
-                "optimizer": self.trainer.optimizer.state_dict(),
-                "generator": self.generator.get_state(),
-            },
-        )
+        """Value model, optimizer state and the shuffling RNG under ``path`` (rank 0's file;
+        Megatron: weights and AdamW moments gathered into the torch critic's format)."""
+        if self.megatron is not None:
+            model, optimizer = self.megatron.gather(), self.megatron.gather_optimizer()
+            if self.rank != 0:
+                return str(path)
+        else:
+            model, optimizer = self.trainer.model.state_dict(), self.trainer.optimizer.state_dict()
+        state = {"model": model, "optimizer": optimizer, "generator": self.generator.get_state()}
+        return save_state(path, 0, state)
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote."""
-        state = load_state(path, self.rank)
-        self.trainer.model.load_state_dict(state["model"])
-        self.trainer.optimizer.load_state_dict(state["optimizer"])
+        """Restore what :meth:`save_checkpoint` wrote, by either engine in any layout (every
+        rank reads rank 0's file)."""
+        state = load_state(path, 0)
+        if self.megatron is not None:
+            self.megatron.load(state["model"])
+            self.megatron.load_optimizer(state["optimizer"])
+        else:
+            self.trainer.model.load_state_dict(state["model"])
+            self.trainer.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
 
     def offload(self) -> None:

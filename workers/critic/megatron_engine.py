@@ -1,0 +1,349 @@
+"""The PPO critic on Megatron-core (``critic.engine=megatron``): a ``GPTModel`` trunk and a
+scalar value head, tensor and data parallel over the critic's ranks (one per device).
+
+The model is the actor's (:func:`~..actor.megatron.model.build_gpt_model`, same Qwen2 shape,
+untied) whose ``output_layer`` is replaced by :class:`ValueHead`, a replicated
+``Linear(H, 1)`` (how veRL's Megatron critic does it: ``LinearForLastLayer``): Megatron's
+``GPTModel`` then runs its own final norm and hands the head ``[S, B, H]`` hidden states, which
+are whole on every TP rank (no sequence parallel), so the head's values and gradients are the
+same on every TP rank; like the norms it counts once in the gradient norm. No vocabulary
+output layer is kept.
+
+Training (:class:`MegatronValueTrainer`) is the torch critic's
+:meth:`~.trainer.ValueTrainer.train_values` (clipped value loss, mini-batches, epochs), with DP
+rank ``d`` taking the ``d``-th contiguous slice of every mini-batch, gradients and metric sums
+summed over Megatron's DP group, and the optimizer step of the Megatron actor
+(:meth:`~..actor.megatron.engine.MegatronPolicyTrainer._step`: plain ``torch.optim.AdamW`` on
+the shards, clipping by the global gradient norm).
+
+Checkpoints are in the torch critic's format (``ValueModel`` state dict names, a
+``torch.optim.AdamW`` state dict over ``ValueModel.parameters()``): the AdamW moments have the
+shapes of their parameters, so they are gathered and split like the weights
+(:func:`optimizer_to_torch`, :func:`optimizer_from_torch`). A critic saved by either engine, in
+any TP/DP layout, resumes in the other with its moments.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..actor import data_parallel as dp
+from ..actor.megatron.engine import _QUIET, MegatronPolicyTrainer
+from .trainer import ValueTrainer
+
+_HEAD = ("output_layer.weight", "output_layer.bias")
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def check_config(world_size: int, kwargs: dict) -> None:
+    """Refuse a Megatron critic configuration before any process starts.
+
+    Args:
+        world_size: the critic's ranks (one per device).
+        kwargs: the :class:`~.worker.CriticWorker` arguments (``tensor_parallel``, ``model``).
+
+    Raises:
+        ValueError: megatron-core missing, or a TP size that does not divide the ranks or the
+            model's heads; the message names the fix.
+    """
+    from ..llm import ModelConfig
+
+    if importlib.util.find_spec("megatron") is None or (
+        importlib.util.find_spec("megatron.core") is None
+    ):
+        raise ValueError(
+            "critic.engine=megatron needs megatron-core: pip install -c constraints.txt "
+            "-e '.[megatron]' (or set critic.engine=torch)"
+        )
+    tp = int(kwargs.get("tensor_parallel", 1))
+    if tp < 1 or world_size % tp:
+        raise ValueError(
+            f"critic.tensor_parallel={tp} must divide the critic's {world_size} ranks (one per "
+            "device): change critic.tensor_parallel or the devices the plan gives the critic"
+        )
+    model = ModelConfig(**kwargs.get("model", {}))
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(model, name) % tp:
+            raise ValueError(
+                f"model.{name}={getattr(model, name)} is not divisible by "
+                f"critic.tensor_parallel={tp}: pick a tensor_parallel that divides it"
+            )
+
+
+class ValueHead(nn.Linear):
+    """``Linear(hidden, 1)`` called the way ``GPTModel`` calls its ``output_layer``
+    (``(hidden [S, B, H], weight=None, runtime_gather_output=None) -> (out [S, B, 1], None)``).
+    Replicated on every TP rank (no ``tensor_model_parallel`` attribute)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__(hidden_size, 1)
+        self.sequence_parallel = False  # GPTModel reads it in inference mode
+        nn.init.zeros_(self.weight)  # V = 0 before the first load, as the torch critic
+        nn.init.zeros_(self.bias)
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return super().forward(hidden), None
+
+
+def build_value_model(hf_config):
+    """This rank's Megatron value model (after :func:`~..actor.megatron.model.init_parallel`,
+    PP = 1): the Qwen2 trunk of :func:`~..actor.megatron.model.build_gpt_model` (untied: the
+    embedding is not shared with anything) and a :class:`ValueHead` as ``output_layer``.
+    ``model(tokens, position_ids, attention_mask=...)`` returns ``[B, S, 1]``."""
+    from ..actor.megatron.model import build_gpt_model
+
+    untied = copy.deepcopy(hf_config)
+    untied.tie_word_embeddings = False
+    model = build_gpt_model(untied)
+    model.output_layer = ValueHead(hf_config.hidden_size)
+    return model
+
+
+def megatron_values(model, prompt_ids, prompt_mask, response_ids, response_mask):
+    """:func:`~.model.response_values` for a Megatron value model: ``[B, R]`` values of the
+    state before each response token, 0 where masked. Rows are rotated left by their prompt
+    padding as for the actor's logprobs (:func:`~..actor.megatron.model.rolled_inputs`)."""
+    from ..actor.megatron.model import rolled_inputs
+
+    tokens, position_ids, causal, back = rolled_inputs(prompt_ids, prompt_mask, response_ids)
+    out = model(tokens, position_ids, attention_mask=causal).squeeze(-1).float()  # [B, S]
+    out = out.gather(1, back)
+    p = prompt_ids.shape[1]
+    return out[:, p - 1 : -1] * response_mask
+
+
+# -- checkpoint layout ---------------------------------------------------------------------
+
+
+def critic_to_megatron(
+    state: dict[str, torch.Tensor], shape, tp_rank: int = 0, tp_size: int = 1
+) -> dict[str, torch.Tensor]:
+    """TP rank ``tp_rank``'s Megatron state from a torch critic's (``ValueModel``) state dict
+    (``backbone.*`` = Qwen2Model, ``head.{weight,bias}``). Without ``head.*`` keys (a policy's
+    transformer, see :func:`lm_to_critic`) no ``output_layer`` entries are made."""
+    from ..actor.megatron.convert import hf_to_megatron
+
+    lm = {"model." + k[9:]: v for k, v in state.items() if k.startswith("backbone.")}
+    out = hf_to_megatron(lm, shape, tp_rank=tp_rank, tp_size=tp_size, post_process=False)
+    out["decoder.final_layernorm.weight"] = lm["model.norm.weight"].clone()
+    if "head.weight" in state:
+        out["output_layer.weight"] = state["head.weight"].clone()
+        out["output_layer.bias"] = state["head.bias"].clone()
+    return out
+
+
+def megatron_to_critic(shards: list[dict[str, torch.Tensor]], shape) -> dict[str, torch.Tensor]:
+    """The torch critic's state dict from the TP shards (``shards[r]``: rank ``r``'s)."""
+    from ..actor.megatron.convert import megatron_to_hf
+
+    trunk = [{k: v for k, v in s.items() if k not in _HEAD} for s in shards]
+    # "tied": megatron_to_hf then wants no output_layer; its lm_head copy is dropped.
+    hf = megatron_to_hf(trunk, dataclasses.replace(shape, tie_word_embeddings=True))
+    out = {"backbone." + k[6:]: v for k, v in hf.items() if k.startswith("model.")}
+    out["head.weight"] = shards[0]["output_layer.weight"].clone()
+    out["head.bias"] = shards[0]["output_layer.bias"].clone()
+    return out
+
+
+def lm_to_critic(lm_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A causal LM's ``model.*`` weights under the critic's ``backbone.*`` names (LM head and
+    anything else dropped)."""
+    return {"backbone." + k[6:]: v for k, v in lm_state.items() if k.startswith("model.")}
+
+
+def optimizer_to_torch(shards: list[dict], param_groups: list[dict], names: list[str], shape):
+    """A ``torch.optim.AdamW`` state dict over the torch critic's parameters (``names``, in
+    ``ValueModel.parameters()`` order) from the TP ranks' AdamW states, each
+    ``{megatron name: {"step", "exp_avg", "exp_avg_sq"}}`` (``{}`` before the first step).
+    ``param_groups``: the Megatron optimizer's (hyper-parameters; ``params`` renumbered)."""
+    groups = [dict(g, params=list(range(len(names)))) for g in param_groups]
+    if not shards[0]:
+        return {"state": {}, "param_groups": groups}
+    step = next(iter(shards[0].values()))["step"]
+    moments = {
+        m: megatron_to_critic([{k: st[m] for k, st in s.items()} for s in shards], shape)
+        for m in _MOMENTS
+    }
+    state = {
+        i: {"step": step.clone(), **{m: moments[m][n] for m in _MOMENTS}}
+        for i, n in enumerate(names)
+    }
+    return {"state": state, "param_groups": groups}
+
+
+def optimizer_from_torch(torch_state: dict, names: list[str], shape, tp_rank: int, tp: int):
+    """This TP rank's ``{megatron name: {"step", "exp_avg", "exp_avg_sq"}}`` from a torch
+    critic's AdamW state dict (inverse of :func:`optimizer_to_torch`)."""
+    st = torch_state["state"]
+    if not st:
+        return {}
+    by_name = {names[i]: s for i, s in st.items()}
+    step = next(iter(st.values()))["step"]
+    moments = {
+        m: critic_to_megatron({n: s[m] for n, s in by_name.items()}, shape, tp_rank, tp)
+        for m in _MOMENTS
+    }
+    return {
+        k: {"step": step.clone(), **{m: moments[m][k] for m in _MOMENTS}}
+        for k in moments[_MOMENTS[0]]
+    }
+
+
+# -- training ------------------------------------------------------------------------------
+
+
+class MegatronValueTrainer(ValueTrainer, MegatronPolicyTrainer):
+    """:class:`~.trainer.ValueTrainer` on this rank's Megatron shard: the torch critic's value
+    loss, mini-batches and epochs; values from :func:`megatron_values`; DP slices and sums over
+    Megatron's DP group; :class:`~..actor.megatron.engine.MegatronPolicyTrainer`'s ``_step``
+    (AdamW on the shards, global gradient-norm clip). Reward-model fitting is not supported."""
+
+    def __init__(self, model, **kwargs):
+        from megatron.core import parallel_state as ps
+
+        MegatronPolicyTrainer.__init__(self, model, **kwargs)
+        self.values_fn = megatron_values
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+
+    def fit_step(self, *args, **kwargs):
+        raise NotImplementedError("the reward model runs on the torch engine")
+
+
+class MegatronCritic:
+    """This rank's part of a Megatron critic: process groups, model shard, trainer, weights in
+    the torch critic's layout.
+
+    Args:
+        hf_config: the Hugging Face ``Qwen2Config`` of the critic's trunk (the policy's shape).
+        torch_state: the torch critic's initial state dict (``ValueModel(..., seed)``: every
+            rank builds the same one, so no collective is needed).
+        names: ``ValueModel.parameters()`` names, in order (its optimizer's indices).
+        rank, world_size, rendezvous, device: as :class:`~..actor.megatron.engine.MegatronEngine`.
+        tensor_parallel: TP size (divides ``world_size``; DP = world / TP).
+        trainer: :class:`MegatronValueTrainer` arguments (``lr``, ``betas``, ...).
+
+    Raises:
+        RuntimeError: the rendezvous failed.
+    """
+
+    def __init__(
+        self,
+        hf_config,
+        torch_state: dict[str, torch.Tensor],
+        names: list[str],
+        rank: int,
+        world_size: int,
+        rendezvous: dict | None,
+        device: torch.device,
+        tensor_parallel: int,
+        trainer: dict,
+    ) -> None:
+        warnings.filterwarnings("ignore", message=_QUIET)
+        from megatron.core import parallel_state as ps
+
+        from ..actor.megatron.model import init_parallel
+
+        if not dist.is_initialized():
+            dp.init(rank, world_size, rendezvous["addr"], rendezvous["port"], device)
+        init_parallel(tp=tensor_parallel, pp=1)
+        self.rank, self.names = rank, names
+        self.tp, self.dp = tensor_parallel, world_size // tensor_parallel
+        self.tp_rank, self.dp_rank = (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_data_parallel_rank(),
+        )
+        self.mp_group = ps.get_model_parallel_group()
+        self.model = build_value_model(hf_config).to(device)
+        self.shape = self.model.m2flow_shape
+        self.trainer = MegatronValueTrainer(self.model, **trainer)
+        self.load(torch_state)
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def load(self, state: dict[str, torch.Tensor], head: bool = True) -> None:
+        """Load this rank's shard of a torch critic state dict (every rank holds ``state``;
+        no collective). ``head=False``: the trunk only (``backbone.*``), the head kept.
+
+        Raises:
+            KeyError: the state does not fit the model.
+        """
+        shard = critic_to_megatron(state, self.shape, self.tp_rank, self.tp)
+        missing, unexpected = self.model.load_state_dict(shard, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if not head:
+            missing = [k for k in missing if k not in _HEAD]
+        if missing or unexpected:
+            raise KeyError(f"critic state mismatch: missing {missing}, unexpected {unexpected}")
+
+    def _gather_tp(self, mine):
+        """``[mine of TP rank 0, 1, ...]`` of DP replica 0 on rank 0, ``None`` elsewhere."""
+        every: list = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object((self.tp_rank, mine) if self.dp_rank == 0 else None, every, dst=0)
+        if self.rank != 0:
+            return None
+        got = dict(s for s in every if s is not None)
+        return [got[r] for r in range(self.tp)]
+
+    def gather(self) -> dict[str, torch.Tensor] | None:
+        """The torch critic's state dict on rank 0 (TP shards of DP replica 0 gathered),
+        ``None`` on the other ranks. A collective of the critic's ranks."""
+        from ..actor.megatron.convert import megatron_state
+
+        shards = self._gather_tp({k: v.cpu() for k, v in megatron_state(self.model).items()})
+        return None if shards is None else megatron_to_critic(shards, self.shape)
+
+    def gather_optimizer(self) -> dict | None:
+        """The AdamW state in the torch critic's format on rank 0 (:func:`optimizer_to_torch`),
+        ``None`` elsewhere. A collective."""
+        opt = self.trainer.optimizer
+        names = {p: n for n, p in self.model.named_parameters()}
+        mine = {
+            names[p]: {k: v.detach().cpu().clone() for k, v in st.items()}
+            for p, st in opt.state.items()
+            if st
+        }
+        shards = self._gather_tp(mine)
+        if shards is None:
+            return None
+        groups = opt.state_dict()["param_groups"]
+        return optimizer_to_torch(shards, groups, self.names, self.shape)
+
+    def load_optimizer(self, torch_state: dict) -> None:
+        """This rank's shard of a torch critic's AdamW state dict (no collective)."""
+        opt = self.trainer.optimizer
+        local = optimizer_from_torch(torch_state, self.names, self.shape, self.tp_rank, self.tp)
+        params = dict(self.model.named_parameters())
+        opt.state.clear()
+        for name, st in local.items():
+            opt.state[params[name]] = {k: v.to(params[name].device) if k != "step" else v
+                                       for k, v in st.items()}  # fmt: skip
+        for group, saved in zip(opt.param_groups, torch_state["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    @torch.no_grad()
+    def change_norm(self, before: list[torch.Tensor]) -> float:
+        """L2 norm of the whole model's weight change since ``before`` (this rank's parameters,
+        in order): TP-split parameters summed over the model-parallel group, replicated ones
+        counted once. A collective of one DP replica's ranks (every rank calls it)."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        sq = torch.zeros((), dtype=torch.float64)
+        for p, b in zip(self.model.parameters(), before):
+            if param_is_not_tensor_parallel_duplicate(p):
+                sq += (p.detach().double().cpu() - b.double().cpu()).pow(2).sum()
+        dist.all_reduce(sq, group=self.mp_group)
+        return float(sq.sqrt())
+
+    def shutdown(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        dp.shutdown()
