@@ -14,7 +14,7 @@ from m2flow import Channel, Worker
 
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
-from ..llm import build_char_tokenizer
+from ..llm import build_tokenizer
 from ..llm.placement import torch_device
 from .data import chunk_key, token_rewards
 from .losses import explained_variance, gae
@@ -30,7 +30,8 @@ class CriticWorker(Worker):
 
     Args:
         model: :class:`~m2flow.workers.llm.ModelConfig` fields (the policy's shape).
-        alphabet: the character tokenizer's alphabet.
+        tokenizer: the tokenizer spec, ``{"name": "char", "alphabet": str}`` or
+            ``{"name": "qwen2"}`` (:func:`~m2flow.workers.llm.build_tokenizer`).
         lr, betas, weight_decay, grad_clip: AdamW.
         value_clip: PPO value clip around the old values (0: none).
         gamma, lam: GAE discount and lambda (per token).
@@ -49,7 +50,7 @@ class CriticWorker(Worker):
     def __init__(
         self,
         model: dict,
-        alphabet: str,
+        tokenizer: dict,
         lr: float = 1e-4,
         betas: tuple = (0.9, 0.99),
         weight_decay: float = 0.0,
@@ -71,7 +72,7 @@ class CriticWorker(Worker):
                 "Megatron value head yet, docs/megatron.md): set critic.engine=torch"
             )
         torch.set_num_threads(threads or self.num_threads)
-        self.tokenizer = build_char_tokenizer(alphabet)
+        self.tokenizer = build_tokenizer(tokenizer)
         device = torch_device(self.devices)
         self.trainer = ValueTrainer(
             ValueModel(model, self.tokenizer, seed=seed).to(device),
