@@ -85,6 +85,32 @@ def summary(values: list[float]) -> dict:
     return {"median": med, "spread": (max(values) - min(values)) / med if med else 0.0}
 
 
+def write_result(args, steps: dict[str, list[dict]], samples: int, load: list[float]) -> dict:
+    """The results so far (medians and spreads of the counted steps) into ``args.out``."""
+    result = {
+        "task": args.task,
+        "preset": str(PRESET.relative_to(ROOT)),
+        "samples_per_step": samples,
+        "repeats": args.repeats,
+        "steps_per_run": args.steps,
+        "load_average_1min": load,
+        "cpus": os.cpu_count(),
+        "devices": args.devices,
+        "pairs": {
+            pair: {
+                "overrides": PAIRS[pair],
+                "rollout_tokens_per_s": summary([s["rollout_tokens_per_s"] for s in rows]),
+                "actor_tokens_per_s": summary([s["actor_tokens_per_s"] for s in rows]),
+                "steps": rows,
+            }
+            for pair, rows in steps.items()
+            if rows
+        },
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=2, help="runs per pair, interleaved")
@@ -106,6 +132,7 @@ def main() -> None:
     samples = 4 * 4  # the preset's trainer.prompts_per_step x rollout.n_samples
     load = [os.getloadavg()[0]]
     steps: dict[str, list[dict]] = {k: [] for k in pairs}
+    result: dict = {}
     with tempfile.TemporaryDirectory(prefix="m2flow-engines-") as tmp:
         for rep in range(args.repeats):
             for pair in pairs if rep % 2 == 0 else reversed(pairs):
@@ -113,26 +140,7 @@ def main() -> None:
                 records = run_once(pair, python, args, Path(tmp) / f"{pair}-{rep}")
                 steps[pair] += [rates(r, samples) | {"repeat": rep} for r in records[1:]]
                 load.append(os.getloadavg()[0])
-    result = {
-        "task": args.task,
-        "preset": str(PRESET.relative_to(ROOT)),
-        "samples_per_step": samples,
-        "repeats": args.repeats,
-        "steps_per_run": args.steps,
-        "load_average_1min": load,
-        "cpus": os.cpu_count(),
-        "devices": args.devices,
-        "pairs": {
-            pair: {
-                "overrides": PAIRS[pair],
-                "rollout_tokens_per_s": summary([s["rollout_tokens_per_s"] for s in rows]),
-                "actor_tokens_per_s": summary([s["actor_tokens_per_s"] for s in rows]),
-                "steps": rows,
-            }
-            for pair, rows in steps.items()
-        },
-    }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+                result = write_result(args, steps, samples, load)  # after every run
     print(f"\n{'pair':<15} {'rollout tok/s':>22} {'actor tok/s':>22}  (median, spread; n)")
     for pair, r in result["pairs"].items():
         ro, ac = r["rollout_tokens_per_s"], r["actor_tokens_per_s"]
