@@ -49,6 +49,7 @@ MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 2, "num_key_value_heads": 1,
          "max_position_embeddings": 256}  # fmt: skip
 ALPHABET = "0123456789+-="
+TOKENIZER = {"name": "char", "alphabet": ALPHABET}  # the character tokenizer's spec
 SAMPLES = 4
 
 
@@ -78,9 +79,9 @@ def main() -> None:
             "block_tokens": 4, "max_batch": 256, "batch_rows": 32, "theta": 1000,
             "micro_batch_prompts": a.prompts, "min_new_tokens": a.tokens}  # fmt: skip
     try:
-        actor = ActorWorker.launch(cluster, [0], name="actor", model=MODEL, alphabet=ALPHABET)
+        actor = ActorWorker.launch(cluster, [0], name="actor", model=MODEL, tokenizer=TOKENIZER)
         rollout = RolloutWorker.launch(
-            cluster, [0], name="rollout", model=MODEL, alphabet=ALPHABET, n_samples=SAMPLES,
+            cluster, [0], name="rollout", model=MODEL, tokenizer=TOKENIZER, n_samples=SAMPLES,
             max_new_tokens=a.tokens, temperature=1.0, threads=1, spot=spot,
         )  # fmt: skip
         sync_weights(actor, rollout)

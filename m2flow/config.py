@@ -2,7 +2,8 @@
 
 A workflow declares its configuration as (nested) dataclasses; the user overrides any field
 with ``section.key=value`` (OmegaConf dotlist syntax) and optionally a YAML file. Unknown keys
-and values of the wrong type are a :class:`ConfigError` naming the key and what is allowed;
+and values of the wrong type are a :class:`ConfigError` naming the key and what is allowed
+(fields typed as plain dicts, such as ``task.config``, take any key);
 the CLI turns it into exit code 2.
 """
 
@@ -37,6 +38,7 @@ def load_config(
         raise TypeError(f"config schema must be a dataclass, got {type(schema).__name__}")
     cfg = OmegaConf.structured(schema)
     OmegaConf.set_struct(cfg, True)
+    _free_form_dicts(cfg)
     for f in files or []:
         path = Path(f)
         if not path.is_file():
@@ -56,6 +58,18 @@ def load_config(
         raise ConfigError(_explain(e)) from None
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _free_form_dicts(node: DictConfig) -> None:
+    """Fields typed as plain dicts (``task.config``: a generator's keyword arguments) take any
+    key; dataclass sections stay strict (a typo there is still an error)."""
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            if child._metadata.object_type in (dict, None):
+                OmegaConf.set_struct(child, False)
+            else:
+                _free_form_dicts(child)
 
 
 def _explain(e: OmegaConfBaseException) -> str:

@@ -9,7 +9,7 @@ from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.batch import to_batch
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
 from m2flow.workers.rollout.generation import generate
-from test_workflow import ALPHABET, TINY_MODEL
+from test_workflow import ALPHABET, TINY_MODEL, TOKENIZER
 
 from m2flow import Channel, Worker
 
@@ -57,7 +57,7 @@ def _step(cluster, actor, chunks, name: str) -> list[dict]:
 
 def test_two_ranks_take_the_one_rank_step(cluster):
     chunks = _chunks()
-    kw = dict(model=TINY_MODEL, alphabet=ALPHABET, lr=1e-2, threads=1, seed=0)
+    kw = dict(model=TINY_MODEL, tokenizer=TOKENIZER, lr=1e-2, threads=1, seed=0)
     one = ActorWorker.launch(cluster, [0], name="actor_one", **kw)
     two = ActorWorker.launch(cluster, [0, 1], name="actor_dp", data_parallel=True, **kw)
     try:
@@ -86,7 +86,7 @@ def test_two_ranks_take_the_one_rank_step(cluster):
 
 def test_several_ranks_need_data_parallel_and_streaming(cluster):
     """Refused at launch, before any process starts."""
-    kw = dict(model=TINY_MODEL, alphabet=ALPHABET, threads=1)
+    kw = dict(model=TINY_MODEL, tokenizer=TOKENIZER, threads=1)
     with pytest.raises(ValueError, match="data_parallel=True"):
         ActorWorker.launch(cluster, [[0], [1]], name="actor_two", **kw)
     with pytest.raises(ValueError, match="mini_batch_size=0"):

@@ -236,6 +236,7 @@ TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 1,
         "max_position_embeddings": 64}  # fmt: skip
 ALPHABET = "0123456789+-="
+TOKENIZER = {"name": "char", "alphabet": ALPHABET}  # the character tokenizer's spec
 SAMPLES, MAX_NEW, SEED, SPOT_NODES = 8, 48, 7, 2
 EMU = {"model": "qwen3-8b", "time_scale": 2.0, "length_median": 20.0, "length_sigma": 1.0,
        "length_cap": 64, "prompt_tokens": 300}  # fmt: skip
@@ -254,10 +255,10 @@ def pool():
     local.add_spot(SPOT_NODES)
     cluster = Cluster(virtual_devices_per_node=1, offload="never", spot=local)
     try:
-        actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, alphabet=ALPHABET,
+        actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, tokenizer=TOKENIZER,
                                    threads=1)  # fmt: skip
         rollout = RolloutWorker.launch(
-            cluster, [0], name="rollout", model=TINY, alphabet=ALPHABET, n_samples=SAMPLES,
+            cluster, [0], name="rollout", model=TINY, tokenizer=TOKENIZER, n_samples=SAMPLES,
             max_new_tokens=MAX_NEW, temperature=1.0, threads=1, spot=SPOT, seed=SEED,
         )  # fmt: skip
         assert sync_weights(actor, rollout) == 0

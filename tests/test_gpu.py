@@ -60,7 +60,12 @@ def test_actor_offload_releases_gpu_memory(cluster):
             return before, during, torch.cuda.memory_allocated()
 
     group = MemActor.launch(
-        cluster, [0], name="mem_actor", model=TINY_MODEL, alphabet="0123456789+-=", threads=1
+        cluster,
+        [0],
+        name="mem_actor",
+        model=TINY_MODEL,
+        tokenizer={"name": "char", "alphabet": "0123456789+-="},
+        threads=1,
     )
     try:
         ((before, during, after),) = group.cycle().wait()

@@ -37,7 +37,7 @@ from m2flow.workers.actor.worker import ActorWorker  # noqa: E402
 from m2flow.workers.llm import build_char_tokenizer, build_model  # noqa: E402
 from megatron_probes import ProbedRollout, ShardedActor  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from test_workflow import ALPHABET, GRPO, ROOT, TINY_MODEL, TINY_RUN, _records  # noqa: E402
+from test_workflow import ALPHABET, GRPO, ROOT, TINY_MODEL, TINY_RUN, TOKENIZER, _records  # noqa: E402
 
 from m2flow.config import ConfigError  # noqa: E402
 from m2flow.placement import Placement  # noqa: E402
@@ -215,7 +215,7 @@ def test_workflow_pp2_dp2_kl_matches_torch_engine_and_restores(tmp_path, monkeyp
 
 def test_bad_megatron_settings_are_refused_at_launch(cluster):
     """Before any process starts, with the setting to change named."""
-    kw = dict(model=MODEL, alphabet=ALPHABET, threads=1, engine="megatron")
+    kw = dict(model=MODEL, tokenizer=TOKENIZER, threads=1, engine="megatron")
     cases = [
         (dict(tensor_parallel=2, pipeline_parallel=2), "x actor.pipeline_parallel=2 must divide"),
         (dict(tensor_parallel=4), "actor.tensor_parallel=4 x actor.pipeline_parallel=1 must"),
@@ -226,10 +226,10 @@ def test_bad_megatron_settings_are_refused_at_launch(cluster):
         with pytest.raises(ValueError, match=match):
             ActorWorker.launch(cluster, [0, 1], name="actor_bad", **{**kw, **extra})
     with pytest.raises(ValueError, match="actor.engine"):
-        ActorWorker.launch(cluster, [0], name="actor_bad", model=MODEL, alphabet=ALPHABET,
+        ActorWorker.launch(cluster, [0], name="actor_bad", model=MODEL, tokenizer=TOKENIZER,
                            engine="jax")  # fmt: skip
     with pytest.raises(ValueError, match="actor.tensor_parallel"):
-        ActorWorker.launch(cluster, [0], name="actor_bad", model=MODEL, alphabet=ALPHABET,
+        ActorWorker.launch(cluster, [0], name="actor_bad", model=MODEL, tokenizer=TOKENIZER,
                            tensor_parallel=2)  # fmt: skip
     assert not [g for g in cluster.groups if g.name == "actor_bad"]
 

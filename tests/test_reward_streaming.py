@@ -24,7 +24,7 @@ from m2flow.workers.rollout.generation import decode_responses
 from m2flow.workers.rollout.worker import RolloutWorker
 from m2flow.workers.tasks import TaskDataset
 from test_reward_service import TOKENS, _config
-from test_workflow import ALPHABET, TASK, TINY_MODEL
+from test_workflow import ALPHABET, TASK, TINY_MODEL, TOKENIZER
 
 from m2flow import Channel
 from m2flow.placement import Placement
@@ -90,11 +90,11 @@ def rig(cluster):
     cluster.placement = Placement(default_granularity=PER_CHUNK)  # read at every call
     try:
         rig.rollout = RolloutWorker.launch(
-            cluster, [0], name="s_rollout", model=TINY_MODEL, alphabet=ALPHABET,
+            cluster, [0], name="s_rollout", model=TINY_MODEL, tokenizer=TOKENIZER,
             n_samples=SAMPLES, max_new_tokens=4, temperature=1.0, threads=1,
         )  # fmt: skip
         rig.reward = RewardWorker.launch(
-            cluster, [1], name="s_reward", alphabet=ALPHABET, service=service
+            cluster, [1], name="s_reward", tokenizer=TOKENIZER, service=service
         )
         yield rig
         rig.rollout.shutdown()

@@ -33,6 +33,7 @@ TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 1,
         "max_position_embeddings": 64}  # fmt: skip
 ALPHABET = "0123456789+-="
+TOKENIZER = {"name": "char", "alphabet": ALPHABET}  # the character tokenizer's spec
 SAMPLES, MAX_NEW, ROWS = 4, 24, 16
 SPOT = {"enabled": True, "t_seed_init": 0.3, "block_tokens": 4, "micro_batch_prompts": 2,
         "theta": 4, "max_batch": 32, "batch_rows": ROWS, "n_prem_max": 2}  # fmt: skip
@@ -61,10 +62,10 @@ def pool():
     # spot plan of m2flow plan / plan=auto sets), as a plan does without the runner changing.
     cluster.placement = Placement(options={"rollout": {"spot": SPOT}})
     try:
-        actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, alphabet=ALPHABET,
+        actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, tokenizer=TOKENIZER,
                                    threads=1)  # fmt: skip
         rollout = RolloutWorker.launch(
-            cluster, [0], name="rollout", model=TINY, alphabet=ALPHABET, n_samples=SAMPLES,
+            cluster, [0], name="rollout", model=TINY, tokenizer=TOKENIZER, n_samples=SAMPLES,
             max_new_tokens=MAX_NEW, temperature=1.0, threads=1, spot={"enabled": False}, seed=7,
         )  # fmt: skip
         cluster.placement = None

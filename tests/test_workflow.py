@@ -40,6 +40,7 @@ TINY_MODEL = {
     "max_position_embeddings": 32,
 }
 ALPHABET = "0123456789+-="
+TOKENIZER = {"name": "char", "alphabet": ALPHABET}  # the character tokenizer's spec
 TASK = {
     "name": "chain_sum",
     "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
@@ -86,12 +87,12 @@ def _launch_grpo_groups(cluster, prefix: str, granularity: int):
     """Rollout, reward and actor on device 0; the rollout chunks ``granularity`` prompts."""
     cluster.placement = Placement(default_granularity=granularity)
     rollout = RolloutWorker.launch(
-        cluster, [0], name=f"{prefix}_rollout", model=TINY_MODEL, alphabet=ALPHABET,
+        cluster, [0], name=f"{prefix}_rollout", model=TINY_MODEL, tokenizer=TOKENIZER,
         n_samples=4, max_new_tokens=4, temperature=1.0, task=TASK, threads=1,
     )  # fmt: skip
-    reward = RewardWorker.launch(cluster, [0], name=f"{prefix}_reward", alphabet=ALPHABET)
+    reward = RewardWorker.launch(cluster, [0], name=f"{prefix}_reward", tokenizer=TOKENIZER)
     actor = ActorWorker.launch(
-        cluster, [0], name=f"{prefix}_actor", model=TINY_MODEL, alphabet=ALPHABET, lr=1e-2,
+        cluster, [0], name=f"{prefix}_actor", model=TINY_MODEL, tokenizer=TOKENIZER, lr=1e-2,
         temperature=1.0, kl_coef=0.1, recompute_old_logprobs=True, threads=1,
         **({"mini_batch_size": 8, "micro_batch_size": 4} if prefix == "t" else {}),
     )  # fmt: skip

@@ -20,9 +20,17 @@ def greedy_scores(
 ) -> list[float]:
     """Greedy-decode ``items`` (of ``dataset``) and score each with the task's own scorer.
 
+    Args:
+        batch_size: prompts per ``generate`` call at most (fewer where the logits of a batch
+            would pass 256 MiB).
+
     Returns:
         one score in [0, 1] per item (partial credit; accuracy counts score == 1 only).
     """
+    # generate() keeps [batch, max_new_tokens, vocab] fp32 logits: cap them at 256 MiB (a
+    # 151k vocabulary at 64 tokens: 6 prompts a batch; a character vocabulary: no cap).
+    per_row = len(tokenizer) * max_new_tokens * 4
+    batch_size = max(1, min(batch_size, (256 << 20) // per_row))
     scores: list[float] = []
     for start in range(0, len(items), batch_size):
         batch = items[start : start + batch_size]

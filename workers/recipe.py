@@ -17,24 +17,41 @@ from m2flow.recipe import TrainerConfig, finite_positive, plain, require
 from .llm.config import ModelConfig as LMShape
 from .spot.config import SpotPoolConfig
 
+#: ``task.config`` defaults per task, under the keys the user sets (other tasks: {}, i.e.
+#: reasoning-gym's own defaults). chain_sum's: short sums the tiny model can learn.
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+}
+
 
 @dataclass
 class TaskConfig:
-    name: str = "chain_sum"
-    config: dict[str, Any] = field(
-        default_factory=lambda: {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
+    name: str = (
+        "chain_sum"  # any reasoning-gym dataset (other than chain_sum: model.tokenizer=qwen2)
     )
+    # the generator's keyword arguments, over TASK_DEFAULTS[name] (any key, e.g.
+    # task.config.max_digits=3; see task_config)
+    config: dict[str, Any] = field(default_factory=dict)
     train_seed: int = 1
     train_size: int = 20000
     val_seed: int = 2  # warm start stops on this split, never on the held-out one
     val_size: int = 300
     heldout_seed: int = 3
     heldout_size: int = 500  # greedy accuracy = share of items with score == 1
+    # Chat-template tokenizers (model.tokenizer=qwen2): the system turn; a reasoning-gym
+    # SYSTEM_PROMPTS name (default, direct, simple, ...), "" for none, or the text itself.
+    system_prompt: str = "direct"
+    # Longest prompt in tokens; a longer one is an error (never truncated or dropped).
+    # 0: model.max_position_embeddings - rollout.max_new_tokens.
+    max_prompt_tokens: int = 0
 
 
 @dataclass
 class ModelConfig(LMShape):  # hidden_size, num_hidden_layers, ...: a tiny Qwen2
-    alphabet: str = "0123456789+-="  # character tokenizer (+ pad/eos/bos/unk)
+    # char: one token per character of model.alphabet (+ pad/eos/bos/unk), compact prompts;
+    # qwen2: Qwen2's BPE and chat template, any reasoning-gym task (docs/tokenizers.md)
+    tokenizer: str = "char"
+    alphabet: str = "0123456789+-="  # the char tokenizer's characters
 
 
 @dataclass
@@ -104,6 +121,104 @@ def validate_llm(cfg, min_samples: int = 1) -> None:
             SpotPoolConfig(**plain(r.spot)).check()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    check_task(cfg)
+
+
+def prompt_limit(cfg) -> int:
+    """Longest prompt in tokens: ``task.max_prompt_tokens``, or (0) what the position
+    embeddings leave after the response: ``model.max_position_embeddings -
+    rollout.max_new_tokens``."""
+    return cfg.task.max_prompt_tokens or (
+        cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
+    )
+
+
+def task_config(name: str, config: dict) -> dict:
+    """The generator's keyword arguments: ``TASK_DEFAULTS[name]`` updated with ``config``."""
+    return {**TASK_DEFAULTS.get(name, {}), **dict(config)}
+
+
+def task_section(cfg) -> dict:
+    """``plain(cfg.task)`` with ``config`` (:func:`task_config`) and ``max_prompt_tokens``
+    (:func:`prompt_limit`) resolved: what the workers'
+    :func:`~m2flow.workers.tasks.task_dataset` reads."""
+    t = plain(cfg.task)
+    return {
+        **t,
+        "config": task_config(t["name"], t["config"]),
+        "max_prompt_tokens": prompt_limit(cfg),
+    }
+
+
+def check_task(cfg, sample: int = 64) -> None:
+    """The task against the tokenizer, before any worker starts: ``task.name`` is a
+    reasoning-gym dataset, the first ``sample`` training items encode (the char tokenizer:
+    every character in ``model.alphabet``) and fit :func:`prompt_limit` (the workers check
+    every item again when they build their splits).
+
+    Raises:
+        ConfigError: an unknown tokenizer or task, a bad ``task.config``, an item the
+            tokenizer cannot encode, or a prompt over the limit (each message names the fix).
+    """
+    from .llm.tokenizer import TOKENIZERS
+
+    m, t, r = cfg.model, cfg.task, cfg.rollout
+    config = task_config(t.name, plain(t.config))
+    require(
+        [
+            (m.tokenizer in TOKENIZERS, f"model.tokenizer must be one of {', '.join(TOKENIZERS)}"),
+            (t.max_prompt_tokens >= 0, "task.max_prompt_tokens must be >= 0 (0: derived)"),
+            (
+                prompt_limit(cfg) + r.max_new_tokens <= m.max_position_embeddings
+                and prompt_limit(cfg) >= 1,
+                f"task.max_prompt_tokens ({prompt_limit(cfg)}) + rollout.max_new_tokens "
+                f"({r.max_new_tokens}) must fit model.max_position_embeddings "
+                f"({m.max_position_embeddings}): raise model.max_position_embeddings",
+            ),
+        ]
+    )
+    import reasoning_gym
+
+    if t.name not in reasoning_gym.factory.DATASETS:
+        raise ConfigError(
+            f"task.name={t.name!r} is not a reasoning-gym dataset (e.g. chain_sum, "
+            "basic_arithmetic, leg_counting; reasoning_gym.factory.DATASETS lists them)"
+        )
+    from .tasks import TaskDataset, compact_prompt
+
+    size = min(sample, t.train_size)
+    if m.tokenizer == "char":  # no transformers import: each character is one token
+        try:
+            ds = reasoning_gym.create_dataset(t.name, seed=t.train_seed, size=size, **config)
+            entries = [ds[i] for i in range(size)]
+        except Exception as e:
+            raise ConfigError(f"task.config for {t.name}: {type(e).__name__}: {e}") from None
+        alphabet = set(m.alphabet)
+        for i, e in enumerate(entries):
+            prompt = compact_prompt(e, t.name)
+            bad = sorted(set(prompt + str(e["answer"])) - alphabet)
+            if bad:
+                raise ConfigError(
+                    f"task.name={t.name}: item {i} has characters outside model.alphabet "
+                    f"({''.join(bad)[:40]!r}; prompt {prompt[:60]!r}): use "
+                    "model.tokenizer=qwen2 (any reasoning-gym task), or add them to "
+                    "model.alphabet"
+                )
+            if len(prompt) + 1 > prompt_limit(cfg):  # + <bos>
+                raise ConfigError(
+                    f"task.name={t.name}: item {i}'s prompt is {len(prompt) + 1} tokens > "
+                    f"{prompt_limit(cfg)} (task.max_prompt_tokens, or "
+                    "model.max_position_embeddings - rollout.max_new_tokens): raise them"
+                )
+        return
+    from .llm.tokenizer import build_tokenizer
+
+    tok = build_tokenizer({"name": m.tokenizer, "alphabet": m.alphabet})
+    try:
+        TaskDataset(t.name, config, seed=t.train_seed, size=size)
+    except Exception as e:
+        raise ConfigError(f"task.config for {t.name}: {type(e).__name__}: {e}") from None
+    TaskDataset(t.name, config, t.train_seed, size, tok, t.system_prompt, prompt_limit(cfg))
 
 
 def validate_optim(section, name: str) -> None:

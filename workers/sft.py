@@ -24,10 +24,11 @@ from .tasks import TaskDataset, TaskItem
 
 def sft_batch(tokenizer: PreTrainedTokenizerBase, items: list[TaskItem]) -> dict[str, torch.Tensor]:
     """Tensors for :meth:`PolicyTrainer.sft_step`: left-padded prompts ``[B, P]`` and
-    right-padded ``answer + EOS`` responses ``[B, R]`` with masks."""
+    right-padded ``target + EOS`` responses ``[B, R]`` with masks (the item's ``target``: the
+    answer, or ``<answer>answer</answer>`` for chat prompts)."""
     prompts = [tokenizer(it.prompt).input_ids for it in items]
     answers = [
-        tokenizer(it.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        tokenizer(it.target, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         for it in items
     ]
     prompt_ids, prompt_mask = left_pad(prompts, tokenizer.pad_token_id)
@@ -73,12 +74,17 @@ def run_sft(
     """
     rng = random.Random(seed)
     t0 = time.perf_counter()
+    # Greedy checks long enough for the longest target + EOS (8 tokens at least).
+    val_tokens = 8
+    if val is not None:
+        targets = tokenizer([it.target for it in val.items], add_special_tokens=False).input_ids
+        val_tokens = max(8, max(len(t) for t in targets) + 1)
     loss, acc, step = float("nan"), None, 0
     for step in range(1, steps + 1):
         items = [train[rng.randrange(len(train))] for _ in range(batch_size)]
         loss = trainer.sft_step(**sft_batch(tokenizer, items))["loss"]
         if val is not None and step % eval_every == 0:
-            acc = evaluate(trainer.model, tokenizer, val)["accuracy"]
+            acc = evaluate(trainer.model, tokenizer, val, val_tokens)["accuracy"]
             if log:
                 elapsed = time.perf_counter() - t0
                 log(f"sft step {step} loss {loss:.3f} val_acc {acc:.3f} t {elapsed:.0f}s")

@@ -24,6 +24,7 @@ from m2flow.workers.recipe import (
     WarmStartConfig,
     prompt_items,
     response_length,
+    task_section,
     validate_llm,
     validate_optim,
 )
@@ -129,28 +130,28 @@ def validate(cfg) -> None:
 
 def main(cfg) -> dict:
     from m2flow.workers.actor.worker import ActorWorker
-    from m2flow.workers.llm import build_char_tokenizer
+    from m2flow.workers.llm import build_tokenizer, tokenizer_spec
     from m2flow.workers.reward.worker import RewardWorker
     from m2flow.workers.rollout.worker import RolloutWorker
-    from m2flow.workers.tasks import TaskDataset
+    from m2flow.workers.tasks import task_dataset
 
     from m2flow import Channel, sync_weights
     from m2flow.runlog import RunLog
 
-    t, tr = cfg.task, cfg.trainer
+    tr = cfg.trainer
     cluster = start_cluster(cfg.cluster, tr.run_dir)
-    model, task = plain(cfg.model), plain(cfg.task)
-    alphabet = model.pop("alphabet")
-    lm = {"model": model, "alphabet": alphabet, "seed": tr.seed}
+    model, task = plain(cfg.model), task_section(cfg)
+    spec = tokenizer_spec(model)  # model.tokenizer / model.alphabet; the rest is the shape
+    lm = {"model": model, "tokenizer": spec, "seed": tr.seed}
     rollout = RolloutWorker.launch(cluster, name="rollout", task=task, **lm, **plain(cfg.rollout))
     service = plain(cfg.reward_service) if cfg.reward_service.url else None
-    reward = RewardWorker.launch(cluster, name="reward", alphabet=alphabet, service=service)
+    reward = RewardWorker.launch(cluster, name="reward", tokenizer=spec, service=service)
     actor = ActorWorker.launch(
         cluster, name="actor", temperature=cfg.rollout.temperature, **lm, **plain(cfg.actor)
     )
     prompts, rollouts, scored = (Channel.create(n) for n in ("prompts", "rollouts", "scored"))
-    tokenizer = build_char_tokenizer(alphabet)
-    train = TaskDataset(t.name, dict(t.config), seed=t.train_seed, size=t.train_size)
+    tokenizer = build_tokenizer(spec)
+    train = task_dataset(task, "train", tokenizer)
     checkpoints = Checkpoints(tr.run_dir)
 
     def evaluate() -> float:

@@ -26,6 +26,7 @@ from m2flow.workers.recipe import (
     WarmStartConfig,
     prompt_items,
     response_length,
+    task_section,
     validate_llm,
     validate_optim,
 )
@@ -148,21 +149,21 @@ def main(cfg) -> dict:
     from m2flow.workers.actor.ppo import PPOActorWorker
     from m2flow.workers.actor.reference import ReferenceWorker
     from m2flow.workers.critic.worker import CriticWorker
-    from m2flow.workers.llm import build_char_tokenizer
+    from m2flow.workers.llm import build_tokenizer, tokenizer_spec
     from m2flow.workers.reward.model import RewardModelWorker
     from m2flow.workers.rollout.worker import RolloutWorker
-    from m2flow.workers.tasks import TaskDataset
+    from m2flow.workers.tasks import task_dataset
 
     from m2flow import Channel, Fanout, sync_weights
     from m2flow.runlog import RunLog
 
-    t, tr, alg = cfg.task, cfg.trainer, cfg.algorithm
+    tr, alg = cfg.trainer, cfg.algorithm
     cluster = start_cluster(cfg.cluster, tr.run_dir)
-    model = plain(cfg.model)
-    lm = {"model": model, "alphabet": model.pop("alphabet")}
+    model, task = plain(cfg.model), task_section(cfg)
+    lm = {"model": model, "tokenizer": tokenizer_spec(model)}
     temp = cfg.rollout.temperature
     rollout = RolloutWorker.launch(
-        cluster, name="rollout", **lm, task=plain(t), seed=tr.seed, **plain(cfg.rollout)
+        cluster, name="rollout", **lm, task=task, seed=tr.seed, **plain(cfg.rollout)
     )
     reward = RewardModelWorker.launch(
         cluster, name="reward", **lm, seed=tr.seed, **plain(cfg.reward)
@@ -180,8 +181,8 @@ def main(cfg) -> dict:
     )  # fmt: skip
     names = ("prompts", "fit", "to_reward", "to_reference", "to_critic", "scores", "refs", "adv")
     prompts, fit, to_reward, to_reference, to_critic, scores, refs, adv = map(Channel.create, names)
-    tokenizer = build_char_tokenizer(lm["alphabet"])
-    train = TaskDataset(t.name, dict(t.config), seed=t.train_seed, size=t.train_size)
+    tokenizer = build_tokenizer(lm["tokenizer"])
+    train = task_dataset(task, "train", tokenizer)
     n = tr.prompts_per_step
     trained = {"actor": actor, "critic": critic, "reward": reward, "reference": reference}
     checkpoints = Checkpoints(tr.run_dir)
@@ -195,7 +196,7 @@ def main(cfg) -> dict:
     with RunLog(tr.run_dir, tr.steps, tr.tensorboard) as log:
         log.print(cluster.describe())
         if start == 0:
-            ws = actor.warm_start(plain(t), seed=tr.seed, **plain(cfg.warm_start)).wait()[0]
+            ws = actor.warm_start(task, seed=tr.seed, **plain(cfg.warm_start)).wait()[0]
             for group in (rollout, reference, critic, reward):
                 sync_weights(actor, group)
             # Reward model: label the warm-started policy's samples with the verifier, fit it.

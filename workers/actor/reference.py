@@ -9,7 +9,7 @@ from m2flow import Channel, Worker
 from ..batch import num_tokens
 from ..checkpoint import load_state, save_state
 from ..critic.data import chunk_key
-from ..llm import ModelConfig, build_char_tokenizer, build_model
+from ..llm import ModelConfig, build_model, build_tokenizer
 from ..llm.placement import offload_module, onload_module, torch_device
 from .losses import sequence_logprobs
 from .trainer import RESPONSE_KEYS
@@ -22,7 +22,8 @@ class ReferenceWorker(Worker):
 
     Args:
         model: :class:`~m2flow.workers.llm.ModelConfig` fields.
-        alphabet: the character tokenizer's alphabet.
+        tokenizer: the tokenizer spec, ``{"name": "char", "alphabet": str}`` or
+            ``{"name": "qwen2"}`` (:func:`~m2flow.workers.llm.build_tokenizer`).
         temperature: the rollout's sampling temperature (logprobs of ``logits / T``, as the
             rollout's).
         micro_batch_size: responses per forward (0: a whole chunk).
@@ -32,14 +33,14 @@ class ReferenceWorker(Worker):
     def __init__(
         self,
         model: dict,
-        alphabet: str,
+        tokenizer: dict,
         temperature: float = 1.0,
         micro_batch_size: int = 0,
         threads: int = 0,
     ) -> None:
         torch.set_num_threads(threads or self.num_threads)
         self.device = torch_device(self.devices)
-        tokenizer = build_char_tokenizer(alphabet)
+        tokenizer = build_tokenizer(tokenizer)
         self.model = build_model(ModelConfig(**model), tokenizer).to(self.device).eval()
         self.model.requires_grad_(False)
         self.temperature = temperature

@@ -13,10 +13,10 @@ from m2flow.scheduler.balance import all_queued
 from m2flow import Channel, Worker
 
 from ..batch import concat
-from ..llm import ModelConfig, build_char_tokenizer, build_model
+from ..llm import ModelConfig, build_model, build_tokenizer
 from ..llm.placement import torch_device
 from ..sft import run_sft
-from ..tasks import TaskDataset
+from ..tasks import task_dataset
 from . import data_parallel as dp
 from .losses import grpo_advantages
 from .trainer import PolicyTrainer
@@ -43,7 +43,8 @@ class ActorWorker(Worker):
 
     Args:
         model: :class:`~m2flow.workers.llm.ModelConfig` fields.
-        alphabet: the character tokenizer's alphabet.
+        tokenizer: the tokenizer spec, ``{"name": "char", "alphabet": str}`` or
+            ``{"name": "qwen2"}`` (:func:`~m2flow.workers.llm.build_tokenizer`).
         lr, betas, weight_decay, grad_clip: AdamW for GRPO.
         temperature: the rollout's sampling temperature (logprobs are recomputed under it).
         clip_eps_low, clip_eps_high: PPO ratio clip range.
@@ -122,7 +123,7 @@ class ActorWorker(Worker):
     def __init__(
         self,
         model: dict,
-        alphabet: str,
+        tokenizer: dict,
         lr: float = 1e-4,
         betas: tuple = (0.9, 0.99),
         weight_decay: float = 0.0,
@@ -158,7 +159,7 @@ class ActorWorker(Worker):
         self.device = torch_device(self.devices)
         if self.world_size != 1 and not megatron:
             dp.init(self.rank, self.world_size, dist["addr"], dist["port"], self.device)
-        self.tokenizer = build_char_tokenizer(alphabet)
+        self.tokenizer = build_tokenizer(tokenizer)
         self.model = build_model(ModelConfig(**model), self.tokenizer, seed=seed).to(self.device)
         self.lr = lr
         optim = dict(
@@ -231,12 +232,8 @@ class ActorWorker(Worker):
             out = [None]
             torch.distributed.broadcast_object_list(out, 0)
             return out[0]
-        train = TaskDataset(
-            task["name"], dict(task["config"]), seed=task["train_seed"], size=task["train_size"]
-        )
-        val = TaskDataset(
-            task["name"], dict(task["config"]), seed=task["val_seed"], size=task["val_size"]
-        )
+        train = task_dataset(task, "train", self.tokenizer)
+        val = task_dataset(task, "val", self.tokenizer)
         self.sft_trainer.set_lr(lr)
         res = run_sft(
             self.sft_trainer,

@@ -15,7 +15,7 @@ from m2flow import Channel, Worker
 from ..actor import data_parallel as dp
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
-from ..llm import build_char_tokenizer
+from ..llm import build_tokenizer
 from ..llm.placement import torch_device
 from .data import chunk_key, token_rewards
 from .losses import explained_variance, gae
@@ -37,7 +37,8 @@ class CriticWorker(Worker):
 
     Args:
         model: :class:`~m2flow.workers.llm.ModelConfig` fields (the policy's shape).
-        alphabet: the character tokenizer's alphabet.
+        tokenizer: the tokenizer spec, ``{"name": "char", "alphabet": str}`` or
+            ``{"name": "qwen2"}`` (:func:`~m2flow.workers.llm.build_tokenizer`).
         lr, betas, weight_decay, grad_clip: AdamW.
         value_clip: PPO value clip around the old values (0: none).
         gamma, lam: GAE discount and lambda (per token).
@@ -89,7 +90,7 @@ class CriticWorker(Worker):
     def __init__(
         self,
         model: dict,
-        alphabet: str,
+        tokenizer: dict,
         lr: float = 1e-4,
         betas: tuple = (0.9, 0.99),
         weight_decay: float = 0.0,
@@ -112,7 +113,7 @@ class CriticWorker(Worker):
         if engine == "megatron" and dist is None:
             raise ValueError("critic.engine=megatron needs the rendezvous: start with launch()")
         torch.set_num_threads(threads or self.num_threads)
-        self.tokenizer = build_char_tokenizer(alphabet)
+        self.tokenizer = build_tokenizer(tokenizer)
         device = torch_device(self.devices)
         value_model = ValueModel(model, self.tokenizer, seed=seed)
         optim = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, grad_clip=grad_clip)

@@ -1,4 +1,4 @@
-"""Tiny local LLM building blocks: a character tokenizer and a Qwen2 model built from config.
+"""Local LLM building blocks: tokenizers (character, Qwen2 BPE) and a Qwen2 model from config.
 
 Exports are lazy: ``m2flow.workers.llm.config`` (the model shape) imports no torch.
 """
@@ -12,6 +12,10 @@ _EXPORTS = {
     "save_checkpoint": ".model",
     "DEFAULT_ALPHABET": ".tokenizer",
     "build_char_tokenizer": ".tokenizer",
+    "build_qwen2_tokenizer": ".tokenizer",
+    "build_tokenizer": ".tokenizer",
+    "tokenizer_spec": ".tokenizer",
+    "TOKENIZERS": ".tokenizer",
 }
 
 __all__ = sorted(_EXPORTS)

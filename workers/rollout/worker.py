@@ -8,9 +8,9 @@ from m2flow import Channel, Worker
 
 from ..batch import num_tokens, to_batch
 from ..evaluation import greedy_scores
-from ..llm import ModelConfig, build_char_tokenizer, build_model
+from ..llm import ModelConfig, build_model, build_tokenizer
 from ..llm.placement import offload_module, onload_module, split_evenly, torch_device
-from ..tasks import TaskDataset
+from ..tasks import TaskDataset, task_dataset
 from .generation import generate
 
 
@@ -20,11 +20,13 @@ class RolloutWorker(Worker):
     Args:
         model: :class:`~m2flow.workers.llm.ModelConfig` fields (weights arrive by
             ``m2flow.sync_weights(actor, rollout)``).
-        alphabet: the character tokenizer's alphabet.
+        tokenizer: the tokenizer spec, ``{"name": "char", "alphabet": str}`` or
+            ``{"name": "qwen2"}`` (:func:`~m2flow.workers.llm.build_tokenizer`).
         n_samples: responses per prompt (GRPO group size).
         max_new_tokens: response cap in tokens (EOS included).
         temperature, top_p: sampling parameters.
-        task: ``{"name", "config", "heldout_seed", "heldout_size"}`` for :meth:`evaluate`.
+        task: ``{"name", "config", "heldout_seed", "heldout_size"}`` (and optionally
+            ``system_prompt``, ``max_prompt_tokens``) for :meth:`evaluate`.
         shared_prefix: prefill each prompt once for its ``n_samples`` samples
             (:func:`.generation.prefill_shared`) instead of once per sample.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
@@ -43,7 +45,7 @@ class RolloutWorker(Worker):
     def __init__(
         self,
         model: dict,
-        alphabet: str,
+        tokenizer: dict,
         n_samples: int = 16,
         max_new_tokens: int = 6,
         temperature: float = 0.7,
@@ -61,7 +63,7 @@ class RolloutWorker(Worker):
             raise ValueError("engine='vllm' does not stream block-wise: disable rollout.spot")
         torch.set_num_threads(threads or self.num_threads)
         self.device = torch_device(self.devices)
-        self.tokenizer = build_char_tokenizer(alphabet)
+        self.tokenizer = build_tokenizer(tokenizer)
         self.model = build_model(ModelConfig(**model), self.tokenizer).to(self.device).eval()
         self.n_samples, self.max_new_tokens = n_samples, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
@@ -73,7 +75,7 @@ class RolloutWorker(Worker):
         if spot and spot.get("enabled"):
             from ..spot.pool import ReservedSeeder
 
-            self.pool = ReservedSeeder(self, spot, model, alphabet)
+            self.pool = ReservedSeeder(self, spot, model, tokenizer)
         self.vllm = None
         if engine == "vllm":
             from .vllm_engine import VllmEngine
@@ -178,10 +180,7 @@ class RolloutWorker(Worker):
         if self.task is None:
             raise ValueError("evaluate() needs the task: launch the rollout with task={...}")
         if self._heldout is None:
-            t = self.task
-            self._heldout = TaskDataset(
-                t["name"], dict(t["config"]), seed=t["heldout_seed"], size=t["heldout_size"]
-            )
+            self._heldout = task_dataset(self.task, "heldout", self.tokenizer)
         items = self._heldout.items[self.rank :: self.world_size]
         return greedy_scores(self.model, self.tokenizer, self._heldout, items, self.max_new_tokens)
 

@@ -25,7 +25,7 @@ class SpotInstance:
     instance_id: its name at the manager.
     block_tokens: tokens generated between reports.
     max_batch: requests executing at once.
-    args: ``{"model", "alphabet", "temperature", "top_p", "seed", "batch_rows", "threads"}``;
+    args: ``{"model", "tokenizer", "temperature", "top_p", "seed", "batch_rows", "threads"}``;
         for an emulated engine ``{"engine": "emulated", "emulated", "eos_id", "filler_id",
         "seed"}`` (:class:`~m2flow.workers.spot.config.EmulatedEngineConfig` fields).
     """
@@ -45,11 +45,11 @@ class SpotInstance:
             return
         import torch
 
-        from ..llm import ModelConfig, build_char_tokenizer, build_model
+        from ..llm import ModelConfig, build_model, build_tokenizer
         from ..rollout.exact import ExactEngine
 
         torch.set_num_threads(args.get("threads", 1))
-        tok = build_char_tokenizer(args["alphabet"])
+        tok = build_tokenizer(args["tokenizer"])
         self.model = build_model(ModelConfig(**args["model"]), tok)
         self.engine = ExactEngine(
             self.model, tok.eos_token_id, args["temperature"], args["top_p"], args["seed"],

@@ -32,12 +32,12 @@ _COLLECT_POLL_S = 1.0  # how often a waiting rank checks that spot capacity exis
 class ReservedSeeder:
     """The spot-pool side of one rollout rank (see the module docstring)."""
 
-    def __init__(self, worker, cfg: dict, model: dict, alphabet: str) -> None:
+    def __init__(self, worker, cfg: dict, model: dict, tokenizer: dict) -> None:
         self.w = worker
         self.cfg = SpotPoolConfig(**cfg)
         self.cfg.check()
         args = {
-            "model": model, "alphabet": alphabet, "temperature": worker.temperature,
+            "model": model, "tokenizer": tokenizer, "temperature": worker.temperature,
             "top_p": worker.top_p, "seed": worker.seed, "batch_rows": self.cfg.batch_rows,
             "threads": self.cfg.threads, "min_new_tokens": self.cfg.min_new_tokens,
             "engine": self.cfg.engine, "emulated": asdict(self.cfg.emulated),
