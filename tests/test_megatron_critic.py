@@ -51,6 +51,7 @@ VALUE_ATOL = 1e-5  # values and value loss: fp32 sums in another order (TP all-r
 WEIGHT_ATOL = 1e-5
 OPTIM = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01, grad_clip=1.0)
 TRAIN = dict(value_clip=0.2, mini=2, micro=1, epochs=2, seed=3)
+CHAR = {"name": "char", "alphabet": "0123456789+-="}  # the tokenizer spec workers take
 MODEL = ModelConfig(
     hidden_size=64,
     intermediate_size=128,
@@ -289,14 +290,14 @@ def test_ppo_run_with_megatron_actor_and_critic(cluster, tmp_path):
 
 def test_bad_megatron_critic_settings_are_refused(cluster, tmp_path):
     """At launch, before any process starts, and as config errors."""
-    kw = dict(model=TINY_MODEL, alphabet="0123456789+-=", threads=1, engine="megatron")
+    kw = dict(model=TINY_MODEL, tokenizer=CHAR, threads=1, engine="megatron")
     with pytest.raises(ValueError, match="num_key_value_heads=1"):
         CriticWorker.launch(cluster, [0, 1], name="critic_bad", tensor_parallel=2, **kw)
     with pytest.raises(ValueError, match="critic.tensor_parallel=2 must divide"):
         CriticWorker.launch(cluster, [0], name="critic_bad", tensor_parallel=2, **kw)
     with pytest.raises(ValueError, match="critic.engine=megatron"):
         CriticWorker.launch(cluster, [0], name="critic_bad", model=TINY_MODEL,
-                            alphabet="0123", tensor_parallel=2)  # fmt: skip
+                            tokenizer=CHAR, tensor_parallel=2)  # fmt: skip
     assert not [g for g in cluster.groups if g.name == "critic_bad"]
     for override, match in [
         ("critic.engine=jax", "critic.engine must be torch or megatron"),
