@@ -167,6 +167,23 @@ def test_block_continuation_after_preemption_on_a_second_engine():
     assert len(set(block_seeds(5, keys, [0, 5, 0]))) == 3
 
 
+def test_seeded_prefills_over_the_batch_token_budget():
+    """40 distinct 181-token prompts (7,240 prefill tokens, over vLLM's 4,096 per step): with
+    chunked prefill on, vLLM CPU 0.32 fails on seeded requests ("CPU Generator does not use
+    offset"); the engine turns it off, so every request gets its tokens."""
+    tok = build_char_tokenizer(ALPHABET)
+    cfg = {**TINY, "num_hidden_layers": 1, "max_position_embeddings": 256}
+    model = build_model(ModelConfig(**cfg), tok, seed=0).eval()
+    engine = VllmEngine(model, tok, seed=0, min_new_tokens=4)
+    try:
+        prompts = [tok.encode(str(i) + "+2=" * 45) for i in range(40)]
+        gen = engine.generate(prompts, n_samples=1, max_new_tokens=4)
+    finally:
+        engine.close()
+    assert sum(len(p) for p in prompts) > 4096
+    assert gen["response_mask"].sum() == 40 * 4
+
+
 def test_grpo_workflow_with_vllm_rollout(tmp_path):
     """Two GRPO steps with rollout.engine=vllm: the run completes and after each step the
     rollout holds the actor's new weight version."""

@@ -167,6 +167,11 @@ class VllmEngine:
             "model": self.dir,
             "dtype": "float32",  # the actor's precision: logprobs comparable to ~1e-5
             "enable_prefix_caching": True,  # a group's samples share their prompt's blocks
+            # A seeded request whose prefill is chunked crashes vLLM CPU 0.32 ("CPU Generator
+            # does not use offset": it rewinds the generator of a partial prefill); so prefills
+            # are whole, the batch's token budget at least one full-length sequence.
+            "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(4096, model.config.max_position_embeddings),
             "enforce_eager": True,  # torch.compile adds 20-50 s of start-up on CPU
             "max_model_len": model.config.max_position_embeddings,
             "max_num_seqs": max_num_seqs,
