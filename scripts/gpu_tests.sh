@@ -9,5 +9,11 @@ import torch, sys
 if not torch.cuda.is_available():
     sys.exit("no CUDA device visible to torch: these tests need an NVIDIA GPU")
 print("GPU:", torch.cuda.get_device_name(0))
+try:  # tests/test_vllm_engine.py's sleep/wake test needs the CUDA vllm wheel
+    import vllm
+    print("vllm:", vllm.__version__)
+except ImportError as exc:
+    print(f"vllm not importable ({exc}): the vLLM sleep/wake test will be SKIPPED; "
+          "pip install vllm for it", file=sys.stderr)
 PY
 python -m pytest -m gpu -q -rs tests/ "$@"

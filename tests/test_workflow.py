@@ -256,6 +256,15 @@ def test_builtin_workflow_by_name():
     [
         (["rollout.engine=bogus"], "rollout.engine must be hf or vllm"),
         (["rollout.engine=vllm"], r"head dimension >= 64 .*model.num_attention_heads=2"),
+        (
+            [
+                "rollout.engine=vllm",
+                "model.num_attention_heads=2",
+                "rollout.spot.enabled=true",
+                "rollout.spot.engine=emulated",
+            ],
+            r"rollout.spot.engine=emulated .*rollout.engine=hf",
+        ),  # fmt: skip
         (["actor.engine=bogus"], "actor.engine must be torch or megatron"),
     ],
 )

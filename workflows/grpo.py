@@ -114,8 +114,11 @@ def validate(cfg) -> None:
             (finite_positive(cfg.reward_service.timeout_s), "reward_service.timeout_s > 0"),
             (cfg.rollout.engine in ("hf", "vllm"), "rollout.engine must be hf or vllm"),
             (
-                cfg.rollout.engine == "hf" or not cfg.rollout.spot.enabled,
-                "rollout.spot needs rollout.engine=hf (block-wise streaming)",
+                cfg.rollout.engine == "hf"
+                or not cfg.rollout.spot.enabled
+                or cfg.rollout.spot.engine == "exact",
+                "rollout.spot.engine=emulated models the rollout engine: use it with "
+                "rollout.engine=hf (rollout.engine=vllm runs vLLM on the spot instances)",
             ),
             (
                 cfg.rollout.engine == "hf"

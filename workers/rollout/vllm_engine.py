@@ -15,8 +15,19 @@ What differs from the HF path:
   which equals what the actor recomputes (:func:`workers.actor.losses.sequence_logprobs`) when
   ``top_p = 1`` and ``top_k = 0``. With truncation on, the sampled token's logprob is
   renormalised over the kept tokens (the HF path reports the untruncated one).
-- Memory: no sleep mode on CPU, so the engine's KV cache (``VLLM_CPU_KVCACHE_SPACE`` GiB)
-  stays allocated while other groups use the device.
+- Memory: on GPU the engine is built with ``enable_sleep_mode``, and :meth:`VllmEngine.sleep`
+  / :meth:`VllmEngine.wake_up` (level 1: weights to host memory, KV cache dropped) are what the
+  rollout worker's offload/onload call. vLLM's CPU build rejects sleep mode, so on CPU the KV
+  cache (``VLLM_CPU_KVCACHE_SPACE`` GiB) stays allocated while other groups use the device.
+
+Block-wise generation for the spot pool (:meth:`VllmEngine.step`, docs/spot.md): each call
+advances :class:`~.exact.GenRequest` s by at most one block of tokens, each as a new vLLM
+request whose prompt is the request's prompt + partial response (``TokensPrompt``; prefix
+caching serves the KV blocks already computed), seeded from ``(run seed, request key, block
+start position)`` (:func:`block_seeds`). So a response preempted at a block boundary and
+continued on another engine is drawn with the same seeds as an uninterrupted one; its tokens
+equal it unless the logits' last bits (prefill vs decode kernels, batch) flip a draw, and its
+logprobs are the continuing engine's own (equal to the actor's recomputation to ~1e-6).
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .generation import left_pad
-from .sampling import counter_uniforms
+from .sampling import counter_uniforms, counter_uniforms_at
 
 INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM's CPU build: "
@@ -62,6 +73,24 @@ def import_vllm():
     return vllm
 
 
+def block_seeds(seed: int, keys: list[tuple[int, int, int]], starts: list[int]) -> list[int]:
+    """One vLLM sampling seed per (request, block), in ``[0, 2**31)``: a hash of ``(seed,
+    step, prompt id, sample index, block start)`` where ``keys`` are the requests' ``(step,
+    prompt id, sample index)`` and ``starts`` the response positions their blocks start at. A
+    block's draws depend on the request and where the block starts, not on the engine, batch or
+    instance that generates it, which is what makes a migrated response reproducible."""
+    if len(keys) != len(starts):
+        raise ValueError(f"{len(keys)} keys for {len(starts)} block starts")
+    if not keys:
+        return []
+    k = np.asarray(keys, dtype=np.int64).reshape(-1, 3)
+    # Offset 2**62: a counter position the HF sampler (token positions) and request_seeds
+    # (position -1) never use.
+    pos = np.asarray(starts, dtype=np.int64).astype(np.uint64) + np.uint64(2**62)
+    u = counter_uniforms_at(seed, k, pos)
+    return [int(x) for x in (u * 2**31).astype(np.int64)]
+
+
 def request_seeds(seed: int, sample_keys: list[tuple[int, int]], n_samples: int) -> list[int]:
     """One sampling seed per response, in ``[0, 2**31)``: a hash of ``(seed, step, prompt id,
     sample index)``, so a response's seed does not depend on the batch or rank that draws it.
@@ -86,11 +115,16 @@ class VllmEngine:
         top_p: nucleus threshold (1.0 = off); top_k: 0 = off.
         seed: the run seed (per-request seeds, :func:`request_seeds`).
         max_num_seqs: most requests vLLM runs at once.
+        min_new_tokens: EOS is not sampled before this many response tokens (vLLM's
+            ``min_tokens``; the spot pool's ``min_new_tokens``, fixed-length measurements).
+        sleep_mode: build with ``enable_sleep_mode`` so :meth:`sleep` frees device memory;
+            ``None``: on when CUDA is available (vLLM's CPU build rejects it).
         llm_kwargs: extra ``vllm.LLM`` arguments (override the defaults below).
 
     Raises:
         ImportError: vllm is not installed (the message has the install steps).
-        ValueError: ``temperature <= 0``.
+        ValueError: ``temperature <= 0``, ``min_new_tokens < 0``, or ``sleep_mode=True``
+            without CUDA.
     """
 
     def __init__(
@@ -102,10 +136,23 @@ class VllmEngine:
         top_k: int = 0,
         seed: int = 0,
         max_num_seqs: int = 64,
+        min_new_tokens: int = 0,
+        sleep_mode: bool | None = None,
         llm_kwargs: Mapping | None = None,
     ) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+        if min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {min_new_tokens}")
+        cuda = torch.cuda.is_available()
+        if sleep_mode and not cuda:
+            raise ValueError(
+                "sleep_mode=True needs CUDA: vLLM's CPU build rejects enable_sleep_mode "
+                "(docs/vllm.md); leave it None"
+            )
+        self.sleep_mode = cuda if sleep_mode is None else sleep_mode
+        self.asleep = False
+        self.min_new_tokens = min_new_tokens
         vllm = import_vllm()
         self._SamplingParams = vllm.SamplingParams
         self._TokensPrompt = vllm.inputs.TokensPrompt
@@ -120,12 +167,18 @@ class VllmEngine:
             "model": self.dir,
             "dtype": "float32",  # the actor's precision: logprobs comparable to ~1e-5
             "enable_prefix_caching": True,  # a group's samples share their prompt's blocks
+            # A seeded request whose prefill is chunked crashes vLLM CPU 0.32 ("CPU Generator
+            # does not use offset": it rewinds the generator of a partial prefill); so prefills
+            # are whole, the batch's token budget at least one full-length sequence.
+            "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(4096, model.config.max_position_embeddings),
             "enforce_eager": True,  # torch.compile adds 20-50 s of start-up on CPU
             "max_model_len": model.config.max_position_embeddings,
             "max_num_seqs": max_num_seqs,
             "seed": seed,
             # log_softmax(logits / T): what the actor recomputes (raw_logprobs would be T = 1)
             "logprobs_mode": "processed_logprobs",
+            "enable_sleep_mode": self.sleep_mode,
             **dict(llm_kwargs or {}),
         }
         self.llm = vllm.LLM(**kwargs)
@@ -161,25 +214,13 @@ class VllmEngine:
         if len(sample_keys) != len(prompt_ids):
             raise ValueError(f"{len(sample_keys)} sample keys for {len(prompt_ids)} prompts")
         seeds = request_seeds(self.seed, sample_keys, n_samples)
-        params = [
-            self._SamplingParams(
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
-                max_tokens=max_new_tokens,
-                seed=s,
-                logprobs=0,  # the sampled token's logprob only
-                stop_token_ids=[self.eos_id],
-                detokenize=False,  # the reward worker decodes; saves time here
-            )
-            for s in seeds
-        ]
+        params = [self._params(s, max_new_tokens, self.min_new_tokens) for s in seeds]
         requests = [
             self._TokensPrompt(prompt_token_ids=list(p))
             for p in prompt_ids
             for _ in range(n_samples)
         ]
-        outs = self.llm.generate(requests, params, use_tqdm=False)
+        outs = self._generate(requests, params)
 
         responses, logprobs = [], []
         for out in outs:
@@ -207,6 +248,95 @@ class VllmEngine:
             "group_index": torch.arange(len(prompt_ids)).repeat_interleave(n_samples),
         }
 
+    def step(self, requests: list, tokens: int, version: int, label: str = "") -> int:
+        """Advance every unfinished request by up to ``tokens`` tokens (one block; EOS or its
+        cap ends one early): the interface of :meth:`.exact.ExactEngine.step`, which the spot
+        pool's instances and seeding ranks drive.
+
+        Each request continues as one vLLM request: prompt = its prompt + partial response
+        (``TokensPrompt``), ``max_tokens`` = the block (or what its cap leaves), seed =
+        :func:`block_seeds` of its key and current length. The new tokens and their logprobs
+        (``log_softmax(logits / T)``) are appended; ``weight_version``, ``by[label]`` and
+        ``done`` are updated as :class:`.exact.ExactEngine` does.
+
+        Args:
+            requests: :class:`.exact.GenRequest` s (mutated in place; done ones are skipped).
+            tokens: the block size (>= 1).
+            version: the weight version generating (recorded on each request).
+            label: engine name for the per-engine token accounting.
+
+        Returns:
+            tokens generated, over all requests.
+
+        Raises:
+            ValueError: ``tokens < 1``; vLLM's own errors (e.g. prompt + response over
+                ``max_position_embeddings``).
+        """
+        if tokens < 1:
+            raise ValueError(f"block size must be >= 1, got {tokens}")
+        live = [r for r in requests if not r.done]
+        if not live:
+            return 0
+        seeds = block_seeds(self.seed, [r.key for r in live], [len(r.tokens) for r in live])
+        params, prompts = [], []
+        for r, seed in zip(live, seeds):
+            n = min(tokens, r.max_new_tokens - len(r.tokens))
+            if n < 1:
+                raise ValueError(f"request {r.id} is at its cap but not marked done")
+            params.append(self._params(seed, n, self.min_new_tokens - len(r.tokens)))
+            prompts.append(self._TokensPrompt(prompt_token_ids=list(r.prompt_ids) + r.tokens))
+        made = 0
+        for r, out in zip(live, self._generate(prompts, params)):
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            if not toks:  # would loop forever in the pool
+                raise RuntimeError(f"vLLM returned no token for {r.id} ({c.finish_reason})")
+            r.tokens += toks
+            r.logprobs += [c.logprobs[i][t].logprob for i, t in enumerate(toks)]
+            r.weight_version = version
+            r.by[label] = r.by.get(label, 0) + len(toks)
+            r.done = toks[-1] == self.eos_id or len(r.tokens) >= r.max_new_tokens
+            made += len(toks)
+        return made
+
+    def _params(self, seed: int, max_tokens: int, min_tokens: int):
+        return self._SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=max_tokens,
+            min_tokens=min(max(min_tokens, 0), max_tokens),
+            seed=seed,
+            logprobs=0,  # the sampled token's logprob only
+            stop_token_ids=[self.eos_id],
+            detokenize=False,  # the reward worker decodes; saves time here
+        )
+
+    def _generate(self, prompts: list, params: list) -> list:
+        self.wake_up()  # a call on a sleeping engine wakes it (the worker onloads first)
+        return self.llm.generate(prompts, params, use_tqdm=False)
+
+    # -- memory (GPU: sleep mode) -----------------------------------------------------------
+
+    def sleep(self) -> bool:
+        """Release the engine's device memory: vLLM sleep level 1 (weights to host memory,
+        KV cache and prefix cache dropped). No-op without sleep mode (CPU). Returns whether it
+        slept."""
+        if not self.sleep_mode or self.asleep:
+            return False
+        self.llm.sleep(level=1)
+        self.asleep = True
+        return True
+
+    def wake_up(self) -> bool:
+        """Undo :meth:`sleep` (weights back on the device, KV cache reallocated, empty).
+        No-op when awake. Returns whether it woke."""
+        if not self.asleep:
+            return False
+        self.llm.wake_up()
+        self.asleep = False
+        return True
+
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Replace the engine's weights in place with a Hugging Face ``state_dict``
         (``name -> tensor``, any device; copied), then drop the prefix cache, whose KV blocks
@@ -218,6 +348,7 @@ class VllmEngine:
         Raises:
             RuntimeError: the prefix cache could not be reset (requests in flight).
         """
+        self.wake_up()  # reload_weights writes into the device copy
         worker = self.llm.llm_engine.model_executor.driver_worker.worker
         worker.reload_weights(
             weights_iterator=[(k, v.detach().to("cpu", torch.float32)) for k, v in weights.items()]

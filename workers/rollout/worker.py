@@ -39,7 +39,9 @@ class RolloutWorker(Worker):
         engine: ``"hf"`` (transformers ``generate``, the default) or ``"vllm"``
             (:class:`~.vllm_engine.VllmEngine`, in-process vLLM CPU; docs/vllm.md): it samples
             and takes weight updates; ``self.model`` still holds the weights for
-            :meth:`evaluate`. Not with ``spot`` (its engines are block-wise HF).
+            :meth:`evaluate`. With ``spot`` the pool runs vLLM too: block-wise continuation
+            (:meth:`~.vllm_engine.VllmEngine.step`) on this rank and on every spot instance
+            (not with ``spot.engine="emulated"``, which models the engine instead).
     """
 
     def __init__(
@@ -59,8 +61,12 @@ class RolloutWorker(Worker):
     ) -> None:
         if engine not in ("hf", "vllm"):
             raise ValueError(f"engine must be 'hf' or 'vllm', got {engine!r}")
-        if engine == "vllm" and spot and spot.get("enabled"):
-            raise ValueError("engine='vllm' does not stream block-wise: disable rollout.spot")
+        spot_on = bool(spot and spot.get("enabled"))
+        if engine == "vllm" and spot_on and spot.get("engine", "exact") != "exact":
+            raise ValueError(
+                f"engine='vllm' with rollout.spot.engine={spot.get('engine')!r}: the emulated "
+                "engine models the rollout engine; use rollout.engine=hf with it"
+            )
         torch.set_num_threads(threads or self.num_threads)
         self.device = torch_device(self.devices)
         self.tokenizer = build_tokenizer(tokenizer)
@@ -71,20 +77,21 @@ class RolloutWorker(Worker):
         self.task = task
         self.seed = seed
         self._heldout: TaskDataset | None = None
-        self.pool = None
-        if spot and spot.get("enabled"):
-            from ..spot.pool import ReservedSeeder
-
-            self.pool = ReservedSeeder(self, spot, model, tokenizer)
         self.vllm = None
         if engine == "vllm":
             from .vllm_engine import VllmEngine
 
             # Built from the initial weights; m2flow.sync_weights replaces them in place.
             self.vllm = VllmEngine(
-                self.model.cpu(), self.tokenizer, temperature=temperature, top_p=top_p, seed=seed
-            )
+                self.model.cpu(), self.tokenizer, temperature=temperature, top_p=top_p,
+                seed=seed, min_new_tokens=spot.get("min_new_tokens", 0) if spot_on else 0,
+            )  # fmt: skip
             self.model.to(self.device)
+        self.pool = None
+        if spot_on:
+            from ..spot.pool import ReservedSeeder
+
+            self.pool = ReservedSeeder(self, spot, model, tokenizer)
 
     # -- generation -------------------------------------------------------------------------
 
@@ -189,6 +196,10 @@ class RolloutWorker(Worker):
     def offload(self) -> None:
         # Weights can always be re-synced, but moving them is cheaper than a resync here.
         offload_module(self.model, self.device)
+        if self.vllm is not None:  # GPU: sleep level 1 (weights to host, KV cache freed)
+            self.vllm.sleep()
 
     def onload(self) -> None:
         onload_module(self.model, self.device)
+        if self.vllm is not None:
+            self.vllm.wake_up()

@@ -4,7 +4,9 @@ Its loop (RLBoost 4.2-4.3): pull the staged weights when the manager has a newer
 (pull-based, versioned: an instance that joins mid-step loads them, then takes work), lease
 its pending requests up to its batch room, generate one block of tokens
 (:class:`~m2flow.workers.rollout.exact.ExactEngine`), report the block, drop what the manager
-revokes. With ``args["engine"] == "emulated"`` the engine is an
+revokes. With ``args["engine"] == "vllm"`` it is a
+:class:`~m2flow.workers.rollout.vllm_engine.VllmEngine` (block-wise continuation, same
+loop). With ``args["engine"] == "emulated"`` the engine is an
 :class:`~m2flow.workers.rollout.emulated.EmulatedEngine` on the same loop (no model is built; a
 weight pull sleeps its modelled transfer time). If its node disappears, the process dies
 mid-block; the manager still holds every response up to the last reported block and moves it
@@ -25,7 +27,8 @@ class SpotInstance:
     instance_id: its name at the manager.
     block_tokens: tokens generated between reports.
     max_batch: requests executing at once.
-    args: ``{"model", "tokenizer", "temperature", "top_p", "seed", "batch_rows", "threads"}``;
+    args: ``{"model", "tokenizer", "temperature", "top_p", "seed", "batch_rows", "threads"}``
+        plus ``"engine": "exact"|"vllm"`` (vllm: ``max_batch`` is vLLM's ``max_num_seqs``);
         for an emulated engine ``{"engine": "emulated", "emulated", "eos_id", "filler_id",
         "seed"}`` (:class:`~m2flow.workers.spot.config.EmulatedEngineConfig` fields).
     """
@@ -34,6 +37,7 @@ class SpotInstance:
         self.id, self.block, self.max_batch = instance_id, block_tokens, max_batch
         self.version = -1
         self.stop = threading.Event()
+        self.vllm = args.get("engine") == "vllm"
         if args.get("engine") == "emulated":
             from ..rollout.emulated import EmulatedEngine
 
@@ -51,6 +55,14 @@ class SpotInstance:
         torch.set_num_threads(args.get("threads", 1))
         tok = build_tokenizer(args["tokenizer"])
         self.model = build_model(ModelConfig(**args["model"]), tok)
+        if self.vllm:  # weights arrive by the first pull, as for the exact engine
+            from ..rollout.vllm_engine import VllmEngine
+
+            self.engine = VllmEngine(
+                self.model, tok, args["temperature"], args["top_p"], seed=args["seed"],
+                max_num_seqs=max_batch, min_new_tokens=args.get("min_new_tokens", 0),
+            )  # fmt: skip
+            return
         self.engine = ExactEngine(
             self.model, tok.eos_token_id, args["temperature"], args["top_p"], args["seed"],
             args["batch_rows"], args.get("min_new_tokens", 0),
@@ -75,6 +87,8 @@ class SpotInstance:
             if version != self.version and refs:
                 if self.model is None:  # emulated: the modelled pull of the weights' bytes
                     self.engine.load_weights(version)
+                elif self.vllm:  # in place, prefix cache dropped
+                    self.engine.load_weights(ray.get(refs[0]), version)
                 else:
                     self.model.load_state_dict(ray.get(refs[0]))
                 self.version = version

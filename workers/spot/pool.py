@@ -40,7 +40,8 @@ class ReservedSeeder:
             "model": model, "tokenizer": tokenizer, "temperature": worker.temperature,
             "top_p": worker.top_p, "seed": worker.seed, "batch_rows": self.cfg.batch_rows,
             "threads": self.cfg.threads, "min_new_tokens": self.cfg.min_new_tokens,
-            "engine": self.cfg.engine, "emulated": asdict(self.cfg.emulated),
+            "engine": "vllm" if worker.vllm is not None else self.cfg.engine,
+            "emulated": asdict(self.cfg.emulated),
             "eos_id": worker.tokenizer.eos_token_id, "filler_id": len(worker.tokenizer) - 1,
         }  # fmt: skip
         self.manager = get_manager(asdict(self.cfg), worker.world_size, args)
@@ -49,6 +50,8 @@ class ReservedSeeder:
                 args["emulated"], args["eos_id"], args["filler_id"], worker.seed,
                 self.cfg.min_new_tokens,
             )  # fmt: skip
+        elif worker.vllm is not None:  # rollout.engine=vllm: block-wise vLLM (docs/spot.md)
+            self.engine = worker.vllm
         else:
             self.engine = ExactEngine(
                 worker.model, worker.tokenizer.eos_token_id, worker.temperature, worker.top_p,
