@@ -381,6 +381,9 @@ def plan(
     """Print the plan for N devices: tree, components, prediction, runner-ups."""
     from .config import ConfigError
 
+    global out, err
+    # Fresh consoles per call: one built at import fixes its width from COLUMNS as it was then.
+    out, err = Console(soft_wrap=True), Console(stderr=True, soft_wrap=True)
     try:
         prof, result, placement, spot = _plan(
             target, devices, nodes, mode, memory_gb, overrides or [], idle, slack, spot_trace,

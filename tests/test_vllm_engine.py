@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm")
+# A vLLM engine start (import, profiling) took 20-130 s on the loaded 2-core box: conftest's
+# 120 s bound on a worker's __init__ is too tight for it (this env runs only vLLM modules).
+os.environ["M2FLOW_WAIT_TIMEOUT"] = "300"
 
 import torch  # noqa: E402
 from m2flow.workers.actor.losses import sequence_logprobs  # noqa: E402
@@ -184,13 +187,20 @@ def test_seeded_prefills_over_the_batch_token_budget():
     assert gen["response_mask"].sum() == 40 * 4
 
 
-def test_grpo_workflow_with_vllm_rollout(tmp_path):
-    """Two GRPO steps with rollout.engine=vllm: the run completes and after each step the
-    rollout holds the actor's new weight version."""
+def test_grpo_workflow_with_vllm_rollout_and_megatron_actor(tmp_path):
+    """Two GRPO steps with both real engines, rollout.engine=vllm and actor.engine=megatron
+    (TP 2 over 2 devices; CI's vLLM environment has the megatron extra too): the run completes
+    and after each step the rollout holds the actor's new weight version. (vLLM with the torch
+    actor runs in tests/test_vllm_spot.py and tests/test_tokenizers_vllm.py.)"""
+    pytest.importorskip("megatron.core")
     run_dir = tmp_path / "run"
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path / "vllm_cache"))
     overrides = [f"model.{k}={v}" for k, v in TINY.items()] + [
+        "model.num_key_value_heads=2",  # TP 2 splits the KV heads
         "rollout.engine=vllm",
+        "actor.engine=megatron",
+        "actor.tensor_parallel=2",
+        "cluster.devices_per_node=2",
         "trainer.steps=2",
         "warm_start.steps=2",
         "warm_start.batch_size=16",

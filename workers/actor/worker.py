@@ -335,8 +335,9 @@ class ActorWorker(Worker):
             if len(data["advantages"]):
                 trained += self.trainer.accumulate(data, self.micro_batch_size)
                 parts += 1
-        metrics = self.trainer.finish_accumulation()
-        out = self._finish(metrics if trained else {}, samples, trained, stale)
+        metrics = self.trainer.finish_accumulation()  # data parallel: the global step's
+        # A data-parallel rank that got no chunk still took the global step: report it.
+        out = self._finish(metrics if metrics.get("steps") else {}, samples, trained, stale)
         out["parts"] = parts
         return out
 
