@@ -231,7 +231,14 @@ class PolicyTrainer:
         lp = self.logprobs_fn(
             self.model, *(mb[k] for k in RESPONSE_KEYS), temperature=self.temperature
         )
-        loss, m = grpo_loss(
+        loss, m = self.grpo_loss(lp, mb, num_tokens)
+        loss.backward()
+        return loss.item(), m, float(mb["response_mask"].sum())
+
+    def grpo_loss(self, lp: torch.Tensor, mb: dict, num_tokens: float):
+        """:func:`~.losses.grpo_loss` of logprobs ``lp`` ``[B, R]`` on micro-batch ``mb`` with
+        this trainer's clip range and KL weight; returns ``(loss, metrics)``."""
+        return grpo_loss(
             lp,
             mb["old_logprobs"],
             mb["advantages"],
@@ -242,8 +249,6 @@ class PolicyTrainer:
             kl_coef=self.kl_coef,
             num_tokens=num_tokens,
         )
-        loss.backward()
-        return loss.item(), m, float(mb["response_mask"].sum())
 
     def finish_accumulation(self) -> dict[str, float]:
         """Scale the accumulated gradients to the token mean and take one optimizer step.

@@ -13,8 +13,6 @@ after step A (weights and optimizer: the cross-engine resume) and runs step B. R
 
 from __future__ import annotations
 
-import datetime
-import warnings
 from pathlib import Path
 
 import torch
@@ -23,16 +21,9 @@ import torch.distributed as dist
 
 def critic_parity_rank(rank: int, world: int, workdir: str, tp: int, dp: int, pp: int = 1):
     """One rank of the critic parity run (``pp`` must be 1); writes ``workdir/rank0.pt``."""
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    workdir = Path(workdir)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{workdir / 'rendezvous'}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    from ..actor.megatron.parity import join_world
+
+    workdir = join_world(rank, world, workdir)
     try:
         _run(rank, world, workdir, tp)
     finally:

@@ -170,7 +170,6 @@ class MegatronPolicyTrainer(PolicyTrainer):
         :meth:`finish_accumulation`)."""
         if self.pp == 1:
             return super().accumulate(batch, micro_batch_size)
-        from ..losses import grpo_loss
         from ..trainer import RESPONSE_KEYS
         from .pipeline import run_schedule
 
@@ -185,17 +184,8 @@ class MegatronPolicyTrainer(PolicyTrainer):
         acc["tokens"] += float(batch["response_mask"].sum())
 
         def loss_fn(lp, mb):
-            loss, m = grpo_loss(
-                lp,
-                mb["old_logprobs"],
-                mb["advantages"],
-                mb["response_mask"],
-                self.clip_eps_low,
-                self.clip_eps_high,
-                ref_logprobs=mb.get("ref_logprobs"),
-                kl_coef=self.kl_coef,
-                num_tokens=1.0,  # a token sum: divided by the whole batch's tokens at the end
-            )
+            # a token sum: divided by the whole batch's tokens at the end
+            loss, m = self.grpo_loss(lp, mb, num_tokens=1.0)
             tokens = float(mb["response_mask"].sum())
             acc["loss"] += loss.item()
             for k, v in m.items():

@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 
 
-def parity_rank(rank: int, world: int, workdir: str, tp: int, dp: int, pp: int = 1) -> None:
-    """One rank of the parity run; writes ``workdir/rank{rank}.pt``."""
+def join_world(rank: int, world: int, workdir: str | os.PathLike) -> Path:
+    """A spawned rank's set-up: quiet warnings, one torch thread, and the gloo world of
+    :func:`spawn_parity` (file rendezvous in ``workdir``, 60 s timeout). Returns ``workdir``."""
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     workdir = Path(workdir)
@@ -46,6 +47,12 @@ def parity_rank(rank: int, world: int, workdir: str, tp: int, dp: int, pp: int =
         world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
+    return workdir
+
+
+def parity_rank(rank: int, world: int, workdir: str, tp: int, dp: int, pp: int = 1) -> None:
+    """One rank of the parity run; writes ``workdir/rank{rank}.pt``."""
+    workdir = join_world(rank, world, workdir)
     try:
         _run(rank, workdir, tp, dp, pp)
     finally:
@@ -163,16 +170,7 @@ def engine_rank(rank: int, world: int, workdir: str, tp: int, dp: int, pp: int =
     micro_batch_size)``, one :meth:`~.engine.MegatronEngine.train` call each, with an
     offload/onload before each); rank 0 writes ``engine.pt`` (``metrics`` per call, ``hf``: the
     gathered weights)."""
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    workdir = Path(workdir)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{workdir / 'rendezvous'}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    workdir = join_world(rank, world, workdir)
     from .engine import MegatronEngine
 
     case = torch.load(workdir / "case.pt", weights_only=False)
