@@ -61,15 +61,14 @@ def _max_logprob_error(engine: VllmEngine, model, tok, temperature: float) -> fl
     prompts = [tok.encode(s) for s in ["1+2=", "7-3+4=", "9=", "12+34-5="]]
     gen = engine.generate(prompts, n_samples=3, max_new_tokens=12, sample_keys=None)
     assert gen["response_ids"].shape[0] == 12 and gen["response_mask"].sum() > 12
+    return _vs_actor(model, gen, temperature)
+
+
+def _vs_actor(model, gen: dict, temperature: float) -> float:
+    """Max |engine logprob - the actor's ``sequence_logprobs``| over a generation batch."""
     with torch.no_grad():
-        ref = sequence_logprobs(
-            model,
-            gen["prompt_ids"],
-            gen["prompt_mask"],
-            gen["response_ids"],
-            gen["response_mask"],
-            temperature=temperature,
-        )
+        keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+        ref = sequence_logprobs(model, *(gen[k] for k in keys), temperature=temperature)
     return float((ref - gen["logprobs"]).abs().max())
 
 
@@ -102,17 +101,7 @@ def test_logprobs_match_actor_before_and_after_weight_update():
 
 def _actor_error(model, tok, requests: list[GenRequest], n_samples: int, t: float) -> float:
     """Max |engine logprob - sequence_logprobs| over the finished ``requests``."""
-    gen = to_generation_output(requests, tok.pad_token_id, n_samples)
-    with torch.no_grad():
-        ref = sequence_logprobs(
-            model,
-            gen["prompt_ids"],
-            gen["prompt_mask"],
-            gen["response_ids"],
-            gen["response_mask"],
-            temperature=t,
-        )
-    return float((ref - gen["logprobs"]).abs().max())
+    return _vs_actor(model, to_generation_output(requests, tok.pad_token_id, n_samples), t)
 
 
 def test_block_continuation_after_preemption_on_a_second_engine():

@@ -205,14 +205,7 @@ class PolicyTrainer:
         the consumer side of elastic pipelining (RLinf section 3.3). Same keys as
         :meth:`train_on_batch`. Returns the responses processed.
         """
-        if "old_logprobs" not in batch:
-            batch = dict(batch, old_logprobs=self.compute_logprobs(batch, micro_batch_size))
-        keys = [*RESPONSE_KEYS, "advantages", "old_logprobs"] + (
-            ["ref_logprobs"] if "ref_logprobs" in batch else []
-        )
-        if self._accumulated is None:
-            self._accumulated = defaultdict(float)
-        acc = self._accumulated
+        batch, keys, acc = self._begin_accumulation(batch, micro_batch_size)
         self.model.train()
         n = len(batch["response_ids"])
         for micro in _chunks(torch.arange(n), micro_batch_size):
@@ -234,6 +227,18 @@ class PolicyTrainer:
         loss, m = self.grpo_loss(lp, mb, num_tokens)
         loss.backward()
         return loss.item(), m, float(mb["response_mask"].sum())
+
+    def _begin_accumulation(self, batch: dict, micro_batch_size: int | None):
+        """``(batch, keys, sums)``: ``batch`` with behaviour logprobs (recomputed before any
+        update if absent), the keys a micro-batch needs, the step's running sums."""
+        if "old_logprobs" not in batch:
+            batch = dict(batch, old_logprobs=self.compute_logprobs(batch, micro_batch_size))
+        keys = [*RESPONSE_KEYS, "advantages", "old_logprobs"] + (
+            ["ref_logprobs"] if "ref_logprobs" in batch else []
+        )
+        if self._accumulated is None:
+            self._accumulated = defaultdict(float)
+        return batch, keys, self._accumulated
 
     def grpo_loss(self, lp: torch.Tensor, mb: dict, num_tokens: float):
         """:func:`~.losses.grpo_loss` of logprobs ``lp`` ``[B, R]`` on micro-batch ``mb`` with

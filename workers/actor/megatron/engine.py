@@ -170,17 +170,9 @@ class MegatronPolicyTrainer(PolicyTrainer):
         :meth:`finish_accumulation`)."""
         if self.pp == 1:
             return super().accumulate(batch, micro_batch_size)
-        from ..trainer import RESPONSE_KEYS
         from .pipeline import run_schedule
 
-        if "old_logprobs" not in batch:
-            batch = dict(batch, old_logprobs=self.compute_logprobs(batch, micro_batch_size))
-        keys = [*RESPONSE_KEYS, "advantages", "old_logprobs"] + (
-            ["ref_logprobs"] if "ref_logprobs" in batch else []
-        )
-        if self._accumulated is None:
-            self._accumulated = defaultdict(float)
-        acc = self._accumulated
+        batch, keys, acc = self._begin_accumulation(batch, micro_batch_size)
         acc["tokens"] += float(batch["response_mask"].sum())
 
         def loss_fn(lp, mb):
