@@ -218,7 +218,7 @@ def test_bad_megatron_settings_are_refused_at_launch(cluster):
     kw = dict(model=MODEL, tokenizer=TOKENIZER, threads=1, engine="megatron")
     cases = [
         (dict(tensor_parallel=2, pipeline_parallel=2), "x actor.pipeline_parallel=2 must divide"),
-        (dict(tensor_parallel=4), "actor.tensor_parallel=4 x actor.pipeline_parallel=1 must"),
+        (dict(tensor_parallel=4), "actor.tensor_parallel=4 must divide"),
         (dict(tensor_parallel=2, model=TINY_MODEL), "num_key_value_heads=1"),
         (dict(pipeline_parallel=2), "model.num_hidden_layers=1 is not divisible"),
     ]

@@ -44,7 +44,22 @@ TINY = {
     "num_key_value_heads": 1,
     "max_position_embeddings": 64,
 }
-LOGPROB_ATOL = 1e-4  # fp32 both sides; the probe measured 4.8e-6
+LOGPROB_ATOL = 1e-4
+#: A 2-step GRPO run on small data, one thread per worker (the vLLM workflow tests').
+SHORT_RUN = [
+    "trainer.steps=2",
+    "warm_start.steps=2",
+    "warm_start.batch_size=16",
+    "warm_start.eval_every=1",
+    "task.train_size=64",
+    "task.val_size=16",
+    "task.heldout_size=16",
+    "trainer.eval_every=2",
+    "trainer.save_every=2",
+    "rollout.threads=1",
+    "actor.threads=1",
+    "cluster.num_cpus=2",
+]  # fp32 both sides; the probe measured 4.8e-6
 
 
 def _model(seed: int):
@@ -190,21 +205,10 @@ def test_grpo_workflow_with_vllm_rollout_and_megatron_actor(tmp_path):
         "actor.engine=megatron",
         "actor.tensor_parallel=2",
         "cluster.devices_per_node=2",
-        "trainer.steps=2",
-        "warm_start.steps=2",
-        "warm_start.batch_size=16",
-        "warm_start.eval_every=1",
-        "task.train_size=64",
-        "task.val_size=16",
-        "task.heldout_size=16",
         "trainer.prompts_per_step=4",
         "rollout.n_samples=4",
-        "trainer.eval_every=2",
-        "trainer.save_every=2",
-        "rollout.threads=1",
-        "actor.threads=1",
-        "cluster.num_cpus=2",
         f"trainer.run_dir={run_dir}",
+        *SHORT_RUN,
     ]
     session = run_workflow(ROOT / "workflows" / "grpo.py", overrides)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -33,6 +33,7 @@ from m2flow.workers.rollout.vllm_engine import VllmEngine  # noqa: E402
 from m2flow.workers.rollout.worker import RolloutWorker  # noqa: E402
 from m2flow.workers.spot.manager import MANAGER_NAME  # noqa: E402
 from m2flow.workers.tasks import TaskDataset  # noqa: E402
+from test_vllm_engine import LOGPROB_ATOL, SHORT_RUN, TINY  # noqa: E402
 
 from m2flow import Channel, sync_weights  # noqa: E402
 from m2flow.cluster import NAMESPACE, VIRTUAL_DEVICE_RESOURCE, Cluster  # noqa: E402
@@ -43,16 +44,11 @@ from m2flow.workflow import run_workflow  # noqa: E402
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
-# vLLM's CPU attention needs head_dim >= 64: hidden 128 with 2 heads.
-TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1,
-        "max_position_embeddings": 64}  # fmt: skip
 ALPHABET = "0123456789+-="
 TOKENIZER = {"name": "char", "alphabet": ALPHABET}  # the spec workers take
 SAMPLES, MAX_NEW, BLOCK, TEMPERATURE, SEED = 4, 32, 4, 1.0, 7
 SPOT = {"enabled": True, "t_seed_init": 0.3, "block_tokens": BLOCK, "micro_batch_prompts": 2,
         "theta": 4, "max_batch": 8, "n_prem_max": 2}  # fmt: skip
-LOGPROB_ATOL = 1e-4
 
 
 def wait_until(predicate, timeout: float, what: str, poll: float = 0.2):
@@ -191,21 +187,10 @@ def test_grpo_workflow_with_vllm_spot_pool(tmp_path):
         "rollout.spot.micro_batch_prompts=2",
         "cluster.spot.nodes=1",
         "rollout.max_new_tokens=12",
-        "trainer.steps=2",
-        "warm_start.steps=2",
-        "warm_start.batch_size=16",
-        "warm_start.eval_every=1",
-        "task.train_size=64",
-        "task.val_size=16",
-        "task.heldout_size=16",
         f"trainer.prompts_per_step={prompts}",
         f"rollout.n_samples={samples}",
-        "trainer.eval_every=2",
-        "trainer.save_every=2",
-        "rollout.threads=1",
-        "actor.threads=1",
-        "cluster.num_cpus=2",
         f"trainer.run_dir={run_dir}",
+        *SHORT_RUN,
     ]
     run_workflow(ROOT / "workflows" / "grpo.py", overrides)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

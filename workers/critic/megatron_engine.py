@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import warnings
 
 import torch
@@ -43,38 +42,17 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def check_config(world_size: int, kwargs: dict) -> None:
-    """Refuse a Megatron critic configuration before any process starts.
-
-    Args:
-        world_size: the critic's ranks (one per device).
-        kwargs: the :class:`~.worker.CriticWorker` arguments (``tensor_parallel``, ``model``).
+    """Refuse a Megatron critic configuration before any process starts: the actor's checks
+    (:func:`~..actor.megatron.engine.check_config`) under ``critic.*`` names (the critic runs
+    one pipeline stage: its config has no ``pipeline_parallel``).
 
     Raises:
         ValueError: megatron-core missing, or a TP size that does not divide the ranks or the
             model's heads; the message names the fix.
     """
-    from ..llm import ModelConfig
+    from ..actor.megatron.engine import check_config as check
 
-    if importlib.util.find_spec("megatron") is None or (
-        importlib.util.find_spec("megatron.core") is None
-    ):
-        raise ValueError(
-            "critic.engine=megatron needs megatron-core: pip install -c constraints.txt "
-            "-e '.[megatron]' (or set critic.engine=torch)"
-        )
-    tp = int(kwargs.get("tensor_parallel", 1))
-    if tp < 1 or world_size % tp:
-        raise ValueError(
-            f"critic.tensor_parallel={tp} must divide the critic's {world_size} ranks (one per "
-            "device): change critic.tensor_parallel or the devices the plan gives the critic"
-        )
-    model = ModelConfig(**kwargs.get("model", {}))
-    for name in ("num_attention_heads", "num_key_value_heads"):
-        if getattr(model, name) % tp:
-            raise ValueError(
-                f"model.{name}={getattr(model, name)} is not divisible by "
-                f"critic.tensor_parallel={tp}: pick a tensor_parallel that divides it"
-            )
+    check(world_size, {**kwargs, "pipeline_parallel": 1}, role="critic")
 
 
 class ValueHead(nn.Linear):
@@ -249,11 +227,13 @@ class MegatronCritic:
         warnings.filterwarnings("ignore", message=_QUIET)
         from megatron.core import parallel_state as ps
 
+        from m2flow._env import wait_timeout
+
         from ..actor.megatron.model import init_parallel
 
         if not dist.is_initialized():
             dp.init(rank, world_size, rendezvous["addr"], rendezvous["port"], device)
-        init_parallel(tp=tensor_parallel, pp=1)
+        init_parallel(tp=tensor_parallel, pp=1, timeout_s=wait_timeout())  # as the actor's
         self.rank, self.names = rank, names
         self.tp, self.dp = tensor_parallel, world_size // tensor_parallel
         self.tp_rank, self.dp_rank = (

@@ -351,7 +351,8 @@ class VllmEngine:
         self.wake_up()  # reload_weights writes into the device copy
         worker = self.llm.llm_engine.model_executor.driver_worker.worker
         worker.reload_weights(
-            weights_iterator=[(k, v.detach().to("cpu", torch.float32)) for k, v in weights.items()]
+            # fp32 where they are: the loaders copy into the engine's own device tensors
+            weights_iterator=[(k, v.detach().to(dtype=torch.float32)) for k, v in weights.items()]
         )
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests in flight?)")

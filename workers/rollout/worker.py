@@ -174,7 +174,9 @@ class RolloutWorker(Worker):
         if self.vllm is not None:
             self.vllm.load_weights(weights, version)
         if self.pool is not None and self.rank == 0:
-            self.pool.stage(weights, version)
+            # Host copies of their own: cuda_ipc delivers views into the source's packed
+            # buffers (pickling a view writes its whole storage), and spot nodes may lack CUDA.
+            self.pool.stage({k: v.detach().cpu() for k, v in weights.items()}, version)
 
     # -- evaluation -------------------------------------------------------------------------
 

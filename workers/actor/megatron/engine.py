@@ -55,13 +55,14 @@ _QUIET = (
 )
 
 
-def check_config(world_size: int, kwargs: dict) -> None:
-    """Refuse a Megatron actor configuration before any process starts.
+def check_config(world_size: int, kwargs: dict, role: str = "actor") -> None:
+    """Refuse a Megatron configuration before any process starts.
 
     Args:
-        world_size: the actor's ranks (one per device).
-        kwargs: the :class:`~..worker.ActorWorker` arguments (``tensor_parallel``,
-            ``pipeline_parallel``, ``model``).
+        world_size: the group's ranks (one per device).
+        kwargs: the worker's arguments (``tensor_parallel``, ``pipeline_parallel``, ``model``).
+        role: the config section the messages name (``actor``; ``critic`` for
+            :func:`~...critic.megatron_engine.check_config`).
 
     Raises:
         ValueError: megatron-core missing, ``tensor_parallel * pipeline_parallel`` not dividing
@@ -74,28 +75,28 @@ def check_config(world_size: int, kwargs: dict) -> None:
         importlib.util.find_spec("megatron.core") is None
     ):
         raise ValueError(
-            "actor.engine=megatron needs megatron-core: pip install -c constraints.txt "
-            "-e '.[megatron]' (or set actor.engine=torch)"
+            f"{role}.engine=megatron needs megatron-core: pip install -c constraints.txt "
+            f"-e '.[megatron]' (or set {role}.engine=torch)"
         )
     tp, pp = int(kwargs.get("tensor_parallel", 1)), int(kwargs.get("pipeline_parallel", 1))
     if tp < 1 or pp < 1 or world_size % (tp * pp):
+        knobs = [f"{role}.tensor_parallel={tp}"] + [f"{role}.pipeline_parallel={pp}"] * (pp != 1)
         raise ValueError(
-            f"actor.tensor_parallel={tp} x actor.pipeline_parallel={pp} must divide the "
-            f"actor's {world_size} ranks (one per device; DP = ranks / (TP x PP)): change "
-            "actor.tensor_parallel / actor.pipeline_parallel or the devices the plan gives the "
-            "actor"
+            f"{' x '.join(knobs)} must divide the {role}'s {world_size} ranks (one per device; "
+            f"DP = ranks / (TP x PP)): change {' / '.join(k.split('=')[0] for k in knobs)} or "
+            f"the devices the plan gives the {role}"
         )
     model = ModelConfig(**kwargs.get("model", {}))
     for field in ("num_attention_heads", "num_key_value_heads"):
         if getattr(model, field) % tp:
             raise ValueError(
                 f"model.{field}={getattr(model, field)} is not divisible by "
-                f"actor.tensor_parallel={tp}: pick a tensor_parallel that divides it"
+                f"{role}.tensor_parallel={tp}: pick a tensor_parallel that divides it"
             )
     if model.num_hidden_layers % pp:
         raise ValueError(
             f"model.num_hidden_layers={model.num_hidden_layers} is not divisible by "
-            f"actor.pipeline_parallel={pp} (each stage takes the same number of layers): pick "
+            f"{role}.pipeline_parallel={pp} (each stage takes the same number of layers): pick "
             "a pipeline_parallel that divides it"
         )
 
