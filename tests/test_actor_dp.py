@@ -76,9 +76,15 @@ def test_two_ranks_take_the_one_rank_step(cluster):
         w_dp = two.get_weights().wait(60)  # both ranks
         moved = max(float((w1[n] - before[n]).abs().max()) for n in w1)
         assert moved > 1e-4  # the step did something
+        # = one rank's step. AdamW's first step moves an element by lr * g / (|g| + eps): where
+        # |g| is within ~100x of eps (1e-8), the summation order of the all-reduced gradient
+        # (rounding ~1e-9) shows, up to ~1 % of lr (2.5e-5 seen at lr 1e-2); elsewhere 1e-6.
+        off = 0
         for n in w1:
             assert torch.equal(w_dp[0][n], w_dp[1][n]), n  # the ranks stay identical
-            assert torch.allclose(w_dp[0][n], w1[n], atol=1e-6), n  # = one rank's step
+            torch.testing.assert_close(w_dp[0][n], w1[n], rtol=0, atol=1e-2 * kw["lr"])
+            off += int(((w_dp[0][n] - w1[n]).abs() > 1e-6).sum())
+        assert off <= 1e-3 * sum(w.numel() for w in w1.values()), off
     finally:
         one.shutdown()
         two.shutdown()

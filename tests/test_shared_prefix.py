@@ -137,7 +137,8 @@ def shorten(out: dict, tok) -> dict:
     (columns past every response, as a micro-batch of a wider batch has)."""
     out = dict(out)
     ids, mask = out["response_ids"].clone(), out["response_mask"].clone()
-    ids[:, 1], ids[:, 2:], mask[:, 2:] = tok.eos_token_id, tok.pad_token_id, 0
+    ids[:, 1], ids[:, 2:] = tok.eos_token_id, tok.pad_token_id
+    mask[:, :2], mask[:, 2:] = 1, 0  # also where the sampled first token was EOS
     out["response_ids"], out["response_mask"] = ids, mask
     return out
 

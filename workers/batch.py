@@ -30,7 +30,7 @@ def _pad(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
     extra = width - t.shape[1]
     if extra == 0:
         return t
-    fill = torch.full((t.shape[0], extra), value, dtype=t.dtype)
+    fill = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
     return torch.cat([fill, t] if left else [t, fill], dim=1)
 
 
@@ -59,3 +59,22 @@ def concat(chunks: list[TensorDict], pad_token_id: int) -> TensorDict:
 def num_tokens(batch: TensorDict) -> int:
     """Real (unpadded) prompt + response tokens in the batch."""
     return int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+
+
+def row_index(n: int) -> torch.Tensor:
+    """``[n]`` row indices ``0..n-1`` on the host, where batches live between workers."""
+    return torch.arange(n, device="cpu")
+
+
+def row_order(n: int, shuffle: bool, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``[n]`` host row indices, permuted by ``torch.randperm(n, generator=generator)`` when
+    ``shuffle`` (PPO epochs), else in order."""
+    if shuffle:
+        return torch.randperm(n, generator=generator, device="cpu")
+    return row_index(n)
+
+
+def split_rows(idx: torch.Tensor, size: int | None) -> list[torch.Tensor]:
+    """``idx`` in consecutive pieces of ``size`` rows (the last may be shorter); ``None`` or 0:
+    one piece. How global batches split into mini-batches and those into micro-batches."""
+    return list(torch.split(idx, size or len(idx)))

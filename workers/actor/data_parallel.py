@@ -85,9 +85,19 @@ def all_reduce_sums(
     values: dict[str, float], keys: tuple[str, ...], group=None
 ) -> dict[str, float]:
     """``keys`` of ``values`` (missing: 0) summed over the ranks of ``group`` (default: all)."""
-    t = torch.tensor([float(values.get(k, 0.0)) for k in keys], dtype=torch.float64)
+    t = torch.tensor(
+        [float(values.get(k, 0.0)) for k in keys], dtype=torch.float64, device=comm_device(group)
+    )
     dist.all_reduce(t, group=group)
     return dict(zip(keys, t.tolist()))
+
+
+def comm_device(group=None) -> torch.device:
+    """Where a collective's own tensors must live: the current GPU under NCCL (it reduces
+    device memory only), the host under gloo."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def broadcast_model(model: torch.nn.Module, src: int = 0) -> None:

@@ -133,9 +133,9 @@ def grpo_advantages(
     rewards = rewards.float()
     _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
     n = counts.float()
-    sums = torch.zeros(len(counts)).index_add_(0, inverse, rewards)
+    sums = rewards.new_zeros(len(counts)).index_add_(0, inverse, rewards)
     mean = sums / n
-    sq = torch.zeros(len(counts)).index_add_(0, inverse, (rewards - mean[inverse]) ** 2)
+    sq = rewards.new_zeros(len(counts)).index_add_(0, inverse, (rewards - mean[inverse]) ** 2)
     std = torch.sqrt(sq / (n - 1).clamp(min=1))
     adv = (rewards - mean[inverse]) / (std[inverse] + eps)
     return torch.where(counts[inverse] > 1, adv, torch.zeros_like(adv))

@@ -69,7 +69,7 @@ class ReferenceWorker(Worker):
     def _logprobs(self, batch) -> torch.Tensor:
         """``[B, R]`` logprobs by the actor's own function (same numerics), micro-batched."""
         out = []
-        for idx in torch.split(torch.arange(len(batch)), self.micro or len(batch)):
+        for idx in torch.split(torch.arange(len(batch), device="cpu"), self.micro or len(batch)):
             mb = [batch[k][idx].to(self.device) for k in RESPONSE_KEYS]
             out.append(sequence_logprobs(self.model, *mb, temperature=self.temperature).cpu())
         return torch.cat(out)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..batch import row_index, row_order, split_rows
 from . import data_parallel
 from .losses import grpo_loss, sequence_logprobs, shared_prefix_logprobs
 
@@ -48,11 +49,6 @@ def _pack(tensors: list[torch.Tensor]) -> tuple[dict, list]:
 def _unpack(buffers: dict, layout: list) -> list[torch.Tensor]:
     """Inverse of :func:`_pack`: independent tensors (copies), in the packed order."""
     return [buffers[d][o : o + n].view(shape).clone() for d, o, n, shape in layout]
-
-
-def _chunks(idx: torch.Tensor, size: int | None) -> list[torch.Tensor]:
-    size = size or len(idx)
-    return list(torch.split(idx, size))
 
 
 class PolicyTrainer:
@@ -133,7 +129,7 @@ class PolicyTrainer:
         was_training = self.model.training
         self.model.eval()
         out = []
-        for idx in _chunks(torch.arange(len(batch["response_ids"])), micro_batch_size):
+        for idx in split_rows(row_index(len(batch["response_ids"])), micro_batch_size):
             mb = {k: batch[k][idx].to(self.device) for k in RESPONSE_KEYS}
             out.append(self.logprobs_fn(self.model, **mb, temperature=self.temperature).cpu())
         self.model.train(was_training)
@@ -175,11 +171,11 @@ class PolicyTrainer:
         sums: dict[str, float] = defaultdict(float)
         n_steps = 0
         for _ in range(epochs):
-            order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
-            for mini in _chunks(order, mini_batch_size):
+            order = row_order(n, shuffle, generator)
+            for mini in split_rows(order, mini_batch_size):
                 # Token mean over the whole mini-batch, whatever the micro split.
                 num_tokens = float(batch["response_mask"][mini].sum().clamp(min=1))
-                for micro in _chunks(mini, micro_batch_size):
+                for micro in split_rows(mini, micro_batch_size):
                     loss, m, tokens = self._backward(batch, micro, keys, num_tokens)
                     # Weight micro metrics by their share of the mini-batch tokens.
                     sums["loss"] += loss
@@ -208,7 +204,7 @@ class PolicyTrainer:
         batch, keys, acc = self._begin_accumulation(batch, micro_batch_size)
         self.model.train()
         n = len(batch["response_ids"])
-        for micro in _chunks(torch.arange(n), micro_batch_size):
+        for micro in split_rows(row_index(len(batch["response_ids"])), micro_batch_size):
             # A token sum (denominator 1): divided by the whole batch's tokens at the end.
             loss, m, tokens = self._backward(batch, micro, keys, 1.0)
             acc["tokens"] += tokens
@@ -303,10 +299,10 @@ class PolicyTrainer:
             ``loss`` (nats per answer token), ``grad_norm`` (pre-clip).
         """
         self.model.train()
-        idx_all = torch.arange(len(response_ids))
+        idx_all = row_index(len(response_ids))
         num_tokens = float(response_mask.sum().clamp(min=1))
         total = 0.0
-        for idx in _chunks(idx_all, micro_batch_size):
+        for idx in split_rows(idx_all, micro_batch_size):
             lp = sequence_logprobs(
                 self.model,
                 prompt_ids[idx].to(self.device),
@@ -355,7 +351,7 @@ class PolicyTrainer:
         tensors += [v for _, st in states for v in st.values() if isinstance(v, torch.Tensor)]
         flat, layout = _pack(tensors)
         for p in params:
-            p.data = torch.empty(0, dtype=p.dtype)
+            p.data = torch.empty(0, dtype=p.dtype, device="cpu")
         self.optimizer.state = defaultdict(dict)
         saved = {"device": device, "params": params, "states": states, "layout": layout}
         if spill_path is not None:

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from ..actor import data_parallel
-from ..actor.trainer import RESPONSE_KEYS, PolicyTrainer, _chunks
+from ..actor.trainer import RESPONSE_KEYS, PolicyTrainer
+from ..batch import row_index, row_order, split_rows
 from .losses import clipped_value_loss
 from .model import ValueModel, response_values, sequence_scores
 
@@ -43,10 +44,10 @@ class ValueTrainer(PolicyTrainer):
     def values(self, batch: Mapping[str, torch.Tensor], micro_batch_size=None) -> torch.Tensor:
         """``[B, R]`` per-token values (see :func:`response_values`), no grad."""
         self.model.eval()
-        idx_all = torch.arange(len(batch["response_ids"]))
+        idx_all = row_index(len(batch["response_ids"]))
         out = [
             self.values_fn(self.model, *self._inputs(batch, i)).cpu()
-            for i in _chunks(idx_all, micro_batch_size)
+            for i in split_rows(idx_all, micro_batch_size)
         ]
         return torch.cat(out)
 
@@ -54,10 +55,10 @@ class ValueTrainer(PolicyTrainer):
     def scores(self, batch: Mapping[str, torch.Tensor], micro_batch_size=None) -> torch.Tensor:
         """``[B]`` sequence scores in (0, 1): sigmoid of :func:`sequence_scores`, no grad."""
         self.model.eval()
-        idx_all = torch.arange(len(batch["response_ids"]))
+        idx_all = row_index(len(batch["response_ids"]))
         out = [
             torch.sigmoid(sequence_scores(self.model, *self._inputs(batch, i))).cpu()
-            for i in _chunks(idx_all, micro_batch_size)
+            for i in split_rows(idx_all, micro_batch_size)
         ]
         return torch.cat(out)
 
@@ -82,13 +83,13 @@ class ValueTrainer(PolicyTrainer):
         sums: dict[str, float] = defaultdict(float)
         steps = 0
         for _ in range(epochs):
-            order = torch.randperm(n, generator=generator) if epochs > 1 else torch.arange(n)
-            for mini in _chunks(order, mini_batch_size):
+            order = row_order(n, epochs > 1, generator)
+            for mini in split_rows(order, mini_batch_size):
                 # Token mean over the whole mini-batch (all DP slices), whatever the split.
                 num_tokens = float(batch["response_mask"][mini].sum().clamp(min=1))
                 mine = torch.tensor_split(mini, self.dp_size)[self.dp_rank]
                 part: dict[str, float] = defaultdict(float)
-                for micro in _chunks(mine, micro_batch_size) if len(mine) else []:
+                for micro in split_rows(mine, micro_batch_size) if len(mine) else []:
                     inputs = self._inputs(batch, micro)
                     loss, m = clipped_value_loss(
                         self.values_fn(self.model, *inputs),
@@ -117,7 +118,7 @@ class ValueTrainer(PolicyTrainer):
         """One optimizer step of binary cross-entropy between the sequence score and soft
         labels ``targets [B]`` in [0, 1] (the verifier's partial credit). Returns the loss."""
         self.model.train()
-        idx = torch.arange(len(targets))
+        idx = row_index(len(targets))
         logits = sequence_scores(self.model, *self._inputs(batch, idx))
         loss = F.binary_cross_entropy_with_logits(logits, targets.float().to(self.device))
         loss.backward()

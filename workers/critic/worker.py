@@ -155,7 +155,7 @@ class CriticWorker(Worker):
         rewards, dones, kl = token_rewards(
             score, batch["logprobs"], ref, batch["response_mask"], self.kl_coef
         )
-        adv, ret = gae(rewards, values, dones, torch.zeros(len(batch)), self.gamma, self.lam)
+        adv, ret = gae(rewards, values, dones, values.new_zeros(len(batch)), self.gamma, self.lam)
         mask = batch["response_mask"]
         batch["advantages"], batch["returns"] = adv * mask, ret * mask
         batch["old_values"], batch["kl"], batch["scores"] = values, kl, score.float()

@@ -17,6 +17,7 @@ import torch
 from m2flow import Channel, Worker
 
 from ..actor.losses import grpo_loss
+from ..batch import row_order, split_rows
 from ..checkpoint import load_state, save_state
 from ..critic.losses import clipped_value_loss, explained_variance, gae, masked_whiten
 from ..llm.placement import torch_device
@@ -101,13 +102,13 @@ class EmbodiedActorWorker(Worker):
             "returns": ret.reshape(-1),
         }
         n = len(flat["actions"])
-        ones = torch.ones(n, 1)
+        ones = flat["advantages"].new_ones(n, 1)
         flat["advantages"] = masked_whiten(flat["advantages"].unsqueeze(1), ones).squeeze(1)
         before = [p.detach().clone() for p in self.net.parameters()]
         sums: dict[str, float] = defaultdict(float)
         steps = 0
         for _ in range(self.epochs):
-            for idx in torch.split(torch.randperm(n, generator=self.generator), self.mini or n):
+            for idx in split_rows(row_order(n, True, self.generator), self.mini):
                 mb = {k: v[idx].to(self.device) for k, v in flat.items()}
                 sums_step = self._step(mb)
                 for k, v in sums_step.items():

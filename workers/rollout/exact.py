@@ -119,7 +119,7 @@ class ExactEngine:
         ids = torch.tensor(seqs, dtype=torch.long, device=self.device)
         logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
         logits = logits[: len(rows)].float().cpu()
-        early = torch.tensor([len(r.tokens) < self.min_new_tokens for r in rows])
+        early = torch.tensor([len(r.tokens) < self.min_new_tokens for r in rows], device="cpu")
         if early.any():
             logits[early, self.eos_id] = float("-inf")
         keys = np.array([r.key for r in rows], dtype=np.int64)
@@ -149,19 +149,19 @@ def to_generation_output(requests: list[GenRequest], pad_id: int, n_samples: int
         raise ValueError("to_generation_output needs finished requests of whole groups")
     ids, mask = left_pad([r.prompt_ids for r in reqs], pad_id)
     width = max(len(r.tokens) for r in reqs)
-    resp = torch.full((len(reqs), width), pad_id, dtype=torch.long)
-    rmask = torch.zeros((len(reqs), width), dtype=torch.long)
-    lps = torch.zeros((len(reqs), width), dtype=torch.float32)
+    resp = torch.full((len(reqs), width), pad_id, dtype=torch.long, device="cpu")
+    rmask = torch.zeros((len(reqs), width), dtype=torch.long, device="cpu")
+    lps = torch.zeros((len(reqs), width), dtype=torch.float32, device="cpu")
     for i, r in enumerate(reqs):
         n = len(r.tokens)
-        resp[i, :n] = torch.tensor(r.tokens)
+        resp[i, :n] = torch.tensor(r.tokens, device="cpu")
         rmask[i, :n] = 1
-        lps[i, :n] = torch.tensor(r.logprobs)
+        lps[i, :n] = torch.tensor(r.logprobs, device="cpu")
     return {
         "prompt_ids": ids,
         "prompt_mask": mask,
         "response_ids": resp,
         "response_mask": rmask,
         "logprobs": lps,
-        "group_index": torch.tensor([r.key[1] for r in reqs]),
+        "group_index": torch.tensor([r.key[1] for r in reqs], device="cpu"),
     }

@@ -1,4 +1,4 @@
-"""Batched sampling with Hugging Face ``model.generate`` (KV cache, stop on EOS, left padding).
+"""Batched sampling from a Hugging Face causal LM (KV cache, stop on EOS, left padding).
 
 Output layout (veRL-style), with ``B = num_prompts * n_samples`` responses:
 
@@ -18,42 +18,64 @@ Output layout (veRL-style), with ``B = num_prompts * n_samples`` responses:
   responses of one prompt are contiguous (one GRPO group).
 
 Concatenating ``prompt_ids`` and ``response_ids`` (and the masks) gives the actor's input;
-positions are ``cumsum(mask) - 1``, which is also what ``generate`` uses under left padding.
+positions are ``cumsum(mask) - 1`` under left padding, here and in the actor.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
-from transformers import (
-    DynamicCache,
-    GenerationConfig,
-    LogitsProcessorList,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from .sampling import CounterSampler, counter_uniforms
+from .sampling import counter_uniforms, sample_tokens
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists into ``(ids [N, L], mask [N, L])`` int64 tensors."""
     length = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(seqs), length), dtype=torch.long, device="cpu")
     for i, s in enumerate(seqs):
         if s:
-            ids[i, length - len(s) :] = torch.tensor(s, dtype=torch.long)
+            ids[i, length - len(s) :] = torch.tensor(s, dtype=torch.long, device="cpu")
             mask[i, length - len(s) :] = 1
     return ids, mask
 
 
-def eos_mask(response_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """``[B, R]`` mask that is 1 up to and including the first ``eos_id`` of each row."""
-    is_eos = (response_ids == eos_id).long()
+def eos_mask(response_ids: torch.Tensor, eos_ids: int | Sequence[int]) -> torch.Tensor:
+    """``[B, R]`` mask that is 1 up to and including the first stop token of each row.
+
+    Args:
+        eos_ids: the stop token, or several (a chat model may end a turn with one token and a
+            document with another: see :func:`stop_token_ids`).
+    """
+    ids = torch.as_tensor(eos_ids, device=response_ids.device).reshape(-1)
+    is_eos = torch.isin(response_ids, ids).long()
     # Number of EOS strictly before each position: 0 up to and including the first EOS.
     before = torch.cumsum(is_eos, dim=1) - is_eos
     return (before == 0).long()
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None):
+    """The tokens that end a response: the tokenizer's ``eos_token_id`` plus the model's
+    ``generation_config.eos_token_id`` (an int or a list; e.g. Qwen2.5-Instruct lists both
+    ``<|im_end|>`` and ``<|endoftext|>``). Returns a sorted list of ints.
+
+    Raises:
+        ValueError: neither names a stop token (a response could never end).
+    """
+    ids = {tokenizer.eos_token_id} - {None}
+    gen = getattr(model, "generation_config", None) if model is not None else None
+    extra = getattr(gen, "eos_token_id", None)
+    ids |= set(extra if isinstance(extra, (list, tuple)) else [extra]) - {None}
+    if not ids:
+        raise ValueError(
+            "the tokenizer has no eos_token and the model's generation config no eos_token_id: "
+            "set eos_token in the tokenizer files (tokenizer_config.json)"
+        )
+    return sorted(int(i) for i in ids)
 
 
 @torch.no_grad()
@@ -62,10 +84,10 @@ def prefill_shared(
 ) -> DynamicCache | None:
     """KV cache of ``[G, P]`` left-padded prompts without their last column (``P - 1`` tokens).
 
-    ``generate`` given this cache (expanded to the samples) and the full prompts feeds only the
-    last prompt token in its first forward, with the same positions (``cumsum(mask) - 1``) and
-    mask it would use for the whole prompt, so each prompt is prefilled once per group instead
-    of once per sample: the HF "reuse a prefix cache" pattern. Returns None when ``P < 2``.
+    Expanded to the samples (``cache.batch_repeat_interleave(n)``), the decode loop then feeds
+    only the last prompt token, with the same positions (``cumsum(mask) - 1``) and mask it would
+    use for the whole prompt, so each prompt is prefilled once per group instead of once per
+    sample. Returns None when ``P < 2``.
     """
     if prompt_ids.shape[1] < 2:
         return None
@@ -74,12 +96,17 @@ def prefill_shared(
     model(
         input_ids=ids,
         attention_mask=mask,
-        position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+        position_ids=_positions(mask),
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
     )
     return cache
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Positions ``cumsum(mask) - 1`` under left padding (0 on the padding)."""
+    return (mask.cumsum(dim=1) - 1).clamp(min=0)
 
 
 @torch.no_grad()
@@ -98,9 +125,18 @@ def generate(
 ) -> dict[str, torch.Tensor]:
     """Sample ``n_samples`` responses for each prompt; see the module docstring for the output.
 
+    A decode loop over the model's forward with a KV cache (transformers' ``DynamicCache``),
+    not ``model.generate``: every token is chosen here (argmax, or the inverse CDF of
+    :func:`~.sampling.sample_tokens`) and its logprob is recorded as it is drawn, so the
+    distribution sampled is exactly ``softmax(logits / T)`` (``generate`` would merge a
+    checkpoint's ``generation_config.json``, e.g. a repetition penalty or top-k, into the
+    scores) and memory holds ``[B]`` numbers per step, not ``[B, R, V]`` logits.
+
     Args:
         model: a causal LM; put in eval mode for the call, its mode is restored afterwards.
-        tokenizer: gives ``pad_token_id`` and ``eos_token_id``.
+            Inputs go to its device; the results come back on the CPU.
+        tokenizer: gives ``pad_token_id`` and ``eos_token_id`` (with the model's generation
+            config: :func:`stop_token_ids`).
         prompt_ids: ``num_prompts`` token lists (already with BOS if the model expects it).
         n_samples: responses per prompt (GRPO group size).
         max_new_tokens: response length cap, in tokens (EOS included).
@@ -112,78 +148,105 @@ def generate(
         sample_keys: per prompt, ``(step, prompt id)``: draw every token from
             :func:`~.sampling.counter_uniforms` keyed by ``(seed, step, prompt id, sample,
             position)`` (a response is then the same wherever and whenever it is generated);
-            ``None``: torch's global RNG.
+            ``None``: uniforms from torch's global RNG.
         seed: the run seed for ``sample_keys``.
 
     Returns:
-        dict of tensors on CPU: ``prompt_ids``, ``prompt_mask``, ``response_ids``,
-        ``response_mask``, ``logprobs``, ``group_index``.
+        dict of tensors on CPU: ``prompt_ids``, ``prompt_mask`` ``[B, P]``, ``response_ids``,
+        ``response_mask``, ``logprobs`` ``[B, R]``, ``group_index`` ``[B]``.
+
+    Raises:
+        ValueError: ``sample_keys`` not one per prompt; no stop token (:func:`stop_token_ids`).
     """
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id
+    stops = stop_token_ids(tokenizer, model)
     device = next(model.parameters()).device
     ids, mask = left_pad(prompt_ids, pad_id)
-    # Expand the prompts ourselves rather than via num_return_sequences: same layout
-    # (contiguous groups), and the returned prompt tensors line up row by row.
+    # Groups are contiguous: the returned prompt tensors line up row by row.
     ids = ids.repeat_interleave(n_samples, dim=0)
     mask = mask.repeat_interleave(n_samples, dim=0)
-    group_index = torch.arange(len(prompt_ids)).repeat_interleave(n_samples)
+    group_index = torch.arange(len(prompt_ids), device="cpu").repeat_interleave(n_samples)
+    rows = len(ids)
 
-    processors = []
-    seeded = sample_keys is not None and not greedy
-    if seeded:
+    uniforms = None
+    if sample_keys is not None and not greedy:
         if len(sample_keys) != len(prompt_ids):
             raise ValueError(f"{len(sample_keys)} sample keys for {len(prompt_ids)} prompts")
         keys = np.array(
             [(s, p, j) for s, p in sample_keys for j in range(n_samples)], dtype=np.int64
         ).reshape(-1, 3)
-        u = torch.from_numpy(counter_uniforms(seed, keys, np.arange(max_new_tokens)))
-        processors.append(CounterSampler(u, ids.shape[1], temperature, top_p))
-    gen_cfg = GenerationConfig(
-        do_sample=not greedy,
-        temperature=None if greedy else (1.0 if seeded else temperature),
-        top_p=None if greedy else (1.0 if seeded else top_p),
-        # transformers 5 replaces top_k=None by its global default 50; 0 really disables it.
-        top_k=None if greedy else 0,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
-        return_dict_in_generate=True,
-        output_logits=True,  # raw logits, before temperature / top-p processing
-    )
+        uniforms = torch.from_numpy(counter_uniforms(seed, keys, np.arange(max_new_tokens)))
+        uniforms = uniforms.to(device)  # [B, T] float64, next to the logits they meet
+    scale = 1.0 if greedy else temperature
+    d_ids, d_mask = ids.to(device), mask.to(device)
+    stop_ids = torch.tensor(stops, device=device)
     was_training = model.training
     model.eval()
     try:
         cache = None
         if shared_prefix and n_samples > 1:
-            cache = prefill_shared(model, ids[::n_samples].to(device), mask[::n_samples].to(device))
-            if cache is not None:
-                cache.batch_repeat_interleave(n_samples)
-        out = model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            past_key_values=cache,
-            generation_config=gen_cfg,
-            logits_processor=LogitsProcessorList(processors),
-        )
+            cache = prefill_shared(model, d_ids[::n_samples], d_mask[::n_samples])
+        if cache is not None:  # the prompts' last column, every sample
+            cache.batch_repeat_interleave(n_samples)
+            logits = model(
+                input_ids=d_ids[:, -1:],
+                attention_mask=d_mask,
+                position_ids=_positions(d_mask)[:, -1:],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+        else:
+            cache = DynamicCache(config=model.config)
+            logits = model(
+                input_ids=d_ids,
+                attention_mask=d_mask,
+                position_ids=_positions(d_mask),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+        tokens, logprobs = [], []
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        position = _positions(d_mask)[:, -1:]
+        for t in range(max_new_tokens):
+            logits = logits.float()
+            if greedy:
+                tok = logits.argmax(dim=-1)
+            else:
+                u = uniforms[:, t] if uniforms is not None else torch.rand(
+                    rows, dtype=torch.float64, device=device
+                )  # fmt: skip
+                tok = sample_tokens(logits, u, temperature, top_p)
+            lp = torch.log_softmax(logits / scale, dim=-1).gather(1, tok[:, None])[:, 0]
+            tok = tok.masked_fill(done, pad_id)  # a finished row only pads
+            tokens.append(tok)
+            logprobs.append(lp)
+            done |= torch.isin(tok, stop_ids)
+            if t + 1 == max_new_tokens or bool(done.all()):
+                break
+            d_mask = torch.cat([d_mask, d_mask.new_ones(rows, 1)], dim=1)
+            position = position + 1
+            logits = model(
+                input_ids=tok[:, None],
+                attention_mask=d_mask,
+                position_ids=position,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
     finally:
         model.train(was_training)
 
-    response_ids = out.sequences[:, ids.shape[1] :].cpu()
-    response_mask = eos_mask(response_ids, eos_id)
+    response_ids = torch.stack(tokens, dim=1).cpu()
+    response_mask = eos_mask(response_ids, stops)
     # Tokens after EOS are pad already; make sure they stay pad under our mask too.
     response_ids = response_ids.masked_fill(response_mask == 0, pad_id)
-    logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, R, V]
-    scale = 1.0 if greedy else temperature
-    logprobs = (
-        torch.log_softmax(logits / scale, dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
-    )
-    logprobs = logprobs * response_mask
+    lps = torch.stack(logprobs, dim=1).float().cpu() * response_mask
     return {
         "prompt_ids": ids,
         "prompt_mask": mask,
         "response_ids": response_ids,
         "response_mask": response_mask,
-        "logprobs": logprobs,
+        "logprobs": lps,
         "group_index": group_index,
     }
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import LogitsProcessor
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -61,7 +60,8 @@ def counter_uniforms_at(seed: int, keys: np.ndarray, positions: np.ndarray) -> n
 def sample_tokens(
     logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float = 1.0
 ) -> torch.Tensor:
-    """Tokens by inverse CDF: ``logits [B, V]``, ``uniforms [B]`` in (0, 1) -> ``[B]`` int64.
+    """Tokens by inverse CDF: ``logits [B, V]``, ``uniforms [B]`` in (0, 1) -> ``[B]`` int64
+    on the logits' device (the uniforms are moved there: they are usually made on the host).
 
     The distribution is ``softmax(logits / temperature)`` (float64), restricted to the
     smallest set of most likely tokens whose mass reaches ``top_p`` (at least one token).
@@ -74,31 +74,6 @@ def sample_tokens(
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         probs = probs * keep
     cdf = probs.cumsum(dim=-1)
-    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    target = (uniforms.to(cdf) * cdf[:, -1]).unsqueeze(-1)  # device and dtype of the CDF
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return idx.clamp(max=logits.shape[-1] - 1)
-
-
-class CounterSampler(LogitsProcessor):
-    """A logits processor for ``model.generate`` that makes the draw: it turns the scores
-    into a one-hot choice from :func:`sample_tokens`, so generate's own sampler can only pick
-    that token. Give generate ``temperature=1, top_p=1`` and this processor the real ones.
-
-    Args:
-        uniforms: ``[B, T]`` from :func:`counter_uniforms` for the batch's rows.
-        prompt_len: columns of the (padded) prompt: position ``t`` is
-            ``input_ids.shape[1] - prompt_len``.
-        temperature, top_p: the sampling parameters.
-    """
-
-    def __init__(
-        self, uniforms: torch.Tensor, prompt_len: int, temperature: float, top_p: float
-    ) -> None:
-        self.uniforms, self.prompt_len = uniforms, prompt_len
-        self.temperature, self.top_p = temperature, top_p
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        t = input_ids.shape[1] - self.prompt_len
-        tok = sample_tokens(scores, self.uniforms[:, t], self.temperature, self.top_p)
-        out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(1, tok.to(scores.device).unsqueeze(1), 0.0)

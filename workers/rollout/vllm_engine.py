@@ -230,14 +230,14 @@ class VllmEngine:
             logprobs.append([c.logprobs[i][t].logprob for i, t in enumerate(toks)])
         width = max((len(r) for r in responses), default=0)
         rows = len(responses)
-        response_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        response_mask = torch.zeros((rows, width), dtype=torch.long)
-        lp = torch.zeros((rows, width), dtype=torch.float32)
+        response_ids = torch.full((rows, width), self.pad_id, dtype=torch.long, device="cpu")
+        response_mask = torch.zeros((rows, width), dtype=torch.long, device="cpu")
+        lp = torch.zeros((rows, width), dtype=torch.float32, device="cpu")
         for i, (toks, lps) in enumerate(zip(responses, logprobs)):
             # vLLM ends a response at its stop token (kept), so its length is the mask.
-            response_ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            response_ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long, device="cpu")
             response_mask[i, : len(toks)] = 1
-            lp[i, : len(toks)] = torch.tensor(lps, dtype=torch.float32)
+            lp[i, : len(toks)] = torch.tensor(lps, dtype=torch.float32, device="cpu")
         ids, mask = left_pad(prompt_ids, self.pad_id)
         return {
             "prompt_ids": ids.repeat_interleave(n_samples, dim=0),
@@ -245,7 +245,7 @@ class VllmEngine:
             "response_ids": response_ids,
             "response_mask": response_mask,
             "logprobs": lp,
-            "group_index": torch.arange(len(prompt_ids)).repeat_interleave(n_samples),
+            "group_index": torch.arange(len(prompt_ids), device="cpu").repeat_interleave(n_samples),
         }
 
     def step(self, requests: list, tokens: int, version: int, label: str = "") -> int:

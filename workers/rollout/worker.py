@@ -141,7 +141,7 @@ class RolloutWorker(Worker):
                     sample_keys=[(it.get("step", 0), it["group"]) for it in items],
                     seed=self.seed,
                 )
-            groups = torch.tensor([it["group"] for it in items])
+            groups = torch.tensor([it["group"] for it in items], device="cpu")
             gen["group_index"] = groups[gen["group_index"]]
             batch = to_batch(gen)
             n_tok = num_tokens(batch)
