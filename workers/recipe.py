@@ -14,7 +14,9 @@ from typing import Any, Optional
 from m2flow.config import ConfigError
 from m2flow.recipe import TrainerConfig, finite_positive, plain, require
 
+from .llm.config import DTYPES, max_positions
 from .llm.config import ModelConfig as LMShape
+from .llm.tokenizer import tokenizer_spec
 from .spot.config import SpotPoolConfig
 
 #: ``task.config`` defaults per task, under the keys the user sets (other tasks: {}, i.e.
@@ -47,15 +49,18 @@ class TaskConfig:
 
 
 @dataclass
-class ModelConfig(LMShape):  # hidden_size, num_hidden_layers, ...: a tiny Qwen2
-    # char: one token per character of model.alphabet (+ pad/eos/bos/unk), compact prompts;
-    # qwen2: Qwen2's BPE and chat template, any reasoning-gym task (docs/tokenizers.md)
-    tokenizer: str = "char"
+class ModelConfig(LMShape):  # path (a Hugging Face directory) or a tiny Qwen2's shape, dtype
+    # None: the tokenizer files of model.path (pretrained), else char. char: one token per
+    # character of model.alphabet (+ pad/eos/bos/unk), compact prompts; qwen2: Qwen2's BPE
+    # and chat template, any reasoning-gym task (docs/tokenizers.md)
+    tokenizer: Optional[str] = None
     alphabet: str = "0123456789+-="  # the char tokenizer's characters
 
 
 @dataclass
 class WarmStartConfig:
+    # None: on for a random-weight model, off for a pretrained one (model.path)
+    enabled: Optional[bool] = None
     steps: int = 2000  # supervised steps at most
     batch_size: int = 256  # samples per step
     lr: float = 3e-3
@@ -94,6 +99,45 @@ class LLMTrainerConfig(TrainerConfig):
     prompts_per_step: int = 32  # global batch: prompts (x rollout.n_samples responses)
 
 
+def warm_start_args(cfg) -> dict | None:
+    """The actor's ``warm_start`` keyword arguments, or None when the run has no warm start:
+    ``warm_start.enabled``, or (None) for a random-weight model only (a pretrained
+    ``model.path`` starts from its own weights)."""
+    args = plain(cfg.warm_start)
+    enabled = args.pop("enabled")
+    return args if (not cfg.model.path if enabled is None else enabled) else None
+
+
+def validate_model(m) -> None:
+    """The ``model`` section before anything starts: ``model.path`` is a Hugging Face causal-LM
+    directory with tokenizer files (unless another tokenizer is named), ``model.dtype`` is
+    known.
+
+    Raises:
+        ConfigError: the first problem, named with its fix.
+    """
+    require([(m.dtype in DTYPES, f"model.dtype={m.dtype!r}: pick one of {', '.join(DTYPES)}")])
+    try:
+        spec = tokenizer_spec(plain(m))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not m.path:
+        return
+    from .llm.model import check_model_directory
+
+    try:
+        check_model_directory(m.path)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    if spec["name"] == "pretrained":
+        from .llm.tokenizer import build_pretrained_tokenizer
+
+        try:
+            build_pretrained_tokenizer(m.path)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
+
+
 def validate_llm(cfg, min_samples: int = 1) -> None:
     """Value checks of the shared LLM sections (``task``, ``rollout``, ``warm_start``, the
     ``prompts_per_step``) before anything starts.
@@ -116,6 +160,7 @@ def validate_llm(cfg, min_samples: int = 1) -> None:
             (cfg.task.train_size >= 1, "task.train_size must be >= 1"),
         ]
     )
+    validate_model(cfg.model)
     if r.spot.enabled:
         try:
             SpotPoolConfig(**plain(r.spot)).check()
@@ -129,7 +174,7 @@ def prompt_limit(cfg) -> int:
     embeddings leave after the response: ``model.max_position_embeddings -
     rollout.max_new_tokens``."""
     return cfg.task.max_prompt_tokens or (
-        cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
+        max_positions(plain(cfg.model)) - cfg.rollout.max_new_tokens
     )
 
 
@@ -163,17 +208,19 @@ def check_task(cfg, sample: int = 64) -> None:
     from .llm.tokenizer import TOKENIZERS
 
     m, t, r = cfg.model, cfg.task, cfg.rollout
+    spec = tokenizer_spec(plain(m))
+    positions = max_positions(plain(m))
     config = task_config(t.name, plain(t.config))
     require(
         [
-            (m.tokenizer in TOKENIZERS, f"model.tokenizer must be one of {', '.join(TOKENIZERS)}"),
+            (spec["name"] in TOKENIZERS, f"model.tokenizer must be one of {', '.join(TOKENIZERS)}"),
             (t.max_prompt_tokens >= 0, "task.max_prompt_tokens must be >= 0 (0: derived)"),
             (
-                prompt_limit(cfg) + r.max_new_tokens <= m.max_position_embeddings
-                and prompt_limit(cfg) >= 1,
+                prompt_limit(cfg) + r.max_new_tokens <= positions and prompt_limit(cfg) >= 1,
                 f"task.max_prompt_tokens ({prompt_limit(cfg)}) + rollout.max_new_tokens "
-                f"({r.max_new_tokens}) must fit model.max_position_embeddings "
-                f"({m.max_position_embeddings}): raise model.max_position_embeddings",
+                f"({r.max_new_tokens}) must fit the model's max_position_embeddings "
+                f"({positions}): raise model.max_position_embeddings (a built model), or "
+                "lower them",
             ),
         ]
     )
@@ -187,7 +234,7 @@ def check_task(cfg, sample: int = 64) -> None:
     from .tasks import TaskDataset, compact_prompt
 
     size = min(sample, t.train_size)
-    if m.tokenizer == "char":  # no transformers import: each character is one token
+    if spec["name"] == "char":  # no transformers import: each character is one token
         try:
             ds = reasoning_gym.create_dataset(t.name, seed=t.train_seed, size=size, **config)
             entries = [ds[i] for i in range(size)]
@@ -213,7 +260,7 @@ def check_task(cfg, sample: int = 64) -> None:
         return
     from .llm.tokenizer import build_tokenizer
 
-    tok = build_tokenizer({"name": m.tokenizer, "alphabet": m.alphabet})
+    tok = build_tokenizer(spec)
     try:
         TaskDataset(t.name, config, seed=t.train_seed, size=size)
     except Exception as e:

@@ -27,6 +27,7 @@ from m2flow.workers.recipe import (
     task_section,
     validate_llm,
     validate_optim,
+    warm_start_args,
 )
 
 from m2flow.recipe import (
@@ -166,10 +167,12 @@ def main(cfg) -> dict:
     with RunLog(tr.run_dir, tr.steps, tr.tensorboard) as log:
         log.print(cluster.describe())
         if start == 0:
-            ws = actor.warm_start(task, seed=tr.seed, **plain(cfg.warm_start)).wait()[0]
+            ws, ws_args = {}, warm_start_args(cfg)  # None: a pretrained model.path
+            if ws_args is not None:
+                ws = actor.warm_start(task, seed=tr.seed, **ws_args).wait()[0]
             sync_weights(actor, rollout)
             acc = summary["accuracy_after_warm_start"] = evaluate()
-            log.log(0, {"phase": "warm_start", **ws, "heldout_accuracy": acc})
+            log.log(0, {"phase": "warm_start" if ws else "start", **ws, "heldout_accuracy": acc})
         else:
             sync_weights(actor, rollout)
         log.advance(start)

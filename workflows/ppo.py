@@ -29,6 +29,7 @@ from m2flow.workers.recipe import (
     task_section,
     validate_llm,
     validate_optim,
+    warm_start_args,
 )
 
 from m2flow.recipe import (
@@ -196,7 +197,9 @@ def main(cfg) -> dict:
     with RunLog(tr.run_dir, tr.steps, tr.tensorboard) as log:
         log.print(cluster.describe())
         if start == 0:
-            ws = actor.warm_start(task, seed=tr.seed, **plain(cfg.warm_start)).wait()[0]
+            ws, ws_args = {}, warm_start_args(cfg)  # None: a pretrained model.path
+            if ws_args is not None:
+                ws = actor.warm_start(task, seed=tr.seed, **ws_args).wait()[0]
             for group in (rollout, reference, critic, reward):
                 sync_weights(actor, group)
             # Reward model: label the warm-started policy's samples with the verifier, fit it.

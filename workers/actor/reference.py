@@ -9,7 +9,7 @@ from m2flow import Channel, Worker
 from ..batch import num_tokens
 from ..checkpoint import load_state, save_state
 from ..critic.data import chunk_key
-from ..llm import ModelConfig, build_model, build_tokenizer
+from ..llm import build_tokenizer, load_model
 from ..llm.placement import offload_module, onload_module, torch_device
 from .losses import sequence_logprobs
 from .trainer import RESPONSE_KEYS
@@ -41,7 +41,7 @@ class ReferenceWorker(Worker):
         torch.set_num_threads(threads or self.num_threads)
         self.device = torch_device(self.devices)
         tokenizer = build_tokenizer(tokenizer)
-        self.model = build_model(ModelConfig(**model), tokenizer).to(self.device).eval()
+        self.model = load_model(model, tokenizer, self.device).eval()  # in model.dtype
         self.model.requires_grad_(False)
         self.temperature = temperature
         self.micro = micro_batch_size or None

@@ -9,6 +9,7 @@ equals that of one full mini-batch forward).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict
 from collections.abc import Mapping
@@ -65,7 +66,11 @@ class PolicyTrainer:
         shared_prefix: compute policy logprobs (GRPO training and :meth:`compute_logprobs`)
             with :func:`~.losses.shared_prefix_logprobs`, each distinct prompt of a micro-batch
             forwarded once; same values and gradients as the full forward up to float
-            rounding. Supervised steps keep the full forward (their prompts are distinct).
+            rounding. Supervised steps keep the full forward (their prompts are distinct), and
+            so do training forwards of a model with gradient checkpointing (it recomputes
+            without a KV cache, which the shared prefix is).
+        compute_dtype: the forward/backward's dtype: float32, or bfloat16/float16 under
+            ``torch.autocast`` over float32 master weights (mixed precision; ``model.dtype``).
     """
 
     #: process group of the data-parallel sums (None: every rank; Megatron: its DP group)
@@ -83,8 +88,10 @@ class PolicyTrainer:
         clip_eps_high: float = 0.2,
         kl_coef: float = 0.0,
         shared_prefix: bool = True,
+        compute_dtype: torch.dtype = torch.float32,
     ):
         self.model = model
+        self.compute_dtype = compute_dtype
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
         )
@@ -101,6 +108,20 @@ class PolicyTrainer:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def autocast(self):
+        """Context of every forward (and the backward it records): autocast to
+        ``compute_dtype`` on the model's device; nothing under float32."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _train_logprobs_fn(self):
+        """The logprob function of training forwards: the full sequence under gradient
+        checkpointing (its recomputation runs without the shared prefix's KV cache)."""
+        if getattr(self.model, "is_gradient_checkpointing", False):
+            return sequence_logprobs
+        return self.logprobs_fn
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -131,7 +152,9 @@ class PolicyTrainer:
         out = []
         for idx in split_rows(row_index(len(batch["response_ids"])), micro_batch_size):
             mb = {k: batch[k][idx].to(self.device) for k in RESPONSE_KEYS}
-            out.append(self.logprobs_fn(self.model, **mb, temperature=self.temperature).cpu())
+            with self.autocast():
+                lp = self.logprobs_fn(self.model, **mb, temperature=self.temperature)
+            out.append(lp.cpu())
         self.model.train(was_training)
         return torch.cat(out)
 
@@ -217,9 +240,10 @@ class PolicyTrainer:
         """Forward and backward of ``rows`` of ``batch`` with the GRPO loss divided by
         ``num_tokens``. Returns ``(loss, metrics, response tokens in rows)``."""
         mb = {k: batch[k][rows].to(self.device) for k in keys}
-        lp = self.logprobs_fn(
-            self.model, *(mb[k] for k in RESPONSE_KEYS), temperature=self.temperature
-        )
+        with self.autocast():
+            lp = self._train_logprobs_fn()(
+                self.model, *(mb[k] for k in RESPONSE_KEYS), temperature=self.temperature
+            )
         loss, m = self.grpo_loss(lp, mb, num_tokens)
         loss.backward()
         return loss.item(), m, float(mb["response_mask"].sum())
@@ -303,14 +327,15 @@ class PolicyTrainer:
         num_tokens = float(response_mask.sum().clamp(min=1))
         total = 0.0
         for idx in split_rows(idx_all, micro_batch_size):
-            lp = sequence_logprobs(
-                self.model,
-                prompt_ids[idx].to(self.device),
-                prompt_mask[idx].to(self.device),
-                response_ids[idx].to(self.device),
-                response_mask[idx].to(self.device),
-                temperature=1.0,
-            )
+            with self.autocast():
+                lp = sequence_logprobs(
+                    self.model,
+                    prompt_ids[idx].to(self.device),
+                    prompt_mask[idx].to(self.device),
+                    response_ids[idx].to(self.device),
+                    response_mask[idx].to(self.device),
+                    temperature=1.0,
+                )
             loss = -lp.sum() / num_tokens
             loss.backward()
             total += loss.item()

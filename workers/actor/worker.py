@@ -13,7 +13,7 @@ from m2flow.scheduler.balance import all_queued
 from m2flow import Channel, Worker
 
 from ..batch import concat
-from ..llm import ModelConfig, build_model, build_tokenizer
+from ..llm import build_tokenizer, compute_dtype, load_model
 from ..llm.placement import torch_device
 from ..sft import run_sft
 from ..tasks import task_dataset
@@ -42,7 +42,9 @@ class ActorWorker(Worker):
     checkpoints stay in Hugging Face layout (optimizer state: one file per rank).
 
     Args:
-        model: :class:`~m2flow.workers.llm.ModelConfig` fields.
+        model: :class:`~m2flow.workers.llm.ModelConfig` fields: a Hugging Face directory
+            (``path``) or a shape; ``dtype`` (mixed precision over float32 weights),
+            ``gradient_checkpointing``.
         tokenizer: the tokenizer spec, ``{"name": "char", "alphabet": str}`` or
             ``{"name": "qwen2"}`` (:func:`~m2flow.workers.llm.build_tokenizer`).
         lr, betas, weight_decay, grad_clip: AdamW for GRPO.
@@ -160,7 +162,8 @@ class ActorWorker(Worker):
         if self.world_size != 1 and not megatron:
             dp.init(self.rank, self.world_size, dist["addr"], dist["port"], self.device)
         self.tokenizer = build_tokenizer(tokenizer)
-        self.model = build_model(ModelConfig(**model), self.tokenizer, seed=seed).to(self.device)
+        # float32 master weights; forward/backward under autocast to model.dtype
+        self.model = load_model(model, self.tokenizer, self.device, trainable=True, seed=seed)
         self.lr = lr
         optim = dict(
             lr=lr,
@@ -172,6 +175,7 @@ class ActorWorker(Worker):
             clip_eps_high=clip_eps_high,
             kl_coef=kl_coef,
             shared_prefix=shared_prefix,
+            compute_dtype=compute_dtype(model.get("dtype", "auto"), self.device),
         )
         # The torch engine's trainer; with Megatron, rank 0's warm-start trainer of the HF copy.
         self.trainer = self.sft_trainer = PolicyTrainer(self.model, **optim)
@@ -274,7 +278,8 @@ class ActorWorker(Worker):
         if self.megatron is not None:
             self.megatron.freeze_reference()
         else:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.ref_model = ref.to(self.trainer.compute_dtype)  # inference: compute dtype
 
     def train(self, inp: Channel) -> dict:
         """One GRPO update from the step's scored rollout chunks, read from ``inp`` until the

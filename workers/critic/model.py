@@ -12,18 +12,23 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from ..llm import ModelConfig, build_model
+from ..llm import ModelConfig, load_backbone
+from ..llm.model import model_config
 
 
 class ValueModel(nn.Module):
-    """The transformer of a tiny Qwen2 (no LM head) plus ``Linear(hidden, 1)``.
+    """The policy's transformer (no LM head) plus ``Linear(hidden, 1)``: from ``model.path``
+    (the pretrained trunk, veRL's critic) or a tiny Qwen2 of the configured shape.
 
     ``forward`` returns one scalar per position, ``[B, L]`` float32.
     """
 
     def __init__(self, cfg: ModelConfig | dict, tokenizer: PreTrainedTokenizerBase, seed=None):
         super().__init__()
-        self.backbone = build_model(cfg, tokenizer, seed=seed).model
+        cfg = model_config(cfg)
+        self.backbone = load_backbone(cfg, tokenizer, seed=seed)
+        if cfg.gradient_checkpointing:
+            self.backbone.gradient_checkpointing_enable({"use_reentrant": False})
         self.head = nn.Linear(self.backbone.config.hidden_size, 1)
         # Start from V = 0 everywhere: no made-up values before the first update.
         nn.init.zeros_(self.head.weight)
@@ -36,7 +41,8 @@ class ValueModel(nn.Module):
         Raises:
             ValueError: the state dict does not match the backbone.
         """
-        state = {k[len("model.") :]: v for k, v in lm_state.items() if k.startswith("model.")}
+        prefix = f"{self.backbone.base_model_prefix}."  # "model." for Qwen2, Llama, Mistral
+        state = {k[len(prefix) :]: v for k, v in lm_state.items() if k.startswith(prefix)}
         missing, unexpected = self.backbone.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(

@@ -45,10 +45,10 @@ class ValueTrainer(PolicyTrainer):
         """``[B, R]`` per-token values (see :func:`response_values`), no grad."""
         self.model.eval()
         idx_all = row_index(len(batch["response_ids"]))
-        out = [
-            self.values_fn(self.model, *self._inputs(batch, i)).cpu()
-            for i in split_rows(idx_all, micro_batch_size)
-        ]
+        out = []
+        for i in split_rows(idx_all, micro_batch_size):
+            with self.autocast():
+                out.append(self.values_fn(self.model, *self._inputs(batch, i)).cpu())
         return torch.cat(out)
 
     @torch.no_grad()
@@ -56,11 +56,11 @@ class ValueTrainer(PolicyTrainer):
         """``[B]`` sequence scores in (0, 1): sigmoid of :func:`sequence_scores`, no grad."""
         self.model.eval()
         idx_all = row_index(len(batch["response_ids"]))
-        out = [
-            torch.sigmoid(sequence_scores(self.model, *self._inputs(batch, i))).cpu()
-            for i in split_rows(idx_all, micro_batch_size)
-        ]
-        return torch.cat(out)
+        out = []
+        for i in split_rows(idx_all, micro_batch_size):
+            with self.autocast():
+                out.append(torch.sigmoid(sequence_scores(self.model, *self._inputs(batch, i))))
+        return torch.cat([o.cpu() for o in out])
 
     def train_values(
         self,
@@ -91,8 +91,10 @@ class ValueTrainer(PolicyTrainer):
                 part: dict[str, float] = defaultdict(float)
                 for micro in split_rows(mine, micro_batch_size) if len(mine) else []:
                     inputs = self._inputs(batch, micro)
+                    with self.autocast():
+                        values = self.values_fn(self.model, *inputs)
                     loss, m = clipped_value_loss(
-                        self.values_fn(self.model, *inputs),
+                        values,
                         batch["old_values"][micro].to(self.device),
                         batch["returns"][micro].to(self.device),
                         inputs[3],
@@ -119,7 +121,8 @@ class ValueTrainer(PolicyTrainer):
         labels ``targets [B]`` in [0, 1] (the verifier's partial credit). Returns the loss."""
         self.model.train()
         idx = row_index(len(targets))
-        logits = sequence_scores(self.model, *self._inputs(batch, idx))
+        with self.autocast():
+            logits = sequence_scores(self.model, *self._inputs(batch, idx))
         loss = F.binary_cross_entropy_with_logits(logits, targets.float().to(self.device))
         loss.backward()
         self._step()

@@ -15,7 +15,7 @@ from m2flow import Channel, Worker
 from ..actor import data_parallel as dp
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
-from ..llm import build_tokenizer
+from ..llm import build_tokenizer, compute_dtype
 from ..llm.placement import torch_device
 from .data import chunk_key, token_rewards
 from .losses import explained_variance, gae
@@ -134,7 +134,8 @@ class CriticWorker(Worker):
             )
             self.trainer = self.megatron.trainer
         else:
-            self.trainer = ValueTrainer(value_model.to(device), **optim)
+            dtype = compute_dtype(model.get("dtype", "auto"), device)
+            self.trainer = ValueTrainer(value_model.to(device), **optim, compute_dtype=dtype)
         self.value_clip, self.gamma, self.lam, self.kl_coef = value_clip, gamma, lam, kl_coef
         self.epochs = epochs
         self.mini, self.micro = mini_batch_size or None, micro_batch_size or None

@@ -1,4 +1,5 @@
-"""Local LLM building blocks: tokenizers (character, Qwen2 BPE) and a Qwen2 model from config.
+"""Local LLM building blocks: tokenizers (character, Qwen2 BPE, a model directory's) and the
+policy model (loaded from a Hugging Face directory, or a tiny Qwen2 built from a config).
 
 Exports are lazy: ``m2flow.workers.llm.config`` (the model shape) imports no torch.
 """
@@ -8,6 +9,10 @@ from importlib import import_module
 _EXPORTS = {
     "ModelConfig": ".config",
     "build_model": ".model",
+    "compute_dtype": ".model",
+    "load_backbone": ".model",
+    "load_model": ".model",
+    "build_pretrained_tokenizer": ".tokenizer",
     "load_checkpoint": ".model",
     "save_checkpoint": ".model",
     "DEFAULT_ALPHABET": ".tokenizer",

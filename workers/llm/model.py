@@ -1,24 +1,154 @@
-"""Tiny Qwen2 causal LM built from a config (no model hub), plus checkpoint save/load.
+"""The policy's causal LM: loaded from a local Hugging Face directory (``model.path``), or a tiny
+Qwen2 built from a config with random weights (CPU smoke runs; no model hub either way).
 
-The checkpoint directory is a plain Hugging Face layout (``config.json``,
-``model.safetensors``, tokenizer files), so ``AutoModelForCausalLM.from_pretrained`` and
-``AutoTokenizer.from_pretrained`` (or vLLM) can read it as well.
+:func:`load_model` is the one loading path every role uses (actor, reference, rollout, critic
+trunk, spot instances), so a model transformers loads works in all of them. Checkpoints are
+plain Hugging Face directories (``config.json``, ``model.safetensors``, tokenizer files), so
+``AutoModelForCausalLM.from_pretrained`` and vLLM read them as well.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 
-from .config import ModelConfig
+from .config import DTYPES, LOADING_FIELDS, ModelConfig
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_config(cfg: ModelConfig | dict) -> ModelConfig:
+    """``cfg`` as a :class:`ModelConfig` (a dict may carry other keys of the model section,
+    e.g. the tokenizer's: they are dropped)."""
+    if isinstance(cfg, ModelConfig):
+        return cfg
+    names = {f.name for f in dataclass_fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in cfg.items() if k in names})
+
+
+def compute_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """``model.dtype`` on ``device``: ``auto`` is bfloat16 on CUDA, float32 elsewhere.
+
+    Raises:
+        ValueError: a name outside :data:`~.config.DTYPES`.
+    """
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype={name!r}: pick one of {', '.join(DTYPES)}")
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return _TORCH_DTYPES[name]
+
+
+def load_model(
+    cfg: ModelConfig | dict,
+    tokenizer: PreTrainedTokenizerBase | None,
+    device: torch.device | str = "cpu",
+    *,
+    trainable: bool = False,
+    seed: int | None = None,
+) -> PreTrainedModel:
+    """The policy's causal LM for one role, on ``device``.
+
+    With ``cfg.path``: ``AutoModelForCausalLM.from_pretrained`` from the local directory (any
+    architecture transformers loads; no hub access, no remote code). Without: a random-weight
+    Qwen2 of the configured shape (:func:`build_model`, seeded by ``seed``).
+
+    Args:
+        cfg: the model section (:class:`~.config.ModelConfig` or a dict of it).
+        tokenizer: fills a built model's vocabulary size and special ids; unused with a path.
+        device: where the weights go.
+        trainable: weights the role trains (actor, critic): float32 master weights, whatever
+            ``cfg.dtype`` says (the trainer runs forward/backward under autocast to it;
+            :func:`compute_dtype`), and gradient checkpointing if ``cfg.gradient_checkpointing``.
+            Otherwise (rollout, reference) the weights are held in the compute dtype.
+
+    Raises:
+        FileNotFoundError: ``cfg.path`` is not a model directory.
+        ValueError: a bad ``dtype``; a directory whose model transformers cannot load as a
+            causal LM (the message names its ``model_type``).
+    """
+    cfg = model_config(cfg)
+    dtype = torch.float32 if trainable else compute_dtype(cfg.dtype, device)
+    if cfg.path:
+        check_model_directory(cfg.path)
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.path,
+            dtype=dtype,
+            attn_implementation=cfg.attn_implementation,
+            local_files_only=True,
+        )
+    else:
+        model = build_model(cfg, tokenizer, seed=seed).to(dtype)
+    if trainable and cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.to(device)
+
+
+def load_backbone(
+    cfg: ModelConfig | dict,
+    tokenizer: PreTrainedTokenizerBase | None,
+    seed: int | None = None,
+) -> PreTrainedModel:
+    """The policy's transformer without its LM head, float32 on the CPU: the trunk of a critic
+    or reward model (a value head goes on top). From ``cfg.path`` by ``AutoModel`` (the
+    directory's own weights), else the trunk of :func:`build_model`."""
+    cfg = model_config(cfg)
+    if not cfg.path:
+        return build_model(cfg, tokenizer, seed=seed).model
+    check_model_directory(cfg.path)
+    return AutoModel.from_pretrained(
+        cfg.path,
+        dtype=torch.float32,
+        attn_implementation=cfg.attn_implementation,
+        local_files_only=True,
+    )
+
+
+def check_model_directory(path: str) -> None:
+    """Everything about ``path`` that :func:`load_model` would otherwise fail on deep inside
+    transformers, as one-line errors: a directory with ``config.json`` (no custom code) of a
+    causal LM transformers ships, with weights.
+
+    Raises:
+        FileNotFoundError: no directory, ``config.json`` or weight files.
+        ValueError: custom code (``auto_map``), an unreadable config, or not a causal LM.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from .config import hf_config
+
+    raw = hf_config(path)  # FileNotFoundError names the fix
+    if raw.get("auto_map"):
+        raise ValueError(
+            f"model.path={path}: the model needs custom code (auto_map in config.json); "
+            "m2flow does not run remote code: use an architecture transformers ships"
+        )
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"model.path={path}: transformers cannot read its config: {e}") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"model.path={path}: model_type {config.model_type!r} is not a causal LM "
+            "transformers loads (AutoModelForCausalLM)"
+        )
+    if not any(p.suffix in (".safetensors", ".bin") for p in Path(path).iterdir()):
+        raise FileNotFoundError(
+            f"model.path={path}: no weights (*.safetensors): save the model there with "
+            "save_pretrained"
+        )
 
 
 def build_model(
@@ -34,10 +164,11 @@ def build_model(
             unset.
         seed: if given, seeds torch before initialisation so the weights are reproducible.
     """
-    if isinstance(cfg, dict):
-        cfg = ModelConfig(**cfg)
+    cfg = model_config(cfg)
     fields = asdict(cfg)
-    attn = fields.pop("attn_implementation")
+    attn = fields["attn_implementation"]
+    for name in LOADING_FIELDS:
+        fields.pop(name)
     if tokenizer is not None:
         fields["vocab_size"] = fields["vocab_size"] or len(tokenizer)
         for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
@@ -50,7 +181,7 @@ def build_model(
     if seed is not None:
         torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    # generate() reads its defaults (eos/pad ids) from the generation config.
+    # The stop tokens are read from the generation config (rollout.generation.stop_token_ids).
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.bos_token_id = config.bos_token_id
@@ -58,7 +189,7 @@ def build_model(
 
 
 def save_checkpoint(
-    directory: str | Path, model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerBase
+    directory: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 ) -> Path:
     """Save model weights/config and tokenizer into ``directory`` (created if missing)."""
     directory = Path(directory)
@@ -70,11 +201,10 @@ def save_checkpoint(
 
 def load_checkpoint(
     directory: str | Path, device: str | torch.device = "cpu"
-) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerBase]:
-    """Load ``(model, tokenizer)`` saved by :func:`save_checkpoint`; the model is in eval mode."""
-    directory = Path(directory)
-    model = Qwen2ForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device)
-    model.eval()
-    # Not AutoTokenizer: it picks Qwen2Tokenizer from the model type, a BPE class we don't use.
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
-    return model, tokenizer
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load ``(model, tokenizer)`` from a Hugging Face directory (e.g. :func:`save_checkpoint`'s
+    or an actor checkpoint): float32, in eval mode, on ``device``."""
+    from .tokenizer import build_tokenizer
+
+    model = load_model(ModelConfig(path=str(directory), dtype="float32"), None, device)
+    return model.eval(), build_tokenizer({"name": "pretrained", "path": str(directory)})

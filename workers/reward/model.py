@@ -20,7 +20,7 @@ from ..checkpoint import load_state, save_state
 from ..critic.data import chunk_key
 from ..critic.model import ValueModel
 from ..critic.trainer import ValueTrainer
-from ..llm import build_tokenizer
+from ..llm import build_tokenizer, compute_dtype
 from ..llm.placement import torch_device
 from ..rollout.generation import decode_responses
 from ..tasks import accuracy, score
@@ -64,7 +64,10 @@ class RewardModelWorker(Worker):
         self.tokenizer = build_tokenizer(tokenizer)
         device = torch_device(self.devices)
         self.trainer = ValueTrainer(
-            ValueModel(model, self.tokenizer, seed=seed).to(device), lr=lr, grad_clip=grad_clip
+            ValueModel(model, self.tokenizer, seed=seed).to(device),
+            lr=lr,
+            grad_clip=grad_clip,
+            compute_dtype=compute_dtype(model.get("dtype", "auto"), device),
         )
         self.w, self.batch_size = verifier_weight, batch_size
         self.micro = micro_batch_size or None

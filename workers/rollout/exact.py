@@ -70,7 +70,9 @@ class ExactEngine:
 
     Args:
         model: a causal LM (eval mode is set); its device is used.
-        eos_id: the end-of-sequence token.
+        eos_id: the end-of-sequence token, or the stop tokens
+            (:func:`~.generation.stop_token_ids`); EOS masking (``min_new_tokens``) takes them
+            all.
         temperature, top_p: sampling parameters (logprobs under ``logits / temperature``).
         seed: the run seed of the sampling counter.
         batch_rows: rows of every forward (fixed: part of what makes tokens exact).
@@ -81,7 +83,7 @@ class ExactEngine:
     def __init__(
         self,
         model: torch.nn.Module,
-        eos_id: int,
+        eos_id: int | list[int],
         temperature: float,
         top_p: float = 1.0,
         seed: int = 0,
@@ -90,7 +92,7 @@ class ExactEngine:
     ) -> None:
         self.model = model.eval()
         self.min_new_tokens = min_new_tokens
-        self.eos_id = eos_id
+        self.stop_ids = [eos_id] if isinstance(eos_id, int) else sorted(eos_id)
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.batch_rows = batch_rows
         self.device = next(model.parameters()).device
@@ -121,7 +123,8 @@ class ExactEngine:
         logits = logits[: len(rows)].float().cpu()
         early = torch.tensor([len(r.tokens) < self.min_new_tokens for r in rows], device="cpu")
         if early.any():
-            logits[early, self.eos_id] = float("-inf")
+            for stop in self.stop_ids:
+                logits[early, stop] = float("-inf")
         keys = np.array([r.key for r in rows], dtype=np.int64)
         pos = np.array([len(r.tokens) for r in rows])
         u = torch.from_numpy(counter_uniforms_at(self.seed, keys, pos))
@@ -132,7 +135,7 @@ class ExactEngine:
             r.logprobs.append(p)
             r.weight_version = version
             r.by[label] = r.by.get(label, 0) + 1
-            r.done = t == self.eos_id or len(r.tokens) >= r.max_new_tokens
+            r.done = t in self.stop_ids or len(r.tokens) >= r.max_new_tokens
 
 
 def to_generation_output(requests: list[GenRequest], pad_id: int, n_samples: int) -> dict:

@@ -58,17 +58,16 @@ def eos_mask(response_ids: torch.Tensor, eos_ids: int | Sequence[int]) -> torch.
     return (before == 0).long()
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None):
-    """The tokens that end a response: the tokenizer's ``eos_token_id`` plus the model's
-    ``generation_config.eos_token_id`` (an int or a list; e.g. Qwen2.5-Instruct lists both
-    ``<|im_end|>`` and ``<|endoftext|>``). Returns a sorted list of ints.
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config=None) -> list[int]:
+    """The tokens that end a response: the tokenizer's ``eos_token_id`` plus
+    ``generation_config.eos_token_id`` (the model's; an int or a list: Qwen2.5-Instruct lists
+    both ``<|im_end|>`` and ``<|endoftext|>``). Returns a sorted list of ints.
 
     Raises:
         ValueError: neither names a stop token (a response could never end).
     """
     ids = {tokenizer.eos_token_id} - {None}
-    gen = getattr(model, "generation_config", None) if model is not None else None
-    extra = getattr(gen, "eos_token_id", None)
+    extra = getattr(generation_config, "eos_token_id", None)
     ids |= set(extra if isinstance(extra, (list, tuple)) else [extra]) - {None}
     if not ids:
         raise ValueError(
@@ -159,7 +158,7 @@ def generate(
         ValueError: ``sample_keys`` not one per prompt; no stop token (:func:`stop_token_ids`).
     """
     pad_id = tokenizer.pad_token_id
-    stops = stop_token_ids(tokenizer, model)
+    stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     device = next(model.parameters()).device
     ids, mask = left_pad(prompt_ids, pad_id)
     # Groups are contiguous: the returned prompt tensors line up row by row.

@@ -40,9 +40,9 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from .generation import left_pad
+from .generation import left_pad, stop_token_ids
 from .sampling import counter_uniforms, counter_uniforms_at
 
 INSTALL_HINT = (
@@ -104,12 +104,21 @@ def request_seeds(seed: int, sample_keys: list[tuple[int, int]], n_samples: int)
     return [int(x) for x in (u * 2**31).astype(np.int64)]
 
 
+def _generation_config(path: str):
+    """The directory's ``generation_config.json`` (its stop tokens), or None without one."""
+    try:
+        return GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:
+        return None
+
+
 class VllmEngine:
     """``vllm.LLM`` built from a Hugging Face model, sampling GRPO groups from token ids.
 
     Args:
-        model: the policy (CPU, fp32); saved with ``save_pretrained`` to a temporary directory
-            (deleted by :meth:`close` or at exit) that vLLM loads.
+        model: a Hugging Face model directory (``model.path``), which vLLM loads as it is, or
+            the policy (CPU); saved with ``save_pretrained`` to a temporary directory (deleted
+            by :meth:`close` or at exit) that vLLM loads.
         tokenizer: saved next to it; gives ``pad_token_id`` and ``eos_token_id``.
         temperature: sampling temperature ``T`` (> 0); logprobs are under ``logits / T``.
         top_p: nucleus threshold (1.0 = off); top_k: 0 = off.
@@ -117,6 +126,8 @@ class VllmEngine:
         max_num_seqs: most requests vLLM runs at once.
         min_new_tokens: EOS is not sampled before this many response tokens (vLLM's
             ``min_tokens``; the spot pool's ``min_new_tokens``, fixed-length measurements).
+        dtype: the engine's weights and compute: ``float32`` (CPU; logprobs comparable to the
+            actor's), ``bfloat16`` or ``float16`` (GPU). Synced weights are cast to it.
         sleep_mode: build with ``enable_sleep_mode`` so :meth:`sleep` frees device memory;
             ``None``: on when CUDA is available (vLLM's CPU build rejects it).
         llm_kwargs: extra ``vllm.LLM`` arguments (override the defaults below).
@@ -129,7 +140,7 @@ class VllmEngine:
 
     def __init__(
         self,
-        model: PreTrainedModel,
+        model: PreTrainedModel | str,
         tokenizer: PreTrainedTokenizerBase,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -139,6 +150,7 @@ class VllmEngine:
         min_new_tokens: int = 0,
         sleep_mode: bool | None = None,
         llm_kwargs: Mapping | None = None,
+        dtype: str = "float32",
     ) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
@@ -157,23 +169,32 @@ class VllmEngine:
         self._SamplingParams = vllm.SamplingParams
         self._TokensPrompt = vllm.inputs.TokensPrompt
         self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
-        self.pad_id, self.eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id
         self.weight_version = -1
-        self.dir = tempfile.mkdtemp(prefix="m2flow-vllm-")
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
-        model.save_pretrained(self.dir)
-        tokenizer.save_pretrained(self.dir)
+        self.dtype = dtype
+        if isinstance(model, str):  # a Hugging Face directory: vLLM reads it as it is
+            self.dir, self._cleanup = model, lambda: None
+            config = AutoConfig.from_pretrained(model, local_files_only=True)
+            gen_config = _generation_config(model)
+        else:
+            self.dir = tempfile.mkdtemp(prefix="m2flow-vllm-")
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
+            model.save_pretrained(self.dir)
+            tokenizer.save_pretrained(self.dir)
+            config, gen_config = model.config, model.generation_config
+        self.stop_ids = stop_token_ids(tokenizer, gen_config)
+        positions = config.get_text_config().max_position_embeddings
         kwargs = {
             "model": self.dir,
-            "dtype": "float32",  # the actor's precision: logprobs comparable to ~1e-5
+            "dtype": dtype,  # float32 on CPU: logprobs comparable to the actor's to ~1e-5
             "enable_prefix_caching": True,  # a group's samples share their prompt's blocks
             # A seeded request whose prefill is chunked crashes vLLM CPU 0.32 ("CPU Generator
             # does not use offset": it rewinds the generator of a partial prefill); so prefills
             # are whole, the batch's token budget at least one full-length sequence.
             "enable_chunked_prefill": False,
-            "max_num_batched_tokens": max(4096, model.config.max_position_embeddings),
+            "max_num_batched_tokens": max(4096, positions),
             "enforce_eager": True,  # torch.compile adds 20-50 s of start-up on CPU
-            "max_model_len": model.config.max_position_embeddings,
+            "max_model_len": positions,
             "max_num_seqs": max_num_seqs,
             "seed": seed,
             # log_softmax(logits / T): what the actor recomputes (raw_logprobs would be T = 1)
@@ -295,7 +316,7 @@ class VllmEngine:
             r.logprobs += [c.logprobs[i][t].logprob for i, t in enumerate(toks)]
             r.weight_version = version
             r.by[label] = r.by.get(label, 0) + len(toks)
-            r.done = toks[-1] == self.eos_id or len(r.tokens) >= r.max_new_tokens
+            r.done = toks[-1] in self.stop_ids or len(r.tokens) >= r.max_new_tokens
             made += len(toks)
         return made
 
@@ -308,7 +329,7 @@ class VllmEngine:
             min_tokens=min(max(min_tokens, 0), max_tokens),
             seed=seed,
             logprobs=0,  # the sampled token's logprob only
-            stop_token_ids=[self.eos_id],
+            stop_token_ids=self.stop_ids,
             detokenize=False,  # the reward worker decodes; saves time here
         )
 
@@ -337,6 +358,10 @@ class VllmEngine:
         self.asleep = False
         return True
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Replace the engine's weights in place with a Hugging Face ``state_dict``
         (``name -> tensor``, any device; copied), then drop the prefix cache, whose KV blocks
@@ -351,8 +376,10 @@ class VllmEngine:
         self.wake_up()  # reload_weights writes into the device copy
         worker = self.llm.llm_engine.model_executor.driver_worker.worker
         worker.reload_weights(
-            # fp32 where they are: the loaders copy into the engine's own device tensors
-            weights_iterator=[(k, v.detach().to(dtype=torch.float32)) for k, v in weights.items()]
+            # in the engine's dtype, where they are: the loaders copy into its device tensors
+            weights_iterator=[
+                (k, v.detach().to(dtype=self.torch_dtype)) for k, v in weights.items()
+            ]
         )
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests in flight?)")

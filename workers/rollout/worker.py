@@ -8,7 +8,7 @@ from m2flow import Channel, Worker
 
 from ..batch import num_tokens, to_batch
 from ..evaluation import greedy_scores
-from ..llm import ModelConfig, build_model, build_tokenizer
+from ..llm import build_tokenizer, compute_dtype, load_model
 from ..llm.placement import offload_module, onload_module, split_evenly, torch_device
 from ..tasks import TaskDataset, task_dataset
 from .generation import generate
@@ -18,8 +18,9 @@ class RolloutWorker(Worker):
     """Generates GRPO groups: ``n_samples`` responses per prompt (HF ``generate``, KV cache).
 
     Args:
-        model: :class:`~m2flow.workers.llm.ModelConfig` fields (weights arrive by
-            ``m2flow.sync_weights(actor, rollout)``).
+        model: :class:`~m2flow.workers.llm.ModelConfig` fields: a Hugging Face directory
+            (``path``) or a shape (weights arrive by ``m2flow.sync_weights(actor, rollout)``),
+            ``dtype``.
         tokenizer: the tokenizer spec, ``{"name": "char", "alphabet": str}`` or
             ``{"name": "qwen2"}`` (:func:`~m2flow.workers.llm.build_tokenizer`).
         n_samples: responses per prompt (GRPO group size).
@@ -70,7 +71,8 @@ class RolloutWorker(Worker):
         torch.set_num_threads(threads or self.num_threads)
         self.device = torch_device(self.devices)
         self.tokenizer = build_tokenizer(tokenizer)
-        self.model = build_model(ModelConfig(**model), self.tokenizer).to(self.device).eval()
+        # Weights in model.dtype (inference only); sync_weights casts the actor's into them.
+        self.model = load_model(model, self.tokenizer, self.device).eval()
         self.n_samples, self.max_new_tokens = n_samples, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
         self.shared_prefix = shared_prefix
@@ -82,9 +84,11 @@ class RolloutWorker(Worker):
             from .vllm_engine import VllmEngine
 
             # Built from the initial weights; m2flow.sync_weights replaces them in place.
+            dtype = str(compute_dtype(model.get("dtype", "auto"), self.device)).split(".")[-1]
             self.vllm = VllmEngine(
-                self.model.cpu(), self.tokenizer, temperature=temperature, top_p=top_p,
-                seed=seed, min_new_tokens=spot.get("min_new_tokens", 0) if spot_on else 0,
+                model.get("path") or self.model.cpu(), self.tokenizer, temperature=temperature,
+                top_p=top_p, seed=seed, dtype=dtype,
+                min_new_tokens=spot.get("min_new_tokens", 0) if spot_on else 0,
             )  # fmt: skip
             self.model.to(self.device)
         self.pool = None

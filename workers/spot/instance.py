@@ -49,22 +49,25 @@ class SpotInstance:
             return
         import torch
 
-        from ..llm import ModelConfig, build_model, build_tokenizer
+        from ..llm import build_tokenizer, load_model
         from ..rollout.exact import ExactEngine
+        from ..rollout.generation import stop_token_ids
 
         torch.set_num_threads(args.get("threads", 1))
         tok = build_tokenizer(args["tokenizer"])
-        self.model = build_model(ModelConfig(**args["model"]), tok)
+        self.model = load_model(args["model"], tok)  # the host; weights come by pull
         if self.vllm:  # weights arrive by the first pull, as for the exact engine
             from ..rollout.vllm_engine import VllmEngine
 
             self.engine = VllmEngine(
-                self.model, tok, args["temperature"], args["top_p"], seed=args["seed"],
+                args["model"].get("path") or self.model, tok, args["temperature"],
+                args["top_p"], seed=args["seed"],
                 max_num_seqs=max_batch, min_new_tokens=args.get("min_new_tokens", 0),
             )  # fmt: skip
             return
         self.engine = ExactEngine(
-            self.model, tok.eos_token_id, args["temperature"], args["top_p"], args["seed"],
+            self.model, stop_token_ids(tok, self.model.generation_config), args["temperature"],
+            args["top_p"], args["seed"],
             args["batch_rows"], args.get("min_new_tokens", 0),
         )  # fmt: skip
 

@@ -23,6 +23,7 @@ from m2flow.work import Work
 from ..batch import num_tokens, to_batch
 from ..rollout.emulated import EmulatedEngine
 from ..rollout.exact import ExactEngine, GenRequest, to_generation_output
+from ..rollout.generation import stop_token_ids
 from .config import SpotPoolConfig
 from .manager import get_manager
 
@@ -54,7 +55,9 @@ class ReservedSeeder:
             self.engine = worker.vllm
         else:
             self.engine = ExactEngine(
-                worker.model, worker.tokenizer.eos_token_id, worker.temperature, worker.top_p,
+                worker.model,
+                stop_token_ids(worker.tokenizer, worker.model.generation_config),
+                worker.temperature, worker.top_p,
                 worker.seed, self.cfg.batch_rows, self.cfg.min_new_tokens,
             )  # fmt: skip
 

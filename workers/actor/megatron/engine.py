@@ -134,10 +134,10 @@ class MegatronPolicyTrainer(PolicyTrainer):
     def _micro_batches(self, batch, keys, micro_batch_size) -> tuple[list, list[int]]:
         """``batch``'s rows in micro-batches of one size (the last padded, see
         :func:`~.pipeline.pad_rows`) on the device, and each one's real row count."""
-        from ..trainer import _chunks
+        from ...batch import row_index, split_rows
         from .pipeline import pad_rows
 
-        chunks = _chunks(torch.arange(len(batch["response_ids"])), micro_batch_size)
+        chunks = split_rows(row_index(len(batch["response_ids"])), micro_batch_size)
         size = len(chunks[0])
         mbs = [pad_rows({k: batch[k][i].to(self.device) for k in keys}, size) for i in chunks]
         return mbs, [len(i) for i in chunks]
