@@ -1,13 +1,13 @@
 """The PPO critic on Megatron-core (``critic.engine=megatron``): a ``GPTModel`` trunk and a
 scalar value head, tensor and data parallel over the critic's ranks (one per device).
 
-The model is the actor's (:func:`~..actor.megatron.model.build_gpt_model`, same Qwen2 shape,
-untied) whose ``output_layer`` is replaced by :class:`ValueHead`, a replicated
-``Linear(H, 1)`` (how veRL's Megatron critic does it: ``LinearForLastLayer``): Megatron's
-``GPTModel`` then runs its own final norm and hands the head ``[S, B, H]`` hidden states, which
-are whole on every TP rank (no sequence parallel), so the head's values and gradients are the
-same on every TP rank; like the norms it counts once in the gradient norm. No vocabulary
-output layer is kept.
+The model is the actor's (:func:`~..actor.megatron.model.build_gpt_model`: a Qwen2, Llama or
+Mistral trunk as :mod:`~..actor.megatron.arch` maps it, untied) whose ``output_layer`` is
+replaced by :class:`ValueHead`, a replicated ``Linear(H, 1)`` (how veRL's Megatron critic does
+it: ``LinearForLastLayer``): Megatron's ``GPTModel`` then runs its own final norm and hands the
+head ``[S, B, H]`` hidden states, which are whole on every TP rank (no sequence parallel), so
+the head's values and gradients are the same on every TP rank; like the norms it counts once in
+the gradient norm. No vocabulary output layer is kept.
 
 Training (:class:`MegatronValueTrainer`) is the torch critic's
 :meth:`~.trainer.ValueTrainer.train_values` (clipped value loss, mini-batches, epochs), with DP
@@ -48,7 +48,8 @@ def check_config(world_size: int, kwargs: dict) -> None:
 
     Raises:
         ValueError: megatron-core missing, or a TP size that does not divide the ranks or the
-            model's heads; the message names the fix.
+            model's heads; the message names the fix. ``UnsupportedModel`` (a ``ValueError``):
+            a trunk the engine does not map (the message names ``critic.engine=torch``).
     """
     from ..actor.megatron.engine import check_config as check
 
@@ -72,11 +73,18 @@ class ValueHead(nn.Linear):
 
 def build_value_model(hf_config):
     """This rank's Megatron value model (after :func:`~..actor.megatron.model.init_parallel`,
-    PP = 1): the Qwen2 trunk of :func:`~..actor.megatron.model.build_gpt_model` (untied: the
-    embedding is not shared with anything) and a :class:`ValueHead` as ``output_layer``.
-    ``model(tokens, position_ids, attention_mask=...)`` returns ``[B, S, 1]``."""
+    PP = 1): the trunk of :func:`~..actor.megatron.model.build_gpt_model` (Qwen2, Llama or
+    Mistral; untied: the embedding is not shared with anything) and a :class:`ValueHead` as
+    ``output_layer``. ``model(tokens, position_ids, attention_mask=...)`` returns
+    ``[B, S, 1]``.
+
+    Raises:
+        UnsupportedModel: a trunk the engine does not map (names ``critic.engine=torch``).
+    """
+    from ..actor.megatron.arch import architecture
     from ..actor.megatron.model import build_gpt_model
 
+    architecture(hf_config, role="critic")  # refused before anything is built
     untied = copy.deepcopy(hf_config)
     untied.tie_word_embeddings = False
     model = build_gpt_model(untied)
@@ -104,7 +112,8 @@ def critic_to_megatron(
     state: dict[str, torch.Tensor], shape, tp_rank: int = 0, tp_size: int = 1
 ) -> dict[str, torch.Tensor]:
     """TP rank ``tp_rank``'s Megatron state from a torch critic's (``ValueModel``) state dict
-    (``backbone.*`` = Qwen2Model, ``head.{weight,bias}``). Without ``head.*`` keys (a policy's
+    (``backbone.*`` = the family's trunk, e.g. ``Qwen2Model`` / ``LlamaModel``,
+    ``head.{weight,bias}``). Without ``head.*`` keys (a policy's
     transformer, see :func:`lm_to_critic`) no ``output_layer`` entries are made."""
     from ..actor.megatron.convert import hf_to_megatron
 
@@ -200,7 +209,8 @@ class MegatronCritic:
     the torch critic's layout.
 
     Args:
-        hf_config: the Hugging Face ``Qwen2Config`` of the critic's trunk (the policy's shape).
+        hf_config: the Hugging Face config of the critic's trunk (the policy's: Qwen2, Llama or
+            Mistral).
         torch_state: the torch critic's initial state dict (``ValueModel(..., seed)``: every
             rank builds the same one, so no collective is needed).
         names: ``ValueModel.parameters()`` names, in order (its optimizer's indices).

@@ -1,4 +1,11 @@
-"""Checkpoint conversion between the Hugging Face Qwen2 layout and Megatron-core's GPT layout.
+"""Checkpoint conversion between the Hugging Face Qwen2 / Llama / Mistral layout and Megatron-core's
+GPT layout.
+
+The three families share their Hugging Face names (``model.embed_tokens``,
+``model.layers.{i}.self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``,
+``input_layernorm``, ``post_attention_layernorm``, ``model.norm``, ``lm_head``); only Qwen2 has
+``{q,k,v}_proj.bias`` (``MegatronShape.qkv_bias``). :func:`megatron_to_hf` gives exactly the
+keys of the family's ``state_dict()``, so it loads with ``strict=True`` into the original class.
 
 Megatron layout (local spec, one tensor-parallel rank ``r`` of ``tp``):
 
@@ -60,6 +67,20 @@ def _pad_vocab(w: torch.Tensor, shape: MegatronShape) -> torch.Tensor:
     return torch.cat([w, w.new_zeros(pad, *w.shape[1:])]) if pad else w
 
 
+def hf_keys(shape: MegatronShape) -> set[str]:
+    """The keys of the HF model's ``state_dict()`` (``lm_head.weight`` listed tied or not, as
+    transformers lists it)."""
+    keys = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    kinds = ("weight", "bias") if shape.qkv_bias else ("weight",)
+    for i in range(shape.num_layers):
+        h = _LAYER_HF.format(i=i)
+        keys |= {f"{h}self_attn.{p}_proj.{k}" for p in "qkv" for k in kinds}
+        keys |= {f"{h}self_attn.o_proj.weight", f"{h}input_layernorm.weight"}
+        keys |= {f"{h}post_attention_layernorm.weight"}
+        keys |= {f"{h}mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    return keys
+
+
 def hf_to_megatron(
     hf: dict[str, torch.Tensor],
     shape: MegatronShape,
@@ -70,14 +91,26 @@ def hf_to_megatron(
     pre_process: bool = True,
     post_process: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """The Megatron state dict of TP rank ``tp_rank`` (of ``tp_size``) from an HF Qwen2 one.
+    """The Megatron state dict of TP rank ``tp_rank`` (of ``tp_size``) from an HF Qwen2 / Llama /
+    Mistral one (``shape.qkv_bias``: whether q/k/v biases are read).
 
     For a pipeline stage pass its first global layer ``layer_offset``, its ``num_layers`` and
     whether it is the first (``pre_process``: embedding) / last (``post_process``: final norm,
     output layer) stage. With tied embeddings on a multi-stage pipeline the last stage's
     ``output_layer.weight`` is the embedding (Megatron keeps a copy there).
+
+    Raises:
+        KeyError: ``hf`` holds a key the model has no place for (e.g. biases a Llama does not
+            have: nothing is dropped silently) or lacks one it needs.
     """
+    unexpected = sorted(set(hf) - hf_keys(shape))
+    if unexpected:
+        raise KeyError(
+            f"HF weights that {shape.architecture} with this config has no place for: "
+            f"{unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
+        )
     r, tp = tp_rank, tp_size
+    kinds = ("weight", "bias") if shape.qkv_bias else ("weight",)
     n = shape.num_layers - layer_offset if num_layers is None else num_layers
     out: dict[str, torch.Tensor] = {}
     embed = _pad_vocab(hf["model.embed_tokens.weight"], shape)
@@ -86,7 +119,7 @@ def hf_to_megatron(
     for i in range(n):
         h, m = _LAYER_HF.format(i=i + layer_offset), _LAYER_MG.format(i=i)
         a = h + "self_attn."
-        for kind in ("weight", "bias"):
+        for kind in kinds:
             qkv = _fuse_qkv(
                 hf[f"{a}q_proj.{kind}"], hf[f"{a}k_proj.{kind}"], hf[f"{a}v_proj.{kind}"], shape
             )
@@ -112,7 +145,9 @@ def megatron_to_hf(
     shards: list[dict[str, torch.Tensor]], shape: MegatronShape
 ) -> dict[str, torch.Tensor]:
     """Gather the TP shards (``shards[r]`` is rank ``r``'s state dict, all layers, i.e. after
-    :func:`merge_pipeline_stages` for PP > 1) into one HF Qwen2 state dict.
+    :func:`merge_pipeline_stages` for PP > 1) into one HF state dict of ``shape.architecture``:
+    exactly :func:`hf_keys` (no q/k/v biases for Llama / Mistral), so it loads with
+    ``strict=True``.
 
     ``_extra_state`` entries are ignored. With tied embeddings ``lm_head.weight`` is the
     embedding (HF's ``state_dict()`` lists it too).
@@ -128,7 +163,7 @@ def megatron_to_hf(
     for i in range(shape.num_layers):
         h, m = _LAYER_HF.format(i=i), _LAYER_MG.format(i=i)
         a = h + "self_attn."
-        for kind in ("weight", "bias"):
+        for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
             q, k, vv = _unfuse_qkv(cat(f"{m}self_attention.linear_qkv.{kind}", 0), shape)
             out[f"{a}q_proj.{kind}"], out[f"{a}k_proj.{kind}"], out[f"{a}v_proj.{kind}"] = q, k, vv
         out[f"{a}o_proj.weight"] = cat(f"{m}self_attention.linear_proj.weight", 1)

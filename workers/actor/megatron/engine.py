@@ -60,16 +60,21 @@ def check_config(world_size: int, kwargs: dict, role: str = "actor") -> None:
 
     Args:
         world_size: the group's ranks (one per device).
-        kwargs: the worker's arguments (``tensor_parallel``, ``pipeline_parallel``, ``model``).
+        kwargs: the worker's arguments (``tensor_parallel``, ``pipeline_parallel``, ``model``:
+            the built-in preset's fields, or ``path`` to a Hugging Face directory whose
+            ``config.json`` is read here, see :func:`~.arch.hf_config_of`).
         role: the config section the messages name (``actor``; ``critic`` for
             :func:`~...critic.megatron_engine.check_config`).
 
     Raises:
         ValueError: megatron-core missing, ``tensor_parallel * pipeline_parallel`` not dividing
-            the ranks, a TP size that does not divide the model's heads, or a PP size that does
-            not divide its layers; the message names the fix.
+            the ranks, a TP size that does not divide the model's heads or MLP width, or a PP
+            size that does not divide its layers; the message names the fix.
+        UnsupportedModel: (a ``ValueError``) an architecture or setting the engine does not map
+            exactly (:func:`~.arch.architecture`): the message names the supported
+            architectures and ``<role>.engine=torch``.
     """
-    from ...llm import ModelConfig
+    from .arch import architecture, hf_config_of
 
     if importlib.util.find_spec("megatron") is None or (
         importlib.util.find_spec("megatron.core") is None
@@ -86,12 +91,14 @@ def check_config(world_size: int, kwargs: dict, role: str = "actor") -> None:
             f"DP = ranks / (TP x PP)): change {' / '.join(k.split('=')[0] for k in knobs)} or "
             f"the devices the plan gives the {role}"
         )
-    model = ModelConfig(**kwargs.get("model", {}))
-    for field in ("num_attention_heads", "num_key_value_heads"):
-        if getattr(model, field) % tp:
+    model = hf_config_of(kwargs.get("model", {}))
+    architecture(model, role)
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(model, field)
+        if value % tp:
             raise ValueError(
-                f"model.{field}={getattr(model, field)} is not divisible by "
-                f"{role}.tensor_parallel={tp}: pick a tensor_parallel that divides it"
+                f"model.{field}={value} is not divisible by {role}.tensor_parallel={tp}: pick "
+                "a tensor_parallel that divides it"
             )
     if model.num_hidden_layers % pp:
         raise ValueError(
@@ -245,7 +252,8 @@ class MegatronEngine:
     """This rank's part of a Megatron actor: process groups, model shard, trainer, reference.
 
     Args:
-        hf_config: the Hugging Face ``Qwen2Config`` of the policy (the torch engine's model).
+        hf_config: the Hugging Face config of the policy (the torch engine's model: Qwen2,
+            Llama or Mistral, see :mod:`.arch`; others raise ``UnsupportedModel``).
         hf_state: rank 0: the initial weights (HF state dict); other ranks: ``None``.
         rank, world_size: this rank in the actor group (one rank per device).
         rendezvous: ``{"addr", "port"}`` of the group's process group.
@@ -385,8 +393,9 @@ class MegatronEngine:
 
     def load_hf(self, hf_state: dict[str, torch.Tensor] | None, reference: bool = False) -> None:
         """Every rank loads its shard (its TP slice of its pipeline stage's layers) of rank
-        0's ``hf_state`` (HF Qwen2 layout; the other ranks pass ``None``) into the policy, or
-        with ``reference`` into the reference shard. A collective of the whole actor group.
+        0's ``hf_state`` (HF layout of the model's family; the other ranks pass ``None``) into
+        the policy, or with ``reference`` into the reference shard. A collective of the whole
+        actor group.
 
         Raises:
             KeyError: the state does not fit the model (:func:`~.convert.load_megatron_state`).
@@ -410,7 +419,8 @@ class MegatronEngine:
         load_megatron_state(model, shard)
 
     def gather_hf(self, reference: bool = False) -> dict[str, torch.Tensor] | None:
-        """The policy (or with ``reference`` the reference) in HF Qwen2 layout on rank 0: the
+        """The policy (or with ``reference`` the reference) in HF layout on rank 0 (the keys of
+        the original class's ``state_dict()``: it loads with ``strict=True``): the
         shards of DP replica 0 gathered, stages merged (:func:`~.convert.merge_pipeline_stages`),
         TP shards concatenated, vocabulary padding dropped; ``None`` on the other ranks. A
         collective of the whole actor group."""

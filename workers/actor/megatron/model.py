@@ -1,10 +1,14 @@
-"""A Megatron-core ``GPTModel`` shaped like our tiny Qwen2, its parallel state, and logprobs.
+"""A Megatron-core ``GPTModel`` equivalent to a Hugging Face Qwen2 / Llama / Mistral causal LM,
+its parallel state, and logprobs.
 
 The model is megatron-core's own GPT with its local (non Transformer-Engine) layer spec
-(``get_gpt_layer_local_spec``): RMSNorm, SwiGLU (``gated_linear_unit`` + SiLU), rotary
-embeddings with Qwen2's ``rope_theta`` (non-interleaved, i.e. HF's ``rotate_half``), grouped
-query attention (``num_query_groups``), bias on Q/K/V only (Qwen2 has no bias on ``o_proj`` or
-the MLP), tied or untied output embeddings as the HF config says.
+(``get_gpt_layer_local_spec``): RMSNorm (``rms_norm_eps``), SwiGLU (``gated_linear_unit`` +
+SiLU), rotary embeddings (non-interleaved, i.e. HF's ``rotate_half``) with the config's
+``rope_theta`` and, for ``linear`` / ``llama3`` RoPE scaling, transformers' own inverse
+frequencies, grouped query attention (``num_query_groups``), ``head_dim`` as the config sets
+it (``kv_channels``), bias on Q/K/V for Qwen2 only (no family here has biases on ``o_proj`` or
+the MLP), tied or untied output embeddings as the HF config says. Which configs map exactly is
+:mod:`.arch`'s call (others raise :class:`~.arch.UnsupportedModel` before anything is built).
 
 Parallelism: :func:`init_parallel` calls ``parallel_state.initialize_model_parallel`` for the
 given tensor (TP) and pipeline (PP) sizes over whatever ``torch.distributed`` backend is
@@ -34,14 +38,8 @@ class MegatronShape:
     num_query_groups: int
     head_dim: int
     tie_word_embeddings: bool
-
-
-def _rope_theta(hf_config) -> float:
-    theta = getattr(hf_config, "rope_theta", None)
-    if theta is None:  # transformers 5 keeps it in rope_parameters
-        params = getattr(hf_config, "rope_parameters", None) or {}
-        theta = params.get("rope_theta", 10000.0)
-    return float(theta)
+    qkv_bias: bool = True  # Qwen2: q/k/v biases; Llama, Mistral: none
+    architecture: str = "Qwen2ForCausalLM"  # the HF class the weights load into
 
 
 def padded_vocab(vocab_size: int, tp: int, multiple: int = 8) -> int:
@@ -50,8 +48,19 @@ def padded_vocab(vocab_size: int, tp: int, multiple: int = 8) -> int:
     return -(-vocab_size // step) * step
 
 
-def megatron_shape(hf_config, tp: int = 1, vocab_multiple: int = 8) -> MegatronShape:
-    """The :class:`MegatronShape` of an HF ``Qwen2Config`` at tensor-parallel size ``tp``."""
+def megatron_shape(
+    hf_config, tp: int = 1, vocab_multiple: int = 8, role: str = "actor"
+) -> MegatronShape:
+    """The :class:`MegatronShape` of an HF config (Qwen2, Llama, Mistral) at tensor-parallel
+    size ``tp``.
+
+    Raises:
+        UnsupportedModel: the config has no exact Megatron mapping (:func:`~.arch.architecture`;
+            the message names ``<role>.engine=torch``).
+    """
+    from .arch import architecture
+
+    arch = architecture(hf_config, role)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return MegatronShape(
@@ -63,11 +72,13 @@ def megatron_shape(hf_config, tp: int = 1, vocab_multiple: int = 8) -> MegatronS
         num_query_groups=hf_config.num_key_value_heads,
         head_dim=head_dim,
         tie_word_embeddings=bool(hf_config.tie_word_embeddings),
+        qkv_bias=arch.qkv_bias,
+        architecture=arch.name,
     )
 
 
 def transformer_config(hf_config, tp: int = 1, pp: int = 1, dtype=torch.float32):
-    """Megatron ``TransformerConfig`` equivalent to an HF ``Qwen2Config``.
+    """Megatron ``TransformerConfig`` equivalent to an HF Qwen2 / Llama / Mistral config.
 
     fp32 everywhere, no dropout (so TP ranks need no forked RNG), and on CPU the fused kernels
     off (:data:`~.shims.CPU_CONFIG_FLAGS`).
@@ -88,8 +99,8 @@ def transformer_config(hf_config, tp: int = 1, pp: int = 1, dtype=torch.float32)
         layernorm_epsilon=float(hf_config.rms_norm_eps),
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,  # Qwen2: no bias on o_proj, gate/up/down
-        add_qkv_bias=True,  # Qwen2: bias on q/k/v
+        add_bias_linear=False,  # no bias on o_proj, gate/up/down (arch.py refuses others)
+        add_qkv_bias=shape.qkv_bias,  # Qwen2: bias on q/k/v; Llama, Mistral: none
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -141,16 +152,23 @@ def build_gpt_model(hf_config, vocab_multiple: int = 8, dtype=torch.float32):
     """The Megatron ``GPTModel`` for this rank's pipeline stage (after :func:`init_parallel`).
 
     Logits come out gathered over TP (``parallel_output=False``) and cover the padded vocabulary;
-    :func:`megatron_sequence_logprobs` drops the padding columns.
+    :func:`megatron_sequence_logprobs` drops the padding columns. A ``linear`` / ``llama3``
+    RoPE gets transformers' inverse frequencies (:func:`~.arch.rope_inv_freq`) in place of
+    Megatron's unscaled ones, on every stage.
+
+    Raises:
+        UnsupportedModel: the config has no exact mapping (:func:`~.arch.architecture`).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from .arch import rope_inv_freq, rope_parameters
+
     apply_cpu_shims()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    config = transformer_config(hf_config, tp=tp, pp=pp, dtype=dtype)
+    config = transformer_config(hf_config, tp=tp, pp=pp, dtype=dtype)  # refuses, or maps
     shape = megatron_shape(hf_config, tp, vocab_multiple)
     model = GPTModel(
         config=config,
@@ -162,8 +180,12 @@ def build_gpt_model(hf_config, vocab_multiple: int = 8, dtype=torch.float32):
         parallel_output=False,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_base=_rope_theta(hf_config),
+        rotary_base=float(rope_parameters(hf_config)["rope_theta"]),
     )
+    inv_freq = rope_inv_freq(hf_config)
+    if inv_freq is not None:  # before the first forward (RotaryEmbedding caches its output)
+        rotary = model.rotary_pos_emb
+        rotary.inv_freq = inv_freq.to(rotary.inv_freq.device, rotary.inv_freq.dtype)
     pad = getattr(hf_config, "pad_token_id", None)
     if pad is not None and model.pre_process:
         model.embedding.word_embeddings.register_forward_hook(_padding_idx_hook(pad))
