@@ -8,7 +8,7 @@ from m2flow.scheduler.balance import all_queued
 
 from m2flow import Channel
 
-from ..batch import concat
+from ..batch import concat, row_order
 from ..checkpoint import load_state, save_state
 from ..critic.data import chunk_key
 from ..critic.losses import masked_whiten
@@ -114,7 +114,7 @@ def megatron_ppo_update(
     sums: dict[str, float] = {}
     steps = 0
     for _ in range(epochs):
-        order = torch.randperm(n, generator=generator) if epochs > 1 else torch.arange(n)
+        order = row_order(n, epochs > 1, generator)
         m = engine.train({k: v[order] for k, v in data.items()}, mini_batch_size, micro_batch_size)
         k_steps = int(m.pop("steps", 0))
         for k, v in m.items():

@@ -325,10 +325,10 @@ class MegatronCritic:
         counted once. A collective of one DP replica's ranks (every rank calls it)."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=dp.comm_device(self.mp_group))
         for p, b in zip(self.model.parameters(), before):
             if param_is_not_tensor_parallel_duplicate(p):
-                sq += (p.detach().double().cpu() - b.double().cpu()).pow(2).sum()
+                sq += (p.detach().double() - b.to(p.device).double()).pow(2).sum()
         dist.all_reduce(sq, group=self.mp_group)
         return float(sq.sqrt())
 

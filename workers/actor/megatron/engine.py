@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ...batch import row_index, split_rows
 from .. import data_parallel as dp
 from ..trainer import PolicyTrainer
 
@@ -141,7 +142,6 @@ class MegatronPolicyTrainer(PolicyTrainer):
     def _micro_batches(self, batch, keys, micro_batch_size) -> tuple[list, list[int]]:
         """``batch``'s rows in micro-batches of one size (the last padded, see
         :func:`~.pipeline.pad_rows`) on the device, and each one's real row count."""
-        from ...batch import row_index, split_rows
         from .pipeline import pad_rows
 
         chunks = split_rows(row_index(len(batch["response_ids"])), micro_batch_size)
@@ -359,7 +359,7 @@ class MegatronEngine:
             ``steps``.
         """
         n = len(data["response_ids"])
-        minis = list(torch.split(torch.arange(n), mini_batch_size or n))
+        minis = split_rows(row_index(n), mini_batch_size)
         mine = [torch.tensor_split(m, self.dp)[self.dp_rank] for m in minis]
         rows = torch.cat(mine)
         local = {k: v[rows] for k, v in data.items()}
@@ -369,7 +369,7 @@ class MegatronEngine:
         if self.ref_model is not None and "ref_logprobs" not in data:  # KL reference
             extra["ref_logprobs"] = self.reference_logprobs
         for key, fn in extra.items():
-            full = torch.zeros(data["response_ids"].shape)
+            full = torch.zeros(data["response_ids"].shape, device="cpu")  # the batch: host
             if len(rows):  # every stage of a pipeline holds the same rows
                 full[rows] = fn(local, micro_batch_size)
             data = dict(data, **{key: full})
@@ -460,7 +460,7 @@ class MegatronEngine:
             return
         self._ref_packed = _pack([p.data for p in params])
         for p in params:
-            p.data = torch.empty(0, dtype=p.dtype)
+            p.data = torch.empty(0, dtype=p.dtype, device="cpu")
 
     def onload(self) -> None:
         """Undo :meth:`offload`."""

@@ -37,7 +37,9 @@ def pad_rows(mb: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in mb.items():
         if k in _PAD_FILL:
-            fill = torch.full((size - b, *v.shape[1:]), _PAD_FILL[k], dtype=v.dtype)
+            fill = torch.full(
+                (size - b, *v.shape[1:]), _PAD_FILL[k], dtype=v.dtype, device=v.device
+            )
         else:  # prompt ids and mask: a copy of row 0
             fill = v[:1].expand(size - b, *v.shape[1:])
         out[k] = torch.cat([v, fill.to(v.device)])
@@ -93,7 +95,7 @@ def run_schedule(
             )
             outputs.append(lp.detach())
             loss = loss_fn(lp, mb) if loss_fn is not None else lp.sum().detach() * 0
-            return loss, torch.ones((), dtype=torch.int), {}
+            return loss, torch.ones((), dtype=torch.int, device=lp.device), {}
 
         return out, loss_func
 

@@ -90,7 +90,8 @@ def _cpu_current_device() -> torch.device:
 
 @functools.lru_cache(maxsize=8)
 def _cpu_causal_mask(sq: int) -> torch.Tensor:
-    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()  # True = masked, as Megatron's
+    # True = masked, as Megatron's
+    return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
 
 class _CudaDeviceToCpu(TorchFunctionMode):
