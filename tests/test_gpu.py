@@ -175,3 +175,57 @@ def test_cuda_ipc_weight_sync_on_one_gpu(cluster):
     finally:
         src.shutdown()
         dst.shutdown()
+
+
+def _tiny_llama_dir(path) -> str:
+    """A tiny random Llama with the character tokenizer, saved as a Hugging Face directory."""
+    import torch
+    from m2flow.workers.llm import build_char_tokenizer
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tok = build_char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_grpo_step_on_cuda(tmp_path):
+    """The path that failed on the first GRPO step on a GPU (the sampler's host uniforms):
+    a seeded rollout on CUDA from a loaded directory in bf16, then a mixed-precision actor
+    step over float32 master weights; and in fp32 the rollout's logprobs equal the actor's."""
+    import torch
+    from m2flow.workers.actor.losses import grpo_advantages
+    from m2flow.workers.actor.trainer import PolicyTrainer
+    from m2flow.workers.llm import build_tokenizer, load_model, tokenizer_spec
+    from m2flow.workers.rollout.generation import generate
+
+    path = _tiny_llama_dir(tmp_path / "llama")
+    tok = build_tokenizer(tokenizer_spec({"path": path}))
+    prompts = [tok(p).input_ids for p in ("1+2=", "12+34-5=", "7-3=")]
+    keys = [(1, g) for g in range(len(prompts))]
+    for dtype in ("auto", "float32"):
+        rollout = load_model({"path": path, "dtype": dtype}, tok, "cuda")
+        assert next(rollout.parameters()).dtype == (
+            torch.bfloat16 if dtype == "auto" else torch.float32
+        )
+        out = generate(rollout, tok, prompts, n_samples=4, max_new_tokens=6, temperature=1.0,
+                       sample_keys=keys, seed=0)  # fmt: skip
+        assert all(v.device.type == "cpu" for v in out.values())
+        actor = load_model({"path": path, "dtype": dtype}, tok, "cuda", trainable=True)
+        compute = torch.bfloat16 if dtype == "auto" else torch.float32
+        trainer = PolicyTrainer(actor, temperature=1.0, compute_dtype=compute)
+        if dtype == "float32":
+            assert (trainer.compute_logprobs(out) - out["logprobs"]).abs().max() <= 1e-4
+        data = {k: out[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+        data["advantages"] = grpo_advantages((out["response_ids"][:, 0] % 2).float(),
+                                             out["group_index"])  # fmt: skip
+        metrics = trainer.train_on_batch(data, micro_batch_size=4)
+        assert metrics["steps"] == 1 and torch.isfinite(torch.tensor(metrics["loss"]))
+        assert {p.dtype for p in actor.parameters()} == {torch.float32}

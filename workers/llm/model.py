@@ -151,6 +151,32 @@ def check_model_directory(path: str) -> None:
         )
 
 
+def shape_config(
+    cfg: ModelConfig | dict, tokenizer: PreTrainedTokenizerBase | None = None
+) -> Qwen2Config:
+    """The ``Qwen2Config`` of a built (random-weight) model: ``cfg``'s shape, with the
+    vocabulary size and pad/eos/bos ids that ``cfg`` leaves unset from ``tokenizer`` (if given;
+    without one, ``cfg`` must set ``vocab_size``).
+
+    Raises:
+        ValueError: no vocabulary size (neither ``cfg.vocab_size`` nor a tokenizer).
+    """
+    fields = asdict(model_config(cfg))
+    attn = fields["attn_implementation"]
+    for name in LOADING_FIELDS:
+        fields.pop(name)
+    if tokenizer is not None:
+        fields["vocab_size"] = fields["vocab_size"] or len(tokenizer)
+        for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+            if fields[name] is None:
+                fields[name] = getattr(tokenizer, name)
+    if fields["vocab_size"] is None:
+        raise ValueError("vocab_size is unset: pass a tokenizer or set cfg.vocab_size")
+    config = Qwen2Config(**fields)
+    config._attn_implementation = attn
+    return config
+
+
 def build_model(
     cfg: ModelConfig | dict,
     tokenizer: PreTrainedTokenizerBase | None = None,
@@ -164,20 +190,7 @@ def build_model(
             unset.
         seed: if given, seeds torch before initialisation so the weights are reproducible.
     """
-    cfg = model_config(cfg)
-    fields = asdict(cfg)
-    attn = fields["attn_implementation"]
-    for name in LOADING_FIELDS:
-        fields.pop(name)
-    if tokenizer is not None:
-        fields["vocab_size"] = fields["vocab_size"] or len(tokenizer)
-        for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-            if fields[name] is None:
-                fields[name] = getattr(tokenizer, name)
-    if fields["vocab_size"] is None:
-        raise ValueError("vocab_size is unset: pass a tokenizer or set cfg.vocab_size")
-    config = Qwen2Config(**fields)
-    config._attn_implementation = attn
+    config = shape_config(cfg, tokenizer)
     if seed is not None:
         torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)

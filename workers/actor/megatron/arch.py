@@ -198,11 +198,7 @@ def hf_config_of(model) -> object:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(path)
-    from transformers import Qwen2Config
+    from ...llm.model import shape_config
 
-    from ...llm import ModelConfig
-
-    fields = asdict(ModelConfig(**{k: v for k, v in model.items() if k != "path"}))
-    fields.pop("attn_implementation", None)
-    fields["vocab_size"] = fields["vocab_size"] or 1  # set from the tokenizer at build time
-    return Qwen2Config(**fields)
+    # The vocabulary comes from the tokenizer at build time; the checks here do not need it.
+    return shape_config({**model, "vocab_size": model.get("vocab_size") or 1})
