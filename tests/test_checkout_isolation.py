@@ -19,8 +19,9 @@ from m2flow.recipe import Checkpoints
 from m2flow.workflow import prepare
 
 WORKFLOWS = {name: CHECKOUT / "workflows" / f"{name}.py" for name in ("grpo", "ppo", "embodied")}
-#: tests that validated against the default run directory when the main job had filled it
-#: (6 failed of 658 on README's test command; test_ppo's after ``m2flow run workflows/ppo.py``)
+#: the tests that failed on README's test command after the main job (6 of 658; test_ppo's after
+#: ``m2flow run workflows/ppo.py``): they validated against the default run directory (now each
+#: names a tmp one), and the test of the session's defaults
 DEFAULT_RUN_DIR_TESTS = [
     "tests/test_tokenizers.py::test_char_tokenizer_refuses_what_it_cannot_encode",
     "tests/test_workflow.py::test_engine_config_errors_name_the_fix",
