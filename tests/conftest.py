@@ -1,4 +1,5 @@
-"""Shared test set-up: one real Ray session per test module, and the ``gpu`` marker.
+"""Shared test set-up: one real Ray session per test module, the ``gpu`` marker, and tests kept
+out of the checkout (a temporary cwd for the session, :mod:`checkout_guard` around each test).
 
 Ray worker processes inherit the driver's environment, so everything here that a worker needs
 (the tests directory on ``PYTHONPATH``, Ray's CI settings) is put into ``os.environ`` at import
@@ -14,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from checkout_guard import CheckoutGuard
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -31,6 +33,55 @@ if str(TESTS_DIR) not in _pythonpath:
 def _short_tmp_dir(prefix: str) -> Path:
     # Ray's unix socket paths must stay under 107 bytes: keep the temp dir short (/tmp/...).
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp" if os.path.isdir("/tmp") else None))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cwd(tmp_path_factory):
+    """The session's cwd: a temporary directory, never the checkout (issue 25, item 13).
+
+    Workflow defaults are relative (``trainer.run_dir=runs/grpo``): from here they cannot meet
+    the user's runs in ``<checkout>/runs``, in this process or in the subprocesses and Ray
+    processes tests start (they inherit the cwd). Set up before any module's Ray session."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    previous = os.getcwd()
+    os.chdir(cwd)
+    try:
+        yield cwd
+    finally:
+        os.chdir(previous)
+
+
+_guard: CheckoutGuard | None = None
+
+
+@pytest.fixture(autouse=True)
+def checkout_guard(session_cwd, tmp_path_factory):
+    """Fails the test that touched ``<checkout>/runs``, wrote into the checkout, wrote to a
+    default run directory (``<session cwd>/runs``) or left the cwd changed. Yields the
+    :class:`~checkout_guard.CheckoutGuard` (``take()`` clears what it recorded)."""
+    global _guard
+    if _guard is None:  # one audit hook per process
+        allowed = (tmp_path_factory.getbasetemp().resolve(), Path(tempfile.gettempdir()).resolve())
+        _guard = CheckoutGuard(allowed=allowed).install()
+    _guard.take()
+    _guard.active = True
+    try:
+        yield _guard
+    finally:
+        _guard.active = False
+    problems = [f"{event} {path}" for event, path in _guard.take()]
+    if (session_cwd / "runs").exists():
+        problems.append(f"wrote the default run directory {session_cwd / 'runs'}")
+        shutil.rmtree(session_cwd / "runs", ignore_errors=True)  # the next test starts clean
+    if Path.cwd() != session_cwd:
+        problems.append(f"left the cwd at {Path.cwd()}")
+        os.chdir(session_cwd)
+    if problems:
+        pytest.fail(
+            "tests must not touch the checkout's runs/ or write into the checkout; give the "
+            "test a tmp_path (trainer.run_dir=..., -o ...): " + "; ".join(problems),
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="module")

@@ -162,9 +162,9 @@ def test_resumed_run_matches_an_uninterrupted_one(cluster, tmp_path):
         assert resumed[2][key] == uninterrupted[2][key], key
 
 
-def test_bad_value_exits_2():
+def test_bad_value_exits_2(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "m2flow.cli", "run", str(PPO)]
+        [sys.executable, "-m", "m2flow.cli", "run", str(PPO), f"trainer.run_dir={tmp_path}"]
         + ["reward_fit.batches=2", "reward_fit.heldout_batches=2"],
         capture_output=True,
         text=True,

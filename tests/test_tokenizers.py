@@ -126,25 +126,26 @@ def test_extract_answer_rule():
     assert extract_answer("<answer>3") == "<answer>3"
 
 
-def test_char_tokenizer_refuses_what_it_cannot_encode(qwen):
+def test_char_tokenizer_refuses_what_it_cannot_encode(qwen, tmp_path):
+    run_dir = f"trainer.run_dir={tmp_path}"  # never the checkout's runs/grpo (issue 25)
     char = build_tokenizer({"name": "char"})
     ok = TaskDataset("chain_sum", TASKS["chain_sum"], seed=0, size=8, tokenizer=char)
     assert all(it.prompt.endswith("=") and it.target == it.answer for it in ok.items)
     with pytest.raises(ConfigError, match="model.tokenizer=qwen2"):
         TaskDataset("leg_counting", {}, seed=0, size=4, tokenizer=char)
     with pytest.raises(ConfigError, match="model.tokenizer=qwen2"):
-        prepare(str(GRPO), ["task.name=leg_counting"])  # before any process starts
+        prepare(str(GRPO), ["task.name=leg_counting", run_dir])  # before any process starts
     with pytest.raises(ConfigError, match=r"is \d+ tokens > task.max_prompt_tokens=20"):
         TaskDataset("leg_counting", {}, seed=0, size=4, tokenizer=qwen, max_prompt_tokens=20)
-    with pytest.raises(ConfigError, match="raise task.max_prompt_tokens"):
-        prepare(str(GRPO), ["model.tokenizer=qwen2", "task.name=leg_counting"])  # 58 tokens
+    with pytest.raises(ConfigError, match="raise task.max_prompt_tokens"):  # 58 tokens
+        prepare(str(GRPO), ["model.tokenizer=qwen2", "task.name=leg_counting", run_dir])
     with pytest.raises(ConfigError, match="not a reasoning-gym dataset"):
-        prepare(str(GRPO), ["task.name=leg_countin"])
+        prepare(str(GRPO), ["task.name=leg_countin", run_dir])
     # task.config sits over per-task defaults: chain_sum keeps its, other tasks take any key.
     task = {"name": "leg_counting", "config": {"min_animals": 1, "max_animals": 2}}
     task |= {"train_seed": 0, "train_size": 4, "max_prompt_tokens": 448}
     assert all(len(it.entry["metadata"]["animals"]) <= 2 for it in task_dataset(task, "train"))
-    assert prepare(str(GRPO), ["task.config.max_digits=3"])  # chain_sum's defaults + one key
+    assert prepare(str(GRPO), ["task.config.max_digits=3", run_dir])  # chain_sum's + one key
 
 
 QWEN_TINY = [

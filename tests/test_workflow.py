@@ -268,7 +268,7 @@ def test_builtin_workflow_by_name():
         (["actor.engine=bogus"], "actor.engine must be torch or megatron"),
     ],
 )
-def test_engine_config_errors_name_the_fix(overrides, needle):
+def test_engine_config_errors_name_the_fix(overrides, needle, tmp_path):
     """Engine choices the config cannot run are refused before anything starts."""
     with pytest.raises(ConfigError, match=needle):
-        prepare(str(GRPO), overrides)
+        prepare(str(GRPO), [*overrides, f"trainer.run_dir={tmp_path}"])
