@@ -151,7 +151,7 @@ def run_trl(
 
     args = trl.GRPOConfig(
         output_dir=str(out_dir),
-        use_cpu=True,
+        use_cpu=not torch.cuda.is_available(),  # on a GPU machine both sides use the GPU
         bf16=False,
         gradient_checkpointing=False,
         use_vllm=False,

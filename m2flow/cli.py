@@ -79,7 +79,7 @@ def run(
     try:
         plan_spec, overrides = split_plan(overrides)
         if show_config:
-            print(to_yaml(prepare(workflow, overrides, config or [])[1]))
+            print(to_yaml(prepare(workflow, overrides, config or [], validate=False)[1]))
             return
         session = run_workflow(
             workflow,

@@ -75,16 +75,22 @@ def load_workflow(path: Path) -> ModuleType:
 
 
 def prepare(
-    workflow: str | Path, overrides: Sequence[str] = (), config_files: Sequence[str] = ()
+    workflow: str | Path,
+    overrides: Sequence[str] = (),
+    config_files: Sequence[str] = (),
+    *,
+    validate: bool = True,
 ) -> tuple[ModuleType, Any]:
-    """Load the workflow and build its configuration, validated.
+    """Load the workflow and build its configuration (keys and types checked), and with
+    ``validate`` run the workflow's value checks (``validate(cfg)``, which may read files and
+    the run directory; ``--show-config`` skips them and touches nothing).
 
     Raises:
         ConfigError: a bad workflow, key or value.
     """
     module = load_workflow(resolve_workflow(workflow))
     cfg = load_config(module.Config, list(overrides), list(config_files))
-    if hasattr(module, "validate"):
+    if validate and hasattr(module, "validate"):
         module.validate(cfg)
     return module, cfg
 

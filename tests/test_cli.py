@@ -97,6 +97,19 @@ def test_run_dir_that_is_a_file_exit_2(tmp_path):
     assert_one_line_exit_2(code, out, "is a file, not a directory")
 
 
+def test_show_config_does_not_read_the_run_dir(tmp_path):
+    """``--show-config`` prints every key without the value checks: a run directory that
+    holds checkpoints (the main job's, say) does not stop it, and nothing is created."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_000100").mkdir(parents=True)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    code, out, _ = m2flow("run", str(GRPO), f"trainer.run_dir={run_dir}", "--show-config")
+    assert code == 0, out
+    assert f"run_dir: {run_dir}" in out and "max_new_tokens:" in out
+    assert RAY_STARTED not in out
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
 def test_resume_without_a_checkpoint_exit_2_before_ray(tmp_path):
     code, out, _ = m2flow("run", str(GRPO), f"trainer.run_dir={tmp_path}", "--resume")
     assert_one_line_exit_2(code, out, "--resume: no checkpoint under")
