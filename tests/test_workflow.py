@@ -166,8 +166,12 @@ def test_streaming_actor_trains_queued_chunks_as_one_part(cluster):
             g.shutdown()
 
 
-COMPARED = ("reward_mean", "sample_accuracy", "response_length", "loss", "clip_frac",
-            "grad_norm", "heldout_accuracy", "weight_version")  # fmt: skip
+COMPARED = ("reward_mean", "sample_accuracy", "response_length", "clip_frac",
+            "heldout_accuracy", "weight_version")  # fmt: skip
+# Equal to float32 rounding only: the rollout's logprobs (the ratio's old side) differ by an
+# ulp (2.4e-7 measured) with the chunk a prompt is generated in, and which rollout rank takes
+# which prompts is a race. Tokens, hence rewards, do not depend on it.
+ROUNDED = ("loss", "grad_norm")
 
 
 def test_workflow_trains_checkpoints_and_resumes_identically(cluster, tmp_path):
@@ -192,6 +196,8 @@ def test_workflow_trains_checkpoints_and_resumes_identically(cluster, tmp_path):
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # no second warm start
     for key in COMPARED:
         assert resumed[3][key] == uninterrupted[3][key], key
+    for key in ROUNDED:
+        assert resumed[3][key] == pytest.approx(uninterrupted[3][key], rel=1e-5, abs=1e-7), key
 
 
 PLACEMENTS = {

@@ -122,7 +122,8 @@ def validate_llm(cfg, min_samples: int = 1) -> None:
             raise ConfigError(str(e)) from None
     from .llm.tokenizer import TOKENIZERS
 
-    require([(cfg.model.tokenizer in TOKENIZERS, f"model.tokenizer must be one of {TOKENIZERS}")])
+    tokenizers = ", ".join(TOKENIZERS)
+    require([(cfg.model.tokenizer in TOKENIZERS, f"model.tokenizer must be one of {tokenizers}")])
     check_data(cfg)
     check_reward(cfg.reward)
     if not from_files(cfg):
