@@ -129,6 +129,18 @@ def test_a_list_of_files_in_order_and_one_index(tmp_path, char):
     assert [it.prompt_ids for it in one] == [it.prompt_ids for it in items[:3]]
 
 
+def test_ground_truth_falls_back_row_by_row(tmp_path, char):
+    """Rows of one file may differ: Arrow fills the columns a row lacks with null, and a null
+    reward_model.ground_truth falls back to that row's answer."""
+    rows = [{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}},
+            {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3="}]  # fmt: skip
+    f = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    with pytest.raises(ConfigError, match=r"mixed.jsonl row 2 has no ground truth .*nor an "):
+        load_items(str(f), char)
+    items, _ = load_items(str(write_jsonl(f, rows[:2])), char)
+    assert [it.ground_truth for it in items] == ["2", "4"]
+
+
 def test_file_errors_name_the_file_row_and_fix(tmp_path, char):
     with pytest.raises(ConfigError, match=r"nope.jsonl' does not exist"):
         load_items(str(tmp_path / "nope.jsonl"), char)

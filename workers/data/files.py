@@ -181,9 +181,9 @@ def load_items(
                     f"prompt column (the file's columns: {', '.join(names)})"
                 )
             answer = get_path(row, answer_key)
-            if answer is _MISSING and answer_key == "reward_model.ground_truth":
+            if (answer is _MISSING or answer is None) and answer_key == "reward_model.ground_truth":
                 answer = get_path(row, "answer")
-            if answer is _MISSING:
+            if answer is _MISSING or answer is None:  # (null: Arrow's fill for a missing key)
                 raise ConfigError(
                     f"{where} has no ground truth at {answer_key!r}"
                     + (" (nor an 'answer' column)" if answer_key == "reward_model.ground_truth"
