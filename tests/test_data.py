@@ -209,6 +209,11 @@ def test_config_checks_before_start(tmp_path, char):
         prepare(str(GRPO), _run(tmp_path, "data.overlong_prompts=truncate"))
     with pytest.raises(ConfigError, match="must fit model.max_position_embeddings"):
         prepare(str(PPO), _run(tmp_path, "data.max_prompt_tokens=64"))
+    # Keys an earlier version had name their new home.
+    with pytest.raises(ConfigError, match="task.max_prompt_tokens is now data.max_prompt_tokens"):
+        prepare(str(GRPO), _run(tmp_path, "task.max_prompt_tokens=30"))
+    with pytest.raises(ConfigError, match="reward.batch_size is now reward_model.batch_size"):
+        prepare(str(PPO), _run(tmp_path, "reward.batch_size=8"))
     f = write_jsonl(tmp_path / "t.jsonl", verl_rows(3))
     v = write_jsonl(tmp_path / "v.jsonl", verl_rows(2, "val"))
     _, cfg = prepare(str(PPO), _run(tmp_path, f"data.train_files=[{f},{f}]",

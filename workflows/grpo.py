@@ -44,6 +44,9 @@ from m2flow.recipe import (
     validate_trainer,
 )
 
+#: keys of earlier versions -> their names now (an override with an old key names the new one)
+RENAMED = {"task.max_prompt_tokens": "data.max_prompt_tokens"}
+
 
 @dataclass
 class ActorConfig(OptimConfig):

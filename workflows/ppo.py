@@ -46,6 +46,13 @@ from m2flow.recipe import (
     validate_trainer,
 )
 
+#: keys of earlier versions -> their names now (an override with an old key names the new one)
+RENAMED = {
+    "task.max_prompt_tokens": "data.max_prompt_tokens",
+    **{f"reward.{k}": f"reward_model.{k}" for k in
+       ("verifier_weight", "lr", "grad_clip", "batch_size", "micro_batch_size", "threads")},
+}  # fmt: skip
+
 
 @dataclass
 class AlgorithmConfig:
