@@ -34,8 +34,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 from m2flow.workers.actor.worker import ActorWorker  # noqa: E402
+from m2flow.workers.data.item import prompt_items  # noqa: E402
+from m2flow.workers.data.reasoning_gym import task_items  # noqa: E402
+from m2flow.workers.data.sampler import PromptSampler  # noqa: E402
 from m2flow.workers.llm import build_char_tokenizer  # noqa: E402
-from m2flow.workers.recipe import prompt_items  # noqa: E402
 from m2flow.workers.rollout.worker import RolloutWorker  # noqa: E402
 from m2flow.workers.spot.manager import MANAGER_NAME  # noqa: E402
 from m2flow.workers.tasks import TaskDataset  # noqa: E402
@@ -90,6 +92,7 @@ def main() -> None:
         tok = build_char_tokenizer(ALPHABET)
         train = TaskDataset("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1,
                                           "max_digits": 1}, seed=1, size=256)  # fmt: skip
+        train, sampler = task_items(train, tok), PromptSampler(len(train))
         total = a.prompts * SAMPLES * a.tokens
         rows: dict[str, list[dict]] = {c: [] for c in cases}
         step = 0
@@ -101,7 +104,7 @@ def main() -> None:
                 ray.get(mgr.set_config.remote(
                     migration="recompute" if mode == "recompute" else "tokens"))  # fmt: skip
                 inp, out = Channel.create(f"p{step}"), Channel.create(f"o{step}")
-                inp.put_many(prompt_items(train, tok, a.prompts, seed=0, step=step))
+                inp.put_many(prompt_items(train, sampler.take(a.prompts), step))
                 t0 = time.monotonic()
                 call = rollout.generate(inp, out, a.prompts)
                 preempted = None

@@ -26,8 +26,10 @@ import time
 from pathlib import Path
 
 import torch
+from m2flow.workers.data.item import prompt_items
+from m2flow.workers.data.reasoning_gym import task_items
+from m2flow.workers.data.sampler import PromptSampler
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
-from m2flow.workers.recipe import prompt_items
 from m2flow.workers.rollout.exact import GenRequest
 from m2flow.workers.rollout.vllm_engine import VllmEngine
 from m2flow.workers.tasks import TaskDataset
@@ -73,7 +75,7 @@ def main() -> None:
                         max_num_seqs=a.prompts * a.samples, llm_kwargs=kwargs)  # fmt: skip
     train = TaskDataset("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1,
                                       "max_digits": 2}, seed=1, size=256)  # fmt: skip
-    items = prompt_items(train, tok, a.prompts, seed=0, step=0)
+    items = prompt_items(task_items(train, tok), PromptSampler(len(train)).take(a.prompts), 0)
     prompts = [it["prompt_ids"] for it in items]
     n_tokens = a.prompts * a.samples * a.tokens
 

@@ -6,7 +6,9 @@ A workflow program (``workflows/grpo.py``) provides:
 - ``Config``: a dataclass of defaults (nested dataclasses per section);
 - ``main(cfg)``: the runner;
 - optionally ``validate(cfg)``: raises :class:`~m2flow.config.ConfigError` for bad values
-  (checked before anything starts).
+  (checked before anything starts);
+- optionally ``RENAMED``: ``{old key: new key}`` of keys an earlier version had, so that an
+  override with an old key names the new one.
 
     session = run_workflow("workflows/grpo.py", ["trainer.steps=5"], plan="temporal")
     session.result        # what main(cfg) returned
@@ -89,6 +91,11 @@ def prepare(
         ConfigError: a bad workflow, key or value.
     """
     module = load_workflow(resolve_workflow(workflow))
+    renamed = getattr(module, "RENAMED", {})
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if key in renamed:
+            raise ConfigError(f"{key} is now {renamed[key]}: write {renamed[key]}=...")
     cfg = load_config(module.Config, list(overrides), list(config_files))
     if validate and hasattr(module, "validate"):
         module.validate(cfg)

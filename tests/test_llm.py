@@ -15,6 +15,7 @@ import torch
 from m2flow.workers.actor.losses import grpo_advantages, grpo_loss, sequence_logprobs
 from m2flow.workers.actor.trainer import PolicyTrainer
 from m2flow.workers.batch import concat, num_tokens, to_batch
+from m2flow.workers.data.reasoning_gym import task_items
 from m2flow.workers.evaluation import evaluate
 from m2flow.workers.llm import (
     DEFAULT_ALPHABET,
@@ -24,6 +25,7 @@ from m2flow.workers.llm import (
     load_checkpoint,
     save_checkpoint,
 )
+from m2flow.workers.reward.functions import RewardFunction
 from m2flow.workers.rollout.generation import decode_responses, eos_mask, generate, left_pad
 from m2flow.workers.sft import run_sft, sft_batch
 from m2flow.workers.tasks import TaskDataset, TaskItem, accuracy, compact_prompt, score
@@ -590,7 +592,7 @@ def test_offload_onload_spill(tok, tmp_path):
 
 def test_sft_batch_layout(tok, train_ds):
     items = train_ds.items[:5]
-    b = sft_batch(tok, items)
+    b = sft_batch(tok, task_items(train_ds, tok)[:5])
     P = max(len(it.prompt) for it in items) + 1
     R = max(len(it.answer) for it in items) + 1
     assert b["prompt_ids"].shape == b["prompt_mask"].shape == (5, P)
@@ -611,7 +613,7 @@ def test_sft_batch_layout(tok, train_ds):
 def test_sft_step_lowers_loss(tok, train_ds):
     model = tiny_model(tok, seed=0)
     trainer = PolicyTrainer(model, lr=1e-2)
-    b = sft_batch(tok, train_ds.items[:16])
+    b = sft_batch(tok, task_items(train_ds, tok)[:16])
     # Loss is the token-mean NLL of the answer tokens.
     with torch.no_grad():
         nll = -sequence_logprobs(model, **b).sum() / b["response_mask"].sum()
@@ -624,13 +626,14 @@ def test_sft_step_lowers_loss(tok, train_ds):
 
 
 def test_run_sft_stops_at_target(tok, train_ds):
-    val = TaskDataset("chain_sum", CHAIN_SUM, seed=2, size=4)
+    val = task_items(TaskDataset("chain_sum", CHAIN_SUM, seed=2, size=4), tok)
+    train = task_items(train_ds, tok)
     trainer = PolicyTrainer(tiny_model(tok, seed=0), lr=1e-2)
     logs: list[str] = []
     res = run_sft(
         trainer,
         tok,
-        train_ds,
+        train,
         steps=5,
         batch_size=8,
         val=val,
@@ -640,14 +643,16 @@ def test_run_sft_stops_at_target(tok, train_ds):
     )
     assert res.steps == 2 and trainer.steps == 2  # target reached at the first evaluation
     assert res.val_accuracy is not None and len(logs) == 1
-    res = run_sft(trainer, tok, train_ds, steps=3, batch_size=8, log=None)
+    res = run_sft(trainer, tok, train, steps=3, batch_size=8, log=None)
     assert res.steps == 3 and res.val_accuracy is None and math.isfinite(res.last_loss)
 
 
 def test_evaluate_counts_items(tok, train_ds):
-    ds = TaskDataset("chain_sum", CHAIN_SUM, seed=5, size=6)
-    res = evaluate(tiny_model(tok, seed=0), tok, ds, max_new_tokens=3, batch_size=4)
-    assert res["n"] == 6
+    ds = task_items(TaskDataset("chain_sum", CHAIN_SUM, seed=5, size=6), tok)
+    res = evaluate(
+        tiny_model(tok, seed=0), tok, ds, RewardFunction(), max_new_tokens=3, batch_size=4
+    )
+    assert res["n"] == 6 and res["reward_errors"] == 0
     assert 0.0 <= res["accuracy"] <= res["mean_score"] <= 1.0
 
 

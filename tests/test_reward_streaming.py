@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 from m2flow.workers.llm import build_char_tokenizer
-from m2flow.workers.recipe import prompt_items
 from m2flow.workers.reward.service.app import BackgroundServer
 from m2flow.workers.reward.service.client import RewardClient
 from m2flow.workers.reward.service.pipelines import math_extract, math_verify
@@ -23,6 +22,7 @@ from m2flow.workers.reward.worker import RewardWorker
 from m2flow.workers.rollout.generation import decode_responses
 from m2flow.workers.rollout.worker import RolloutWorker
 from m2flow.workers.tasks import TaskDataset
+from prompts import task_prompts
 from test_reward_service import TOKENS, _config
 from test_workflow import ALPHABET, TASK, TINY_MODEL, TOKENIZER
 
@@ -62,7 +62,7 @@ def _check_rewards(scored: list[dict]) -> None:
     for c in scored:
         b = c["batch"]
         texts = decode_responses(tok, b["response_ids"], b["response_mask"])
-        answers = [c["entries"][int(g)]["answer"] for g in b["group_index"]]
+        answers = [c["entries"][int(g)]["ground_truth"] for g in b["group_index"]]
         assert b["rewards"].tolist() == _reference(texts, answers)
 
 
@@ -109,7 +109,7 @@ def _start_step(rig, name: str, step: int):
     the prompts, a function that puts the next chunk's prompts, and the calls."""
     prompts, rollouts, scored = (Channel.create(f"{name}_{n}") for n in ("p", "r", "s"))
     train = TaskDataset(TASK["name"], TASK["config"], seed=1, size=32)
-    items = prompt_items(train, build_char_tokenizer(ALPHABET), PROMPTS, seed=0, step=step)
+    items = task_prompts(train, build_char_tokenizer(ALPHABET), PROMPTS, seed=0, step=step)
     gen = rig.rollout.generate(prompts, rollouts, PROMPTS)
     rew = rig.reward.score(rollouts, scored)
     put_at: list[float] = []

@@ -16,11 +16,11 @@ import ray
 import torch
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
-from m2flow.workers.recipe import prompt_items
 from m2flow.workers.rollout.exact import ExactEngine, GenRequest
 from m2flow.workers.rollout.worker import RolloutWorker
 from m2flow.workers.spot.manager import MANAGER_NAME
 from m2flow.workers.tasks import TaskDataset
+from prompts import task_prompts
 
 from m2flow import Channel, sync_weights
 from m2flow.cluster import NAMESPACE, VIRTUAL_DEVICE_RESOURCE, Cluster
@@ -103,7 +103,7 @@ def pool_step(rollout, mgr, step: int, prompts: int, samples: int, during=None) 
     tok = build_char_tokenizer(ALPHABET)
     train = TaskDataset("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1,
                                       "max_digits": 1}, seed=1, size=256)  # fmt: skip
-    items = prompt_items(train, tok, prompts, seed=0, step=step)
+    items = task_prompts(train, tok, prompts, seed=0, step=step)
     inp, out = Channel.create(f"p{step}"), Channel.create(f"o{step}")
     inp.put_many(items)
     call = rollout.generate(inp, out, prompts)

@@ -135,9 +135,9 @@ def test_char_tokenizer_refuses_what_it_cannot_encode(qwen, tmp_path):
         TaskDataset("leg_counting", {}, seed=0, size=4, tokenizer=char)
     with pytest.raises(ConfigError, match="model.tokenizer=qwen2"):
         prepare(str(GRPO), ["task.name=leg_counting", run_dir])  # before any process starts
-    with pytest.raises(ConfigError, match=r"is \d+ tokens > task.max_prompt_tokens=20"):
+    with pytest.raises(ConfigError, match=r"is \d+ tokens > data.max_prompt_tokens=20"):
         TaskDataset("leg_counting", {}, seed=0, size=4, tokenizer=qwen, max_prompt_tokens=20)
-    with pytest.raises(ConfigError, match="raise task.max_prompt_tokens"):  # 58 tokens
+    with pytest.raises(ConfigError, match="raise data.max_prompt_tokens"):  # 58 tokens
         prepare(str(GRPO), ["model.tokenizer=qwen2", "task.name=leg_counting", run_dir])
     with pytest.raises(ConfigError, match="not a reasoning-gym dataset"):
         prepare(str(GRPO), ["task.name=leg_countin", run_dir])

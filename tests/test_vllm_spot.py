@@ -27,12 +27,12 @@ import torch  # noqa: E402
 from m2flow.workers.actor.losses import sequence_logprobs  # noqa: E402
 from m2flow.workers.actor.worker import ActorWorker  # noqa: E402
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model  # noqa: E402
-from m2flow.workers.recipe import prompt_items  # noqa: E402
 from m2flow.workers.rollout.exact import GenRequest, to_generation_output  # noqa: E402
 from m2flow.workers.rollout.vllm_engine import VllmEngine  # noqa: E402
 from m2flow.workers.rollout.worker import RolloutWorker  # noqa: E402
 from m2flow.workers.spot.manager import MANAGER_NAME  # noqa: E402
 from m2flow.workers.tasks import TaskDataset  # noqa: E402
+from prompts import task_prompts  # noqa: E402
 from test_vllm_engine import LOGPROB_ATOL, SHORT_RUN, TINY  # noqa: E402
 
 from m2flow import Channel, sync_weights  # noqa: E402
@@ -104,7 +104,7 @@ def test_preempted_vllm_instance_migrates_with_no_sample_lost(pool):
     train = TaskDataset("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1,
                                       "max_digits": 1}, seed=1, size=256)  # fmt: skip
     prompts = 32
-    items = prompt_items(train, tok, prompts, seed=0, step=1)
+    items = task_prompts(train, tok, prompts, seed=0, step=1)
     inp, out = Channel.create("vp1"), Channel.create("vo1")
     inp.put_many(items)
     killed = []

@@ -13,11 +13,12 @@ import pytest
 import torch
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import build_char_tokenizer
-from m2flow.workers.recipe import prompt_items
+from m2flow.workers.reward.functions import RewardFunction
 from m2flow.workers.reward.worker import RewardWorker
 from m2flow.workers.rollout.generation import decode_responses
 from m2flow.workers.rollout.worker import RolloutWorker
-from m2flow.workers.tasks import TaskDataset, score
+from m2flow.workers.tasks import TaskDataset
+from prompts import task_prompts
 from safetensors.torch import load_file
 
 from m2flow import Channel, Fanout, sync_weights
@@ -88,7 +89,7 @@ def _launch_grpo_groups(cluster, prefix: str, granularity: int):
     cluster.placement = Placement(default_granularity=granularity)
     rollout = RolloutWorker.launch(
         cluster, [0], name=f"{prefix}_rollout", model=TINY_MODEL, tokenizer=TOKENIZER,
-        n_samples=4, max_new_tokens=4, temperature=1.0, task=TASK, threads=1,
+        n_samples=4, max_new_tokens=4, temperature=1.0, threads=1,
     )  # fmt: skip
     reward = RewardWorker.launch(cluster, [0], name=f"{prefix}_reward", tokenizer=TOKENIZER)
     actor = ActorWorker.launch(
@@ -108,7 +109,7 @@ def test_rollout_reward_train_changes_weights(cluster):
         prompts, rollouts, scored, copy = (Channel.create(f"t_{n}") for n in "prsc")
         tok = build_char_tokenizer(ALPHABET)
         train = TaskDataset(TASK["name"], TASK["config"], seed=1, size=8)
-        prompts.put_many(prompt_items(train, tok, 4, seed=0, step=1))
+        prompts.put_many(task_prompts(train, tok, 4, seed=0, step=1))
         before = actor.get_weights().wait()[0]
         gen = rollout.generate(prompts, rollouts, 4)
         rew = reward.score(rollouts, Fanout(scored, copy))
@@ -123,7 +124,8 @@ def test_rollout_reward_train_changes_weights(cluster):
             b = c["batch"]
             texts = decode_responses(build_char_tokenizer(ALPHABET), b["response_ids"],
                                      b["response_mask"])  # fmt: skip
-            expected += score(texts, [c["entries"][int(g)] for g in b["group_index"]])
+            entries = [c["entries"][int(g)] for g in b["group_index"]]
+            expected += RewardFunction("reasoning_gym")(texts, entries).scores
             rewards += b["rewards"].tolist()
         assert rewards == pytest.approx(expected, abs=1e-6)
         assert r_out["reward_mean"] == pytest.approx(sum(expected) / len(expected))
@@ -150,7 +152,7 @@ def test_streaming_actor_trains_queued_chunks_as_one_part(cluster):
         prompts, rollouts, scored = (Channel.create(f"q_{n}") for n in ("p", "r", "s"))
         tok = build_char_tokenizer(ALPHABET)
         train = TaskDataset(TASK["name"], TASK["config"], seed=1, size=8)
-        prompts.put_many(prompt_items(train, tok, 8, seed=0, step=1))
+        prompts.put_many(task_prompts(train, tok, 8, seed=0, step=1))
         rollout.generate(prompts, rollouts, 8).wait()
         reward.score(rollouts, scored).wait()
         assert scored.qsize() == 2  # both chunks wait for the actor
@@ -164,8 +166,12 @@ def test_streaming_actor_trains_queued_chunks_as_one_part(cluster):
             g.shutdown()
 
 
-COMPARED = ("reward_mean", "sample_accuracy", "response_length", "loss", "clip_frac",
-            "grad_norm", "heldout_accuracy", "weight_version")  # fmt: skip
+COMPARED = ("reward_mean", "sample_accuracy", "response_length", "clip_frac",
+            "heldout_accuracy", "weight_version")  # fmt: skip
+# Equal to float32 rounding only: the rollout's logprobs (the ratio's old side) differ by an
+# ulp (2.4e-7 measured) with the chunk a prompt is generated in, and which rollout rank takes
+# which prompts is a race. Tokens, hence rewards, do not depend on it.
+ROUNDED = ("loss", "grad_norm")
 
 
 def test_workflow_trains_checkpoints_and_resumes_identically(cluster, tmp_path):
@@ -190,6 +196,8 @@ def test_workflow_trains_checkpoints_and_resumes_identically(cluster, tmp_path):
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # no second warm start
     for key in COMPARED:
         assert resumed[3][key] == uninterrupted[3][key], key
+    for key in ROUNDED:
+        assert resumed[3][key] == pytest.approx(uninterrupted[3][key], rel=1e-5, abs=1e-7), key
 
 
 PLACEMENTS = {

@@ -1,4 +1,5 @@
-"""Greedy held-out evaluation of a policy on a :class:`~workers.tasks.TaskDataset`."""
+"""Greedy held-out evaluation of a policy on prompt items, scored by the run's reward
+function (:class:`~m2flow.workers.reward.functions.RewardFunction`)."""
 
 from __future__ import annotations
 
@@ -6,59 +7,80 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .data.item import PromptItem
+from .reward.functions import RewardFunction, RewardResult
 from .rollout.generation import decode_responses, generate
-from .tasks import TaskDataset, TaskItem, accuracy
+from .tasks import accuracy
 
 
-def greedy_scores(
+def greedy_responses(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    dataset: TaskDataset,
-    items: Sequence[TaskItem],
+    prompts: Sequence[list[int]],
     max_new_tokens: int = 8,
     batch_size: int = 512,
-) -> list[float]:
-    """Greedy-decode ``items`` (of ``dataset``) and score each with the task's own scorer.
+) -> list[str]:
+    """Greedy-decode each prompt (token ids); returns the decoded responses.
 
     Args:
         batch_size: prompts per ``generate`` call at most (fewer where the logits of a batch
             would pass 256 MiB).
-
-    Returns:
-        one score in [0, 1] per item (partial credit; accuracy counts score == 1 only).
     """
     # generate() keeps [batch, max_new_tokens, vocab] fp32 logits: cap them at 256 MiB (a
     # 151k vocabulary at 64 tokens: 6 prompts a batch; a character vocabulary: no cap).
     per_row = len(tokenizer) * max_new_tokens * 4
     batch_size = max(1, min(batch_size, (256 << 20) // per_row))
-    scores: list[float] = []
-    for start in range(0, len(items), batch_size):
-        batch = items[start : start + batch_size]
-        prompts = [tokenizer(it.prompt).input_ids for it in batch]
+    texts: list[str] = []
+    for start in range(0, len(prompts), batch_size):
         out = generate(
-            model, tokenizer, prompts, n_samples=1, max_new_tokens=max_new_tokens, greedy=True
-        )
-        texts = decode_responses(tokenizer, out["response_ids"], out["response_mask"])
-        scores += dataset.score(texts, batch)
-    return scores
+            model, tokenizer, list(prompts[start : start + batch_size]), n_samples=1,
+            max_new_tokens=max_new_tokens, greedy=True,
+        )  # fmt: skip
+        texts += decode_responses(tokenizer, out["response_ids"], out["response_mask"])
+    return texts
+
+
+def greedy_scores(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    items: Sequence[PromptItem],
+    reward: RewardFunction,
+    max_new_tokens: int = 8,
+    batch_size: int = 512,
+) -> RewardResult:
+    """Greedy-decode ``items`` and score each response with ``reward``.
+
+    Returns:
+        the rewards (``scores``: one per item; reasoning-gym gives partial credit, accuracy
+        counts score == 1 only), extra metrics and the count of penalised samples.
+
+    Raises:
+        RewardFunctionError: the reward function failed (``on_error="raise"``).
+    """
+    texts = greedy_responses(
+        model, tokenizer, [it.prompt_ids for it in items], max_new_tokens, batch_size
+    )
+    return reward(texts, [it.entry() for it in items])
 
 
 def evaluate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    dataset: TaskDataset,
+    items: Sequence[PromptItem],
+    reward: RewardFunction,
     max_new_tokens: int = 8,
     batch_size: int = 512,
 ) -> dict[str, float]:
-    """Greedy-decode every item of ``dataset`` and score it with the task's scorer.
+    """Greedy-decode every item and score it with ``reward``.
 
     Returns:
-        ``accuracy`` (fraction with score == 1), ``mean_score`` (mean partial-credit reward),
-        ``n`` (items).
+        ``accuracy`` (fraction with score == 1), ``mean_score`` (mean reward), ``n`` (items),
+        ``reward_errors`` (penalised samples).
     """
-    scores = greedy_scores(model, tokenizer, dataset, dataset.items, max_new_tokens, batch_size)
+    res = greedy_scores(model, tokenizer, items, reward, max_new_tokens, batch_size)
     return {
-        "accuracy": accuracy(scores),
-        "mean_score": sum(scores) / max(len(scores), 1),
-        "n": len(scores),
+        "accuracy": accuracy(res.scores),
+        "mean_score": sum(res.scores) / max(len(res.scores), 1),
+        "n": len(res.scores),
+        "reward_errors": res.errors,
     }

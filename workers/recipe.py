@@ -2,21 +2,24 @@
 
 Runner-level sections (cluster, trainer, checkpoints) are in :mod:`m2flow.recipe`; these are
 the LLM ones: the reasoning-gym task, the tiny model, the supervised warm start, rollout
-sampling, the optimiser settings every trained model shares, and the step's prompts.
+sampling, the optimiser settings every trained model shares. The ``data`` section is
+:class:`~m2flow.workers.data.config.DataConfig`, the ``reward`` section
+:class:`~m2flow.workers.reward.config.RewardConfig`.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from m2flow.config import ConfigError
 from m2flow.recipe import TrainerConfig, finite_positive, plain, require
 
-from .llm.config import DTYPES, max_positions
+from .data.config import check_data, from_files, prompt_limit
+from .llm.config import DTYPES
 from .llm.config import ModelConfig as LMShape
 from .llm.tokenizer import tokenizer_spec
+from .reward.config import check_reward
 from .spot.config import SpotPoolConfig
 
 #: ``task.config`` defaults per task, under the keys the user sets (other tasks: {}, i.e.
@@ -27,7 +30,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 @dataclass
-class TaskConfig:
+class TaskConfig:  # the reasoning-gym source: used without data.train_files
     name: str = (
         "chain_sum"  # any reasoning-gym dataset (other than chain_sum: model.tokenizer=qwen2)
     )
@@ -43,9 +46,6 @@ class TaskConfig:
     # Chat-template tokenizers (model.tokenizer=qwen2): the system turn; a reasoning-gym
     # SYSTEM_PROMPTS name (default, direct, simple, ...), "" for none, or the text itself.
     system_prompt: str = "direct"
-    # Longest prompt in tokens; a longer one is an error (never truncated or dropped).
-    # 0: model.max_position_embeddings - rollout.max_new_tokens.
-    max_prompt_tokens: int = 0
 
 
 @dataclass
@@ -99,13 +99,26 @@ class LLMTrainerConfig(TrainerConfig):
     prompts_per_step: int = 32  # global batch: prompts (x rollout.n_samples responses)
 
 
-def warm_start_args(cfg) -> dict | None:
-    """The actor's ``warm_start`` keyword arguments, or None when the run has no warm start:
-    ``warm_start.enabled``, or (None) for a random-weight model only (a pretrained
-    ``model.path`` starts from its own weights)."""
+def warm_start_args(cfg, source: str) -> tuple[dict, str]:
+    """The actor's ``warm_start`` keyword arguments and, when there is no warm start, why
+    (``""`` when there is one; then ``steps`` is 0 and the runner passes no task).
+
+    ``warm_start.enabled`` decides; unset (None), the warm start runs for a random-weight model
+    on reasoning-gym prompts, not for a pretrained ``model.path`` (it starts from its own
+    weights). Data files never have one (no warm-start targets).
+    """
     args = plain(cfg.warm_start)
     enabled = args.pop("enabled")
-    return args if (not cfg.model.path if enabled is None else enabled) else None
+    why = ""
+    if source != "reasoning_gym":
+        why = "data files have no warm-start targets"
+    elif enabled is False:
+        why = "warm_start.enabled=false"
+    elif enabled is None and cfg.model.path:
+        why = "a pretrained model.path starts from its own weights"
+    if why:
+        args["steps"] = 0
+    return args, why
 
 
 def validate_model(m) -> None:
@@ -139,8 +152,8 @@ def validate_model(m) -> None:
 
 
 def validate_llm(cfg, min_samples: int = 1) -> None:
-    """Value checks of the shared LLM sections (``task``, ``rollout``, ``warm_start``, the
-    ``prompts_per_step``) before anything starts.
+    """Value checks of the shared LLM sections (``data``, ``task``, ``rollout``,
+    ``warm_start``, ``reward``, the ``prompts_per_step``) before anything starts.
 
     Raises:
         ConfigError: the first bad value, named.
@@ -157,7 +170,6 @@ def validate_llm(cfg, min_samples: int = 1) -> None:
             (finite_positive(w.lr), "warm_start.lr must be a finite number > 0"),
             (w.steps >= 0 and w.batch_size >= 1, "warm_start.steps >= 0, batch_size >= 1"),
             (w.eval_every >= 1, "warm_start.eval_every must be >= 1"),
-            (cfg.task.train_size >= 1, "task.train_size must be >= 1"),
         ]
     )
     validate_model(cfg.model)
@@ -166,16 +178,20 @@ def validate_llm(cfg, min_samples: int = 1) -> None:
             SpotPoolConfig(**plain(r.spot)).check()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    check_task(cfg)
+    from .llm.tokenizer import TOKENIZERS
 
-
-def prompt_limit(cfg) -> int:
-    """Longest prompt in tokens: ``task.max_prompt_tokens``, or (0) what the position
-    embeddings leave after the response: ``model.max_position_embeddings -
-    rollout.max_new_tokens``."""
-    return cfg.task.max_prompt_tokens or (
-        max_positions(plain(cfg.model)) - cfg.rollout.max_new_tokens
+    require(
+        [
+            (
+                tokenizer_spec(plain(cfg.model))["name"] in TOKENIZERS,
+                f"model.tokenizer must be one of {', '.join(TOKENIZERS)}",
+            )
+        ]
     )
+    check_data(cfg)
+    check_reward(cfg.reward)
+    if not from_files(cfg):
+        check_task(cfg)
 
 
 def task_config(name: str, config: dict) -> dict:
@@ -184,46 +200,34 @@ def task_config(name: str, config: dict) -> dict:
 
 
 def task_section(cfg) -> dict:
-    """``plain(cfg.task)`` with ``config`` (:func:`task_config`) and ``max_prompt_tokens``
-    (:func:`prompt_limit`) resolved: what the workers'
-    :func:`~m2flow.workers.tasks.task_dataset` reads."""
+    """``plain(cfg.task)`` with ``config`` (:func:`task_config`) resolved, plus the prompt
+    limit (``max_prompt_tokens``: :func:`~m2flow.workers.data.config.prompt_limit`, and
+    ``overlong_prompts``): what :func:`~m2flow.workers.data.reasoning_gym.task_split` reads."""
     t = plain(cfg.task)
     return {
         **t,
         "config": task_config(t["name"], t["config"]),
         "max_prompt_tokens": prompt_limit(cfg),
+        "overlong_prompts": cfg.data.overlong_prompts,
     }
 
 
 def check_task(cfg, sample: int = 64) -> None:
     """The task against the tokenizer, before any worker starts: ``task.name`` is a
     reasoning-gym dataset, the first ``sample`` training items encode (the char tokenizer:
-    every character in ``model.alphabet``) and fit :func:`prompt_limit` (the workers check
-    every item again when they build their splits).
+    every character in ``model.alphabet``) and fit :func:`prompt_limit` (unless
+    ``data.overlong_prompts=drop``; the driver checks every item again when it builds the
+    splits, before any worker starts: :func:`~m2flow.workers.data.splits.run_data`).
 
     Raises:
-        ConfigError: an unknown tokenizer or task, a bad ``task.config``, an item the
-            tokenizer cannot encode, or a prompt over the limit (each message names the fix).
+        ConfigError: an unknown task, a bad ``task.config``, an item the tokenizer cannot
+            encode, or a prompt over the limit (each message names the fix).
     """
-    from .llm.tokenizer import TOKENIZERS
-
-    m, t, r = cfg.model, cfg.task, cfg.rollout
+    m, t = cfg.model, cfg.task
     spec = tokenizer_spec(plain(m))
-    positions = max_positions(plain(m))
     config = task_config(t.name, plain(t.config))
-    require(
-        [
-            (spec["name"] in TOKENIZERS, f"model.tokenizer must be one of {', '.join(TOKENIZERS)}"),
-            (t.max_prompt_tokens >= 0, "task.max_prompt_tokens must be >= 0 (0: derived)"),
-            (
-                prompt_limit(cfg) + r.max_new_tokens <= positions and prompt_limit(cfg) >= 1,
-                f"task.max_prompt_tokens ({prompt_limit(cfg)}) + rollout.max_new_tokens "
-                f"({r.max_new_tokens}) must fit the model's max_position_embeddings "
-                f"({positions}): raise model.max_position_embeddings (a built model), or "
-                "lower them",
-            ),
-        ]
-    )
+    limit = prompt_limit(cfg) if cfg.data.overlong_prompts == "error" else 0
+    require([(t.train_size >= 1, "task.train_size must be >= 1")])
     import reasoning_gym
 
     if t.name not in reasoning_gym.factory.DATASETS:
@@ -251,11 +255,11 @@ def check_task(cfg, sample: int = 64) -> None:
                     "model.tokenizer=qwen2 (any reasoning-gym task), or add them to "
                     "model.alphabet"
                 )
-            if len(prompt) + 1 > prompt_limit(cfg):  # + <bos>
+            if limit and len(prompt) + 1 > limit:  # + <bos>
                 raise ConfigError(
                     f"task.name={t.name}: item {i}'s prompt is {len(prompt) + 1} tokens > "
-                    f"{prompt_limit(cfg)} (task.max_prompt_tokens, or "
-                    "model.max_position_embeddings - rollout.max_new_tokens): raise them"
+                    f"{limit} (data.max_prompt_tokens, or model.max_position_embeddings - "
+                    "rollout.max_new_tokens): raise them, or set data.overlong_prompts=drop"
                 )
         return
     from .llm.tokenizer import build_tokenizer
@@ -265,7 +269,7 @@ def check_task(cfg, sample: int = 64) -> None:
         TaskDataset(t.name, config, seed=t.train_seed, size=size)
     except Exception as e:
         raise ConfigError(f"task.config for {t.name}: {type(e).__name__}: {e}") from None
-    TaskDataset(t.name, config, t.train_seed, size, tok, t.system_prompt, prompt_limit(cfg))
+    TaskDataset(t.name, config, t.train_seed, size, tok, t.system_prompt, limit)
 
 
 def validate_optim(section, name: str) -> None:
@@ -279,22 +283,6 @@ def validate_optim(section, name: str) -> None:
             (section.grad_clip > 0, f"{name}.grad_clip must be > 0"),
         ]
     )
-
-
-def prompt_items(train, tokenizer, n: int, seed: int, step: int) -> list[dict]:
-    """The step's ``n`` prompts (prompt ids ``0..n-1``); the draw depends only on ``seed`` and
-    ``step``, so a resumed run sees the same data. Each item: ``{"prompt_ids", "group",
-    "entry", "step"}`` (``(step, group)`` keys the rollout's sampling)."""
-    rng = random.Random(seed * 1_000_003 + step)
-    return [
-        {
-            "prompt_ids": tokenizer(train[i].prompt).input_ids,
-            "group": g,
-            "entry": train[i].entry,
-            "step": step,
-        }
-        for g, i in enumerate(rng.sample(range(len(train)), n))
-    ]
 
 
 def response_length(rollout_outs: list[dict]) -> float:

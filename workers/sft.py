@@ -10,23 +10,26 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from .actor.trainer import PolicyTrainer
+from .data.item import PromptItem
 from .evaluation import evaluate
+from .reward.functions import RewardFunction
 from .rollout.generation import left_pad
-from .tasks import TaskDataset, TaskItem
 
 
-def sft_batch(tokenizer: PreTrainedTokenizerBase, items: list[TaskItem]) -> dict[str, torch.Tensor]:
-    """Tensors for :meth:`PolicyTrainer.sft_step`: left-padded prompts ``[B, P]`` and
-    right-padded ``target + EOS`` responses ``[B, R]`` with masks (the item's ``target``: the
-    answer, or ``<answer>answer</answer>`` for chat prompts)."""
-    prompts = [tokenizer(it.prompt).input_ids for it in items]
+def sft_batch(
+    tokenizer: PreTrainedTokenizerBase, items: Sequence[PromptItem]
+) -> dict[str, torch.Tensor]:
+    """Tensors for :meth:`PolicyTrainer.sft_step`: left-padded prompts ``[B, P]`` (the items'
+    ``prompt_ids``) and right-padded ``target + EOS`` responses ``[B, R]`` with masks (the
+    item's ``target``: the answer, or ``<answer>answer</answer>`` for chat prompts)."""
+    prompts = [list(it.prompt_ids) for it in items]
     answers = [
         tokenizer(it.target, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         for it in items
@@ -57,34 +60,38 @@ class SFTResult:
 def run_sft(
     trainer: PolicyTrainer,
     tokenizer: PreTrainedTokenizerBase,
-    train: TaskDataset,
+    train: Sequence[PromptItem],
     steps: int,
     batch_size: int = 256,
     seed: int = 0,
-    val: TaskDataset | None = None,
+    val: Sequence[PromptItem] | None = None,
+    reward: RewardFunction | None = None,
     target_accuracy: float | None = None,
     eval_every: int = 50,
     time_budget_s: float | None = None,
     log: Callable[[str], None] | None = print,
 ) -> SFTResult:
-    """Supervised warm start on ``train`` (sampled with replacement, ``batch_size`` items per step).
+    """Supervised warm start on ``train`` (sampled with replacement, ``batch_size`` items per
+    step; each item's ``target`` is the response).
 
     Stops after ``steps`` optimizer steps, after ``time_budget_s`` seconds, or when greedy
-    accuracy on ``val`` (checked every ``eval_every`` steps) reaches ``target_accuracy``.
+    accuracy on ``val`` (checked every ``eval_every`` steps, scored by ``reward``; default:
+    the ``auto`` reward function) reaches ``target_accuracy``.
     """
+    reward = reward or RewardFunction()
     rng = random.Random(seed)
     t0 = time.perf_counter()
     # Greedy checks long enough for the longest target + EOS (8 tokens at least).
     val_tokens = 8
-    if val is not None:
-        targets = tokenizer([it.target for it in val.items], add_special_tokens=False).input_ids
+    if val:
+        targets = tokenizer([it.target for it in val], add_special_tokens=False).input_ids
         val_tokens = max(8, max(len(t) for t in targets) + 1)
     loss, acc, step = float("nan"), None, 0
     for step in range(1, steps + 1):
         items = [train[rng.randrange(len(train))] for _ in range(batch_size)]
         loss = trainer.sft_step(**sft_batch(tokenizer, items))["loss"]
-        if val is not None and step % eval_every == 0:
-            acc = evaluate(trainer.model, tokenizer, val, val_tokens)["accuracy"]
+        if val and step % eval_every == 0:
+            acc = evaluate(trainer.model, tokenizer, val, reward, val_tokens)["accuracy"]
             if log:
                 elapsed = time.perf_counter() - t0
                 log(f"sft step {step} loss {loss:.3f} val_acc {acc:.3f} t {elapsed:.0f}s")

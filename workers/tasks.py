@@ -17,7 +17,8 @@ A character tokenizer without ``<`` never emits the tags, so its responses are s
 
 Checks when a tokenizer is given (:class:`ConfigError`, naming the item and the fix): a prompt
 or target with characters the tokenizer cannot encode (a ``<unk>`` token), and a prompt longer
-than ``max_prompt_tokens`` tokens (never truncated or dropped silently).
+than ``max_prompt_tokens`` tokens (never truncated or dropped silently; the workflows apply
+``data.max_prompt_tokens`` through :mod:`m2flow.workers.data`, which can also drop them).
 
 Train and held-out splits are the same generator with different seeds.
 """
@@ -153,10 +154,10 @@ class TaskDataset:
             for i, p in enumerate(prompts):
                 if len(p) > max_prompt_tokens:
                     raise ConfigError(
-                        f"{where}: item {i}'s prompt is {len(p)} tokens > task.max_prompt_tokens"
-                        f"={max_prompt_tokens}: raise task.max_prompt_tokens (and "
-                        "model.max_position_embeddings >= it + rollout.max_new_tokens), or "
-                        "pick a task.config with shorter questions"
+                        f"{where}: item {i}'s prompt is {len(p)} tokens > data.max_prompt_tokens"
+                        f"={max_prompt_tokens}: raise data.max_prompt_tokens (and "
+                        "model.max_position_embeddings >= it + rollout.max_new_tokens), pick a "
+                        "task.config with shorter questions, or set data.overlong_prompts=drop"
                     )
 
     def __len__(self) -> int:
@@ -185,7 +186,7 @@ class TaskDataset:
 
 
 @functools.cache
-def _score_fn(source_dataset: str):
+def score_fn(source_dataset: str):
     return reasoning_gym.get_score_answer_fn(source_dataset)
 
 
@@ -201,7 +202,7 @@ def score(responses: Sequence[str], entries: Sequence[dict[str, Any] | TaskItem]
     out = []
     for text, e in zip(responses, entries):
         entry = e.entry if isinstance(e, TaskItem) else e
-        fn = _score_fn(entry["metadata"]["source_dataset"])
+        fn = score_fn(entry["metadata"]["source_dataset"])
         out.append(float(fn(extract_answer(text), entry)))
     return out
 
@@ -214,7 +215,9 @@ def accuracy(scores: Sequence[float]) -> float:
 def task_dataset(task: dict, split: str, tokenizer=None) -> TaskDataset:
     """The ``split`` (``"train"``, ``"val"`` or ``"heldout"``) of a ``task`` config section
     (:class:`~m2flow.workers.recipe.TaskConfig` fields: ``name``, ``config``,
-    ``{split}_seed``, ``{split}_size``, ``system_prompt``, ``max_prompt_tokens``)."""
+    ``{split}_seed``, ``{split}_size``, ``system_prompt``; and ``max_prompt_tokens``, the
+    resolved ``data.max_prompt_tokens``). The workflows build prompt items instead:
+    :func:`m2flow.workers.data.reasoning_gym.task_split`."""
     return TaskDataset(
         task["name"],
         dict(task["config"]),

@@ -1,7 +1,10 @@
-"""GRPO on a reasoning-gym task: supervised warm start, then rollout -> reward -> actor.
+"""GRPO on a reasoning-gym task (or your own data): supervised warm start, then rollout ->
+reward -> actor.
 
     m2flow run workflows/grpo.py trainer.steps=50 rollout.temperature=0.8
     m2flow run workflows/grpo.py plan=auto cluster.devices_per_node=2
+    m2flow run workflows/grpo.py data.train_files=train.jsonl data.val_files=val.jsonl \
+        reward.function=my_reward.py:compute_score      # docs/data_and_rewards.md
 
 The runner below is the whole algorithm; it holds no placement logic. Where each group runs and
 how finely the rollout streams to its consumers is the runtime's plan (``plan=temporal``, the
@@ -15,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from m2flow.workers.data.config import DataConfig
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
     ModelConfig,
@@ -22,13 +26,13 @@ from m2flow.workers.recipe import (
     RolloutConfig,
     TaskConfig,
     WarmStartConfig,
-    prompt_items,
     response_length,
     task_section,
     validate_llm,
     validate_optim,
     warm_start_args,
 )
+from m2flow.workers.reward.config import RewardConfig
 
 from m2flow.recipe import (
     Checkpoints,
@@ -40,6 +44,9 @@ from m2flow.recipe import (
     validate_cluster,
     validate_trainer,
 )
+
+#: keys of earlier versions -> their names now (an override with an old key names the new one)
+RENAMED = {"task.max_prompt_tokens": "data.max_prompt_tokens"}
 
 
 @dataclass
@@ -74,11 +81,13 @@ class RewardServiceConfig:
 @dataclass
 class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    data: DataConfig = field(default_factory=DataConfig)  # none: task.* (reasoning-gym)
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     rollout: GRPORolloutConfig = field(default_factory=GRPORolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     reward_service: RewardServiceConfig = field(default_factory=RewardServiceConfig)
     trainer: LLMTrainerConfig = field(
         default_factory=lambda: LLMTrainerConfig(
@@ -113,6 +122,12 @@ def validate(cfg) -> None:
                 f"model.num_hidden_layers={cfg.model.num_hidden_layers} (equal stages)",
             ),
             (finite_positive(cfg.reward_service.timeout_s), "reward_service.timeout_s > 0"),
+            (
+                not cfg.reward_service.url or cfg.reward.function == "auto",
+                f"reward.function={cfg.reward.function} with reward_service.url: the service "
+                "scores with its own pipelines (reward_service.pipeline); leave "
+                "reward.function at auto, or unset reward_service.url",
+            ),
             (cfg.rollout.engine in ("hf", "vllm"), "rollout.engine must be hf or vllm"),
             (
                 cfg.rollout.engine == "hf"
@@ -134,51 +149,78 @@ def validate(cfg) -> None:
 
 def main(cfg) -> dict:
     from m2flow.workers.actor.worker import ActorWorker
+    from m2flow.workers.data.item import prompt_items
+    from m2flow.workers.data.sampler import PromptSampler, load_sampler
+    from m2flow.workers.data.splits import run_data
     from m2flow.workers.llm import build_tokenizer, tokenizer_spec
+    from m2flow.workers.reward.config import reward_spec
+    from m2flow.workers.reward.functions import merge_reward_metrics
     from m2flow.workers.reward.worker import RewardWorker
     from m2flow.workers.rollout.worker import RolloutWorker
-    from m2flow.workers.tasks import task_dataset
 
     from m2flow import Channel, sync_weights
     from m2flow.runlog import RunLog
 
     tr = cfg.trainer
-    cluster = start_cluster(cfg.cluster, tr.run_dir)
     model, task = plain(cfg.model), task_section(cfg)
     spec = tokenizer_spec(model)  # model.tokenizer / model.alphabet; the rest is the shape
+    tokenizer = build_tokenizer(spec)
+    data = run_data(cfg, tokenizer)  # every prompt read and checked before any worker starts
+    rewards = reward_spec(cfg.reward, data.data_sources())
+    sampler = PromptSampler(len(data.train), tr.seed, cfg.data.shuffle)
+    cluster = start_cluster(cfg.cluster, tr.run_dir)
     lm = {"model": model, "tokenizer": spec, "seed": tr.seed}
-    rollout = RolloutWorker.launch(cluster, name="rollout", task=task, **lm, **plain(cfg.rollout))
+    rollout = RolloutWorker.launch(
+        cluster, name="rollout", heldout=data.heldout, reward=rewards, **lm, **plain(cfg.rollout)
+    )
     service = plain(cfg.reward_service) if cfg.reward_service.url else None
-    reward = RewardWorker.launch(cluster, name="reward", tokenizer=spec, service=service)
+    reward = RewardWorker.launch(
+        cluster, name="reward", tokenizer=spec, service=service, reward=None if service else rewards
+    )
     actor = ActorWorker.launch(
         cluster, name="actor", temperature=cfg.rollout.temperature, **lm, **plain(cfg.actor)
     )
     prompts, rollouts, scored = (Channel.create(n) for n in ("prompts", "rollouts", "scored"))
-    tokenizer = build_tokenizer(spec)
-    train = task_dataset(task, "train", tokenizer)
     checkpoints = Checkpoints(tr.run_dir)
 
-    def evaluate() -> float:
-        scores = [s for shard in rollout.evaluate().wait() for s in shard]
-        return sum(s == 1.0 for s in scores) / len(scores)
+    def evaluate() -> dict:
+        """``heldout_accuracy`` (share of held-out prompts with reward 1); none without them."""
+        if not data.heldout:
+            return {}
+        outs = rollout.evaluate().wait()
+        scores = [s for o in outs for s in o["scores"]]
+        out = {"heldout_accuracy": sum(s == 1.0 for s in scores) / len(scores)}
+        if cfg.reward.on_error == "penalty":
+            out["heldout_reward_errors"] = sum(o["reward_errors"] for o in outs)
+        return out
 
-    start = checkpoints.restore({"actor": actor})[0] if cfg.resume else 0
+    start = 0
+    if cfg.resume:
+        start, state = checkpoints.restore({"actor": actor})
+        data.notes += load_sampler(sampler, state)
     summary = {}
     with RunLog(tr.run_dir, tr.steps, tr.tensorboard) as log:
         log.print(cluster.describe())
+        for note in data.notes:
+            log.print(note)
         if start == 0:
-            ws, ws_args = {}, warm_start_args(cfg)  # None: a pretrained model.path
-            if ws_args is not None:
-                ws = actor.warm_start(task, seed=tr.seed, **ws_args).wait()[0]
+            ws_args, skipped = warm_start_args(cfg, data.source)
+            ws = actor.warm_start(
+                None if skipped else task, seed=tr.seed, reward=rewards, **ws_args
+            ).wait()[0]
+            if skipped:
+                log.print(f"warm start: skipped ({skipped})")
             sync_weights(actor, rollout)
-            acc = summary["accuracy_after_warm_start"] = evaluate()
-            log.log(0, {"phase": "warm_start" if ws else "start", **ws, "heldout_accuracy": acc})
+            ev = evaluate()
+            if ev:
+                summary["accuracy_after_warm_start"] = ev["heldout_accuracy"]
+            log.log(0, {"phase": "start" if skipped else "warm_start", **ws, **ev})
         else:
             sync_weights(actor, rollout)
         log.advance(start)
         for step in range(start + 1, tr.steps + 1):
             t0 = time.time()
-            prompts.put_many(prompt_items(train, tokenizer, tr.prompts_per_step, tr.seed, step))
+            prompts.put_many(prompt_items(data.train, sampler.take(tr.prompts_per_step), step))
             gen = rollout.generate(prompts, rollouts, tr.prompts_per_step)
             rew = reward.score(rollouts, scored)
             upd = actor.train(scored)
@@ -190,6 +232,8 @@ def main(cfg) -> dict:
             metrics = {
                 "reward_mean": sum(o["reward_mean"] * o["samples"] for o in r_out) / samples,
                 "sample_accuracy": sum(o["accuracy"] * o["samples"] for o in r_out) / samples,
+                # the reward function's extra metrics (reward/<name>), reward_errors (penalty)
+                **merge_reward_metrics(r_out, cfg.reward.on_error),
                 "response_length": response_length(g_out),
                 "tokens_per_s": tokens / seconds,
                 "step_s": seconds,
@@ -205,9 +249,11 @@ def main(cfg) -> dict:
                 **{f"spot_{k}": v for k, v in g_out[0].get("spot", {}).items()},
             }
             if step % tr.eval_every == 0 or step == tr.steps:
-                metrics["heldout_accuracy"] = summary["final_accuracy"] = evaluate()
+                metrics |= evaluate()
+                if "heldout_accuracy" in metrics:
+                    summary["final_accuracy"] = metrics["heldout_accuracy"]
             if step % tr.save_every == 0 or step == tr.steps:
-                checkpoints.save(step, {"actor": actor})
+                checkpoints.save(step, {"actor": actor}, {"data": sampler.state_dict()})
             log.log(step, metrics, echo="heldout_accuracy" in metrics or step % 10 == 0)
             log.advance(step, f"reward {metrics['reward_mean']:.3f}")
         log.print(f"summary: {summary}")

@@ -1,11 +1,15 @@
-"""RLHF-style PPO on a reasoning-gym task: rollout, actor, critic, reference and reward model.
+"""RLHF-style PPO on a reasoning-gym task (or your own data): rollout, actor, critic,
+reference and reward model.
 
     m2flow run workflows/ppo.py trainer.steps=100 algorithm.kl_coef=0.02
     m2flow run workflows/ppo.py cluster.devices_per_node=5 plan=workflows/plans/ppo_spatial.yaml
+    m2flow run workflows/ppo.py data.train_files=train.jsonl reward.function=my_reward.py:fn
 
-Phases: a supervised warm start of the actor (as in GRPO); the warm-started weights go to the
-rollout, the reference (frozen), the critic and the reward model (their transformers); the
-reward model's head is fitted briefly to verifier labels of the policy's own samples. Then PPO
+Phases: a supervised warm start of the actor (as in GRPO; reasoning-gym only); the
+warm-started weights go to the rollout, the reference (frozen), the critic and the reward
+model (their transformers); the reward model's head (``reward_model``) is fitted briefly to
+verifier labels of the policy's own samples, the verifier being the run's reward function
+(``reward``). Then PPO
 steps: every rollout chunk goes to the reward model (learned score mixed with the verifier),
 the reference (logprobs) and the critic, which joins the three, computes KL-shaped token
 rewards and GAE, passes the chunk to the actor and fits its values. The runner holds no
@@ -17,6 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from m2flow.workers.data.config import DataConfig
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
     ModelConfig,
@@ -24,13 +29,13 @@ from m2flow.workers.recipe import (
     RolloutConfig,
     TaskConfig,
     WarmStartConfig,
-    prompt_items,
     response_length,
     task_section,
     validate_llm,
     validate_optim,
     warm_start_args,
 )
+from m2flow.workers.reward.config import RewardConfig
 
 from m2flow.recipe import (
     Checkpoints,
@@ -41,6 +46,13 @@ from m2flow.recipe import (
     validate_cluster,
     validate_trainer,
 )
+
+#: keys of earlier versions -> their names now (an override with an old key names the new one)
+RENAMED = {
+    "task.max_prompt_tokens": "data.max_prompt_tokens",
+    **{f"reward.{k}": f"reward_model.{k}" for k in
+       ("verifier_weight", "lr", "grad_clip", "batch_size", "micro_batch_size", "threads")},
+}  # fmt: skip
 
 
 @dataclass
@@ -77,7 +89,8 @@ class ReferenceConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardModelConfig:
+    # the verifier is the run's reward function (reward.function)
     verifier_weight: float = 0.5  # reward = w * verifier + (1 - w) * reward model
     lr: float = 1e-3  # reward-model fit
     grad_clip: float = 1.0
@@ -90,17 +103,19 @@ class RewardConfig:
 class RewardFitConfig:
     batches: int = 18  # rollout batches (trainer.prompts_per_step prompts each) to label
     heldout_batches: int = 2  # of which held out to measure the reward model
-    epochs: int = 3  # passes over the training samples (batches of reward.batch_size)
+    epochs: int = 3  # passes over the training samples (batches of reward_model.batch_size)
 
 
 @dataclass
 class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    data: DataConfig = field(default_factory=DataConfig)  # none: task.* (reasoning-gym)
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n_samples=4))
-    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # the verifier
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     reward_fit: RewardFitConfig = field(default_factory=RewardFitConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -138,7 +153,10 @@ def validate(cfg) -> None:
             (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and algorithm.lam: [0, 1]"),
             (a.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),
             (a.clip_eps > 0 and a.epochs >= 1, "algorithm.clip_eps > 0 and algorithm.epochs >= 1"),
-            (0 <= cfg.reward.verifier_weight <= 1, "reward.verifier_weight must be in [0, 1]"),
+            (
+                0 <= cfg.reward_model.verifier_weight <= 1,
+                "reward_model.verifier_weight must be in [0, 1]",
+            ),
             (0 <= f.heldout_batches < f.batches, "need 0 <= reward_fit.heldout_batches < batches"),
             *_engine_checks("actor", cfg.actor),
             *_engine_checks("critic", cfg.critic),
@@ -150,24 +168,33 @@ def main(cfg) -> dict:
     from m2flow.workers.actor.ppo import PPOActorWorker
     from m2flow.workers.actor.reference import ReferenceWorker
     from m2flow.workers.critic.worker import CriticWorker
+    from m2flow.workers.data.item import prompt_items
+    from m2flow.workers.data.sampler import PromptSampler, load_sampler
+    from m2flow.workers.data.splits import run_data
     from m2flow.workers.llm import build_tokenizer, tokenizer_spec
+    from m2flow.workers.reward.config import reward_spec
+    from m2flow.workers.reward.functions import merge_reward_metrics
     from m2flow.workers.reward.model import RewardModelWorker
     from m2flow.workers.rollout.worker import RolloutWorker
-    from m2flow.workers.tasks import task_dataset
 
     from m2flow import Channel, Fanout, sync_weights
     from m2flow.runlog import RunLog
 
     tr, alg = cfg.trainer, cfg.algorithm
-    cluster = start_cluster(cfg.cluster, tr.run_dir)
     model, task = plain(cfg.model), task_section(cfg)
     lm = {"model": model, "tokenizer": tokenizer_spec(model)}
+    tokenizer = build_tokenizer(lm["tokenizer"])
+    data = run_data(cfg, tokenizer)  # every prompt read and checked before any worker starts
+    rewards = reward_spec(cfg.reward, data.data_sources())
+    sampler = PromptSampler(len(data.train), tr.seed, cfg.data.shuffle)
+    cluster = start_cluster(cfg.cluster, tr.run_dir)
     temp = cfg.rollout.temperature
     rollout = RolloutWorker.launch(
-        cluster, name="rollout", **lm, task=task, seed=tr.seed, **plain(cfg.rollout)
-    )
+        cluster, name="rollout", **lm, heldout=data.heldout, reward=rewards, seed=tr.seed,
+        **plain(cfg.rollout),
+    )  # fmt: skip
     reward = RewardModelWorker.launch(
-        cluster, name="reward", **lm, seed=tr.seed, **plain(cfg.reward)
+        cluster, name="reward", **lm, seed=tr.seed, reward=rewards, **plain(cfg.reward_model)
     )
     reference = ReferenceWorker.launch(
         cluster, name="reference", **lm, temperature=temp, **plain(cfg.reference)
@@ -182,41 +209,56 @@ def main(cfg) -> dict:
     )  # fmt: skip
     names = ("prompts", "fit", "to_reward", "to_reference", "to_critic", "scores", "refs", "adv")
     prompts, fit, to_reward, to_reference, to_critic, scores, refs, adv = map(Channel.create, names)
-    tokenizer = build_tokenizer(lm["tokenizer"])
-    train = task_dataset(task, "train", tokenizer)
     n = tr.prompts_per_step
     trained = {"actor": actor, "critic": critic, "reward": reward, "reference": reference}
     checkpoints = Checkpoints(tr.run_dir)
 
-    def evaluate() -> float:
-        scores_ = [s for shard in rollout.evaluate().wait() for s in shard]
-        return sum(s == 1.0 for s in scores_) / len(scores_)
+    def evaluate() -> dict:
+        """``heldout_accuracy`` (share of held-out prompts with reward 1); none without them."""
+        if not data.heldout:
+            return {}
+        outs = rollout.evaluate().wait()
+        scores_ = [s for o in outs for s in o["scores"]]
+        out = {"heldout_accuracy": sum(s == 1.0 for s in scores_) / len(scores_)}
+        if cfg.reward.on_error == "penalty":
+            out["heldout_reward_errors"] = sum(o["reward_errors"] for o in outs)
+        return out
 
     summary = {}
-    start = checkpoints.restore(trained)[0] if cfg.resume else 0
+    start = 0
+    if cfg.resume:
+        start, state = checkpoints.restore(trained)
+        data.notes += load_sampler(sampler, state)
     with RunLog(tr.run_dir, tr.steps, tr.tensorboard) as log:
         log.print(cluster.describe())
+        for note in data.notes:
+            log.print(note)
         if start == 0:
-            ws, ws_args = {}, warm_start_args(cfg)  # None: a pretrained model.path
-            if ws_args is not None:
-                ws = actor.warm_start(task, seed=tr.seed, **ws_args).wait()[0]
+            ws_args, skipped = warm_start_args(cfg, data.source)
+            ws = actor.warm_start(
+                None if skipped else task, seed=tr.seed, reward=rewards, **ws_args
+            ).wait()[0]
+            if skipped:
+                log.print(f"warm start: skipped ({skipped})")
             for group in (rollout, reference, critic, reward):
                 sync_weights(actor, group)
             # Reward model: label the warm-started policy's samples with the verifier, fit it.
             fit_n = cfg.reward_fit.batches * n
-            prompts.put_many(prompt_items(train, tokenizer, fit_n, tr.seed, 0))
+            prompts.put_many(prompt_items(data.train, sampler.take(fit_n), 0))
             gen = rollout.generate(prompts, fit, fit_n)
             rm = reward.fit(fit, cfg.reward_fit.heldout_batches * n, cfg.reward_fit.epochs)
             gen.wait()
-            acc = summary["accuracy_after_warm_start"] = evaluate()
-            log.log(0, {"phase": "warm_start", **ws, **rm.wait()[0], "heldout_accuracy": acc})
+            ev = evaluate()
+            if ev:
+                summary["accuracy_after_warm_start"] = ev["heldout_accuracy"]
+            log.log(0, {"phase": "start" if skipped else "warm_start", **ws, **rm.wait()[0], **ev})
         else:
             sync_weights(actor, rollout)
         log.advance(start)
         fanout = Fanout(to_reward, to_reference, to_critic)
         for step in range(start + 1, tr.steps + 1):
             t0 = time.time()
-            prompts.put_many(prompt_items(train, tokenizer, n, tr.seed, step))
+            prompts.put_many(prompt_items(data.train, sampler.take(n), step))
             gen = rollout.generate(prompts, fanout, n)
             rew = reward.score(to_reward, scores)
             ref = reference.logprobs(to_reference, refs)
@@ -229,6 +271,7 @@ def main(cfg) -> dict:
             metrics = {
                 **{k: r_out[k] for k in ("reward_mean", "verifier_mean", "rm_mean")},
                 "sample_accuracy": r_out["accuracy"],
+                **merge_reward_metrics([r_out], cfg.reward.on_error),
                 "response_length": response_length(g_out),
                 "tokens_per_s": sum(o["tokens"] for o in g_out) / seconds,
                 "step_s": seconds,
@@ -241,9 +284,11 @@ def main(cfg) -> dict:
                 "actor_update_norm": a_out["update_norm"],
             }  # fmt: skip
             if step % tr.eval_every == 0 or step == tr.steps:
-                metrics["heldout_accuracy"] = summary["final_accuracy"] = evaluate()
+                metrics |= evaluate()
+                if "heldout_accuracy" in metrics:
+                    summary["final_accuracy"] = metrics["heldout_accuracy"]
             if step % tr.save_every == 0 or step == tr.steps:
-                checkpoints.save(step, trained)
+                checkpoints.save(step, trained, {"data": sampler.state_dict()})
             log.log(step, metrics, echo="heldout_accuracy" in metrics or step % 10 == 0)
             log.advance(step, f"verifier {metrics['verifier_mean']:.3f}")
         log.print(f"summary: {summary}")

@@ -13,10 +13,11 @@ from m2flow.scheduler.balance import all_queued
 from m2flow import Channel, Worker
 
 from ..batch import concat
+from ..data.reasoning_gym import task_split
 from ..llm import build_tokenizer, compute_dtype, load_model
 from ..llm.placement import torch_device
+from ..reward.functions import RewardFunction
 from ..sft import run_sft
-from ..tasks import task_dataset
 from . import data_parallel as dp
 from .losses import grpo_advantages
 from .trainer import PolicyTrainer
@@ -210,7 +211,7 @@ class ActorWorker(Worker):
 
     def warm_start(
         self,
-        task: dict,
+        task: dict | None,
         steps: int,
         batch_size: int,
         lr: float,
@@ -218,10 +219,14 @@ class ActorWorker(Worker):
         eval_every: int,
         time_budget_s: float | None,
         seed: int = 0,
+        reward: dict | None = None,
     ) -> dict:
         """Supervised warm start on the task's training split (answer tokens only), stopping
         at ``steps``, ``time_budget_s`` seconds, or ``target_accuracy`` on the validation split
-        (``task["val_seed"]``, ``task["val_size"]``; never the held-out split).
+        (``task["val_seed"]``, ``task["val_size"]``; never the held-out split), scored by the
+        run's reward function (``reward``: :class:`~..reward.functions.RewardFunction`
+        arguments; default ``auto``). ``task=None`` (data files: no targets) or ``steps=0``:
+        no supervised steps; the rest (the reference, the ranks' weights) is done all the same.
 
         Returns:
             ``steps``, ``seconds``, ``loss`` (last), ``val_accuracy`` (greedy, last check).
@@ -236,8 +241,11 @@ class ActorWorker(Worker):
             out = [None]
             torch.distributed.broadcast_object_list(out, 0)
             return out[0]
-        train = task_dataset(task, "train", self.tokenizer)
-        val = task_dataset(task, "val", self.tokenizer)
+        if task is None or steps == 0:
+            train = val = []
+            steps = 0
+        else:
+            train, val = (task_split(task, s, self.tokenizer)[0] for s in ("train", "val"))
         self.sft_trainer.set_lr(lr)
         res = run_sft(
             self.sft_trainer,
@@ -247,6 +255,7 @@ class ActorWorker(Worker):
             batch_size=batch_size,
             seed=seed,
             val=val,
+            reward=RewardFunction(**(reward or {})),
             target_accuracy=target_accuracy,
             eval_every=eval_every,
             time_budget_s=time_budget_s,

@@ -1,11 +1,13 @@
-"""Reward-model worker: a small LM with a scalar head, mixed with reasoning-gym's verifier.
+"""Reward-model worker: a small LM with a scalar head, mixed with the run's verifier.
 
 Many RLHF setups score with a learned reward model and mix in a rule-based check where one
-exists. Here the learned part starts from the warm-started policy's transformer and is fitted
+exists. The *verifier* here is the run's reward function (``reward.function``:
+:class:`~.functions.RewardFunction`; by default reasoning-gym's scorer for reasoning-gym
+prompts). The learned part starts from the warm-started policy's transformer and is fitted
 briefly (:meth:`RewardModelWorker.fit`) to verifier labels of the policy's own samples: binary
-cross-entropy towards the verifier's partial credit (InstructGPT section 3.5 fits to human
+cross-entropy towards the verifier's score (InstructGPT section 3.5 fits to human
 comparisons instead; no humans here). The reward of a sample is then
-``w * verifier + (1 - w) * sigmoid(rm_logit)``, both in [0, 1].
+``w * verifier + (1 - w) * sigmoid(rm_logit)`` (in [0, 1] for a verifier in [0, 1]).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from ..critic.trainer import ValueTrainer
 from ..llm import build_tokenizer, compute_dtype
 from ..llm.placement import torch_device
 from ..rollout.generation import decode_responses
-from ..tasks import accuracy, score
+from ..tasks import accuracy
+from .functions import RewardFunction, RewardResult, result_metrics
 
 
 class RewardModelWorker(Worker):
@@ -39,6 +42,8 @@ class RewardModelWorker(Worker):
         lr, grad_clip: AdamW for :meth:`fit`.
         batch_size: samples per fit step; micro_batch_size: samples per scoring forward.
         threads: torch threads (0: the CPUs of the rank's devices); seed: init and shuffling.
+        reward: the verifier: :class:`~.functions.RewardFunction` arguments (``function``,
+            ``on_error``, ``penalty``; default ``auto``).
 
     Raises:
         ValueError: ``verifier_weight`` outside [0, 1].
@@ -57,11 +62,14 @@ class RewardModelWorker(Worker):
         micro_batch_size: int = 0,
         threads: int = 0,
         seed: int = 0,
+        reward: dict | None = None,
     ) -> None:
         if not 0.0 <= verifier_weight <= 1.0:
             raise ValueError(f"verifier_weight must be in [0, 1], got {verifier_weight}")
         torch.set_num_threads(threads or self.num_threads)
         self.tokenizer = build_tokenizer(tokenizer)
+        self.reward_fn = RewardFunction(**(reward or {}))
+        self._results: list[RewardResult] = []  # this call's, for its metrics
         device = torch_device(self.devices)
         self.trainer = ValueTrainer(
             ValueModel(model, self.tokenizer, seed=seed).to(device),
@@ -81,7 +89,9 @@ class RewardModelWorker(Worker):
         batch = chunk["batch"]
         texts = decode_responses(self.tokenizer, batch["response_ids"], batch["response_mask"])
         entries = [chunk["entries"][int(g)] for g in batch["group_index"]]
-        return torch.tensor(score(texts, entries), dtype=torch.float32)
+        res = self.reward_fn(texts, entries)
+        self._results.append(res)
+        return torch.tensor(res.scores, dtype=torch.float32)
 
     def fit(self, inp: Channel, heldout_prompts: int, epochs: int) -> dict:
         """Fit the reward model to verifier labels of the rollout chunks read from ``inp``
@@ -140,9 +150,11 @@ class RewardModelWorker(Worker):
         Returns:
             means of the mixed reward (``reward_mean``), of the verifier score
             (``verifier_mean``) and of the reward-model score (``rm_mean``); ``accuracy``
-            (share of samples the verifier scores 1); ``samples``.
+            (share of samples the verifier scores 1); ``samples``; ``reward_errors`` and
+            ``reward_metrics`` (:func:`~.functions.result_metrics`).
         """
         mixed, ver, rm = [], [], []
+        self._results = []
         for (chunk,) in inp.stream():
             batch = chunk["batch"]
             v = self._verify(chunk)
@@ -159,6 +171,7 @@ class RewardModelWorker(Worker):
             "rm_mean": float(torch.cat(rm).mean()),
             "accuracy": accuracy(v_all.tolist()),
             "samples": len(v_all),
+            **result_metrics(self._results),
         }
 
     def save_checkpoint(self, path: str) -> str:

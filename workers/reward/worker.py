@@ -1,5 +1,5 @@
-"""Reward worker: verifiable rewards from reasoning-gym's own scorers, or from the shared
-reward service (DistRS), request-in, batch-out."""
+"""Reward worker: rewards from the run's reward function (a built-in or your own:
+:mod:`.functions`), or from the shared reward service (DistRS), request-in, batch-out."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from m2flow import Channel, Worker
 from ..batch import num_tokens
 from ..llm import build_tokenizer
 from ..rollout.generation import decode_responses
-from ..tasks import accuracy, score
+from ..tasks import accuracy
+from .functions import RewardFunction, RewardResult, result_metrics
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,10 @@ _GRACE_S = 60.0
 
 
 class RewardWorker(Worker):
-    """Scores rollout chunks with the task's ``score_answer`` (partial credit in [0, 1]), or
-    through the shared reward service (DistRS; :mod:`.service`).
+    """Scores rollout chunks with the run's reward function (:class:`.functions.
+    RewardFunction`; by default ``auto``: reasoning-gym's ``score_answer``, partial credit in
+    [0, 1], for reasoning-gym prompts), or through the shared reward service (DistRS;
+    :mod:`.service`).
 
     With the service, the step is one batch (DistRS section 3.2, request-in, batch-out): the
     first chunk of a step that any rank takes announces it with the step's number of
@@ -48,6 +51,10 @@ class RewardWorker(Worker):
             reward service (``timeout_s``: longest wait for a chunk's rewards, and for an
             unreachable service, in seconds); ``None``: score in process. The service's
             ``math`` pipeline verifies with math-verify: rewards are 0 or 1, no partial credit.
+            Each request's payload is ``{"response", "answer"}``, the answer being the prompt's
+            ground truth.
+        reward: :class:`~.functions.RewardFunction` arguments (``function``, ``on_error``,
+            ``penalty``) for scoring in process (default: ``auto``); not with ``service``.
 
     Raises:
         RewardServiceError: the service refused the token or the task (at launch).
@@ -63,9 +70,22 @@ class RewardWorker(Worker):
             kwargs["service"] = {**service, "run": uuid.uuid4().hex[:12]}
         return super().launch(cluster, placement, **kwargs)
 
-    def __init__(self, tokenizer: dict, threads: int = 0, service: dict | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: dict,
+        threads: int = 0,
+        service: dict | None = None,
+        reward: dict | None = None,
+    ) -> None:
+        if service and reward and reward.get("function", "auto") != "auto":
+            raise ValueError(
+                "a reward function and the reward service: the service scores with its own "
+                "pipelines (reward_service.pipeline); leave reward.function at auto"
+            )
         torch.set_num_threads(threads or self.num_threads)
         self.tokenizer = build_tokenizer(tokenizer)
+        self.reward_fn = RewardFunction(**(reward or {}))
+        self._results: list[RewardResult] = []  # this call's, for its metrics
         self.service, self.stream = service, None
         self._calls = 0  # score calls so far: the same count on every rank (group calls)
         if service:
@@ -85,9 +105,10 @@ class RewardWorker(Worker):
 
     def _score_chunk(self, chunk: dict) -> list[float]:
         """Add ``rewards [B]`` to the chunk's batch (in process); returns them."""
-        rewards = score(*self._texts(chunk))
-        chunk["batch"]["rewards"] = torch.tensor(rewards, dtype=torch.float32)
-        return rewards
+        res = self.reward_fn(*self._texts(chunk))
+        self._results.append(res)
+        chunk["batch"]["rewards"] = torch.tensor(res.scores, dtype=torch.float32)
+        return res.scores
 
     def _submit(self, chunk: dict, n: int, batches: set[str]):
         """Submit the chunk's responses to the service; returns ``(ids, future of rewards)``.
@@ -106,7 +127,7 @@ class RewardWorker(Worker):
             batch, size = f"{self.run}-c{self._calls}-r{self.rank}-n{n}", len(ids)
         batches.add(batch)
         payloads = {
-            i: {"response": t, "answer": e["answer"]} for i, t, e in zip(ids, texts, entries)
+            i: {"response": t, "answer": e["ground_truth"]} for i, t, e in zip(ids, texts, entries)
         }
         return ids, self.stream.submit(batch, size, payloads)
 
@@ -142,11 +163,14 @@ class RewardWorker(Worker):
         its tokens).
 
         Returns:
-            ``reward_mean`` (mean partial credit), ``accuracy`` (share with score == 1),
-            ``samples``.
+            ``reward_mean`` (mean reward), ``accuracy`` (share with score == 1), ``samples``;
+            in process also ``reward_errors`` (penalised samples) and ``reward_metrics``
+            (the reward function's extra metrics: name -> ``[sum, count]``; merge ranks with
+            :func:`merge_reward_metrics`).
         """
         rewards_all: list[float] = []
         self._calls += 1
+        self._results = []
         pending: deque = deque()  # (chunk, ids, future of rewards), in arrival order
         batches: set[str] = set()
         n, ended = 0, False
@@ -175,4 +199,5 @@ class RewardWorker(Worker):
             "reward_mean": sum(rewards_all) / m,
             "accuracy": accuracy(rewards_all),
             "samples": len(rewards_all),
+            **result_metrics(self._results),
         }

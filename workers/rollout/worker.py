@@ -7,10 +7,11 @@ import torch
 from m2flow import Channel, Worker
 
 from ..batch import num_tokens, to_batch
+from ..data.item import PromptItem
 from ..evaluation import greedy_scores
 from ..llm import build_tokenizer, compute_dtype, load_model
 from ..llm.placement import offload_module, onload_module, split_evenly, torch_device
-from ..tasks import TaskDataset, task_dataset
+from ..reward.functions import RewardFunction
 from .generation import generate
 
 
@@ -26,8 +27,9 @@ class RolloutWorker(Worker):
         n_samples: responses per prompt (GRPO group size).
         max_new_tokens: response cap in tokens (EOS included).
         temperature, top_p: sampling parameters.
-        task: ``{"name", "config", "heldout_seed", "heldout_size"}`` (and optionally
-            ``system_prompt``, ``max_prompt_tokens``) for :meth:`evaluate`.
+        heldout: the held-out prompts :meth:`evaluate` decodes (ranks take shards).
+        reward: :class:`~..reward.functions.RewardFunction` arguments: how :meth:`evaluate`
+            scores (default: ``auto``).
         shared_prefix: prefill each prompt once for its ``n_samples`` samples
             (:func:`.generation.prefill_shared`) instead of once per sample.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
@@ -53,7 +55,8 @@ class RolloutWorker(Worker):
         max_new_tokens: int = 6,
         temperature: float = 0.7,
         top_p: float = 1.0,
-        task: dict | None = None,
+        heldout: list[PromptItem] | None = None,
+        reward: dict | None = None,
         shared_prefix: bool = True,
         threads: int = 0,
         spot: dict | None = None,
@@ -76,9 +79,9 @@ class RolloutWorker(Worker):
         self.n_samples, self.max_new_tokens = n_samples, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
         self.shared_prefix = shared_prefix
-        self.task = task
+        self.heldout = heldout
+        self.reward = RewardFunction(**(reward or {}))
         self.seed = seed
-        self._heldout: TaskDataset | None = None
         self.vllm = None
         if engine == "vllm":
             from .vllm_engine import VllmEngine
@@ -104,8 +107,9 @@ class RolloutWorker(Worker):
         plan's granularity (:meth:`~m2flow.Worker.chunk_size`; the whole share without a
         plan); put one rollout chunk per prompt chunk into ``out``.
 
-        A prompt item is ``{"prompt_ids": list[int], "group": int, "entry": dict}`` plus
-        optionally ``"step": int`` (the sampling key; 0 if absent); ``group`` is unique within
+        A prompt item is ``{"prompt_ids": list[int], "group": int, "entry": dict}`` (the
+        entry: :meth:`~..data.item.PromptItem.entry`, for the reward) plus optionally
+        ``"step": int`` (the sampling key; 0 if absent); ``group`` is unique within
         the step. A rollout chunk is ``{"batch": TensorDict [chunk * n_samples], "entries":
         {group: entry}, "weight_version": int, "step": int, "step_samples": int}`` put with
         weight = its token count; ``step_samples = num_prompts * n_samples`` is the number of
@@ -184,18 +188,23 @@ class RolloutWorker(Worker):
 
     # -- evaluation -------------------------------------------------------------------------
 
-    def evaluate(self) -> list[float]:
-        """Greedy scores of this rank's shard of the held-out split (reasoning-gym scorer).
+    def evaluate(self) -> dict:
+        """Greedy rewards of this rank's shard of the held-out prompts, scored by the run's
+        reward function.
 
         Returns:
-            one score in [0, 1] per held-out item of the shard (accuracy counts score == 1).
+            ``scores`` (one per held-out item of the shard; accuracy counts score == 1) and
+            ``reward_errors`` (penalised samples, ``on_error="penalty"``).
+
+        Raises:
+            ValueError: launched without ``heldout`` prompts.
+            RewardFunctionError: the reward function failed (``on_error="raise"``).
         """
-        if self.task is None:
-            raise ValueError("evaluate() needs the task: launch the rollout with task={...}")
-        if self._heldout is None:
-            self._heldout = task_dataset(self.task, "heldout", self.tokenizer)
-        items = self._heldout.items[self.rank :: self.world_size]
-        return greedy_scores(self.model, self.tokenizer, self._heldout, items, self.max_new_tokens)
+        if not self.heldout:
+            raise ValueError("evaluate() needs held-out prompts: launch with heldout=[...]")
+        items = self.heldout[self.rank :: self.world_size]
+        res = greedy_scores(self.model, self.tokenizer, items, self.reward, self.max_new_tokens)
+        return {"scores": res.scores, "reward_errors": res.errors}
 
     # -- memory -----------------------------------------------------------------------------
 
