@@ -207,7 +207,7 @@ def test_config_checks_before_start(tmp_path, char):
         prepare(str(GRPO), _run(tmp_path, f"data.train_files={tmp_path / 'missing.jsonl'}"))
     with pytest.raises(ConfigError, match="data.overlong_prompts must be error or drop"):
         prepare(str(GRPO), _run(tmp_path, "data.overlong_prompts=truncate"))
-    with pytest.raises(ConfigError, match="must fit model.max_position_embeddings"):
+    with pytest.raises(ConfigError, match="must fit the model's max_position_embeddings"):
         prepare(str(PPO), _run(tmp_path, "data.max_prompt_tokens=64"))
     # Keys an earlier version had name their new home.
     with pytest.raises(ConfigError, match="task.max_prompt_tokens is now data.max_prompt_tokens"):

@@ -27,6 +27,7 @@ from m2flow.workers.llm import (
     load_model,
     tokenizer_spec,
 )
+from m2flow.workers.llm.model import checkpointing
 from m2flow.workers.recipe import ModelConfig, validate_model
 from m2flow.workers.rollout.generation import generate, stop_token_ids
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -158,7 +159,7 @@ def test_mixed_precision_and_gradient_checkpointing_train(llama_dir):
 
     base, g32, _ = grads()
     checkpointed, ggc, _ = grads(gradient_checkpointing=True)
-    assert checkpointed.is_gradient_checkpointing and not base.is_gradient_checkpointing
+    assert checkpointing(checkpointed) and not checkpointing(base)
     for n, g in g32.items():
         # fp32 rounding of two forward layouts (shared prefix vs full sequence): ~1e-6 of max
         assert (ggc[n] - g).abs().max() <= 1e-5 * g.abs().max(), n

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from ..batch import row_index, row_order, split_rows
+from ..llm.model import checkpointing
 from . import data_parallel
 from .losses import grpo_loss, sequence_logprobs, shared_prefix_logprobs
 
@@ -119,7 +120,7 @@ class PolicyTrainer:
     def _train_logprobs_fn(self):
         """The logprob function of training forwards: the full sequence under gradient
         checkpointing (its recomputation runs without the shared prefix's KV cache)."""
-        if getattr(self.model, "is_gradient_checkpointing", False):
+        if checkpointing(self.model):
             return sequence_logprobs
         return self.logprobs_fn
 

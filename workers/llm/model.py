@@ -96,6 +96,15 @@ def load_model(
     return model.to(device)
 
 
+def checkpointing(model: torch.nn.Module) -> bool:
+    """Whether ``model`` recomputes activations in its backward (transformers renamed the flag
+    ``is_gradient_checkpointing`` -> ``is_activation_checkpointing`` in 5.2x; read either)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
 def load_backbone(
     cfg: ModelConfig | dict,
     tokenizer: PreTrainedTokenizerBase | None,
