@@ -265,3 +265,88 @@ def test_grpo_from_a_model_directory_saves_loadable_checkpoints(cluster, llama_d
     assert moved > 0  # trained
     tok = build_pretrained_tokenizer(str(saved))
     assert tok("1+2=").input_ids == build_char_tokenizer()("1+2=").input_ids
+
+
+def _save_classifier(directory: Path, tok, num_labels: int = 1) -> Path:
+    from transformers import LlamaForSequenceClassification
+
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+               bos_token_id=tok.bos_token_id)  # fmt: skip
+    config = LlamaConfig(vocab_size=len(tok), num_labels=num_labels, **SHAPE, **ids)
+    torch.manual_seed(4)
+    LlamaForSequenceClassification(config).save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
+
+
+def test_reward_model_from_a_classifier_scores_like_it(tmp_path):
+    """``ValueModel.from_classifier``: the classifier's trunk and score head; the sequence
+    score at the last real token of a padded batch equals the classifier's head on the
+    unpadded sequence's last position."""
+    from m2flow.workers.critic.model import ValueModel, sequence_scores
+    from transformers import AutoModelForSequenceClassification
+
+    tok = build_char_tokenizer()
+    path = _save_classifier(tmp_path / "rm", tok)
+    rm = ValueModel.from_classifier(str(path))
+    clf = AutoModelForSequenceClassification.from_pretrained(path)
+    prompts = [tok("1+2=").input_ids, tok("12+34-5=").input_ids]
+    policy = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=len(tok), **SHAPE))
+    out = generate(policy, tok, prompts, n_samples=2, max_new_tokens=5, temperature=1.0)
+    with torch.no_grad():
+        got = sequence_scores(rm, *(out[k] for k in KEYS))
+        for i in range(len(got)):
+            ids = torch.cat([out["prompt_ids"][i][out["prompt_mask"][i] == 1],
+                             out["response_ids"][i][out["response_mask"][i] == 1]])  # fmt: skip
+            # the classifier's head on its trunk's last position (its own pooling finds the
+            # last token by pad id, which a sampled response may contain)
+            want = clf.score(clf.model(input_ids=ids[None]).last_hidden_state)[0, -1, 0]
+            assert float((got[i] - want).abs()) < 1e-5
+
+
+def test_reward_model_path_is_checked_before_start(tmp_path, llama_dir):
+    from m2flow.workflow import prepare
+
+    tok = build_char_tokenizer()
+    base = [f"model.path={llama_dir}", f"trainer.run_dir={tmp_path / 'run'}"]
+    two = _save_classifier(tmp_path / "two", tok, num_labels=2)
+    with pytest.raises(ConfigError, match="2 labels"):
+        prepare(str(ROOT / "workflows" / "ppo.py"), [*base, f"reward_model.path={two}"])
+    other = _save_classifier(tmp_path / "other", build_char_tokenizer("0123456789"))
+    with pytest.raises(ConfigError, match="vocabulary differs"):
+        prepare(str(ROOT / "workflows" / "ppo.py"), [*base, f"reward_model.path={other}"])
+    with pytest.raises(ConfigError, match="not a causal LM|no sequence classifier|no such"):
+        prepare(str(ROOT / "workflows" / "ppo.py"), [*base, f"reward_model.path={tmp_path}/x"])
+
+
+@pytest.mark.e2e
+def test_ppo_from_directories_with_your_reward_model(cluster, llama_dir, tmp_path):
+    """PPO with actor, reference, critic trunk and rollout from ``model.path`` and the reward
+    model from ``reward_model.path``: no warm start, no reward-model fit, the reward model's
+    weights untouched by the steps."""
+    from m2flow.workflow import run_workflow
+
+    tok = build_char_tokenizer()
+    rm_dir = _save_classifier(tmp_path / "rm", tok)
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"model.path={llama_dir}", f"reward_model.path={rm_dir}", f"trainer.run_dir={run_dir}",
+        "trainer.steps=2", "trainer.save_every=2", "trainer.eval_every=2",
+        "trainer.prompts_per_step=4", "rollout.n_samples=4", "task.train_size=64",
+        "task.heldout_size=16", "actor.mini_batch_size=8", "critic.mini_batch_size=8",
+        "algorithm.epochs=1", "rollout.threads=1", "actor.threads=1", "critic.threads=1",
+        "reference.threads=1", "reward_model.threads=1",
+    ]  # fmt: skip
+    run_workflow(ROOT / "workflows" / "ppo.py", overrides)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["phase"] == "start" and not any(k.startswith("rm_") for k in records[0])
+    assert all(0 < r["rm_mean"] < 1 for r in records[1:])
+    from m2flow.workers.checkpoint import load_state
+    from transformers import AutoModelForSequenceClassification
+
+    saved = load_state(run_dir / "checkpoints" / "step_000002" / "reward", 0)["model"]
+    clf = AutoModelForSequenceClassification.from_pretrained(rm_dir).state_dict()
+    assert torch.equal(saved["head.weight"], clf["score.weight"])
+    for name, w in clf.items():
+        if name.startswith("model."):
+            assert torch.equal(saved["backbone." + name[len("model.") :]], w), name

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 from m2flow.workers.data.config import DataConfig
 from m2flow.workers.recipe import (
@@ -37,6 +38,7 @@ from m2flow.workers.recipe import (
 )
 from m2flow.workers.reward.config import RewardConfig
 
+from m2flow.config import ConfigError
 from m2flow.recipe import (
     Checkpoints,
     ClusterConfig,
@@ -90,6 +92,10 @@ class ReferenceConfig:
 
 @dataclass
 class RewardModelConfig:
+    # Your reward model: a Hugging Face sequence-classification directory (num_labels=1, the
+    # policy's tokenizer), used as it is. None: the policy's transformer with a head fitted to
+    # the verifier's labels (reward_fit.*).
+    path: Optional[str] = None
     # the verifier is the run's reward function (reward.function)
     verifier_weight: float = 0.5  # reward = w * verifier + (1 - w) * reward model
     lr: float = 1e-3  # reward-model fit
@@ -162,6 +168,14 @@ def validate(cfg) -> None:
             *_engine_checks("critic", cfg.critic),
         ]
     )
+    if cfg.reward_model.path:
+        from m2flow.workers.llm import tokenizer_spec
+        from m2flow.workers.reward.model import check_reward_model
+
+        try:
+            check_reward_model(cfg.reward_model.path, tokenizer_spec(plain(cfg.model)))
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(str(e)) from None
 
 
 def main(cfg) -> dict:
@@ -240,18 +254,21 @@ def main(cfg) -> dict:
             ).wait()[0]
             if skipped:
                 log.print(f"warm start: skipped ({skipped})")
-            for group in (rollout, reference, critic, reward):
+            fitted = not cfg.reward_model.path  # else your reward model, as it is
+            for group in (rollout, reference, critic) + ((reward,) if fitted else ()):
                 sync_weights(actor, group)
-            # Reward model: label the warm-started policy's samples with the verifier, fit it.
-            fit_n = cfg.reward_fit.batches * n
-            prompts.put_many(prompt_items(data.train, sampler.take(fit_n), 0))
-            gen = rollout.generate(prompts, fit, fit_n)
-            rm = reward.fit(fit, cfg.reward_fit.heldout_batches * n, cfg.reward_fit.epochs)
-            gen.wait()
+            rm = {}
+            if fitted:  # label the warm-started policy's samples with the verifier, fit it
+                fit_n = cfg.reward_fit.batches * n
+                prompts.put_many(prompt_items(data.train, sampler.take(fit_n), 0))
+                gen = rollout.generate(prompts, fit, fit_n)
+                call = reward.fit(fit, cfg.reward_fit.heldout_batches * n, cfg.reward_fit.epochs)
+                gen.wait()
+                rm = call.wait()[0]
             ev = evaluate()
             if ev:
                 summary["accuracy_after_warm_start"] = ev["heldout_accuracy"]
-            log.log(0, {"phase": "start" if skipped else "warm_start", **ws, **rm.wait()[0], **ev})
+            log.log(0, {"phase": "start" if skipped else "warm_start", **ws, **rm, **ev})
         else:
             sync_weights(actor, rollout)
         log.advance(start)

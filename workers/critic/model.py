@@ -34,6 +34,30 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
+    @classmethod
+    def from_classifier(cls, path: str, attn_implementation: str = "sdpa") -> ValueModel:
+        """A reward model from a Hugging Face sequence-classification directory with one label
+        (``AutoModelForSequenceClassification``, e.g. a ``Qwen2ForSequenceClassification``
+        reward model): its transformer as the trunk and its score head as the head, float32.
+        :func:`sequence_scores` then reads the head where that model scores a sequence (the
+        last real token).
+
+        Raises:
+            ValueError: not a sequence classifier with one label (:func:`check_classifier`).
+        """
+        from transformers import AutoModelForSequenceClassification
+
+        check_classifier(path)
+        clf = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn_implementation,
+            local_files_only=True,
+        )  # fmt: skip
+        model = cls.__new__(cls)
+        nn.Module.__init__(model)
+        model.backbone = getattr(clf, clf.base_model_prefix)
+        (model.head,) = [m for n, m in clf.named_children() if n != clf.base_model_prefix]
+        return model
+
     def load_backbone(self, lm_state: dict[str, torch.Tensor]) -> None:
         """Copy the transformer weights of a causal LM state dict (``model.*`` keys, e.g. the
         warm-started policy's); the LM head is ignored and the value head is left as it is.
@@ -55,6 +79,36 @@ class ValueModel(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
+
+
+def check_classifier(path: str) -> None:
+    """``path`` is a Hugging Face sequence-classification model with one label (a reward
+    model's score), loadable without custom code.
+
+    Raises:
+        FileNotFoundError: no directory or ``config.json``.
+        ValueError: custom code, another kind of model, or ``num_labels != 1``.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    )
+
+    from ..llm.config import hf_config
+
+    if hf_config(path).get("auto_map"):
+        raise ValueError(f"reward_model.path={path}: custom code (auto_map) is not run")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+        raise ValueError(
+            f"reward_model.path={path}: model_type {config.model_type!r} has no sequence "
+            "classifier in transformers (AutoModelForSequenceClassification)"
+        )
+    if config.num_labels != 1:
+        raise ValueError(
+            f"reward_model.path={path}: {config.num_labels} labels; a reward model scores "
+            "with one (num_labels=1)"
+        )
 
 
 def _forward(model: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask):

@@ -1,7 +1,9 @@
 """Reward-model worker: a small LM with a scalar head, mixed with the run's verifier.
 
 Many RLHF setups score with a learned reward model and mix in a rule-based check where one
-exists. The *verifier* here is the run's reward function (``reward.function``:
+exists. The reward model is either your own (``reward_model.path``: a Hugging Face
+sequence-classification directory with one label, used as it is, never fitted) or, by default,
+fitted here. The *verifier* here is the run's reward function (``reward.function``:
 :class:`~.functions.RewardFunction`; by default reasoning-gym's scorer for reasoning-gym
 prompts). The learned part starts from the warm-started policy's transformer and is fitted
 briefly (:meth:`RewardModelWorker.fit`) to verifier labels of the policy's own samples: binary
@@ -29,6 +31,33 @@ from ..tasks import accuracy
 from .functions import RewardFunction, RewardResult, result_metrics
 
 
+def check_reward_model(path: str, tokenizer: dict) -> None:
+    """Before anything starts: ``path`` is a one-label sequence classifier
+    (:func:`~..critic.model.check_classifier`) whose tokenizer files, if it has any, have the
+    policy's vocabulary (the reward model scores the policy's token ids as they are).
+
+    Args:
+        tokenizer: the policy's tokenizer spec.
+
+    Raises:
+        FileNotFoundError, ValueError: the first problem, with the fix.
+    """
+    from ..critic.model import check_classifier
+    from ..llm.tokenizer import build_pretrained_tokenizer
+
+    check_classifier(path)
+    try:
+        own = build_pretrained_tokenizer(path)
+    except FileNotFoundError:
+        return  # no tokenizer files: it is taken to be the policy's
+    if own.get_vocab() != build_tokenizer(tokenizer).get_vocab():
+        raise ValueError(
+            f"reward_model.path={path}: its tokenizer's vocabulary differs from the policy's; "
+            "the reward model scores the policy's token ids as they are: use a reward model "
+            "trained with the policy's tokenizer"
+        )
+
+
 class RewardModelWorker(Worker):
     """Scores rollout chunks: learned reward model plus verifier.
 
@@ -44,6 +73,10 @@ class RewardModelWorker(Worker):
         threads: torch threads (0: the CPUs of the rank's devices); seed: init and shuffling.
         reward: the verifier: :class:`~.functions.RewardFunction` arguments (``function``,
             ``on_error``, ``penalty``; default ``auto``).
+        path: a pretrained reward model (:meth:`~..critic.model.ValueModel.from_classifier`;
+            it scores the policy's token ids, so it must share the policy's tokenizer): used
+            as it is (no :meth:`fit`, no weights from the policy). None: the policy's
+            transformer with a new head, fitted by :meth:`fit`.
 
     Raises:
         ValueError: ``verifier_weight`` outside [0, 1].
@@ -63,6 +96,7 @@ class RewardModelWorker(Worker):
         threads: int = 0,
         seed: int = 0,
         reward: dict | None = None,
+        path: str | None = None,
     ) -> None:
         if not 0.0 <= verifier_weight <= 1.0:
             raise ValueError(f"verifier_weight must be in [0, 1], got {verifier_weight}")
@@ -71,8 +105,14 @@ class RewardModelWorker(Worker):
         self.reward_fn = RewardFunction(**(reward or {}))
         self._results: list[RewardResult] = []  # this call's, for its metrics
         device = torch_device(self.devices)
+        self.pretrained = bool(path)
+        value_model = (
+            ValueModel.from_classifier(path, model.get("attn_implementation", "sdpa"))
+            if path
+            else ValueModel(model, self.tokenizer, seed=seed)
+        )
         self.trainer = ValueTrainer(
-            ValueModel(model, self.tokenizer, seed=seed).to(device),
+            value_model.to(device),
             lr=lr,
             grad_clip=grad_clip,
             compute_dtype=compute_dtype(model.get("dtype", "auto"), device),
@@ -82,7 +122,13 @@ class RewardModelWorker(Worker):
         self.generator = torch.Generator().manual_seed(seed)
 
     def load_weights(self, weights: dict, version: int) -> None:
-        """Start from the policy's transformer (``m2flow.sync_weights(actor, reward)``)."""
+        """Start from the policy's transformer (``m2flow.sync_weights(actor, reward)``).
+
+        Raises:
+            ValueError: a pretrained reward model (``path``), which keeps its own weights.
+        """
+        if self.pretrained:
+            raise ValueError("a pretrained reward model (reward_model.path) keeps its weights")
         self.trainer.model.load_backbone(weights)
 
     def _verify(self, chunk: dict) -> torch.Tensor:
@@ -107,8 +153,10 @@ class RewardModelWorker(Worker):
             above an incorrect one; NaN without both kinds).
 
         Raises:
-            ValueError: no prompt left to train on.
+            ValueError: no prompt left to train on; a pretrained reward model (``path``).
         """
+        if self.pretrained:
+            raise ValueError("a pretrained reward model (reward_model.path) is not fitted")
         chunks = sorted(
             (c for part in inp.stream(balance=all_queued, target_weight=1) for c in part),
             key=lambda c: chunk_key(c["batch"]),
