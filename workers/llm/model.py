@@ -9,6 +9,7 @@ plain Hugging Face directories (``config.json``, ``model.safetensors``, tokenize
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
@@ -25,6 +26,13 @@ from transformers import (
 )
 
 from .config import DTYPES, LOADING_FIELDS, ModelConfig
+
+# transformers >= 5.2x renames the forward's past_key_values to cache, warning on every call
+# (once per step per worker in a run's log); the old name is what 5.17-5.19 (vLLM, the GPU
+# image) accept, so it stays, quietly.
+warnings.filterwarnings(
+    "ignore", message=r"`past_key_values` is deprecated", category=FutureWarning
+)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
