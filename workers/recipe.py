@@ -9,6 +9,7 @@ sampling, the optimiser settings every trained model shares. The ``data`` sectio
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -97,6 +98,15 @@ class OptimConfig:
 @dataclass
 class LLMTrainerConfig(TrainerConfig):
     prompts_per_step: int = 32  # global batch: prompts (x rollout.n_samples responses)
+
+
+def model_section(cfg) -> dict:
+    """``plain(cfg.model)`` with ``path`` made absolute: workers load it from their own
+    working directory."""
+    model = plain(cfg.model)
+    if model.get("path"):
+        model["path"] = os.path.abspath(os.path.expanduser(model["path"]))
+    return model
 
 
 def warm_start_args(cfg, source: str) -> tuple[dict, str]:

@@ -26,6 +26,7 @@ from m2flow.workers.recipe import (
     RolloutConfig,
     TaskConfig,
     WarmStartConfig,
+    model_section,
     response_length,
     task_section,
     validate_llm,
@@ -162,7 +163,7 @@ def main(cfg) -> dict:
     from m2flow.runlog import RunLog
 
     tr = cfg.trainer
-    model, task = plain(cfg.model), task_section(cfg)
+    model, task = model_section(cfg), task_section(cfg)  # model.path made absolute
     spec = tokenizer_spec(model)  # model.tokenizer / model.alphabet; the rest is the shape
     tokenizer = build_tokenizer(spec)
     data = run_data(cfg, tokenizer)  # every prompt read and checked before any worker starts

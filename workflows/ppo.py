@@ -18,6 +18,7 @@ placement logic: ``plan=...`` decides devices and chunking (see ``workflows/grpo
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -30,6 +31,7 @@ from m2flow.workers.recipe import (
     RolloutConfig,
     TaskConfig,
     WarmStartConfig,
+    model_section,
     response_length,
     task_section,
     validate_llm,
@@ -195,7 +197,7 @@ def main(cfg) -> dict:
     from m2flow.runlog import RunLog
 
     tr, alg = cfg.trainer, cfg.algorithm
-    model, task = plain(cfg.model), task_section(cfg)
+    model, task = model_section(cfg), task_section(cfg)  # model.path made absolute
     lm = {"model": model, "tokenizer": tokenizer_spec(model)}
     tokenizer = build_tokenizer(lm["tokenizer"])
     data = run_data(cfg, tokenizer)  # every prompt read and checked before any worker starts
@@ -207,8 +209,11 @@ def main(cfg) -> dict:
         cluster, name="rollout", **lm, heldout=data.heldout, reward=rewards, seed=tr.seed,
         **plain(cfg.rollout),
     )  # fmt: skip
+    rm = plain(cfg.reward_model)
+    if rm["path"]:  # workers load it from their own working directory
+        rm["path"] = os.path.abspath(os.path.expanduser(rm["path"]))
     reward = RewardModelWorker.launch(
-        cluster, name="reward", **lm, seed=tr.seed, reward=rewards, **plain(cfg.reward_model)
+        cluster, name="reward", **lm, seed=tr.seed, reward=rewards, **rm
     )
     reference = ReferenceWorker.launch(
         cluster, name="reference", **lm, temperature=temp, **plain(cfg.reference)
