@@ -56,7 +56,7 @@ def hf_config(path: str | Path) -> dict:
     Raises:
         FileNotFoundError: no such directory, or no ``config.json`` in it.
     """
-    d = Path(path)
+    d = Path(path).expanduser()
     if not d.is_dir():
         raise FileNotFoundError(f"model.path={path}: no such directory")
     f = d / "config.json"

@@ -92,7 +92,7 @@ def load_model(
     if cfg.path:
         check_model_directory(cfg.path)
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.path,
+            Path(cfg.path).expanduser(),
             dtype=dtype,
             attn_implementation=cfg.attn_implementation,
             local_files_only=True,
@@ -126,7 +126,7 @@ def load_backbone(
         return build_model(cfg, tokenizer, seed=seed).model
     check_model_directory(cfg.path)
     return AutoModel.from_pretrained(
-        cfg.path,
+        Path(cfg.path).expanduser(),
         dtype=torch.float32,
         attn_implementation=cfg.attn_implementation,
         local_files_only=True,
@@ -147,6 +147,7 @@ def check_model_directory(path: str) -> None:
     from .config import hf_config
 
     raw = hf_config(path)  # FileNotFoundError names the fix
+    path = str(Path(path).expanduser())
     if raw.get("auto_map"):
         raise ValueError(
             f"model.path={path}: the model needs custom code (auto_map in config.json); "

@@ -171,7 +171,7 @@ def build_pretrained_tokenizer(path: str) -> PreTrainedTokenizerBase:
     Raises:
         FileNotFoundError: no tokenizer files in ``path`` (names the files looked for).
     """
-    d = Path(path)
+    d = Path(path).expanduser()
     if (d / "tokenizer.json").is_file():
         tok = PreTrainedTokenizerFast.from_pretrained(d, local_files_only=True)
     elif (d / "tokenizer.model").is_file() or (d / "vocab.json").is_file():
