@@ -23,12 +23,12 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from . import liveness
+from ._context import NAMESPACE, current_session, wait_name_free
 from ._env import wait_timeout
 from .calls import CallContext, channels_in
-from .cluster import NAMESPACE, Cluster, wait_name_free
+from .cluster import Cluster
 from .mailbox import IO_GROUP
 from .placement import merge_options
-from .session import current_session
 from .work import flush_puts
 from .worker import (
     WATCH_GROUP,

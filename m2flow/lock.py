@@ -40,9 +40,8 @@ import ray
 
 from m2flow.scheduler.lock_order import LockRequest, grants
 
+from ._context import LOCK_SERVICE_NAME, NAMESPACE, here
 from .liveness import Death, death_cause
-
-LOCK_SERVICE_NAME = "m2flow:locks"
 
 
 @dataclass
@@ -291,9 +290,6 @@ class LockService:
 
 def get_lock_service():
     """The run's LockService actor, created on first use (named, in the m2flow namespace)."""
-    from .cluster import NAMESPACE
-    from .spot import here
-
     return LockService.options(
         name=LOCK_SERVICE_NAME, namespace=NAMESPACE, get_if_exists=True, scheduling_strategy=here()
     ).remote()
