@@ -1,4 +1,4 @@
-"""The reward service under hostile tenants (issue 11): forged rewards, cross-tenant kills,
+"""The reward service under hostile tenants: forged rewards, cross-tenant kills,
 limits loosened by a request, unbounded memory, orphaned sandboxes, stalled scaling, leaked
 metrics. One live service for the module; ``mallory`` attacks, ``alice`` must not notice."""
 
