@@ -159,7 +159,6 @@ class WorkerGroup:
         self.cluster = cluster
         self._ranks = list(range(len(actors))) if ranks is None else list(ranks)
         self._methods = public_methods(worker_cls)
-        self.history: dict[str, list[float]] = defaultdict(list)  # method -> max durations
         self._epochs: dict[str, int] = defaultdict(int)  # channel -> calls given it so far
 
     @property
@@ -185,7 +184,7 @@ class WorkerGroup:
         view = WorkerGroup(
             self.name, self.worker_cls, self.actors, self.placement, self.cluster, ranks
         )
-        view.history, view._epochs = self.history, self._epochs
+        view._epochs = self._epochs
         return view
 
     def __getattr__(self, method: str):
@@ -317,7 +316,6 @@ class GroupCall:
             self.group.cluster.calls.discard(self)
         pairs = [values[ref] for ref in self.refs]
         self._result = GroupResult([p[0] for p in pairs], [p[1] for p in pairs])
-        self.group.history[self.method].append(self._result.time("max"))
         session = current_session()
         if session is not None:
             r = self._result

@@ -59,7 +59,7 @@ class WorkerContext:
         devices: this rank's devices.
         lock_service: the run's :class:`~m2flow.lock.LockService` (locks and liveness).
         lock: whether group calls take device locks.
-        launch_index: order of the group's launch (the default lock priority).
+        launch_index: order of the group's launch (its device-lock priority).
         cpus: CPUs of this rank's devices (its share of the node's CPUs).
         node: address of the node the rank runs on.
     """
