@@ -165,8 +165,8 @@ class Cluster:
         ]
         ray.get(self.lock_service.configure.remote(keep), timeout=wait_timeout())
         session = current_session()
-        # The run's placement (from a plan) needs this cluster's devices to be resolved.
-        # (a m2flow.placement.Placement, or None)
+        # The run's placement (a m2flow.placement.Placement from a plan, or None) needs this
+        # cluster's devices to be resolved.
         self.placement = session.resolve(self) if session else None
 
     # -- inventory -------------------------------------------------------------------------
