@@ -1,4 +1,4 @@
-"""Attack benchmark of the reward service (issue 11): hostile tenants, one live service.
+"""Attack benchmark of the reward service: hostile tenants, one live service.
 
 Starts the service on loopback as ``python -m m2flow.workers.reward.service.cli`` in a
 subprocess (so what is measured is the service and its workers, not this script's clients)

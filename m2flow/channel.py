@@ -49,11 +49,11 @@ import ray
 
 from m2flow.scheduler.balance import fifo
 
+from ._context import NAMESPACE, current_worker, here, wait_name_free
 from ._env import wait_timeout
 from .channel_actor import DRIVER, ChannelActor, ClientId, StreamAborted
 from .channel_codec import needs_object_store as _needs_object_store  # noqa: F401 (tests)
 from .channel_codec import payload, resolve
-from .cluster import NAMESPACE
 from .work import Work
 
 __all__ = ["DRIVER", "Channel", "ClientId", "Fanout", "StreamAborted"]
@@ -70,8 +70,6 @@ _guard = threading.RLock()  # numbering + submission, read-ahead buffers
 
 def _identity() -> ClientId:
     """This process as a channel client."""
-    from .worker import current_worker
-
     w = current_worker()
     if w is not None:
         return ClientId(w.group_name, w.worker_key)
@@ -79,8 +77,6 @@ def _identity() -> ClientId:
 
 
 def _call_ctx():
-    from .worker import current_worker
-
     w = current_worker()
     return None if w is None else w._m2flow_call_ctx
 
@@ -94,8 +90,6 @@ def _call_epoch(channel: str) -> int | None:
 
 def _may_read_ahead() -> bool:
     """The driver, or a worker in a group call that runs on one rank (see the module)."""
-    from .worker import current_worker
-
     if current_worker() is None:
         return True
     ctx = _call_ctx()
@@ -315,8 +309,6 @@ class Channel:
             raise ValueError(
                 f"channel '{name}': maxsize={maxsize!r}; give an int >= 0 (0 = unbounded)"
             )
-        from .spot import here
-
         actor = ChannelActor.options(
             name=f"channel:{name}", namespace=NAMESPACE, get_if_exists=True,
             scheduling_strategy=here(),
@@ -537,8 +529,6 @@ class Channel:
 
     def close(self) -> None:
         """Kill the channel actor (queued items are lost); its name is free on return."""
-        from .cluster import wait_name_free
-
         ray.kill(self._actor, no_restart=True)
         _created.pop(self.name, None)
         _clients.pop(self._id, None)

@@ -31,8 +31,7 @@ import ray
 
 from m2flow.scheduler.balance import QueuedItem, fifo_count, serve_order
 
-from .cluster import NAMESPACE
-from .lock import LOCK_SERVICE_NAME
+from ._context import LOCK_SERVICE_NAME, NAMESPACE
 
 DRIVER = "driver"
 _EPOCHS_KEPT = 64  # end-of-step records kept per channel (older epochs are forgotten)

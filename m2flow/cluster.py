@@ -20,17 +20,13 @@ import weakref
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from ._context import NAMESPACE, current_session, wait_name_free  # noqa: F401 (public)
 from ._env import apply_ray_env_defaults, wait_timeout
-
-if TYPE_CHECKING:
-    from .placement import Placement
 
 logger = logging.getLogger(__name__)
 
 VIRTUAL_DEVICE_RESOURCE = "m2flow_virtual_device"
-NAMESPACE = "m2flow"
 GiB = 1 << 30
 
 
@@ -168,11 +164,10 @@ class Cluster:
             if offload is Offload.never or (offload is Offload.auto and d.kind == "virtual")
         ]
         ray.get(self.lock_service.configure.remote(keep), timeout=wait_timeout())
-        from .session import current_session
-
         session = current_session()
-        # The run's placement (from a plan) needs this cluster's devices to be resolved.
-        self.placement: Placement | None = session.resolve(self) if session else None
+        # The run's placement (a m2flow.placement.Placement from a plan, or None) needs this
+        # cluster's devices to be resolved.
+        self.placement = session.resolve(self) if session else None
 
     # -- inventory -------------------------------------------------------------------------
 
@@ -288,21 +283,6 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def wait_name_free(name: str, timeout: float = 30.0) -> None:
-    """Wait until no live actor is named ``name`` (after a kill), so it can be reused."""
-    import time
-
-    import ray
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
-            return
-        time.sleep(0.05)
 
 
 def _short_temp_dir(root: Path) -> Path:

@@ -23,12 +23,12 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from . import liveness
+from ._context import NAMESPACE, current_session, wait_name_free
 from ._env import wait_timeout
 from .calls import CallContext, channels_in
-from .cluster import NAMESPACE, Cluster, wait_name_free
+from .cluster import Cluster
 from .mailbox import IO_GROUP
 from .placement import merge_options
-from .session import current_session
 from .work import flush_puts
 from .worker import (
     WATCH_GROUP,
@@ -159,7 +159,6 @@ class WorkerGroup:
         self.cluster = cluster
         self._ranks = list(range(len(actors))) if ranks is None else list(ranks)
         self._methods = public_methods(worker_cls)
-        self.history: dict[str, list[float]] = defaultdict(list)  # method -> max durations
         self._epochs: dict[str, int] = defaultdict(int)  # channel -> calls given it so far
 
     @property
@@ -185,7 +184,7 @@ class WorkerGroup:
         view = WorkerGroup(
             self.name, self.worker_cls, self.actors, self.placement, self.cluster, ranks
         )
-        view.history, view._epochs = self.history, self._epochs
+        view._epochs = self._epochs
         return view
 
     def __getattr__(self, method: str):
@@ -317,7 +316,6 @@ class GroupCall:
             self.group.cluster.calls.discard(self)
         pairs = [values[ref] for ref in self.refs]
         self._result = GroupResult([p[0] for p in pairs], [p[1] for p in pairs])
-        self.group.history[self.method].append(self._result.time("max"))
         session = current_session()
         if session is not None:
             r = self._result

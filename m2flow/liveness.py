@@ -19,6 +19,8 @@ import re
 import time
 from dataclasses import dataclass
 
+from ._context import LOCK_SERVICE_NAME, NAMESPACE, current_worker
+
 POLL_S = 1.0  # seconds between liveness checks while waiting
 
 _registry = None  # the driver's handle of the LockService (per Ray session)
@@ -88,8 +90,6 @@ def registry():
     global _registry, _registry_session
     import ray
 
-    from .worker import current_worker
-
     w = current_worker()
     if w is not None:
         return w._m2flow_ctx.lock_service
@@ -99,9 +99,6 @@ def registry():
     context = ray.get_runtime_context()
     session = f"{context.get_job_id()}@{context.get_node_id()}"
     if _registry is None or _registry_session != session:
-        from .cluster import NAMESPACE
-        from .lock import LOCK_SERVICE_NAME
-
         try:
             _registry = ray.get_actor(LOCK_SERVICE_NAME, namespace=NAMESPACE)
         except ValueError:

@@ -5,8 +5,8 @@ actor so that a rank spanning several devices takes them atomically (no partial 
 no lock-order deadlock).
 
 - Acquire: granted once every device of the rank is free, in the order of the pure policy
-  :func:`m2flow.scheduler.lock_order.grants` (explicit priority or launch order, producers
-  before the consumers they feed, no starvation). The grant returns the other workers still
+  :func:`m2flow.scheduler.lock_order.grants` (launch order, producers before the consumers
+  they feed, no starvation). The grant returns the other workers still
   resident on those devices; the new holder offloads them and onloads itself. Re-acquiring by
   the worker that used the device last moves nothing.
 - Release: frees the devices; the holder stays resident until a *different* worker takes them
@@ -40,9 +40,8 @@ import ray
 
 from m2flow.scheduler.lock_order import LockRequest, grants
 
+from ._context import LOCK_SERVICE_NAME, NAMESPACE, here
 from .liveness import Death, death_cause
-
-LOCK_SERVICE_NAME = "m2flow:locks"
 
 
 @dataclass
@@ -72,7 +71,6 @@ class LockService:
         self.holder: dict[int, str] = {}  # device id -> holding worker key
         self.resident: dict[int, set[str]] = defaultdict(set)  # device -> keys in its memory
         self.waiting: dict[str, _Waiting] = {}  # worker key -> its pending acquire
-        self.priority: dict[str, int] = {}  # group -> explicit priority
         self.downstream: dict[str, set[str]] = defaultdict(set)  # group -> groups it feeds
         self.keep_resident: set[int] = set()  # devices whose switches offload no one
         # (death, when its group was shut down or None), oldest first: kept after a shutdown
@@ -161,18 +159,13 @@ class LockService:
         down (``None``: not yet). See :func:`m2flow.liveness.check`."""
         return [(d, retired) for d, retired in self.died]
 
-    # -- dependencies and priorities --------------------------------------------------------
+    # -- dependencies -------------------------------------------------------------------------
 
     async def add_dependency(self, producer: str, consumer: str) -> None:
         """Record that group ``producer`` feeds group ``consumer`` (from channel traffic)."""
         if producer != consumer:
             self.downstream[producer].add(consumer)
             self._grant()
-
-    async def set_priorities(self, order: dict[str, int]) -> None:
-        """Set group priorities (lower goes first), e.g. a topological order of the graph."""
-        self.priority.update(order)
-        self._grant()
 
     # -- locks ------------------------------------------------------------------------------
 
@@ -192,8 +185,7 @@ class LockService:
                 self.holder[d] = key
             self.grants += 1
             return []
-        prio = self.priority.get(w.group, w.launch_index)
-        req = LockRequest(key, w.group, tuple(w.devices), prio, next(self._seq))
+        req = LockRequest(key, w.group, tuple(w.devices), w.launch_index, next(self._seq))
         entry = self.waiting[key] = _Waiting(req)
         self._grant()
         try:
@@ -291,9 +283,6 @@ class LockService:
 
 def get_lock_service():
     """The run's LockService actor, created on first use (named, in the m2flow namespace)."""
-    from .cluster import NAMESPACE
-    from .spot import here
-
     return LockService.options(
         name=LOCK_SERVICE_NAME, namespace=NAMESPACE, get_if_exists=True, scheduling_strategy=here()
     ).remote()

@@ -15,8 +15,8 @@ from collections import defaultdict
 
 import ray
 
+from ._context import NAMESPACE
 from ._env import wait_timeout
-from .cluster import NAMESPACE
 from .work import Work, flush_puts
 
 IO_GROUP = "m2flow_io"  # Ray concurrency group for runtime traffic (deliveries, offload, ping)

@@ -61,6 +61,7 @@ from typing import Any
 import networkx as nx
 
 from .placement import Placement
+from .program import prepare, run_prepared
 from .scheduler.cost import divisors
 from .scheduler.cycle import CycleCost
 from .scheduler.profile import ComponentProfile, Edge, Point, Profile
@@ -89,16 +90,9 @@ def run_steps(
         ``share_items`` (group -> items of a rank's share, for groups whose worker says).
     """
     from .trace import workflow_graph
-    from .workflow import run_workflow
 
-    session = run_workflow(
-        workflow,
-        overrides,
-        plan=placement,
-        config_files=config_files,
-        max_steps=warmup + steps,
-        keep_cluster=True,
-    )
+    module, cfg = prepare(workflow, overrides, config_files)
+    session = run_prepared(module, cfg, placement, max_steps=warmup + steps, keep_cluster=True)
     cluster = session.cluster
     if cluster is None:
         raise RuntimeError(f"{workflow}: the runner never built an m2flow Cluster")

@@ -10,8 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ._context import current_session
 from .config import ConfigError
-from .session import current_session
 
 
 class RunLog:

@@ -17,18 +17,16 @@ says, or on every device; edges are coalesced.
 from __future__ import annotations
 
 import statistics
-import threading
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._context import close_session, current_session, open_session  # noqa: F401 (public)
+
 if TYPE_CHECKING:
     from .cluster import Cluster
     from .placement import Placement
-
-_current: Session | None = None
-_guard = threading.Lock()
 
 
 class StopRun(Exception):
@@ -67,17 +65,11 @@ class Session:
     result: Any = None  # what the runner's main(cfg) returned
 
     def __enter__(self) -> Session:
-        global _current
-        with _guard:
-            if _current is not None:
-                raise RuntimeError("an m2flow session is already open in this process")
-            _current = self
+        open_session(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        global _current
-        with _guard:
-            _current = None
+        close_session()
 
     # -- hooks the runtime calls --------------------------------------------------------------
 
@@ -118,11 +110,6 @@ class Session:
             if c.step < len(self.marks):
                 per[c.step][c.group] += c.busy
         return [dict(p) for (step, _), p in zip(self.marks, per) if step >= 1]
-
-
-def current_session() -> Session | None:
-    """The open session of this process, if any."""
-    return _current
 
 
 def median(xs: list[float]) -> float:

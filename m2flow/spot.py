@@ -26,21 +26,13 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ._context import here  # noqa: F401 (public path: m2flow.spot.here)
+
 SPOT_RESOURCE = "m2flow_spot"
 LOOPBACK = "127.0.0.2"  # as the embedded cluster's: Ray maps 127.0.0.1 to a routable address
 #: Set at a run's first logged step (m2flow.runlog): a replayed trace's clock starts there, not
 #: during the warm start.
 first_step = threading.Event()
-
-
-def here():
-    """A scheduling strategy pinning an actor to this process's node. The runtime's own actors
-    (lock service, channels, the rollout manager) are created from reserved nodes and must stay
-    there: a 0-CPU actor could otherwise land on a preemptible node and die with it."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def alive_spot_nodes() -> list[str]:

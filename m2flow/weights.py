@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from . import weight_ipc, weight_transport
+from ._context import current_session
 from ._env import wait_timeout
 
 if TYPE_CHECKING:
@@ -165,8 +166,6 @@ def sync_weights(
         WorkerError: either side failed (e.g. a worker that defines no ``get_weights`` or
             ``load_weights``; a member of a collective link died or timed out).
     """
-    from .session import current_session
-
     if transport is None:
         transport = os.environ.get("M2FLOW_WEIGHT_TRANSPORT", "object_store")
     weight_transport.check_transport(transport)

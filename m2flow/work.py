@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from . import liveness
+from ._context import current_worker
 from ._env import wait_timeout
 
 _YIELD_GRACE_S = 0.005
@@ -39,8 +40,6 @@ class Work:
             WorkerDied: a worker of the run died meanwhile.
         """
         import ray
-
-        from .worker import current_worker
 
         if self._run is not None:
             return self._run()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import ray
 
+from ._context import current_worker, set_current_worker  # noqa: F401 (public path)
 from ._env import wait_timeout
 from .calls import CallContext
 from .cluster import Device
@@ -37,13 +38,6 @@ from .weights import Weights
 from .work import Work  # noqa: F401  (re-exported: m2flow.worker.Work)
 
 WATCH_GROUP = "m2flow_watch"  # one thread, blocked for the actor's life (liveness sentinel)
-
-_current: Worker | None = None  # the worker hosted by this process, if any
-
-
-def current_worker() -> Worker | None:
-    """The worker this process hosts, or ``None`` in the driver."""
-    return _current
 
 
 def no_device_lock(method):
@@ -65,7 +59,7 @@ class WorkerContext:
         devices: this rank's devices.
         lock_service: the run's :class:`~m2flow.lock.LockService` (locks and liveness).
         lock: whether group calls take device locks.
-        launch_index: order of the group's launch (the default lock priority).
+        launch_index: order of the group's launch (its device-lock priority).
         cpus: CPUs of this rank's devices (its share of the node's CPUs).
         node: address of the node the rank runs on.
     """
@@ -161,7 +155,6 @@ class Worker(Mailbox, Residency, Weights):
     # -- set-up (runs in the actor before the subclass __init__) ------------------------------
 
     def _m2flow_bind(self, ctx: WorkerContext) -> None:
-        global _current
         self._m2flow_ctx = ctx
         self._m2flow_init_mailbox()
         self._m2flow_init_residency()
@@ -176,7 +169,7 @@ class Worker(Mailbox, Residency, Weights):
         cuda = [d.local_id for d in ctx.devices if d.kind == "cuda"]
         if cuda:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cuda))
-        _current = self
+        set_current_worker(self)
         me = ray.get_runtime_context().current_actor
         ray.get(
             ctx.lock_service.register.remote(

@@ -3,8 +3,8 @@
 Pure policy, called by the runtime's lock service (:mod:`m2flow.lock`) whenever a lock is
 released or a worker starts waiting. Rules, in order:
 
-1. Requests go by ``(priority, seq)``: an explicit group priority (e.g. a topological order
-   from a plan), else the group's launch order; then arrival.
+1. Requests go by ``(priority, seq)``: the group's priority (the runtime gives its launch
+   order), then arrival.
 2. Data dependencies first: a request never precedes a waiting request of a group that feeds
    it, directly or not (``downstream`` is the producer -> consumers graph the channels
    report). A consumer granted before its producer would only wait for data while holding the

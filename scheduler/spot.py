@@ -1,4 +1,4 @@
-"""RLBoost's spot rollout pool policies (Wu et al., NSDI 2026; issue 13), in one namespace.
+"""RLBoost's spot rollout pool policies (Wu et al., NSDI 2026), in one namespace.
 
 - :mod:`.spot_seeding` -- section 4.1, Algorithm 1: :class:`StepStats`, :class:`SeedingPolicy`
   (the seeding window ``T_seed`` and the remote-instance cap ``N_prem``).

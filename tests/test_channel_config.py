@@ -1,4 +1,4 @@
-"""Channel settings are checked at creation (issue 11, item 12): a negative or non-integer
+"""Channel settings are checked at creation: a negative or non-integer
 ``maxsize`` (every put would block) and a re-created channel that would silently keep its old
 ``maxsize`` are clear errors."""
 

@@ -55,7 +55,7 @@ def assert_one_line_exit_2(code: int, out: str, message: str) -> None:
         (["plan=sideways"], "plan='sideways': give one of auto, temporal"),
         (["plan=no/such/plan.yaml"], "plan file 'no/such/plan.yaml' does not exist"),
         (["trainer.steps"], "not of the form key=value"),
-        # issue 11, item 12: validation that was missing or late
+        # values that would otherwise fail late in the run, or never
         (["trainer.eval_every=0"], "trainer.eval_every must be >= 1"),
         (["trainer.save_every=0"], "trainer.save_every must be >= 1"),
         (["actor.lr=inf"], "actor.lr must be a finite number > 0"),

@@ -1,4 +1,4 @@
-"""A collapsed cycle split across devices (issue 16): the cost model of
+"""A collapsed cycle split across devices: the cost model of
 :mod:`m2flow.scheduler.cycle` on hand-computed cases, its validation, the exact split search,
 the planner's choice between time-sharing and splitting, plan documents and timelines, the
 profile's ``cycles:`` and the placement's ``sub_batches``. (Brute-force agreement with a

@@ -123,7 +123,7 @@ def test_bad_environment_is_a_clear_error(cluster, tmp_path):
 
 def test_split_cycle_in_sub_batches_matches_the_unsplit_run(cluster, tmp_path):
     """The cycle split across devices (env on 0, policy on 1) with the simulators in two
-    sub-batches of 2 (issue 16): every sub-batch goes round on its own, and the run logs the
+    sub-batches of 2: every sub-batch goes round on its own, and the run logs the
     same episodes as the same devices without sub-batches (one env rank, one policy rank: the
     policy samples the rows in the same order, each simulator steps as in the vector env)."""
     groups = {"env": [0], "policy": [1], "actor": [2]}

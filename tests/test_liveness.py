@@ -1,4 +1,4 @@
-"""Worker death and failure reach the user within seconds, named (issue 11, items 8 and 9).
+"""Worker death and failure reach the user within seconds, named.
 
 - A producer that dies (SIGKILL: what the kernel's OOM killer sends) while its consumer waits:
   the consumer's wait fails and the driver raises ``WorkerError`` naming the dead group, rank

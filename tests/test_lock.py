@@ -233,12 +233,12 @@ def test_collocated_consumer_first_no_deadlock(cluster, svc):
 
 
 def test_priority_producer_before_consumer(cluster, svc):
-    # launch order (the default priority) and arrival order both favour the consumer:
-    # only the data-dependency priority puts the producer first.
+    # Launch order (the priority) and arrival order both favour the consumer: only the data
+    # dependency, as a channel reports it to the lock service, puts the producer first.
     cons = Recorder.launch(cluster, placement=[0], name="pr_consumer")
     prod = Recorder.launch(cluster, placement=[0], name="pr_producer")
     hold = Recorder.launch(cluster, placement=[0], name="pr_holder")
-    ray.get(svc.set_priorities.remote({"pr_producer": 0, "pr_consumer": 1}), timeout=60)
+    ray.get(svc.add_dependency.remote("pr_producer", "pr_consumer"), timeout=60)
     log, gate = EventLog.remote(), Gate.remote()
     try:
         h = hold.hold(gate, log)

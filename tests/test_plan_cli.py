@@ -18,9 +18,9 @@ from m2flow.plan_cli import register
 PROFILES = Path(__file__).resolve().parents[1] / "benchmarks" / "profiles"
 PPO = str(PROFILES / "ppo_4_1_1_1_1.yaml")
 CHAIN = str(PROFILES / "synthetic_chain3.yaml")
-# Measured on a 2-core machine (stop 7): every group slower on 2 devices than on 1.
+# Measured on a 2-core machine (an early runtime): every group slower on 2 devices than on 1.
 GRPO = str(Path(__file__).resolve().parent / "profiles" / "grpo_slower_on_two.yaml")
-# Measured in stop 8: the rollout's fit is nearly flat (0.204 s on 1 device, 0.195 s on 2).
+# Measured later: the rollout's fit is nearly flat (0.204 s on 1 device, 0.195 s on 2).
 FLAT = str(Path(__file__).resolve().parent / "profiles" / "grpo_flat_rollout.yaml")
 NAMES = ["rollout", "actor_inference", "critic_inference", "actor_train", "critic_train"]
 

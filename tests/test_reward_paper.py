@@ -1,4 +1,4 @@
-"""DistRS as the paper defines it (issue 16): one hand-checkable case per rule of section 5,
+"""DistRS as the paper defines it: one hand-checkable case per rule of section 5,
 the baselines of section 6.1 and the workload of sections 3 and 6.1.
 
 Paper: /work/shared/papers/004_202a8381d4119568.txt (DistRS, NSDI '26).
@@ -138,7 +138,7 @@ def test_cached_probes_agree_with_the_full_simulation(seed):
 
 # ---- Algorithm 2 (section 5.2) ---------------------------------------------------------------
 def test_queued_requests_enter_at_cur_ts():
-    # The issue's case. History: r = 10, s = (30, 5) and r = 20, s = (50, 10), so T = 120 + 80 =
+    # Checked by hand. History: r = 10, s = (30, 5) and r = 20, s = (50, 10), so T = 120 + 80 =
     # 200; D = 20: T + D = 220. Timeouts 60 + 20: LT = ts + 80. Now = 150, one request has waited
     # at stage 0 since 100. Entering at 100, it waited in every simulation: LT >= 230 > 220 at
     # every count. Entering at cur_ts, one worker per stage serves it at once, done by 210.

@@ -1,4 +1,4 @@
-"""The reward service under hostile tenants (issue 11): forged rewards, cross-tenant kills,
+"""The reward service under hostile tenants: forged rewards, cross-tenant kills,
 limits loosened by a request, unbounded memory, orphaned sandboxes, stalled scaling, leaked
 metrics. One live service for the module; ``mallory`` attacks, ``alice`` must not notice."""
 
@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ from pydantic import ValidationError
 
 TOKENS = {"alice": "alice-token-hard-1", "mallory": "mallory-token-hard-2"}
 SANDBOX = {"wall_s": 4.0, "cpu_s": 2, "memory_bytes": 256 * 2**20}
+LONG_SANDBOX = {"wall_s": 30.0, "cpu_s": 20, "memory_bytes": 256 * 2**20}
 MAX_BODY = 1 * 2**20
 MAX_SOURCE = 64 * 2**10
 MAX_BATCH = 100_000
@@ -42,6 +44,10 @@ def _config(scratch: str, **over) -> ServiceConfig:
         "check": {"timeout_s": 10, "max_workers": 1},
         "execute": {"timeout_s": 3.0, "max_workers": 1, "options": {"sandbox": {"wall_s": 20}}},
     }
+    long = {  # the isolation test's attack runs until the test releases it (seconds)
+        "check": {"timeout_s": 10, "max_workers": 1},
+        "execute": {"timeout_s": 40, "max_workers": 1, "options": {"sandbox": LONG_SANDBOX}},
+    }
     cfg = {
         "host": "127.0.0.1",
         "port": 0,
@@ -53,6 +59,7 @@ def _config(scratch: str, **over) -> ServiceConfig:
         "pipelines": {
             "code": {"kind": "code", "penalty": -1.0, "stages": code},
             "code_short": {"kind": "code", "penalty": -1.0, "stages": short},
+            "code_long": {"kind": "code", "penalty": -1.0, "stages": long},
         },
     }
     return ServiceConfig.model_validate({**cfg, **over})
@@ -123,9 +130,13 @@ import ctypes, glob, os, signal, time
 hits = []
 libc = ctypes.CDLL(None, use_errno=True)
 root = os.path.dirname(os.path.dirname(os.getcwd()))  # the service's scratch root, if any
-end = time.time() + 3.0
+open('started-TAG', 'w').close()  # the handshake: the test starts alice's programs on seeing it
+end = time.time() + 25.0  # the test releases the attack long before (once alice is scored)
 n = 0
-while time.time() < end:
+while not os.path.exists('release-TAG'):
+    if time.time() > end:
+        hits.append('never released: the isolation was not tested')
+        break
     try:
         os.kill(-1, signal.SIGKILL)  # every process this uid may signal
         hits.append('kill -1')
@@ -166,18 +177,30 @@ def f(x):
 """
 
 
+def _find(root: str, name: str) -> Path | None:
+    """The file ``name`` anywhere under ``root``, or ``None``."""
+    return next(Path(root).rglob(name), None)
+
+
 @namespaces
-def test_one_tenants_code_cannot_kill_or_read_anothers_sandbox(alice, mallory):
+def test_one_tenants_code_cannot_kill_or_read_anothers_sandbox(alice, mallory, scratch):
     tag = uuid.uuid4().hex[:8]
-    m = _batch(
-        mallory, "killer", "code", {"attack": {"code": ATTACK, "tests": ["assert f(0) == []"]}}
-    )
-    time.sleep(0.5)  # the attack is looping while alice's program runs
+    attack = {"code": ATTACK.replace("TAG", tag), "tests": ["assert f(0) == []"]}
+    m = _batch(mallory, "killer", "code_long", {"attack": attack})
+    # Handshake: the attack writes started-TAG in its scratch directory (the host's view of its
+    # /scratch) once it runs, and loops until the test writes release-TAG there: it runs from
+    # before alice's programs start until after they are scored.
+    assert _wait_until(lambda: _find(scratch, f"started-{tag}") is not None, 60), "no attack"
+    started = _find(scratch, f"started-{tag}")
     victim = {"code": VICTIM.format(tag=tag), "tests": TESTS}
     a = _batch(alice, "victim", "code", {f"v{i}": victim for i in range(2)})
-    assert alice.rewards("victim", a, timeout_s=60) == {"v0": 1.0, "v1": 1.0}
+    try:
+        assert alice.rewards("victim", a, timeout_s=60) == {"v0": 1.0, "v1": 1.0}
+    finally:
+        (started.parent / f"release-{tag}").touch()
     (r,) = mallory.results("killer", m, timeout_s=60)
-    assert r["reward"] == 1.0, r  # f() == []: no kill, ptrace, memory read or file read worked
+    # f() == []: no kill, ptrace, memory read or file read worked, and the attack was released
+    assert r["reward"] == 1.0, r
 
 
 # ---- 3. a request can only tighten its limits -------------------------------------------

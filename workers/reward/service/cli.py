@@ -1,6 +1,6 @@
 """``m2flow reward-service``: run the reward service (FastAPI app under uvicorn).
 
-The lead wires it into ``m2flow/cli.py`` with ``register(app)``; standalone:
+It joins the ``m2flow`` CLI as an ``m2flow.commands`` entry point (``register``); standalone:
 ``python -m m2flow.workers.reward.service.cli --config service.yaml [--port 8765]``.
 """
 

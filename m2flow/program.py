@@ -1,0 +1,151 @@
+"""Workflow programs: find one, load it, configure it, and run it under a given placement.
+
+A workflow program (``workflows/grpo.py``) provides:
+
+- ``Config``: a dataclass of defaults (nested dataclasses per section);
+- ``main(cfg)``: the runner;
+- optionally ``validate(cfg)``: raises :class:`~m2flow.config.ConfigError` for bad values
+  (checked before anything starts);
+- optionally ``RENAMED``: ``{old key: new key}`` of keys an earlier version had, so that an
+  override with an old key names the new one.
+
+This module runs a program under a placement it is given (the profiler's path);
+:func:`m2flow.workflow.run_workflow` (``m2flow run``) also turns a plan name into a placement,
+which may profile the program first, through this module.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from .config import ConfigError, load_config
+from .placement import Placement
+from .session import Session, StopRun
+
+
+def resolve_workflow(spec: str | Path) -> Path:
+    """A workflow path, or a built-in workflow's file by name (``grpo``).
+
+    Raises:
+        ConfigError: neither a file nor a built-in name.
+    """
+    path = Path(spec)
+    if path.is_file():
+        return path.resolve()
+    # The built-in programs are package data of m2flow.workflows, located, not imported: the
+    # runtime sits below the workflows (docs/design.md, "Layers").
+    candidate = importlib.resources.files("m2flow.workflows") / f"{path.stem}.py"
+    if candidate.is_file() and path.suffix in ("", ".py"):
+        return Path(str(candidate))
+    raise ConfigError(f"workflow {str(spec)!r} is neither a file nor a built-in workflow name")
+
+
+def load_workflow(path: Path) -> ModuleType:
+    """Import a workflow program by path; its classes pickle by value for Ray workers.
+
+    Raises:
+        ConfigError: the file does not parse or fails at import (the line and the error), or
+            defines no ``Config`` / ``main``.
+    """
+    name = f"m2flow_workflow_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{path} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        del sys.modules[name]
+        raise ConfigError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+    except ImportError as e:
+        del sys.modules[name]
+        raise ConfigError(f"{path}: cannot import {e.name or ''}: {e}") from None
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(module)
+    for attr in ("Config", "main"):
+        if not hasattr(module, attr):
+            raise ConfigError(f"{path} is not a workflow: it defines no '{attr}'")
+    return module
+
+
+def prepare(
+    workflow: str | Path,
+    overrides: Sequence[str] = (),
+    config_files: Sequence[str] = (),
+    *,
+    validate: bool = True,
+) -> tuple[ModuleType, Any]:
+    """Load the workflow and build its configuration (keys and types checked), and with
+    ``validate`` run the workflow's value checks (``validate(cfg)``, which may read files and
+    the run directory; ``--show-config`` skips them and touches nothing). An override of a key
+    the workflow's ``RENAMED`` map lists (``{old key: new key}``) names the new key.
+
+    Raises:
+        ConfigError: a bad workflow, key or value.
+    """
+    module = load_workflow(resolve_workflow(workflow))
+    renamed = getattr(module, "RENAMED", {})
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if key in renamed:
+            raise ConfigError(f"{key} is now {renamed[key]}: write {renamed[key]}=...")
+    cfg = load_config(module.Config, list(overrides), list(config_files))
+    if validate and hasattr(module, "validate"):
+        module.validate(cfg)
+    return module, cfg
+
+
+def split_plan(overrides: Sequence[str]) -> tuple[str, list[str]]:
+    """``plan=...`` is the runtime's, not the workflow's: take it out of the overrides.
+
+    Raises:
+        ConfigError: ``plan=`` given more than once.
+    """
+    plans = [o.split("=", 1)[1] for o in overrides if o.startswith("plan=")]
+    rest = [o for o in overrides if not o.startswith("plan=")]
+    if len(plans) > 1:
+        raise ConfigError(f"plan= given {len(plans)} times; give it once")
+    return (plans[0] if plans else "temporal"), rest
+
+
+def run_prepared(
+    module: ModuleType,
+    cfg: Any,
+    placement: Placement | Callable | None,
+    *,
+    max_steps: int | None = None,
+    keep_cluster: bool = False,
+) -> Session:
+    """Run ``module.main(cfg)`` (from :func:`prepare`) in a session under ``placement``.
+
+    Args:
+        placement: a :class:`~m2flow.placement.Placement`, a callable ``cluster ->
+            Placement``, or ``None`` (the runner's own defaults).
+        max_steps: stop after this many logged steps (profiling); ``None``: run to the end.
+        keep_cluster: leave the run's cluster up on return (``session.cluster``; the caller
+            shuts it down).
+
+    Returns:
+        the session (``result``: what ``main`` returned, ``None`` if stopped at
+        ``max_steps``).
+
+    Raises:
+        WorkerError: a worker failed or died during the run.
+    """
+    with Session(placement=placement, max_steps=max_steps) as session:
+        try:
+            session.result = module.main(cfg)
+        except StopRun:
+            pass
+        finally:
+            if not keep_cluster and session.cluster is not None:
+                session.cluster.shutdown()
+    return session
