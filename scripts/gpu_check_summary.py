@@ -50,9 +50,8 @@ def row(out: Path, name: str, run: str | None) -> list[str]:
         else ["missing", "0"]
     )
     mem = (out / f"{name}.mem").read_text().strip() if (out / f"{name}.mem").is_file() else ""
-    word = {"0": "ok", "124": "timeout", "137": "killed", "skipped": "skipped"}
-    cells = [name, word.get(status[0], status[0] if status[0] == "missing" else f"exit {status[0]}"),
-             f"{status[1]} s"]  # fmt: skip
+    words = {"0": "ok", "124": "timeout", "137": "killed", "skipped": "skipped", "missing": "-"}
+    cells = [name, words.get(status[0], f"exit {status[0]}"), f"{status[1]} s"]
     step_s = tok_s = first = last = None
     note = ""
     if run is not None:
