@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -47,6 +48,11 @@ def load_config(
             cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
         except OmegaConfBaseException as e:
             raise ConfigError(f"{path}: {_explain(e)}") from None
+        except yaml.YAMLError as e:  # malformed YAML: the line and what the parser expected
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{path}:{where}: not valid YAML ({what})") from None
     bad = [o for o in overrides or [] if "=" not in o or o.startswith("=")]
     if bad:
         raise ConfigError(

@@ -26,7 +26,7 @@ and the planner's split needs no node constraint; the profile's times already in
 communication they measured (the planner models no separate inter-node cost). So ``K`` is
 checked (``N % K == 0``) and reported: each component's node range.
 
-``--save`` and ``--gantt`` create missing parent directories (``mkdir -p``).
+``--save`` and ``--gantt`` write into an existing directory (a missing one is refused).
 
 Spot rollout (RLBoost): when the profile has a ``spot:`` pool (:mod:`m2flow.scheduler.profile`)
 the plan also says where rollout runs -- reserved only, spot, or seeded (reserved for
@@ -325,11 +325,12 @@ def gantt(result, prof, path: Path) -> None:
 
 
 def _write(path: Path, write) -> None:
-    """``write(path)``, creating missing parent directories first (``mkdir -p``: ``--save
-    runs/today/plan.yaml`` just works); a path that cannot be written (a parent that is a file,
-    no permission) prints one line and exits 2."""
+    """``write(path)``; a path that cannot be written (a missing parent directory: a typo
+    would otherwise create a tree; a parent that is a file; no permission) prints one line and
+    exits 2."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.is_dir():
+            raise OSError(f"{path.parent} is not a directory: create it first")
         write(path)
     except (OSError, ValueError) as e:
         err.print(f"[bold red]error:[/] cannot write {escape(str(path))}: {escape(str(e))}",
@@ -356,7 +357,7 @@ def plan(
     ),
     gantt_png: Optional[Path] = typer.Option(None, "--gantt", help="draw one predicted step"),
     save: Optional[Path] = typer.Option(
-        None, "--save", help="write a plan file for plan=FILE (missing directories created)"
+        None, "--save", help="write a plan file for plan=FILE (into an existing directory)"
     ),
     as_json: bool = typer.Option(False, "--json", help="print JSON only"),
     idle: bool = typer.Option(

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -34,6 +35,11 @@ class SpotNodesConfig:
     time_scale: float = 1.0  # trace seconds per wall second
     cpus_per_node: float = 1.0  # logical CPUs of a spot node
     seed: int = 0  # which node a preemption takes
+
+
+#: bounds of the local cluster a config may ask for (beyond them: a typo, not a plan)
+MAX_VIRTUAL_DEVICES = 1024
+MAX_SPOT_NODES = 64
 
 
 @dataclass
@@ -79,6 +85,16 @@ def validate_cluster(c: ClusterConfig) -> None:
     require(
         [
             (c.devices_per_node >= 1, "cluster.devices_per_node must be >= 1"),
+            (
+                c.devices_per_node <= MAX_VIRTUAL_DEVICES,
+                f"cluster.devices_per_node={c.devices_per_node}: at most "
+                f"{MAX_VIRTUAL_DEVICES} virtual devices a node (each is a Ray resource slot and "
+                "a device lock); plan for more devices with m2flow plan -n N instead",
+            ),
+            (
+                c.spot.nodes <= MAX_SPOT_NODES,
+                f"cluster.spot.nodes must be <= {MAX_SPOT_NODES} (each is a local Ray node)",
+            ),
             (finite_positive(c.device_memory_gb), "cluster.device_memory_gb must be > 0"),
             (c.num_cpus is None or c.num_cpus >= 1, "cluster.num_cpus must be >= 1"),
             (c.spot.nodes >= 0, "cluster.spot.nodes must be >= 0"),
@@ -103,8 +119,9 @@ def validate_trainer(tr: TrainerConfig, resume: bool) -> None:
 
     Raises:
         ConfigError: non-positive ``eval_every``/``save_every``, negative ``steps``, a
-            ``run_dir`` that is a file, ``--resume`` without a checkpoint, or a fresh run
-            over an earlier run's checkpoints (nothing would be lost, but nothing is mixed).
+            ``run_dir`` that is a file or cannot be created (no writable directory above
+            it), ``--resume`` without a checkpoint, or a fresh run over an earlier run's
+            checkpoints (nothing would be lost, but nothing is mixed).
     """
     require(
         [
@@ -118,6 +135,14 @@ def validate_trainer(tr: TrainerConfig, resume: bool) -> None:
         raise ConfigError(
             f"trainer.run_dir={tr.run_dir!r} is a file, not a directory: pick another path"
         )
+    base = run_dir.absolute()
+    while not base.exists():  # the directory mkdir would create it in
+        base = base.parent
+    if not (base.is_dir() and _can_create_in(base)):
+        raise ConfigError(
+            f"trainer.run_dir={tr.run_dir!r} cannot be created ({base} is not a writable "
+            "directory): pick a path under one"
+        )
     latest = Checkpoints(run_dir).latest()
     if resume and latest is None:
         raise ConfigError(
@@ -129,6 +154,16 @@ def validate_trainer(tr: TrainerConfig, resume: bool) -> None:
             f"{run_dir} already holds checkpoints: pass --resume to continue that run, or set "
             "trainer.run_dir to start a new one"
         )
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Whether a directory can be made in ``directory`` (a probe made and removed: access()
+    says yes to root for /proc and read-only mounts)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".m2flow-probe-", dir=directory))
+        return True
+    except OSError:
+        return False
 
 
 def plain(section) -> dict[str, Any]:

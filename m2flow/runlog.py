@@ -21,14 +21,26 @@ class RunLog:
         run_dir: the run's directory (created).
         total_steps: steps of the progress bar.
         tensorboard: also write scalars with ``torch.utils.tensorboard`` (needs tensorboard).
+        resume_step: the checkpoint's step when the run resumes: the records of later steps
+            (logged before the run stopped, about to be redone) are dropped from
+            ``metrics.jsonl``, and ``time`` continues from the last record kept.
     """
 
-    def __init__(self, run_dir: str | Path, total_steps: int, tensorboard: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        total_steps: int,
+        tensorboard: bool = False,
+        resume_step: int | None = None,
+    ) -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.console = Console()
+        elapsed = 0.0
+        if resume_step is not None:
+            elapsed = _keep_until(self.dir / "metrics.jsonl", resume_step)
         self._file = open(self.dir / "metrics.jsonl", "a", buffering=1)
-        self._t0 = time.time()
+        self._t0 = time.time() - elapsed
         self._tb = None
         if tensorboard:
             try:
@@ -88,3 +100,24 @@ class RunLog:
 
 def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _keep_until(path: Path, step: int) -> float:
+    """Drop the records of ``path`` after ``step`` (rewritten atomically); returns the last
+    kept record's ``time`` (0 without one). A torn last line (a run killed mid-write) goes
+    too."""
+    if not path.is_file():
+        return 0.0
+    kept, elapsed = [], 0.0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line)
+            elapsed = float(record.get("time", elapsed))
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
+    return elapsed

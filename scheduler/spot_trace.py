@@ -65,6 +65,10 @@ def _fail(path: str | Path, line: int, problem: str, fix: str) -> TraceError:
     return TraceError(f"{path}, line {line}: {problem}; {fix}")
 
 
+#: most spot instances a trace may name (1e30 is a typo, not a cluster)
+MAX_INSTANCES = 100_000
+
+
 def load_trace(path: str | Path) -> Trace:
     """Read a ``t_s,instances`` CSV (UTF-8, optional BOM; blank lines and ``#`` comment lines
     are skipped; spaces around fields are allowed).
@@ -116,6 +120,11 @@ def load_trace(path: str | Path) -> Trace:
             raise _fail(
                 path, n, f"instances {fields[1]} is not an integer >= 0", "write a whole count"
             )
+        if count > MAX_INSTANCES:
+            raise _fail(
+                path, n, f"instances {fields[1]} is more than {MAX_INSTANCES}",
+                "a trace counts spot instances of one pool: write a count a cluster has",
+            )  # fmt: skip
         if trace and t <= trace[-1][0]:
             what = "repeats" if t == trace[-1][0] else "is before"
             raise _fail(

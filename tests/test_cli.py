@@ -64,6 +64,10 @@ def assert_one_line_exit_2(code: int, out: str, message: str) -> None:
         (["cluster.devices_per_node=0"], "cluster.devices_per_node must be >= 1"),
         # the list of choices is printed whole (rich markup ate "[auto, always, never]")
         (["cluster.offload=bogus"], "expected one of [auto, always, never]"),
+        # values that started Ray (or hung) before
+        (["model.hidden_size=0"], "model.hidden_size and model.intermediate_size must be >= 1"),
+        (["model.num_attention_heads=3"], "must be >= 1 and divide model.hidden_size=128"),
+        (["cluster.devices_per_node=100000000"], "at most 1024 virtual devices a node"),
     ],
 )
 def test_config_errors_exit_2(tmp_path, args, message):
@@ -108,6 +112,18 @@ def test_show_config_does_not_read_the_run_dir(tmp_path):
     assert f"run_dir: {run_dir}" in out and "max_new_tokens:" in out
     assert RAY_STARTED not in out
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_run_dir_that_cannot_be_created_exit_2(tmp_path):
+    code, out, _ = m2flow("run", str(GRPO), "trainer.run_dir=/proc/m2flow-run")
+    assert_one_line_exit_2(code, out, "cannot be created (/proc is not a writable directory)")
+
+
+def test_malformed_yaml_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  steps: 3\n  run_dir: [unclosed\n")
+    code, out, _ = m2flow("run", str(GRPO), "-c", str(bad), f"trainer.run_dir={tmp_path / 'r'}")
+    assert_one_line_exit_2(code, out, f"{bad}: line 4, column 1: not valid YAML")
 
 
 def test_resume_without_a_checkpoint_exit_2_before_ray(tmp_path):
@@ -210,6 +226,7 @@ def test_reward_service_port_in_use_exit_2(tmp_path):
         ("t_s,instances\n0,-1\n", "line 2"),
         ("time,count\n0,1\n", "line 1"),
         ("t_s,instances\n0,two\n", "line 2"),
+        ("t_s,instances\n0,1e30\n", "is more than 100000"),
     ],
 )
 def test_bad_spot_trace_exit_2(tmp_path, text, message):

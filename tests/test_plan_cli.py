@@ -202,15 +202,20 @@ def test_bad_input_exits_2_with_one_line(app, tmp_path, args, match):
     assert res.stdout == ""
 
 
-def test_save_and_gantt_create_missing_directories(app, tmp_path):
-    """``--save``/``--gantt`` into directories that do not exist yet create them (mkdir -p)."""
-    plan_file, png = tmp_path / "runs" / "a" / "plan.yaml", tmp_path / "figs" / "step.png"
+def test_save_and_gantt_write_into_existing_directories(app, tmp_path):
+    """``--save``/``--gantt`` write where they are told; a missing directory is refused with
+    one line and nothing is created (a typo must not make a tree)."""
+    plan_file, png = tmp_path / "plan.yaml", tmp_path / "step.png"
     res = run(app, CHAIN, "-n", "8", "--save", str(plan_file), "--gantt", str(png))
     assert res.exit_code == 0, res.stderr
     placement = Placement.load(plan_file)
     assert set(placement.groups) == {"rollout", "inference", "train"}
     assert placement.predicted_step_s > 0 and png.stat().st_size > 5000
     assert f"plan file: {plan_file}" in res.stdout
+    missing = tmp_path / "no" / "such" / "plan.yaml"
+    res = run(app, CHAIN, "-n", "8", "--save", str(missing))
+    assert res.exit_code == 2 and "create it first" in res.stderr, res.stderr
+    assert not (tmp_path / "no").exists()
 
 
 @pytest.mark.parametrize("flag", ["--save", "--gantt"])

@@ -144,7 +144,20 @@ def validate_model(m) -> None:
         spec = tokenizer_spec(plain(m))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if not m.path:
+    if not m.path:  # a model built from the shape: the shape must be one
+        h, nh, kv = m.hidden_size, m.num_attention_heads, m.num_key_value_heads
+        require(
+            [
+                (h >= 1 and m.intermediate_size >= 1, "model.hidden_size and "
+                 "model.intermediate_size must be >= 1"),
+                (m.num_hidden_layers >= 1, "model.num_hidden_layers must be >= 1"),
+                (nh >= 1 and h % nh == 0, f"model.num_attention_heads={nh} must be >= 1 and "
+                 f"divide model.hidden_size={h}"),
+                (kv >= 1 and nh % kv == 0, f"model.num_key_value_heads={kv} must be >= 1 and "
+                 f"divide model.num_attention_heads={nh}"),
+                (m.max_position_embeddings >= 2, "model.max_position_embeddings must be >= 2"),
+            ]
+        )  # fmt: skip
         return
     from .llm.model import check_model_directory
 

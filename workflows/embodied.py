@@ -113,7 +113,8 @@ def main(cfg) -> dict:
 
     summary: dict = {}
     start = checkpoints.restore(trained)[0] if cfg.resume else 0
-    with RunLog(tr.run_dir, tr.steps, tr.tensorboard) as log:
+    resumed = start if cfg.resume else None  # later records are dropped, time continues
+    with RunLog(tr.run_dir, tr.steps, tr.tensorboard, resume_step=resumed) as log:
         log.print(cluster.describe())
         sync_weights(actor, policy)
         log.advance(start)

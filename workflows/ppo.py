@@ -248,7 +248,8 @@ def main(cfg) -> dict:
     if cfg.resume:
         start, state = checkpoints.restore(trained)
         data.notes += load_sampler(sampler, state)
-    with RunLog(tr.run_dir, tr.steps, tr.tensorboard) as log:
+    resumed = start if cfg.resume else None  # later records are dropped, time continues
+    with RunLog(tr.run_dir, tr.steps, tr.tensorboard, resume_step=resumed) as log:
         log.print(cluster.describe())
         for note in data.notes:
             log.print(note)
