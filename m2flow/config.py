@@ -62,8 +62,32 @@ def load_config(
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides or [])))
     except OmegaConfBaseException as e:
         raise ConfigError(_explain(e)) from None
+    _refuse_reserved(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+#: keys that attribute access would read as a DictConfig method (``cfg.task.config.items``)
+RESERVED = frozenset(n for n in dir(DictConfig) if not n.startswith("_"))
+
+
+def _refuse_reserved(node: DictConfig, prefix: str = "") -> None:
+    """A key named like a DictConfig method (``items``, ``keys``, ``values``, ``get``, ...)
+    would read as the method, not the value: refuse it, in schemas, files and overrides.
+
+    Raises:
+        ConfigError: the first such key, with its full name.
+    """
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        if key in RESERVED:
+            raise ConfigError(
+                f"config key '{name}' is a reserved name (cfg.{name} would read a method of "
+                "the config, not the value): rename it"
+            )
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            _refuse_reserved(child, f"{name}.")
 
 
 def _free_form_dicts(node: DictConfig) -> None:

@@ -237,3 +237,9 @@ def test_bad_spot_trace_exit_2(tmp_path, text, message):
     )
     assert_one_line_exit_2(code, out, "cluster.spot.trace")
     assert message in out and len(out.strip().splitlines()) == 1, out
+
+
+def test_reserved_key_exit_2(tmp_path):
+    """A key named like a config method (``items``) would read as the method: refused."""
+    code, out, _ = m2flow("run", str(GRPO), "task.config.items=3", f"trainer.run_dir={tmp_path}")
+    assert_one_line_exit_2(code, out, "config key 'task.config.items' is a reserved name")
