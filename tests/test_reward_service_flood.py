@@ -18,6 +18,7 @@ import sys
 import time
 
 import httpx
+from m2flow.workers.reward.service.app import BackgroundServer
 from m2flow.workers.reward.service.client import RewardClient
 from test_reward_service_hardening import TOKENS, _config
 
@@ -127,3 +128,82 @@ def test_an_idle_connection_flood_leaves_the_service_reachable(tmp_path):
     text = (tmp_path / "service.log").read_text()
     assert "Too many open files" not in text, text[-2000:]
     assert len(text.splitlines()) < 50, text[-2000:]
+
+
+def _raw(port: int, data: bytes) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(data)
+    return s
+
+
+def _answer(s: socket.socket) -> bytes:
+    out = b""
+    while b"\r\n\r\n" not in out:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def test_a_slow_body_gets_408_and_a_stranger_401_before_its_body(tmp_path):
+    cfg = _config(str(tmp_path), body_timeout_s=1.0)
+    with BackgroundServer(cfg) as url:
+        port = int(url.rsplit(":", 1)[1])
+        head = (
+            "POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: 1000\r\n"
+        )
+        t0 = time.monotonic()
+        stranger = _raw(port, (head + "\r\n").encode())  # no token, no body sent
+        assert _answer(stranger).startswith(b"HTTP/1.1 401"), "a stranger's body was awaited"
+        assert time.monotonic() - t0 < 1.0
+        auth = f"Authorization: Bearer {TOKENS['alice']}\r\n"
+        slow = _raw(port, (head + auth + "\r\n").encode() + b'{"task": ')  # then nothing
+        t0 = time.monotonic()
+        assert _answer(slow).startswith(b"HTTP/1.1 408")
+        assert 0.9 < time.monotonic() - t0 < 5.0
+        assert httpx.get(f"{url}/healthz", timeout=5).json() == {"ok": True}
+
+
+def test_the_log_filter_keeps_a_flood_of_records_short():
+    import logging
+
+    from m2flow.workers.reward.service.connections import RateLimit
+
+    f = RateLimit(burst=5, window_s=60.0)
+    records = [logging.LogRecord("asyncio", 40, "x", 1, "accept failed", None, None)] * 85_000
+    assert sum(f.filter(r) for r in records) == 5
+    other = logging.LogRecord("asyncio", 40, "x", 1, "another message", None, None)
+    assert f.filter(other)  # counted per message
+
+
+def test_large_bodies_take_turns_and_one_tenant_cannot_take_them_all(tmp_path):
+    """``max_large_bodies=2``: one tenant holds its one turn with a slow 2 MB body; its next
+    large body waits and gets 429 (retry), its small ones and the other tenant's large one go
+    through."""
+    cfg = _config(str(tmp_path), body_timeout_s=2.0, max_large_bodies=2, max_body_bytes=4 << 20)
+    big = {"payload": {"code": "x = 1", "tests": ["assert 1"], "pad": "x" * (2 << 20)}}
+    with BackgroundServer(cfg) as url:
+        port = int(url.rsplit(":", 1)[1])
+        clients = {n: RewardClient(url, TOKENS[n], retry_s=0.1) for n in ("alice", "mallory")}
+        for c in clients.values():
+            c.register("turns", "code")
+            c.announce("turns", 8, batch="b")
+        path = "/v1/tasks/turns/batches/b/requests"
+        holder = _raw(port, (
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {TOKENS['mallory']}\r\nContent-Length: {3 << 20}\r\n\r\n"
+        ).encode() + b'{"payload": ')  # fmt: skip
+        time.sleep(0.3)  # it holds mallory's turn (and one of the two) while it trickles
+        t0 = time.monotonic()
+        r = clients["mallory"].http.post(path, json={**big, "id": "m-big"})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        assert 0.8 < time.monotonic() - t0 < 5.0  # it waited for a turn first (up to 1 s)
+        small = {"payload": {"code": "x = 1", "tests": ["assert 1"]}, "id": "m-small"}
+        assert clients["mallory"].http.post(path, json=small).status_code == 200
+        r = clients["alice"].http.post(path, json={**big, "id": "a-big"})  # alice's own turn
+        assert r.status_code == 200, r.text
+        assert _answer(holder).startswith(b"HTTP/1.1 408")  # the trickle ran out of time
+        for c in clients.values():
+            c.close()

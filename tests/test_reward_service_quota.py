@@ -171,3 +171,30 @@ def test_a_sandbox_cannot_fill_the_disk(server):
     assert got["fill"]["reward"] == 1.0, got["fill"]
     assert got["inodes"]["reward"] == 1.0, got["inodes"]
     assert disk.peak_bytes < 2**20, disk.peak_bytes
+
+
+def test_without_namespaces_the_harness_counts_the_scratch_quota(tmp_path):
+    """The fallback (no ``unshare``): no tmpfs, so the harness counts what the child wrote in
+    its scratch directory every 10 ms and stops it past the quota."""
+    import subprocess
+    import sys
+
+    from m2flow.workers.reward.service import harness
+    from m2flow.workers.reward.service.verdict import plan
+
+    fill = FILL.replace("range(300)", "range(3000)")
+    spec = {
+        "code": fill, "tests": [plan("assert f(0) <= 4").steps],
+        "limits": {"cpu_s": 5, "memory_bytes": 512 * 2**20, "file_bytes": 2**20,
+                   "open_files": 64, "output_bytes": 2**20},
+        "uid": None, "value_bytes": 65536, "output_bytes": 2**20, "wall_s": 20,
+        "patch_socket": True, "confine": None, "scratch": {"bytes": 4 * 2**20, "files": 100},
+    }  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", harness.__file__], input=json.dumps(spec).encode(),
+        cwd=tmp_path, capture_output=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    (test,) = json.loads(out)["tests"]
+    assert test["quota"] and not test["out"], test  # stopped, no values: the test fails
+    used = sum(f.stat().st_size for f in tmp_path.iterdir())
+    assert used < 200 * 2**20, used  # 3000 MiB without it; the overshoot is the poll's

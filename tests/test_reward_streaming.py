@@ -180,7 +180,7 @@ def test_a_service_restart_mid_batch_loses_no_request_and_scores_each_once(rig):
     first = rig.serve()  # a fresh instance: the task has no history there
     next_chunk, _, gen, rew, out = _start_step(rig, "s2", step=8)
     next_chunk()  # chunk 1: scored by the first instance
-    task = _wait(lambda: first.service.tasks.get("stream"), 30, "the task")
+    task = _wait(lambda: first.service.tasks.get(("alice", "stream")), 30, "the task")
     b1 = _wait(lambda: next(iter(task.batches.values()), None), 30, "the batch")
     _wait(lambda: len(b1.results) == CHUNK, 30, "chunk 1's rewards")
     time.sleep(0.3)  # the reward worker's long poll hands them over at once (asserted below)

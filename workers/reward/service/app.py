@@ -136,7 +136,12 @@ def create_app(config: ServiceConfig) -> FastAPI:
     )
     app.state.service = service
     safejson.install(app)
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=config.max_body_bytes,
+        timeout_s=config.body_timeout_s,
+        max_large=config.max_large_bodies,
+    )
     app.add_middleware(AuthGate, tokens=set(service.tokens))
     app.add_middleware(Instance, instance=service.instance)  # outermost: 413s carry it too
 

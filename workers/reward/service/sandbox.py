@@ -21,11 +21,11 @@ with ``unshare`` (the deployment this is built and tested for; :func:`isolation`
   own PID namespace (the harness is its init: when it dies, the kernel kills everything in
   it), network namespace (no interfaces) and mount namespace with a root file system of its
   own (a tmpfs with read-only binds of /usr, /bin, /lib..., /dev/null, a /proc that shows only
-  the run, and the scratch directory as /scratch, the only writable place): host configs
-  (the service's tokens), repositories, home directories and other sandboxes do not exist
-  there. Each child runs under a uid of its own (``100000 + 8 * worker pid + n``), so it can
-  signal, ptrace or read the files of no other process; its scratch directory is ``0700``
-  under that uid.
+  the run, and /scratch, the only writable place: a tmpfs of ``scratch_bytes`` and
+  ``scratch_files``, the run's disk quota, ``0700`` under its uid): host configs (the
+  service's tokens), repositories, home directories and other sandboxes do not exist there.
+  Each child runs under a uid of its own (``100000 + 8 * worker pid + n``), so it can
+  signal, ptrace or read the files of no other process.
 - **Limits** are set in the child before the program runs: ``RLIMIT_CPU`` (CPU seconds per
   test), ``RLIMIT_AS`` (bytes), ``RLIMIT_FSIZE`` (bytes), ``RLIMIT_NOFILE`` (files),
   ``RLIMIT_NPROC = 0`` (no fork: its uid already has a process) and a wall-clock budget for
@@ -42,8 +42,9 @@ Weaker modes: without root, ``unshare -r`` gives a user namespace in which the c
 namespace's root (no per-sandbox uid; it could undo the read-only mounts); without
 ``unshare``, only the rlimits, the per-sandbox uid (as root) and an in-child patch of
 :mod:`socket` (``rlimits+socket-patch``) remain: no PID or mount isolation, the host's
-world-readable files are readable, and a child that leaves its session can outlive a killed
-worker.
+world-readable files are readable, a child that leaves its session can outlive a killed
+worker, and the scratch quota is counted by the harness every 10 ms (a child past it is
+stopped; it may overshoot by what it writes meanwhile).
 """
 
 from __future__ import annotations

@@ -81,6 +81,8 @@ class ServiceConfig(BaseModel):
     the longest idle one is closed for a new one), each must send a request's headers within
     ``header_timeout_s`` of connecting or of its last answer, an idle keep-alive connection
     is closed after ``keep_alive_s``, and a body must arrive within ``body_timeout_s`` (408).
+    Bodies over 1 MiB are read and handled ``max_large_bodies`` at a time, at most half of
+    them per tenant (the others wait their turn, up to half of ``body_timeout_s``, then 429).
     ``scratch_dir``: where the service's scratch root goes (default: the system temp dir).
     ``state_dir``: where the results journal is kept (:mod:`.journal`), so that a restarted
     service scores no request twice (default: none, results live in memory only).
@@ -102,6 +104,7 @@ class ServiceConfig(BaseModel):
     header_timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False)
     keep_alive_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False)
     body_timeout_s: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False)
+    max_large_bodies: int = Field(8, ge=1)
     scratch_dir: str | None = None
     state_dir: str | None = None
 
