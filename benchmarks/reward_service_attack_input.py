@@ -164,16 +164,18 @@ async def queued_memory(c, tag, go, ctx):
     got = await c.results(task, b, timeout_s=180)
     accepted, refused = statuses.count(200), statuses.count(429)
     growth = ctx["mem"].service_growth
-    # the caps bound the payloads held; large bodies in flight (max_large_bodies at a time,
-    # each read, parsed and serialised: ~4 copies) come on top
-    bound = cfg.max_queued_bytes + cfg.max_large_bodies * 4 * cfg.max_body_bytes
+    # the caps bound the payloads held; on top come large bodies in flight (max_large_bodies
+    # at a time, each read, parsed and fingerprinted: ~4 copies) and requests being handed to
+    # a worker (one per worker process: its message as text and as bytes, 2 copies)
+    workers = sum(s.max_workers for p in cfg.pipelines.values() for s in p.stages.values())
+    bound = cfg.max_queued_bytes + (cfg.max_large_bodies * 4 + workers * 2) * cfg.max_body_bytes
     ok = refused > 0 and amp == 413 and growth < bound and len(got) == accepted
     best = max((r["reward"] for r in got), default=0.0)
     note = (f"{N_BIG} x 7.5 MB: {accepted} queued, {refused} refused (429); 3 MB of JSON "
             f"holding ~70 MB as objects: {amp}; service grew {growth / 2**20:.0f} MiB "
             f"(bound {bound >> 20} MiB: queue caps {cfg.max_queued_bytes_per_tenant >> 20}/"
             f"{cfg.max_queued_bytes >> 20} MiB + {cfg.max_large_bodies} large bodies in "
-            "flight)")  # fmt: skip
+            f"flight + {workers} handed to workers)")  # fmt: skip
     return ok, best, note
 
 

@@ -187,22 +187,25 @@ def test_large_bodies_take_turns_and_one_tenant_cannot_take_them_all(tmp_path):
     with BackgroundServer(cfg) as url:
         port = int(url.rsplit(":", 1)[1])
         clients = {n: RewardClient(url, TOKENS[n], retry_s=0.1) for n in ("alice", "mallory")}
-        for c in clients.values():
-            c.register("turns", "code")
-            c.announce("turns", 8, batch="b")
-        path = "/v1/tasks/turns/batches/b/requests"
+        for n, c in clients.items():  # task names of their own (the same name is item 6's)
+            c.register(f"turns-{n}", "code")
+            c.announce(f"turns-{n}", 8, batch="b")
+
+        def path(n: str) -> str:
+            return f"/v1/tasks/turns-{n}/batches/b/requests"
+
         holder = _raw(port, (
-            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"POST {path('mallory')} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer {TOKENS['mallory']}\r\nContent-Length: {3 << 20}\r\n\r\n"
         ).encode() + b'{"payload": ')  # fmt: skip
         time.sleep(0.3)  # it holds mallory's turn (and one of the two) while it trickles
         t0 = time.monotonic()
-        r = clients["mallory"].http.post(path, json={**big, "id": "m-big"})
+        r = clients["mallory"].http.post(path("mallory"), json={**big, "id": "m-big"})
         assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
         assert 0.8 < time.monotonic() - t0 < 5.0  # it waited for a turn first (up to 1 s)
         small = {"payload": {"code": "x = 1", "tests": ["assert 1"]}, "id": "m-small"}
-        assert clients["mallory"].http.post(path, json=small).status_code == 200
-        r = clients["alice"].http.post(path, json={**big, "id": "a-big"})  # alice's own turn
+        assert clients["mallory"].http.post(path("mallory"), json=small).status_code == 200
+        r = clients["alice"].http.post(path("alice"), json={**big, "id": "a-big"})  # own turn
         assert r.status_code == 200, r.text
         assert _answer(holder).startswith(b"HTTP/1.1 408")  # the trickle ran out of time
         for c in clients.values():
