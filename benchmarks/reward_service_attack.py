@@ -5,19 +5,24 @@ subprocess (so what is measured is the service and its workers, not this script'
 with two tenants, ``alice`` and ``bob``. Each row runs one attack from one tenant while the
 other tenant's correct submissions (known rewards: 1.0, 0.5, and programs that sleep so they
 are running during the attack) go through the same pools concurrently; the attacking tenant
-alternates. Then one row runs every attack from both tenants at once, and the last rows stop
-a service with a sandbox still running: SIGTERM of the CLI process, then an in-process
-BackgroundServer leaving its context (the app's lifespan shutdown).
+alternates. The attacks of issue 25's second pass (lone surrogates, bad numbers, queued
+memory, disk fill, huge values, task-name squatting) are in
+``benchmarks/reward_service_attack_input.py``. Then one row runs every attack from both
+tenants at once; one row floods a service of its own with idle connections, no token needed
+(``benchmarks/reward_service_attack_flood.py``); and the last rows stop a service with a
+sandbox still running: SIGTERM of the CLI process, then an in-process BackgroundServer
+leaving its context (the app's lifespan shutdown).
 
 Per row: contained? (the attack's own check -- see each attack's function -- the other
 tenant intact, nothing left behind; for the huge announcement alone, the other tenant's batch
 within 5 s and every scaling decision under 1 s, under 2 s with every attack at once), the
 best reward the attacker got, the other tenant's results intact? (every reward and status as
 expected), the service's memory peak (RSS of the service process plus its worker processes,
-sampled every 20 ms, bytes; psutil if installed, else /proc), sandbox processes left after
-(processes whose working directory is in the service's scratch space), scratch directories
-left after (sandbox directories, plus worker directories of workers no longer alive).
-Writes benchmarks/results/reward_service_attack.json.
+sampled every 20 ms, bytes; psutil if installed, else /proc), the service process's open file
+descriptors (peak), sandbox processes left after (processes whose working directory is in
+the service's scratch space), scratch directories left after (sandbox directories, plus
+worker directories of workers no longer alive). Writes
+benchmarks/results/reward_service_attack.json.
 
     python benchmarks/reward_service_attack.py
 """
@@ -28,26 +33,27 @@ import asyncio
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import httpx
+import reward_service_attack_input
 from m2flow.workers.reward.service.app import BackgroundServer
 from m2flow.workers.reward.service.client import AsyncRewardClient, RewardServiceError
 from m2flow.workers.reward.service.sandbox import isolation
 from m2flow.workers.reward.service.schemas import ServiceConfig
-
-try:
-    import psutil
-except ImportError:  # not a dependency: /proc gives the same numbers on Linux
-    psutil = None
+from reward_service_attack_flood import flood_row
+from reward_service_attack_measure import (
+    Memory,
+    Service,
+    rss,
+    settle,
+    wait_for_sandbox,
+    workers,
+)
 
 TOKENS = {"alice": "alice-attack-bench", "bob": "bob-attack-bench"}
 SANDBOX = {"wall_s": 4.0, "cpu_s": 2, "memory_bytes": 256 * 2**20}
@@ -73,6 +79,8 @@ def config(scratch: str, port: int = 0) -> ServiceConfig:
             "tenants": {n: {"token": t} for n, t in TOKENS.items()},
             "default_delay_bound_s": 1.0,
             "scratch_dir": scratch,
+            "max_queued_bytes": 160 * 2**20,
+            "max_queued_bytes_per_tenant": 64 * 2**20,
             "pipelines": {
                 "code": {"kind": "code", "penalty": -1.0, "stages": code},
                 "code_short": {"kind": "code", "penalty": -1.0, "stages": short},
@@ -218,7 +226,12 @@ async def output_flood(c, tag, go, ctx):
     _, got = await _one_batch(c, f"flood-{tag}", "code", payloads, go)
     best = max(r["reward"] for r in got.values())
     mem = ctx["mem"]
-    ok = mem.worker_hwm < WORKER_HWM_BOUND and mem.service_growth < SERVICE_GROWTH_BOUND
+    # alone, the service must not grow; with every attack at once, queued memory grows it
+    # (bounded there by its own check)
+    alone = ctx["attackers"] == 1
+    ok = mem.worker_hwm < WORKER_HWM_BOUND and (
+        mem.service_growth < SERVICE_GROWTH_BOUND or not alone
+    )
     return ok and best <= 0.0, best, f"worker peak {ctx['mem'].worker_hwm / 2**20:.0f} MiB"
 
 
@@ -274,162 +287,8 @@ ATTACKS = {
     "huge source / body": huge_source,
     "sleeping orphan": sleeping_orphan,
     "huge announce": huge_announce,
+    **reward_service_attack_input.ATTACKS,
 }
-
-
-# ---- measurements -----------------------------------------------------------------------
-def _rss(pid: int) -> tuple[int, int]:
-    """(RSS, peak RSS) of ``pid`` in bytes: RSS from psutil if installed, else /proc; the peak
-    (VmHWM, which no sampling misses) from /proc."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            kv = dict(ln.split(":", 1) for ln in f if ":" in ln)
-        rss, hwm = (int(kv[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
-    except (OSError, KeyError, ValueError):
-        return 0, 0
-    if psutil is not None:
-        try:
-            rss = psutil.Process(pid).memory_info().rss
-        except psutil.Error:
-            pass
-    return rss, hwm
-
-
-def _workers(parent: int) -> list[int]:
-    """The reward worker processes whose parent is ``parent``."""
-    out = []
-    for p in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid == parent:
-                with open(f"/proc/{p}/cmdline", "rb") as f:
-                    if b"reward.service.worker" in f.read():
-                        out.append(int(p))
-        except (OSError, ValueError, IndexError):
-            pass
-    return out
-
-
-class Memory:
-    """Samples RSS of the service process + its workers every 20 ms (peak of the sum), the
-    largest worker peak RSS (VmHWM), and the service process's growth over the window."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.peak = self.worker_hwm = self.service_growth = 0
-        self._base = _rss(pid)[0]
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            own = _rss(self.pid)[0]
-            total = own
-            for w in _workers(self.pid):
-                rss, hwm = _rss(w)
-                total += rss
-                self.worker_hwm = max(self.worker_hwm, hwm)
-            self.peak = max(self.peak, total)
-            self.service_growth = max(self.service_growth, own - self._base)
-            self._stop.wait(0.02)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._t.join(timeout=5)
-
-
-def leftovers(root: str, live_workers: int) -> tuple[int, int]:
-    """(sandbox processes, scratch directories) left under the scratch root ``root``:
-    processes whose working directory is in it (a sandbox's ``unshare``, harness and test
-    child all work in their scratch directory; workers do not), sandbox directories, and
-    worker directories beyond the ``live_workers`` still running."""
-    procs = 0
-    for p in os.listdir("/proc"):
-        try:
-            procs += os.readlink(f"/proc/{p}/cwd").startswith(root + "/")
-        except OSError:
-            pass
-    dirs = 0
-    if os.path.isdir(root):
-        workers = [d for d in os.listdir(root) if d.startswith("w-")]
-        dirs += max(0, len(workers) - live_workers)
-        for w in workers:
-            try:
-                dirs += sum(1 for d in os.listdir(os.path.join(root, w)) if d.startswith("sbx-"))
-            except OSError:
-                pass
-    return procs, dirs
-
-
-def _settle(root: str, live, timeout_s: float = 10.0) -> tuple[int, int]:
-    """Leftovers once everything had ``timeout_s`` to go away; ``live()``: workers alive."""
-    end = time.monotonic() + timeout_s
-    while True:
-        left = leftovers(root, live())
-        if left == (0, 0) or time.monotonic() > end:
-            return left
-        time.sleep(0.1)
-
-
-def _wait_for_sandbox(root: str, timeout_s: float = 30.0) -> None:
-    end = time.monotonic() + timeout_s
-    while leftovers(root, 1 << 30)[0] == 0 and time.monotonic() < end:
-        time.sleep(0.1)
-
-
-class Service:
-    """``m2flow reward-service`` (the CLI module) in a subprocess: what is measured is that
-    process and its workers, not this script's clients."""
-
-    def __init__(self, scratch: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cfg = Path(scratch) / "service.json"
-        cfg.write_text(config(scratch, port).model_dump_json())
-        self.scratch = scratch
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "m2flow.workers.reward.service.cli", "--config", str(cfg)],
-            stdout=subprocess.DEVNULL,
-        )
-        end = time.monotonic() + 60
-        while not self._healthy():
-            if time.monotonic() > end or self.proc.poll() is not None:
-                raise RuntimeError("reward service did not start")
-            time.sleep(0.2)
-        (name,) = [
-            d for d in os.listdir(scratch) if d.startswith(f"m2flow-reward-{self.proc.pid}-")
-        ]
-        self.root = os.path.join(scratch, name)
-        self.http = httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {TOKENS['alice']}"}, timeout=30
-        )
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def metrics(self) -> dict:
-        return self.http.get("/v1/metrics").json()
-
-    def live_workers(self) -> int:
-        pools = self.metrics()["pools"].values()
-        return sum(p["idle"] + p["busy"] + p["starting"] for p in pools)
-
-    def sigterm(self, timeout_s: float = 60.0) -> int:
-        self.http.close()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
 
 
 # ---- rows -------------------------------------------------------------------------------
@@ -437,7 +296,9 @@ async def run_row(svc: Service, name: str, attacks: list[tuple[str, str]], ctx: 
     """``attacks``: (attack name, attacking tenant) pairs, run at once, each alongside the
     other tenant's correct batch."""
     mem = Memory(svc.proc.pid)
-    ctx.update(mem=mem, max_batch_size=config(svc.scratch).max_batch_size)
+    cfg = config(svc.scratch)
+    ctx.update(mem=mem, max_batch_size=cfg.max_batch_size, config=cfg, url=svc.url,
+               scratch_root=svc.root, attackers=len(attacks))  # fmt: skip
     tag = uuid.uuid4().hex[:6]
     clients = {n: AsyncRewardClient(svc.url, t, timeout_s=120) for n, t in TOKENS.items()}
     t0 = time.monotonic()
@@ -446,7 +307,8 @@ async def run_row(svc: Service, name: str, attacks: list[tuple[str, str]], ctx: 
         async def pair(i: int, attack: str, who: str):
             victim = next(n for n in TOKENS if n != who)
             go = asyncio.Event()
-            att = asyncio.create_task(ATTACKS[attack](clients[who], f"{tag}{i}", go, ctx))
+            own = {**ctx, "victim_task": f"ok-{tag}{i}"}  # the name the victim will use
+            att = asyncio.create_task(ATTACKS[attack](clients[who], f"{tag}{i}", go, own))
             await go.wait()
             started = time.monotonic()
             intact = await correct_batch(clients[victim], f"ok-{tag}{i}")
@@ -459,7 +321,7 @@ async def run_row(svc: Service, name: str, attacks: list[tuple[str, str]], ctx: 
         for c in clients.values():
             await c.close()
     mem.stop()
-    procs, dirs = _settle(svc.root, svc.live_workers)
+    procs, dirs = settle(svc.root, svc.live_workers)
     intact = all(r[3] for r in res)
     victim_s = max(r[4] for r in res)
     contained = all(r[0] for r in res) and intact and (procs, dirs) == (0, 0)
@@ -482,6 +344,7 @@ async def run_row(svc: Service, name: str, attacks: list[tuple[str, str]], ctx: 
         "other_batch_s": victim_s,
         "service_mem_peak_bytes": mem.peak,
         "worker_peak_rss_bytes": mem.worker_hwm,
+        "service_fds_peak": mem.fds_peak,
         "procs_left": procs,
         "scratch_left": dirs,
         "seconds": time.monotonic() - t0,
@@ -506,6 +369,7 @@ def _stop_row(name: str, procs: int, dirs: int, root_left: bool, peak, secs, not
         "contained": (procs, dirs, root_left) == (0, 0, False),
         "service_mem_peak_bytes": peak,
         "worker_peak_rss_bytes": None,
+        "service_fds_peak": None,
         "procs_left": procs,
         "scratch_left": dirs + root_left,
         "seconds": secs,
@@ -517,10 +381,10 @@ def sigterm_row(svc: Service) -> dict:
     """A sandbox sleeping, then SIGTERM to the service process."""
     t0 = time.monotonic()
     _sleeper(svc.url, "last")
-    _wait_for_sandbox(svc.root)
-    peak = _rss(svc.proc.pid)[0] + sum(_rss(w)[0] for w in _workers(svc.proc.pid))
+    wait_for_sandbox(svc.root)
+    peak = rss(svc.proc.pid)[0] + sum(rss(w)[0] for w in workers(svc.proc.pid))
     rc = svc.sigterm()
-    procs, dirs = _settle(svc.root, lambda: 0)
+    procs, dirs = settle(svc.root, lambda: 0)
     note = f"exit {rc} (uvicorn re-raises the signal after its graceful shutdown); " + (
         "scratch root left" if os.path.exists(svc.root) else "scratch root removed"
     )
@@ -535,8 +399,8 @@ def lifespan_row(scratch: str) -> dict:
     with server:
         root = server.service.scratch.path
         _sleeper(server.url, "last")
-        _wait_for_sandbox(root)
-    procs, dirs = _settle(root, lambda: 0)
+        wait_for_sandbox(root)
+    procs, dirs = settle(root, lambda: 0)
     name = "lifespan shutdown, sandbox sleeping"
     left = os.path.exists(root)
     note = "scratch root left" if left else "scratch root removed"
@@ -547,7 +411,7 @@ def main() -> None:
     scratch = tempfile.mkdtemp(prefix="reward-attack-")
     rows: list[dict] = []
     t0 = time.monotonic()
-    svc = Service(scratch)
+    svc = Service(scratch, config, TOKENS["alice"])
     try:
         ctx: dict = {}
         names = list(ATTACKS)
@@ -559,6 +423,8 @@ def main() -> None:
         rows.append(asyncio.run(run_row(svc, "all at once, both tenants", together, ctx)))
         print(f"  all at once: done ({rows[-1]['seconds']:.1f} s)", flush=True)
         rows.append(sigterm_row(svc))
+        rows.append(flood_row(scratch, config, TOKENS, correct_batch))
+        print(f"  idle-connection flood: done ({rows[-1]['seconds']:.1f} s)", flush=True)
     finally:
         if svc.proc.poll() is None:
             svc.proc.kill()
@@ -584,7 +450,7 @@ def print_table(rows: list[dict]) -> None:
 
     table = Table(box=box.SIMPLE, title="reward service under attack")
     for h in ("attack", "by", "contained?", "attacker reward", "other intact?",
-              "service mem peak (B)", "procs left", "scratch left"):  # fmt: skip
+              "service mem peak (B)", "fds peak", "procs left", "scratch left"):  # fmt: skip
         table.add_column(h, overflow="fold")
     yn = {True: "yes", False: "no", None: "-"}
     for r in rows:
@@ -596,6 +462,7 @@ def print_table(rows: list[dict]) -> None:
             "-" if reward is None else f"{reward:g}",
             yn[r["other_intact"]],
             "-" if mem is None else f"{mem:,}",
+            "-" if r["service_fds_peak"] is None else str(r["service_fds_peak"]),
             str(r["procs_left"]),
             str(r["scratch_left"]),
         )

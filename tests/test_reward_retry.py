@@ -149,12 +149,12 @@ def test_a_stream_rides_out_restarts_and_each_request_is_scored_once():
         stream = RewardStream(first.url, TOKENS["alice"], "st", "math", timeout_s=60)
         got = stream.submit("B", 6, {"a": RIGHT, "b": WRONG}).result(60)
         assert got == {"a": 1.0, "b": 0.0}
-        b1 = first.service.tasks["st"].batches["B"]
+        b1 = first.service.tasks[("alice", "st")].batches["B"]
         assert b1.size == 6 and not b1.done and b1.submitted == 2
         second = restart()
         got = stream.submit("B", 6, {"c": RIGHT}).result(60)
         assert got == {"c": 1.0} and stream.restarts == 1
-        b2 = second.service.tasks["st"].batches["B"]
+        b2 = second.service.tasks[("alice", "st")].batches["B"]
         assert b2.settled == {"a", "b"} and list(b2.digests) == ["c"]
         # Down while a submission waits: it retries until the next instance is up.
         box["srv"].__exit__(None, None, None)
@@ -163,7 +163,7 @@ def test_a_stream_rides_out_restarts_and_each_request_is_scored_once():
         assert not fut.done()
         third = restart()
         assert fut.result(60) == {"d": 0.0, "e": 1.0, "f": 1.0}
-        b3 = third.service.tasks["st"].batches["B"]
+        b3 = third.service.tasks[("alice", "st")].batches["B"]
         assert b3.done and b3.settled == {"a", "b", "c"}
         assert sorted(b3.digests) == ["d", "e", "f"]  # each scored once, here
         assert third.service.requests_done == 3 and stream.restarts == 2
@@ -175,7 +175,7 @@ def test_a_stream_rides_out_restarts_and_each_request_is_scored_once():
         # A batch that will not get all its announced requests (a failed step) is closed, so
         # it does not stay active on the service.
         assert stream.submit("C", 5, {"x": RIGHT}).result(30) == {"x": 1.0}
-        c = third.service.tasks["st"].batches["C"]
+        c = third.service.tasks[("alice", "st")].batches["C"]
         assert not c.done and third.service._active("math") == [c]
         st = stream.close_batch("C").result(30)
         assert st["complete"] and st["size"] == 1 and c.done
@@ -200,7 +200,7 @@ def test_results_nobody_read_survive_a_restart_through_the_journal(tmp_path):
             alice.register("j", "math")
             alice.announce("j", 4, batch="b")
             alice.submit_many("j", "b", {k: payloads[k] for k in ("r0", "r1")})
-            b1 = first.service.tasks["j"].batches["b"]
+            b1 = first.service.tasks[("alice", "j")].batches["b"]
             deadline = time.monotonic() + 30
             while len(b1.results) < 2:  # scored on the service; the client reads nothing
                 assert time.monotonic() < deadline, "the first instance did not score r0, r1"

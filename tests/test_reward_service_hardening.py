@@ -177,9 +177,18 @@ def f(x):
 """
 
 
-def _find(root: str, name: str) -> Path | None:
-    """The file ``name`` anywhere under ``root``, or ``None``."""
-    return next(Path(root).rglob(name), None)
+def _find(name: str) -> Path | None:
+    """The file ``name`` in a running sandbox's /scratch (its own tmpfs, which the host sees
+    only through the sandbox's processes: ``/proc/<pid>/root/scratch``), or ``None``."""
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            path = Path(f"/proc/{p}/root/scratch/{name}")
+            try:
+                if path.exists():
+                    return path
+            except OSError:
+                pass
+    return None
 
 
 @namespaces
@@ -187,11 +196,11 @@ def test_one_tenants_code_cannot_kill_or_read_anothers_sandbox(alice, mallory, s
     tag = uuid.uuid4().hex[:8]
     attack = {"code": ATTACK.replace("TAG", tag), "tests": ["assert f(0) == []"]}
     m = _batch(mallory, "killer", "code_long", {"attack": attack})
-    # Handshake: the attack writes started-TAG in its scratch directory (the host's view of its
-    # /scratch) once it runs, and loops until the test writes release-TAG there: it runs from
-    # before alice's programs start until after they are scored.
-    assert _wait_until(lambda: _find(scratch, f"started-{tag}") is not None, 60), "no attack"
-    started = _find(scratch, f"started-{tag}")
+    # Handshake: the attack writes started-TAG in its /scratch once it runs, and loops until
+    # the test writes release-TAG there (through /proc/<pid>/root): it runs from before
+    # alice's programs start until after they are scored.
+    assert _wait_until(lambda: _find(f"started-{tag}") is not None, 60), "no attack"
+    started = _find(f"started-{tag}")
     victim = {"code": VICTIM.format(tag=tag), "tests": TESTS}
     a = _batch(alice, "victim", "code", {f"v{i}": victim for i in range(2)})
     try:
@@ -335,11 +344,11 @@ SLEEPER = "import time\nopen('marker-{tag}', 'w').write('x')\ntime.sleep(30)\n"
 
 
 def _sandboxes(tag: str, roots: list[str]) -> tuple[int, int]:
-    """(processes whose working directory holds marker-<tag>, directories holding it)."""
+    """(processes whose working directory holds marker-<tag>, host directories holding it)."""
     procs = 0
     for p in os.listdir("/proc"):
-        try:
-            if os.path.exists(os.path.join(os.readlink(f"/proc/{p}/cwd"), f"marker-{tag}")):
+        try:  # /proc/<pid>/cwd reaches into the sandbox's own mount namespace
+            if os.path.exists(f"/proc/{p}/cwd/marker-{tag}"):
                 procs += 1
         except OSError:
             pass

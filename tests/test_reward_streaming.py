@@ -138,7 +138,7 @@ def test_requests_arrive_as_the_rollout_streams_and_scaling_follows(rig):
     assert stats["samples"] == STEP
     _check_rewards(scored)
     # One batch for the step, announced with the step's size when its first chunk came.
-    (b,) = service.tasks["stream"].batches.values()
+    (b,) = service.tasks[("alice", "stream")].batches.values()
     assert b.size == STEP and b.done and len(b.results) == STEP
     assert put_at[0] < b.start < put_at[1]
     # Each chunk's requests reach the service soon after the chunk's prompts were put (the
@@ -180,7 +180,7 @@ def test_a_service_restart_mid_batch_loses_no_request_and_scores_each_once(rig):
     first = rig.serve()  # a fresh instance: the task has no history there
     next_chunk, _, gen, rew, out = _start_step(rig, "s2", step=8)
     next_chunk()  # chunk 1: scored by the first instance
-    task = _wait(lambda: first.service.tasks.get("stream"), 30, "the task")
+    task = _wait(lambda: first.service.tasks.get(("alice", "stream")), 30, "the task")
     b1 = _wait(lambda: next(iter(task.batches.values()), None), 30, "the batch")
     _wait(lambda: len(b1.results) == CHUNK, 30, "chunk 1's rewards")
     time.sleep(0.3)  # the reward worker's long poll hands them over at once (asserted below)
@@ -205,7 +205,7 @@ def test_a_service_restart_mid_batch_loses_no_request_and_scores_each_once(rig):
     gen.wait(60)
     (stats,) = rew.wait(90)
     scored = [out.get(timeout=30) for _ in range(CHUNKS)]
-    (b2,) = second.service.tasks["stream"].batches.values()
+    (b2,) = second.service.tasks[("alice", "stream")].batches.values()
     metrics = second.service.metrics()
 
     assert stats["samples"] == STEP

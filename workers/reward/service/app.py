@@ -1,28 +1,35 @@
 """The HTTP API of the reward service (FastAPI). See docs/reward_service.md.
 
-Every route except ``/healthz`` needs ``Authorization: Bearer <tenant token>``; a tenant sees
-only its own tasks (metrics included). Errors are JSON ``{"detail": "..."}`` with a status
-naming the problem: 401 (no/unknown token), 404 (unknown task, batch or pipeline), 409
-(conflict: batch full, an id reused with another payload, a batch id re-announced with another
-size, task of another tenant), 413 (body over ``max_body_bytes``),
-422 (malformed body, a batch over ``max_batch_size``, sandbox limits that are not positive
-numbers within the service's own). Every answer carries :data:`INSTANCE_HEADER`.
+Every route except ``/healthz`` needs ``Authorization: Bearer <tenant token>`` (a request
+without a known token is refused before its body is read: :class:`AuthGate`); a tenant sees
+only its own tasks (metrics included), and names them itself (two tenants may use the same
+task name). Errors are JSON ``{"detail": "..."}`` (one line) with a status naming the problem:
+401 (no/unknown token), 404 (unknown task, batch or pipeline), 408 (a body slower than
+``body_timeout_s``), 409 (conflict: batch full, an id reused with another payload, a batch id
+re-announced with another size), 413 (body over ``max_body_bytes``, or requests holding more
+memory than ``max_queued_bytes_per_tenant``), 422 (malformed body: a field of the wrong type,
+NaN or an infinity, nesting over 64 levels; a batch over ``max_batch_size``; sandbox limits
+that are not positive numbers within the service's own), 429 (the tenant's or the service's
+queued requests are at their memory cap; ``Retry-After``). Every answer is JSON that UTF-8
+encodes, whatever a sandbox or a request put in it (:mod:`.safejson`), and carries
+:data:`INSTANCE_HEADER`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field, field_validator
 
+from . import safejson
 from .bodylimit import BodyLimit
-from .core import RewardService, ServiceError
-from .schemas import AnnounceBatch, RegisterTask, ServiceConfig, SubmitMany, SubmitRequest
+from .connections import uvicorn_config
+from .core import RewardService, ServiceError, payload_sizes
+from .schemas import AnnounceBatch, RegisterTask, ServiceConfig, SubmitMany, SubmitRequest, _utf8
 
 #: longest a results long-poll may wait (seconds)
 MAX_WAIT_S = 300.0
@@ -34,8 +41,10 @@ INSTANCE_HEADER = "x-reward-service-instance"
 class Scored(BaseModel):
     """A request an earlier instance of the service scored, and its reward (clamped here)."""
 
-    id: str = Field(max_length=128)
-    reward: float = Field(allow_inf_nan=False)
+    id: str = Field(min_length=1, max_length=128)
+    reward: float = Field(allow_inf_nan=False, strict=True)
+
+    _id_utf8 = field_validator("id")(_utf8)
 
 
 class Announce(AnnounceBatch):
@@ -65,6 +74,51 @@ class Instance:
         await self.app(scope, receive, tagged)
 
 
+UNAUTHORIZED = (
+    "missing or unknown bearer token: send 'Authorization: Bearer <token>' with a tenant token "
+    "from the config"
+)
+
+
+def _bearer(value: str | bytes | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value, or None."""
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    if value and value[:7].lower() == "bearer ":
+        return value[7:].strip()
+    return None
+
+
+class AuthGate:
+    """ASGI middleware: a request to ``/v1/`` without a known bearer token gets 401 at once,
+    its body unread and its connection closed, so a stranger cannot hold the service busy
+    reading a slow or large body (the routes still resolve the tenant themselves)."""
+
+    def __init__(self, app, tokens: set[str]) -> None:
+        self.app, self.tokens = app, tokens
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        auth = next((v for k, v in scope.get("headers") or [] if k == b"authorization"), None)
+        if _bearer(auth) in self.tokens:
+            return await self.app(scope, receive, send)
+        body = safejson.dumps({"detail": UNAUTHORIZED}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
 def create_app(config: ServiceConfig) -> FastAPI:
     """The FastAPI app serving ``config``; the engine is ``app.state.service``."""
     service = RewardService(config)
@@ -74,19 +128,34 @@ def create_app(config: ServiceConfig) -> FastAPI:
         yield
         await service.shutdown()
 
-    app = FastAPI(title="m2flow reward service (DistRS)", version="1", lifespan=lifespan)
+    app = FastAPI(
+        title="m2flow reward service (DistRS)",
+        version="1",
+        lifespan=lifespan,
+        default_response_class=safejson.SafeJSONResponse,
+    )
     app.state.service = service
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    safejson.install(app)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=config.max_body_bytes,
+        timeout_s=config.body_timeout_s,
+        max_large=config.max_large_bodies,
+    )
+    app.add_middleware(AuthGate, tokens=set(service.tokens))
     app.add_middleware(Instance, instance=service.instance)  # outermost: 413s carry it too
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):
-        return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+        headers = None
+        if exc.retry_after_s is not None:
+            headers = {"Retry-After": str(exc.retry_after_s)}
+        return safejson.SafeJSONResponse(
+            {"detail": safejson.clean_text(str(exc))}, status_code=exc.status, headers=headers
+        )
 
     def tenant(authorization: str | None = Header(None)) -> str:
-        token = None
-        if authorization and authorization.lower().startswith("bearer "):
-            token = authorization[7:].strip()
+        token = _bearer(authorization)
         try:
             return service.tenant_of(token)
         except ServiceError as e:
@@ -115,13 +184,17 @@ def create_app(config: ServiceConfig) -> FastAPI:
 
     @app.post("/v1/tasks/{task}/batches/{batch}/requests")
     async def submit(task: str, batch: str, body: SubmitRequest, who: str = Depends(tenant)):
-        return {"id": service.submit(who, task, batch, body.payload, body.id)}
+        service.batch(who, task, batch)  # 404 before measuring
+        sizes = await asyncio.to_thread(payload_sizes, [body.payload])  # off the loop
+        return {"id": service.submit_many(who, task, batch, [(body.payload, body.id)], sizes)[0]}
 
     @app.post("/v1/tasks/{task}/batches/{batch}/requests:bulk")
     async def submit_many(task: str, batch: str, body: SubmitMany, who: str = Depends(tenant)):
         # all or nothing: a bad one refuses the whole call
+        service.batch(who, task, batch)
         requests = [(r.payload, r.id) for r in body.requests]
-        return {"ids": service.submit_many(who, task, batch, requests)}
+        sizes = await asyncio.to_thread(payload_sizes, [p for p, _ in requests])
+        return {"ids": service.submit_many(who, task, batch, requests, sizes)}
 
     @app.post("/v1/tasks/{task}/batches/{batch}/close")
     async def close(task: str, batch: str, who: str = Depends(tenant)):
@@ -169,13 +242,13 @@ def create_app(config: ServiceConfig) -> FastAPI:
             sent, end = 0, time.monotonic() + timeout_s
             while True:
                 while sent < len(b.results):
-                    yield json.dumps(b.results[sent]) + "\n"
+                    yield safejson.dumps(b.results[sent]) + "\n"
                     sent += 1
                 if b.done and sent >= len(b.results):
                     return
                 left = end - time.monotonic()
                 if left <= 0:
-                    yield json.dumps({"timeout": True}) + "\n"
+                    yield safejson.dumps({"timeout": True}) + "\n"
                     return
                 try:
                     await asyncio.wait_for(b.changed.wait(), min(left, 5.0))
@@ -210,9 +283,7 @@ class BackgroundServer:
                 config = config.model_copy(update={"port": s.getsockname()[1]})
         self.config = config
         self.app = create_app(config)
-        self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host=config.host, port=config.port, log_level="warning")
-        )
+        self.server = uvicorn.Server(uvicorn_config(self.app, config))
         self.start_timeout_s = start_timeout_s
         self.url = f"http://{config.host}:{config.port}"
 

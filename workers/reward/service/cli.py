@@ -42,21 +42,27 @@ def serve(
     import uvicorn
 
     from .app import create_app
+    from .connections import max_connections, uvicorn_config
     from .sandbox import isolation
 
+    try:  # too few descriptors, an unusable scratch_dir/state_dir, a state_dir in use
+        max_connections(cfg)  # before create_app makes the scratch root
+        app = create_app(cfg)
+        # SIGTERM/SIGINT: uvicorn stops accepting, gives open requests (long polls) a few
+        # seconds, then the app's lifespan stops every worker and sandbox and removes the
+        # scratch root
+        server = uvicorn.Server(
+            uvicorn_config(app, cfg, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_S)
+        )
+    except (ValueError, RuntimeError) as e:  # ConfigError is a ValueError
+        typer.echo(f"error: bad reward-service config {config}: {e}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(
         f"reward service on http://{cfg.host}:{cfg.port} ({len(cfg.tenants)} tenants, "
-        f"pipelines {sorted(cfg.pipelines)}, policy {cfg.policy}, sandbox {isolation()})"
+        f"pipelines {sorted(cfg.pipelines)}, policy {cfg.policy}, sandbox {isolation()}, "
+        f"at most {server.config.http.max_connections} connections)"
     )
-    # SIGTERM/SIGINT: uvicorn stops accepting, gives open requests (long polls) a few seconds,
-    # then the app's lifespan stops every worker and sandbox and removes the scratch root
-    uvicorn.run(
-        create_app(cfg),
-        host=cfg.host,
-        port=cfg.port,
-        log_level=log_level,
-        timeout_graceful_shutdown=GRACEFUL_S,
-    )
+    server.run()
 
 
 def register(app: typer.Typer) -> None:

@@ -15,7 +15,9 @@ submits one request per finished response and collects the batch's rewards::
 
 Every call is retried with backoff for up to ``retry_s`` seconds while the service is
 unreachable (connection refused or reset, 500/502/503/504): a call that may not be repeated (a
-submission without an id) only when it never reached the service. Announcements carry a batch
+submission without an id) only when it never reached the service. A 429 (the tenant's or the
+service's queued requests are at their memory cap) is retried too, whatever the call: the
+service refused it before doing anything. Announcements carry a batch
 id (the client draws one when none is given) and the service takes a repeated id with the same
 payload as a no-op, so retries never create a second batch or score a request twice. Every wait
 has a timeout; :class:`RewardServiceError` carries the server's message.
@@ -33,6 +35,8 @@ import httpx
 INSTANCE_HEADER = "x-reward-service-instance"
 #: statuses worth retrying: the service (or a proxy before it) is restarting or overloaded
 RETRY_STATUS = frozenset({500, 502, 503, 504})
+#: refused before anything was done (queue full): retried even for a call not idempotent
+RETRY_ALWAYS = frozenset({429})
 #: transport errors after which the request surely never reached the service
 _UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
 
@@ -71,7 +75,7 @@ def _retry_after(
         return False
     if error is not None:
         return idempotent or isinstance(error, _UNSENT)
-    return idempotent and resp.status_code in RETRY_STATUS
+    return resp.status_code in RETRY_ALWAYS or (idempotent and resp.status_code in RETRY_STATUS)
 
 
 def _settle(error, resp, idempotent: bool, delay: float, end: float, url, retry_s: float):

@@ -41,25 +41,36 @@ import heapq
 import time
 import uuid
 
-from m2flow.scheduler.reward_scaling import BatchView, DistRSPolicy
 from m2flow.scheduler.reward_sim import RequestRecord, ebf_priority
 
+from m2flow.config import ConfigError
+
+from .budget import QueueBudget, payload_bytes
 from .journal import ResultJournal
 from .pipelines import clamp_reward, validate_payload
 from .pools import Pool, Proc, ScratchRoot
-from .schemas import PipelineConfig, ServiceConfig
+from .safejson import clean, clean_text
+from .scaling import Scaling
+from .schemas import ServiceConfig
 from .state import Batch, Req, ServiceError, Task, _digest
+from .views import batch_status, service_metrics
 
 __all__ = ["Batch", "Req", "RewardService", "ServiceError", "Task"]
 
 
-class RewardService:
-    """The engine behind the HTTP app. All methods run on one asyncio loop."""
+class RewardService(Scaling):
+    """The engine behind the HTTP app. All methods run on one asyncio loop.
+
+    Raises:
+        ConfigError: ``scratch_dir`` or ``state_dir`` is not a usable directory.
+        RuntimeError: another service instance holds ``state_dir``.
+    """
 
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self.tokens = {t.token: name for name, t in config.tenants.items()}
-        self.tasks: dict[str, Task] = {}
+        #: (tenant, task name) -> task: each tenant names its own tasks
+        self.tasks: dict[tuple[str, str], Task] = {}
         self.pools: dict[str, list[Pool]] = {}
         for name, p in config.pipelines.items():
             self.pools[name] = [
@@ -67,8 +78,14 @@ class RewardService:
                 for i, (s, c) in enumerate(p.stages.items())
             ]
         self.policies = {n: self._policy(p) for n, p in config.pipelines.items()}
-        self.scratch = ScratchRoot(config.scratch_dir)
-        self.journal = ResultJournal(config.state_dir) if config.state_dir else None
+        self.budget = QueueBudget(config.max_queued_bytes, config.max_queued_bytes_per_tenant)
+        self.journal = _usable("state_dir", config.state_dir, ResultJournal)
+        try:
+            self.scratch = _usable("scratch_dir", config.scratch_dir, ScratchRoot)
+        except ConfigError:
+            if self.journal is not None:
+                self.journal.close()
+            raise
         #: the last decisions (bounded: the service runs for days)
         self.decisions: collections.deque[dict] = collections.deque(maxlen=1000)
         self.n_decisions = 0
@@ -83,22 +100,6 @@ class RewardService:
         self._stopping: set[Proc] = set()  # killed, not yet reaped (shutdown waits for them)
         self._deciding: dict[str, str | None] = {}  # pipeline -> pending reason, while deciding
 
-    def _policy(self, p: PipelineConfig) -> DistRSPolicy | None:
-        if self.config.policy == "static":
-            return None
-        stages = list(p.stages.values())
-        return DistRSPolicy(
-            [s.timeout_s for s in stages],
-            ebf=self.config.policy != "fcfs",
-            timeout_check=self.config.policy != "history-only",
-            caps=[s.max_workers for s in stages],
-            cold_workers=[
-                s.initial_workers if s.initial_workers is not None else s.max_workers
-                for s in stages
-            ],
-            max_jobs=self.config.max_decision_jobs,
-        )
-
     # ---- tenants and tasks -------------------------------------------------------------
     def tenant_of(self, token: str | None) -> str:
         if token is None or token not in self.tokens:
@@ -112,18 +113,16 @@ class RewardService:
     def register(self, tenant: str, task: str, pipeline: str, delay_bound_s: float | None) -> Task:
         if pipeline not in self.config.pipelines:
             raise ServiceError(404, f"unknown pipeline {pipeline!r}: {sorted(self.pools)}")
-        old = self.tasks.get(task)
-        if old is not None and old.tenant != tenant:
-            raise ServiceError(409, f"task {task!r} belongs to another tenant: pick another name")
-        if old is not None:
+        old = self.tasks.get((tenant, task))
+        if old is not None:  # idempotent (its pipeline and D stay those first registered)
             return old
         d = self.config.default_delay_bound_s if delay_bound_s is None else delay_bound_s
-        self.tasks[task] = Task(task, tenant, pipeline, d)
-        return self.tasks[task]
+        self.tasks[(tenant, task)] = Task(task, tenant, pipeline, d)
+        return self.tasks[(tenant, task)]
 
     def task(self, tenant: str, name: str) -> Task:
-        t = self.tasks.get(name)
-        if t is None or t.tenant != tenant:
+        t = self.tasks.get((tenant, name))
+        if t is None:
             raise ServiceError(404, f"no task {name!r} for this tenant: register it first")
         return t
 
@@ -151,9 +150,10 @@ class RewardService:
         """
         t = self.task(tenant, task)
         if size > self.config.max_batch_size:
+            shown = size if size < 10**18 else "over 10**18"
             raise ServiceError(
                 422,
-                f"batch size {size} is over the service's max_batch_size "
+                f"batch size {shown} is over the service's max_batch_size "
                 f"{self.config.max_batch_size}: split the batch",
             )
         bid = batch or uuid.uuid4().hex[:12]
@@ -195,7 +195,7 @@ class RewardService:
         for rid, (digest, result) in done.items():
             b.settled.add(rid)
             b.digests[rid] = bytes.fromhex(digest)
-            b.results.append(dict(result))
+            b.results.append(clean(result))  # journaled by an older service, maybe unclean
 
     def _settle(self, b: Batch, scored) -> None:
         """Take ``(id, reward)`` pairs scored by an earlier instance as results of ``b`` (the
@@ -254,29 +254,44 @@ class RewardService:
         return self.submit_many(tenant, task, batch, [(payload, rid)])[0]
 
     def submit_many(
-        self, tenant: str, task: str, batch: str, requests: list[tuple[dict, str | None]]
+        self,
+        tenant: str,
+        task: str,
+        batch: str,
+        requests: list[tuple[dict, str | None]],
+        sizes: list[int] | None = None,
     ) -> list[str]:
         """Queue ``(payload, id)`` requests, all or nothing; returns their ids.
 
         Idempotent by id: an id the batch already holds (queued, running, done, or settled
         after a restart) with the same payload is a no-op, so a client may retry a submission
-        whose answer it lost, and the request is scored once.
+        whose answer it lost, and the request is scored once. ``sizes``: what each payload
+        holds in memory (:func:`.budget.payload_bytes`; measured here when None, the HTTP
+        app measures off the event loop); the new requests' bytes are held from the tenant's
+        and the service's queue budget until their results.
 
         Raises:
             ServiceError: 409 for an id already used with another payload, or more new
-                requests than the batch has room for; 422 for a bad payload; 404 as named.
+                requests than the batch has room for; 422 for a bad payload (NaN or an
+                infinity, nested too deep); 413/429 for a call over the queued-bytes caps
+                (:class:`.budget.QueueBudget`); 404 as named.
         """
         b = self.batch(tenant, task, batch)
-        new: dict[str, tuple[dict, bytes]] = {}
+        if sizes is None:
+            sizes = payload_sizes([p for p, _ in requests])
+        new: dict[str, tuple[dict, bytes, int]] = {}
         ids = []
-        for payload, rid in requests:
+        for (payload, rid), size in zip(requests, sizes, strict=True):
             self.validate(b.task, payload)
             if rid is None:  # the service names it: always a new request
                 rid = f"{batch}-{b.submitted + len(new)}"
                 if rid in b.digests or rid in b.settled or rid in new:
                     raise ServiceError(409, f"request id {rid!r} already used in batch {batch!r}")
             ids.append(rid)
-            digest = _digest(payload)
+            try:
+                digest = _digest(payload)
+            except ValueError as e:
+                raise ServiceError(422, str(e)) from None
             if rid in b.settled:  # scored before a restart: by the client's word or journaled
                 if b.digests.get(rid, digest) != digest:
                     raise ServiceError(
@@ -287,7 +302,7 @@ class RewardService:
                 continue
             old = b.digests.get(rid, new.get(rid, (None, None))[1])
             if old is None:
-                new[rid] = (payload, digest)
+                new[rid] = (payload, digest, size)
             elif old != digest:
                 raise ServiceError(
                     409,
@@ -300,9 +315,10 @@ class RewardService:
                 f"batch {batch!r} already holds its {b.size} announced "
                 "requests: announce a larger size or a new batch",
             )
-        for rid, (payload, digest) in new.items():
+        self.budget.take(tenant, sum(size for *_, size in new.values()))
+        for rid, (payload, digest, size) in new.items():
             now = time.monotonic()
-            req = Req(rid, b, payload, now, since=now)
+            req = Req(rid, b, payload, now, since=now, bytes=size)
             b.submitted += 1
             b.digests[rid] = digest
             b.live[rid] = req
@@ -384,12 +400,15 @@ class RewardService:
         b = req.batch
         stages = list(self.config.pipelines[b.task.pipeline].stages)
         del b.live[req.id]
+        self.budget.give(b.task.tenant, req.bytes)
         result = {
             "id": req.id,
             "reward": reward,
             "status": status,
             "stage": stages[req.stage],
-            "detail": str(detail)[:500],
+            # text from a sandbox may hold lone surrogates: stored escaped, so every read of
+            # the batch (and the journal) encodes as UTF-8
+            "detail": clean_text(str(detail)[:500]),
             "stage_s": req.stage_s,
             "latency_s": time.monotonic() - req.arrival,
         }
@@ -410,94 +429,6 @@ class RewardService:
             b.task.history = list(b.records)
         b.changed.set()
         self.rescale(b.task.pipeline, "complete")
-
-    # ---- scaling -----------------------------------------------------------------------
-    def _active(self, pipeline: str) -> list[Batch]:
-        return [
-            b
-            for t in self.tasks.values()
-            if t.pipeline == pipeline
-            for b in t.batches.values()
-            if not b.done
-        ]
-
-    def _floor(self, pool: Pool) -> int:
-        pipe = next(n for n, ps in self.pools.items() if pool in ps)
-        cfg = list(self.config.pipelines[pipe].stages.values())[pool.index]
-        return max(cfg.min_workers, 1 if self._active(pipe) else 0)
-
-    def rescale(self, pipeline: str, why: str) -> None:
-        """Schedule a decision of the worker counts of ``pipeline``'s stages (Algorithm 2 +
-        1); returns at once. The floor (>= 1 worker per stage while a batch is active) is
-        applied now. One decision runs at a time per pipeline; a call while one runs is
-        coalesced into a single follow-up decision on the newer state."""
-        for pool in self.pools[pipeline]:
-            if pool.target < self._floor(pool):
-                pool.target = self._floor(pool)
-                self._ensure(pool)
-        if pipeline in self._deciding:
-            self._deciding[pipeline] = why
-            return
-        self._deciding[pipeline] = None
-        self._spawn(self._decide_until_current(pipeline, why))
-
-    async def _decide_until_current(self, pipeline: str, why: str | None) -> None:
-        try:
-            while why is not None and not self.closing:
-                await self._decide(pipeline, why)
-                why, self._deciding[pipeline] = self._deciding[pipeline], None
-        finally:
-            del self._deciding[pipeline]
-
-    async def _decide(self, pipeline: str, why: str) -> None:
-        pools = self.pools[pipeline]
-        cfgs = list(self.config.pipelines[pipeline].stages.values())
-        active = self._active(pipeline)
-        now = time.monotonic()
-        policy = self.policies[pipeline]
-        if policy is None:
-            counts, secs, probes = [c.max_workers if active else 0 for c in cfgs], 0.0, 0
-        else:
-            views = [self._view(b, now) for b in active]  # a snapshot, taken on the loop
-            dec = await asyncio.to_thread(policy.decide, views, now)
-            counts, secs, probes = dec.workers, dec.seconds, dec.probes
-        if self.closing:
-            return
-        for pool, c, cfg in zip(pools, counts, cfgs):
-            pool.target = min(max(c, self._floor(pool)), cfg.max_workers)
-            self._ensure(pool)
-        self.n_decisions += 1
-        self.decision_s_max = max(self.decision_s_max, secs)
-        self.decisions.append(
-            {
-                "t_s": now - self.t0,
-                "pipeline": pipeline,
-                "why": why,
-                "batches": len(active),
-                "workers": [p.target for p in pools],
-                "seconds": secs,
-                "probes": probes,
-            }
-        )
-
-    def _view(self, b: Batch, now: float) -> BatchView:
-        queued, running = [], []
-        for i, r in enumerate(b.live.values()):
-            if r.running:
-                running.append((r.stage, now - r.since, i))
-            else:
-                queued.append((r.stage, i, r.since))
-        arrived = b.accounted  # settled requests will not come: not Future, not overdue
-        return BatchView(
-            (b.task.name, b.id),
-            b.start,
-            b.size,
-            b.history,
-            b.task.delay_bound_s,
-            arrived,
-            queued,
-            running,
-        )
 
     def _ensure(self, pool: Pool) -> None:
         """Move the pool towards its target: start or stop processes."""
@@ -560,60 +491,41 @@ class RewardService:
         if self.journal is not None:
             self.journal.close()
 
-    # ---- views -------------------------------------------------------------------------
+    # ---- views (module .views) ------------------------------------------------------------
     def status(self, b: Batch) -> dict:
-        pools = self.pools[b.task.pipeline]
-        per_stage = {
-            p.stage: {
-                "queued": sum(1 for r in b.live.values() if r.stage == p.index and not r.running),
-                "running": sum(1 for r in b.live.values() if r.stage == p.index and r.running),
-            }
-            for p in pools
-        }
-        rewards = [r["reward"] for r in b.results]
-        return {
-            "task": b.task.name,
-            "batch": b.id,
-            "size": b.size,
-            "submitted": b.submitted,
-            "settled": len(b.settled),
-            "done": len(b.results),
-            "complete": b.done,
-            "stages": per_stage,
-            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-            "failed": sum(r["status"] not in ("ok", "settled") for r in b.results),
-            "elapsed_s": (b.completed_at or time.monotonic()) - b.start,
-        }
+        """The status of batch ``b`` (:func:`.views.batch_status`)."""
+        return batch_status(self, b)
 
     def metrics(self, tenant: str | None = None) -> dict:
-        """Pool-level numbers (shared by all tenants) and ``tenant``'s own tasks only
-        (``None``: every task, for the operator in-process; the HTTP API always passes the
-        caller)."""
-        pools = {}
-        for name, ps in self.pools.items():
-            for p in ps:
-                p.account()
-                pools[f"{name}.{p.stage}"] = {
-                    "target": p.target,
-                    "alive": p.alive,
-                    "idle": len(p.idle),
-                    "busy": len(p.busy),
-                    "starting": p.starting,
-                    "queued": len(p.queue),
-                    "worker_s": p.worker_s,
-                    "busy_s": p.busy_s,
-                }
-        return {
-            "instance": self.instance,
-            "uptime_s": time.monotonic() - self.t0,
-            "requests_done": self.requests_done,
-            "pools": pools,
-            "decisions": self.n_decisions,
-            "decision_s_max": self.decision_s_max,
-            "last_decisions": list(self.decisions)[-10:],
-            "tasks": {
-                t.name: {"tenant": t.tenant, "batches": len(t.batches)}
-                for t in self.tasks.values()
-                if tenant is None or t.tenant == tenant
-            },
-        }
+        """Pool-level numbers and ``tenant``'s own tasks (:func:`.views.service_metrics`)."""
+        return service_metrics(self, tenant)
+
+
+def payload_sizes(payloads: list[dict]) -> list[int]:
+    """What each payload holds in memory (:func:`.budget.payload_bytes`).
+
+    Raises:
+        ServiceError: 422 for a payload nested too deep.
+    """
+    try:
+        return [payload_bytes(p) for p in payloads]
+    except ValueError as e:
+        raise ServiceError(422, str(e)) from None
+
+
+def _usable(key: str, path: str | None, make):
+    """``make(path)`` (None for a ``path`` of None, where the key is optional).
+
+    Raises:
+        ConfigError: the directory is not usable (one line naming the key and the reason).
+    """
+    if path is None and key == "state_dir":
+        return None
+    try:
+        return make(path)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+        raise ConfigError(
+            f"{key} {path!r} is not usable: {e.strerror or e}{where}: give a directory the "
+            "service can create and write"
+        ) from None

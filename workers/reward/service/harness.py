@@ -4,8 +4,9 @@ Started by :mod:`.sandbox` as ``python -I -S harness.py``: PID 1 of a fresh PID,
 network namespace and still root (or, without namespaces, a plain child of the worker). With
 ``confine`` it first moves into a root file system of its own (:func:`_confine`). It reads the
 spec as JSON on stdin -- ``{"code", "tests": [[step, ...], ...], "limits", "uid",
-"value_bytes", "output_bytes", "wall_s", "patch_socket", "confine"}``, each step ``["exec",
-source]`` or ``["check", [expression, ...]]`` -- and, for each test, forks a child that
+"value_bytes", "output_bytes", "wall_s", "patch_socket", "confine", "scratch"}``, each step
+``["exec", source]`` or ``["check", [expression, ...]]`` -- and, for each test, forks a child
+that
 
 1. points fds 0-2 at /dev/null, moves its value pipe to fd 3 and closes every other fd (so
    it cannot reach the harness's stdout, the verdict channel);
@@ -21,9 +22,11 @@ source]`` or ``["check", [expression, ...]]`` -- and, for each test, forks a chi
 The harness reads at most ``value_bytes`` per test (and ``output_bytes`` per run) from the
 pipe, waits for the child's exit (pidfd) until the run's wall-clock deadline, kills it then,
 and writes one report to its stdout: ``{"tests": [{"out": base64, "status": int | None,
-"signal": str | None, "timeout": bool, "overflow": bool}, ...]}``. It never interprets what a
-child wrote (nothing in the harness depends on it). Stdlib only: it runs under the system
-python with ``-I -S``.
+"signal": str | None, "timeout": bool, "overflow": bool, "quota": bool}, ...]}``. It never
+interprets what a child wrote (nothing in the harness depends on it). The run's /scratch
+quota (``scratch``: bytes, files) is a size-limited tmpfs with ``confine``; without, the
+harness counts the scratch directory while a child runs and stops it past the quota
+(``quota``). Stdlib only: it runs under the system python with ``-I -S``.
 """
 
 import base64
@@ -168,6 +171,27 @@ def _run(code: str, steps: list) -> dict:
     return {"v": values}
 
 
+def _usage(path: str, stop_at: tuple[int, int]) -> tuple[int, int]:
+    """(bytes, files and directories) under ``path``; stops counting past ``stop_at``."""
+    size = files = 0
+    stack = [path]
+    while stack and size <= stop_at[0] and files <= stop_at[1]:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for e in entries:
+            files += 1
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                else:
+                    size += e.stat(follow_symlinks=False).st_blocks * 512
+            except OSError:
+                pass
+    return size, files
+
+
 def _one(spec: dict, steps: list, deadline: float, cap: int) -> dict:
     """Run one test's child; its output (at most ``cap`` bytes), exit and timing."""
     r, w = os.pipe()
@@ -178,13 +202,23 @@ def _one(spec: dict, steps: list, deadline: float, cap: int) -> dict:
     os.close(w)
     pidfd = os.pidfd_open(pid)
     buf, eof, exited, timeout, overflow = bytearray(), False, False, False, False
+    # without namespaces no tmpfs bounds /scratch: count it every 50 ms (the child can write
+    # at most ~50 ms of disk bandwidth past the quota before it is stopped)
+    quota = None if spec.get("confine") else (spec["scratch"]["bytes"], spec["scratch"]["files"])
+    over = False
     while not (eof and exited):
         left = deadline - time.monotonic()
         if left <= 0:
             timeout = True
             break
+        if quota is not None:
+            used = _usage(".", quota)
+            if used[0] > quota[0] or used[1] > quota[1]:
+                over = True
+                break
         watch = ([] if eof else [r]) + ([] if exited else [pidfd])
-        ready, _, _ = select.select(watch, [], [], left)
+        wait = left if quota is None else min(left, 0.01)
+        ready, _, _ = select.select(watch, [], [], wait)
         if pidfd in ready:
             exited = True
         if r in ready:
@@ -205,9 +239,10 @@ def _one(spec: dict, steps: list, deadline: float, cap: int) -> dict:
     os.close(r)
     os.close(pidfd)
     sig = None
-    if os.WIFSIGNALED(status) and not (timeout or overflow):
+    if os.WIFSIGNALED(status) and not (timeout or overflow or over):
         sig = signal.Signals(os.WTERMSIG(status)).name
     return {
+        "quota": over,
         "out": base64.b64encode(bytes(buf)).decode(),
         "module_error": buf.startswith(b'{"m"'),
         "status": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
@@ -221,12 +256,15 @@ def _one(spec: dict, steps: list, deadline: float, cap: int) -> dict:
 _MS = {"RDONLY": 1, "NOSUID": 2, "NODEV": 4, "NOEXEC": 8, "REMOUNT": 32, "BIND": 4096, "REC": 16384}
 
 
-def _confine(mnt: str, scratch: str, prefix: str) -> None:
+def _confine(mnt: str, prefix: str, uid, scratch: dict) -> None:
     """Build the run's own root file system on a tmpfs at ``mnt`` and chroot into it (as
     root, in the run's fresh mount namespace): read-only binds of /usr, /bin, /lib... and of
     the interpreter's ``prefix``; /dev/{null,zero,urandom}; a /proc of this PID namespace; an
-    empty read-only /tmp; ``scratch`` as /scratch, the only writable place. Nothing else of
-    the host (configs, repositories, home directories, other sandboxes) exists in it."""
+    empty read-only /tmp; /scratch, the only writable place: a tmpfs of ``scratch["bytes"]``
+    bytes and ``scratch["files"]`` inodes, mode 0700, owned by ``uid`` (the run's quota: a
+    write past it fails with ENOSPC; it lives in memory and goes with the namespace). Nothing
+    else of the host (configs, repositories, home directories, other sandboxes) exists in
+    it."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -255,7 +293,9 @@ def _confine(mnt: str, scratch: str, prefix: str) -> None:
         open(os.path.join(mnt, "dev", n), "w").close()
         mount("/dev/" + n, os.path.join(mnt, "dev", n), None, bind)
     mount("proc", mnt + "/proc", "proc", _MS["NOSUID"] | _MS["NODEV"] | _MS["NOEXEC"])
-    mount(scratch, mnt + "/scratch", None, bind)
+    owner = "" if uid is None else f",uid={uid},gid={uid}"
+    quota = f"size={scratch['bytes']},nr_inodes={scratch['files']},mode=700{owner}"
+    mount("m2flow-scratch", mnt + "/scratch", "tmpfs", _MS["NOSUID"] | _MS["NODEV"], quota)
     mount(None, mnt, None, _MS["REMOUNT"] | ro)
     os.chroot(mnt)
     os.chdir("/scratch")
@@ -264,7 +304,7 @@ def _confine(mnt: str, scratch: str, prefix: str) -> None:
 def main() -> None:
     spec = json.loads(sys.stdin.buffer.read())
     if spec.get("confine"):
-        _confine(**spec["confine"])
+        _confine(**spec["confine"], scratch=spec["scratch"])
     deadline = time.monotonic() + spec["wall_s"]
     budget = spec["output_bytes"]
     results = []
@@ -274,7 +314,7 @@ def main() -> None:
         results.append(res)
         # later tests cannot change the outcome of a run that timed out, was killed by a
         # limit, or whose program raised at top level (the same program runs every time)
-        if res.pop("module_error") or res["timeout"] or res["signal"]:
+        if res.pop("module_error") or res["timeout"] or res["signal"] or res["quota"]:
             break
     sys.stdout.write(json.dumps({"tests": results}))
     sys.stdout.flush()

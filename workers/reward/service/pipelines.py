@@ -71,21 +71,36 @@ def validate_payload(kind: str, payload: dict, stage_options: dict) -> None:
             )
 
 
+#: the options each stage takes (anything else in a stage's ``options`` is a config error)
+STAGE_OPTIONS = {
+    ("code", "check"): {"max_source_bytes", "max_tests"},
+    ("code", "execute"): {"sandbox"},
+}
+
+
 def check_options(kind: str, stage: str, options: dict) -> None:
     """Validate a stage's configured options at start-up.
 
     Raises:
-        ValueError: bad sandbox limits or size caps, naming the option.
+        ValueError: an unknown option or sandbox limit, or a bad value, naming it.
     """
-    if kind != "code":
-        return
-    if stage == "execute":
-        Limits(**options.get("sandbox", {}))
-    if stage == "check":
-        for name in ("max_source_bytes", "max_tests"):
-            v = options.get(name, 1)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"code.check option {name} must be an integer >= 1, got {v!r}")
+    known = STAGE_OPTIONS.get((kind, stage), set())
+    for name in options:
+        if name not in known:
+            raise ValueError(
+                f"{kind}.{stage} has no option {name!r}: known {sorted(known) or 'none'}"
+            )
+    if "sandbox" in options:
+        sandbox = options["sandbox"]
+        if not isinstance(sandbox, dict):
+            raise ValueError(f"{kind}.{stage} option sandbox must be a mapping of limits")
+        for name, value in sandbox.items():
+            check_limit(name, value)
+        Limits(**sandbox)
+    for name in known & {"max_source_bytes", "max_tests"}:
+        v = options.get(name, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"code.check option {name} must be an integer >= 1, got {v!r}")
 
 
 def code_check(payload: dict, carry: dict, options: dict) -> dict:

@@ -21,11 +21,11 @@ with ``unshare`` (the deployment this is built and tested for; :func:`isolation`
   own PID namespace (the harness is its init: when it dies, the kernel kills everything in
   it), network namespace (no interfaces) and mount namespace with a root file system of its
   own (a tmpfs with read-only binds of /usr, /bin, /lib..., /dev/null, a /proc that shows only
-  the run, and the scratch directory as /scratch, the only writable place): host configs
-  (the service's tokens), repositories, home directories and other sandboxes do not exist
-  there. Each child runs under a uid of its own (``100000 + 8 * worker pid + n``), so it can
-  signal, ptrace or read the files of no other process; its scratch directory is ``0700``
-  under that uid.
+  the run, and /scratch, the only writable place: a tmpfs of ``scratch_bytes`` and
+  ``scratch_files``, the run's disk quota, ``0700`` under its uid): host configs (the
+  service's tokens), repositories, home directories and other sandboxes do not exist there.
+  Each child runs under a uid of its own (``100000 + 8 * worker pid + n``), so it can
+  signal, ptrace or read the files of no other process.
 - **Limits** are set in the child before the program runs: ``RLIMIT_CPU`` (CPU seconds per
   test), ``RLIMIT_AS`` (bytes), ``RLIMIT_FSIZE`` (bytes), ``RLIMIT_NOFILE`` (files),
   ``RLIMIT_NPROC = 0`` (no fork: its uid already has a process) and a wall-clock budget for
@@ -42,8 +42,9 @@ Weaker modes: without root, ``unshare -r`` gives a user namespace in which the c
 namespace's root (no per-sandbox uid; it could undo the read-only mounts); without
 ``unshare``, only the rlimits, the per-sandbox uid (as root) and an in-child patch of
 :mod:`socket` (``rlimits+socket-patch``) remain: no PID or mount isolation, the host's
-world-readable files are readable, and a child that leaves its session can outlive a killed
-worker.
+world-readable files are readable, a child that leaves its session can outlive a killed
+worker, and the scratch quota is counted by the harness every 10 ms (a child past it is
+stopped; it may overshoot by what it writes meanwhile).
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class Limits:
         open_files: most open files (``RLIMIT_NOFILE``).
         output_bytes: most bytes read back from the sandbox per run (the values of all
             tests; per test at most 64 KiB), bytes.
+        scratch_bytes: the run's quota of bytes in its /scratch (all files together; a
+            size-limited tmpfs, so a write past it fails with ``ENOSPC``), bytes.
+        scratch_files: most files and directories in its /scratch (the tmpfs's inodes).
 
     Raises:
         ValueError: a limit that is not a positive number (or not an integer where the
@@ -93,6 +97,8 @@ class Limits:
     file_bytes: int = 1 * 2**20
     open_files: int = 64
     output_bytes: int = 1 * 2**20
+    scratch_bytes: int = 16 * 2**20
+    scratch_files: int = 4096
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -100,8 +106,12 @@ class Limits:
 
 
 #: the integer limits (rlimits and byte counts); ``wall_s`` may be fractional
-_INT_LIMITS = {"cpu_s", "memory_bytes", "file_bytes", "open_files", "output_bytes"}
-_MIN_LIMITS = {"open_files": 8, "output_bytes": 1024}  # below these nothing can run
+_INT_LIMITS = {
+    "cpu_s", "memory_bytes", "file_bytes", "open_files", "output_bytes", "scratch_bytes",
+    "scratch_files",
+}  # fmt: skip
+#: below these nothing can run
+_MIN_LIMITS = {"open_files": 8, "output_bytes": 1024, "scratch_bytes": 2**16, "scratch_files": 16}
 
 
 def check_limit(name: str, value) -> None:
@@ -214,7 +224,10 @@ def run_tests(
             "output_bytes": limits.output_bytes,
             "wall_s": limits.wall_s,
             "patch_socket": not ns,
-            "confine": {"scratch": scratch, "mnt": mnt, "prefix": prefix} if ns else None,
+            "confine": {"mnt": mnt, "prefix": prefix, "uid": uid} if ns else None,
+            # namespaces: /scratch is a tmpfs of this size (the kernel enforces it); else the
+            # harness counts what the test child wrote here and stops it past the quota
+            "scratch": {"bytes": limits.scratch_bytes, "files": limits.scratch_files},
         }
         cmd = [*(_unshare() if ns else []), py, "-I", "-S", _HARNESS]
         if shutil.which("setpriv"):  # the sandbox dies with this worker, however it dies
@@ -245,6 +258,8 @@ def _score(plans: list, report: list, total: int, dt: float) -> RunResult:
             return RunResult("killed", 0, total, f"killed by {res['signal']}", dt)
         if res["status"] in (97, 98) and not res["out"]:
             return RunResult("crashed", 0, total, "sandbox set-up failed", dt)
+        if res.get("quota"):  # counted (no namespaces): the child was stopped past it
+            return RunResult("killed", 0, total, "over its scratch quota", dt)
         try:
             if res["overflow"]:
                 raise TestFailed("values over the sandbox's output limit")
@@ -257,6 +272,8 @@ def _score(plans: list, report: list, total: int, dt: float) -> RunResult:
             passed += 1
         except TestFailed as e:
             errors.append(str(e))
+        except Exception as e:  # a flaw of the verdict code fails this test, not the run
+            errors.append(f"verdict failed: {type(e).__name__}")
     errors += ["not run"] * (total - len(report))
     sealed = sum(p.sealed for p in plans)
     detail = "; ".join(errors[:3])

@@ -11,11 +11,13 @@ from m2flow.scheduler.reward_sim import RequestRecord
 
 
 class ServiceError(Exception):
-    """A client mistake: ``status`` is the HTTP status, the message says what to fix."""
+    """A client mistake: ``status`` is the HTTP status, the message says what to fix;
+    ``retry_after_s``: for 429, when to try again (the ``Retry-After`` header)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -29,6 +31,8 @@ class Req:
     running: bool = False
     carry: dict = field(default_factory=dict)
     stage_s: list[float] = field(default_factory=list)
+    #: what its payload holds in memory (:mod:`.budget`), given back with its result
+    bytes: int = 0
 
 
 @dataclass
@@ -72,6 +76,17 @@ class Task:
 
 
 def _digest(payload: dict) -> bytes:
-    """A request payload's fingerprint (16 bytes): a resubmitted id must carry the same one."""
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    """A request payload's fingerprint (16 bytes): a resubmitted id must carry the same one.
+
+    Raises:
+        ValueError: the payload holds NaN or an infinity (which JSON has not: Python's parser
+            takes ``NaN``, ``Infinity`` and ``1e400``, so the service refuses them here).
+    """
+    try:
+        text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        raise ValueError(
+            "payload holds NaN or Infinity (or a number too large for a float, e.g. 1e400), "
+            "which JSON has not: send such values as strings"
+        ) from None
     return hashlib.blake2b(text.encode(), digest_size=16).digest()

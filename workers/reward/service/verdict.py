@@ -248,7 +248,24 @@ def _eval(tree, values: list):
 
 
 def _repr(v) -> str:
-    return v.message[:60] if isinstance(v, _LeafError) else repr(v)[:60]
+    return v.message[:60] if isinstance(v, _LeafError) else short(v)
+
+
+#: ints wider than this are shown by their width: printing them costs time, and past
+#: ``sys.get_int_max_str_digits()`` digits (4300) it raises
+_PRINT_BITS = 4096
+
+
+def short(v, n: int = 60) -> str:
+    """At most ``n`` characters showing ``v``, for messages only: never raises (an int too
+    wide to print is ``<int of N bits>``, anything else that cannot be printed
+    ``<list, not printable>``). A verdict never depends on it."""
+    if type(v) is int and v.bit_length() > _PRINT_BITS:
+        return f"<int of {v.bit_length()} bits>"
+    try:
+        return repr(v)[:n]
+    except Exception:  # e.g. a list holding a 20,000-digit int, or nested too deep
+        return f"<{type(v).__name__}, not printable>"
 
 
 def _truth(v) -> bool:
@@ -263,7 +280,7 @@ def _show(step, tree) -> str:
 
     def show(t) -> str:
         if t[0] == "const":
-            return repr(t[1])[:80]
+            return short(t[1], 80)
         if t[0] == "leaf":
             return leaves[t[1]][:80]
         if t[0] == "not":
