@@ -8,10 +8,10 @@ from m2flow.scheduler.balance import all_queued
 
 from m2flow import Channel
 
+from ..algos.ppo import masked_whiten
 from ..batch import concat, row_order
 from ..checkpoint import load_state, save_state
 from ..critic.data import chunk_key
-from ..critic.losses import masked_whiten
 from .trainer import RESPONSE_KEYS
 from .worker import ActorWorker
 

@@ -6,12 +6,12 @@ import torch
 
 from m2flow import Channel, Worker
 
+from ..algos.logprobs import sequence_logprobs
 from ..batch import num_tokens
 from ..checkpoint import load_state, save_state
 from ..critic.data import chunk_key
 from ..llm import build_tokenizer, load_model
 from ..llm.placement import offload_module, onload_module, torch_device
-from .losses import sequence_logprobs
 from .trainer import RESPONSE_KEYS
 
 

@@ -12,6 +12,7 @@ from m2flow.scheduler.balance import all_queued
 
 from m2flow import Channel, Worker
 
+from ..algos.grpo import grpo_advantages
 from ..batch import concat
 from ..data.reasoning_gym import task_split
 from ..llm import build_tokenizer, compute_dtype, load_model
@@ -19,7 +20,6 @@ from ..llm.placement import torch_device
 from ..reward.functions import RewardFunction
 from ..sft import run_sft
 from . import data_parallel as dp
-from .losses import grpo_advantages
 from .trainer import PolicyTrainer
 
 
@@ -61,7 +61,8 @@ class ActorWorker(Worker):
             using the rollout's (the weights are identical; the rollout's differ only by
             kernel rounding).
         shared_prefix: forward each GRPO group's prompt once in logprob and training
-            forwards (:func:`~.losses.shared_prefix_logprobs`); same math as the full forward.
+            forwards (:func:`~m2flow.workers.algos.logprobs.shared_prefix_logprobs`); same math
+            as the full forward.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
         seed: model init seed.
         data_parallel: one rank per device (launch) and a gradient all-reduce (see above);

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from ..actor import data_parallel
 from ..actor.trainer import RESPONSE_KEYS, PolicyTrainer
+from ..algos.ppo import clipped_value_loss
 from ..batch import row_index, row_order, split_rows
-from .losses import clipped_value_loss
 from .model import ValueModel, response_values, sequence_scores
 
 _METRICS = ("vf_loss", "vf_clip_frac", "value_mean")

@@ -13,12 +13,12 @@ import torch
 from m2flow import Channel, Worker
 
 from ..actor import data_parallel as dp
+from ..algos.ppo import explained_variance, gae, token_rewards
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
 from ..llm import build_tokenizer, compute_dtype
 from ..llm.placement import torch_device
-from .data import chunk_key, token_rewards
-from .losses import explained_variance, gae
+from .data import chunk_key
 from .megatron_engine import lm_to_critic
 from .model import ValueModel
 from .trainer import ValueTrainer

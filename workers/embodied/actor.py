@@ -4,8 +4,8 @@ PPO as in CleanRL's ``ppo.py`` (Huang et al., 2022): GAE over each environment's
 advantages whitened over the batch, clipped policy surrogate, clipped value loss weighted by
 ``vf_coef``, entropy bonus ``ent_coef``, global gradient clipping, Adam with ``eps=1e-5``. The
 surrogate and the value loss are the LM workflows' own functions
-(:func:`~m2flow.workers.actor.losses.grpo_loss` with one "token" per step, and
-:func:`~m2flow.workers.critic.losses.clipped_value_loss`).
+(:func:`~m2flow.workers.algos.grpo.grpo_loss` with one "token" per step, and
+:func:`~m2flow.workers.algos.ppo.clipped_value_loss`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 
 from m2flow import Channel, Worker
 
-from ..actor.losses import grpo_loss
+from ..algos.grpo import grpo_loss
+from ..algos.ppo import clipped_value_loss, explained_variance, gae, masked_whiten
 from ..batch import row_order, split_rows
 from ..checkpoint import load_state, save_state
-from ..critic.losses import clipped_value_loss, explained_variance, gae, masked_whiten
 from ..llm.placement import torch_device
 from .policy import ActorCritic
 
