@@ -122,7 +122,7 @@ def main() -> None:
                 seconds = time.monotonic() - t0
                 got = 0
                 while got < a.prompts:
-                    got += len(out.get(timeout=60)["entries"])
+                    got += len(out.get(timeout=60).entries)
                 inp.close()
                 out.close()
                 row = {"step_s": seconds, "preempted_at_s": preempted, **res["spot"]}

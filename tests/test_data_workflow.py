@@ -112,9 +112,9 @@ def test_reward_worker_scores_with_the_file_function(cluster, tmp_path):
         gen.wait()
         (out,) = rew.wait()
         chunk = copy.get(timeout=60)
-        b = chunk["batch"]
+        b = chunk.batch
         texts = decode_responses(tok, b["response_ids"], b["response_mask"])
-        entries = [chunk["entries"][int(g)] for g in b["group_index"]]
+        entries = chunk.row_entries()
         expected = [expected_score(t, e["ground_truth"]) for t, e in zip(texts, entries)]
         assert b["rewards"].tolist() == expected and len(expected) == 16
         assert [e["index"] for e in entries[::4]] == [2, 0, 3, 1]  # groups in step order

@@ -274,7 +274,7 @@ def run_step(rollout, mgr, step: int, prompts: int = 16, during=None) -> tuple:
     res, rows, items = pool_step(rollout, mgr, step, prompts, SAMPLES, during)
     got = {}
     for key, (chunk, i) in rows.items():
-        b = chunk["batch"]
+        b = chunk.batch
         got[key] = b["response_ids"][i, : int(b["response_mask"][i].sum())].tolist()
     return res, {k: got[k] for k in sorted(got)}, items
 

@@ -60,9 +60,9 @@ def _reference(texts: list[str], answers: list[str]) -> list[float]:
 def _check_rewards(scored: list[dict]) -> None:
     tok = build_char_tokenizer(ALPHABET)
     for c in scored:
-        b = c["batch"]
+        b = c.batch
         texts = decode_responses(tok, b["response_ids"], b["response_mask"])
-        answers = [c["entries"][int(g)]["ground_truth"] for g in b["group_index"]]
+        answers = [e["ground_truth"] for e in c.row_entries()]
         assert b["rewards"].tolist() == _reference(texts, answers)
 
 

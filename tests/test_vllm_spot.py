@@ -119,7 +119,7 @@ def test_preempted_vllm_instance_migrates_with_no_sample_lost(pool):
         time.sleep(0.05)
     (res,) = call.wait(timeout=600)
     chunks = []
-    while sum(len(c["batch"]) for c in chunks) < prompts * SAMPLES:
+    while sum(c.num_samples for c in chunks) < prompts * SAMPLES:
         chunks.append(out.get(timeout=60))
     assert out.qsize() == 0, "more samples than prompts x n_samples"
     inp.close()
@@ -132,7 +132,7 @@ def test_preempted_vllm_instance_migrates_with_no_sample_lost(pool):
     assert spot["migrated_tokens"] >= spot["migrated_samples"]  # partial responses kept
     got = {}
     for c in chunks:
-        b = c["batch"]
+        b = c.batch
         for i, g in enumerate(b["group_index"].tolist()):
             j = sum(1 for (gg, _) in got if gg == g)
             n = int(b["response_mask"][i].sum())

@@ -11,7 +11,6 @@ from m2flow import Channel
 from ..algos.ppo import masked_whiten
 from ..batch import concat, row_order
 from ..checkpoint import load_state, save_state
-from ..critic.data import chunk_key
 from .trainer import RESPONSE_KEYS
 from .worker import ActorWorker
 
@@ -68,9 +67,9 @@ class PPOActorWorker(ActorWorker):
         parts = inp.stream(balance=all_queued, target_weight=1)
         if self.megatron is not None:  # every rank: the whole step (see .megatron.engine)
             parts = [self.megatron.read_step(parts)]
-        chunks = sorted((c for part in parts for c in part), key=lambda c: chunk_key(c["batch"]))
-        batch = concat([c["batch"] for c in chunks], self.tokenizer.pad_token_id)
-        stale = sum(len(c["batch"]) for c in chunks if c["weight_version"] != self.weight_version)
+        chunks = sorted((c for part in parts for c in part), key=lambda c: c.key)
+        batch = concat([c.batch for c in chunks], self.tokenizer.pad_token_id)
+        stale = sum(c.stale_samples(self.weight_version) for c in chunks)
         data = {k: batch[k] for k in RESPONSE_KEYS}
         adv = batch["advantages"]
         data["advantages"] = masked_whiten(adv, batch["response_mask"]) if self.whiten else adv

@@ -9,7 +9,6 @@ from m2flow import Channel, Worker
 from ..algos.logprobs import sequence_logprobs
 from ..batch import num_tokens
 from ..checkpoint import load_state, save_state
-from ..critic.data import chunk_key
 from ..llm import build_tokenizer, load_model
 from ..llm.placement import offload_module, onload_module, torch_device
 from .trainer import RESPONSE_KEYS
@@ -59,9 +58,9 @@ class ReferenceWorker(Worker):
         """
         samples = 0
         for (chunk,) in inp.stream():
-            batch = chunk["batch"]
+            batch = chunk.batch
             ref = self._logprobs(batch)
-            out.put({"ref_logprobs": ref}, weight=num_tokens(batch), key=chunk_key(batch))
+            out.put({"ref_logprobs": ref}, weight=num_tokens(batch), key=chunk.key)
             samples += len(batch)
         return {"samples": samples}
 

@@ -311,11 +311,9 @@ class ActorWorker(Worker):
             parts = [self.megatron.read_step(parts)]
         # A fixed order (by first prompt id), whichever rank or chunk arrived first: the
         # mini-batches, hence the update, do not depend on the plan.
-        chunks = sorted(
-            (c for part in parts for c in part), key=lambda c: int(c["batch"]["group_index"][0])
-        )
-        batch = concat([c["batch"] for c in chunks], self.tokenizer.pad_token_id)
-        stale = sum(len(c["batch"]) for c in chunks if c["weight_version"] != self.weight_version)
+        chunks = sorted((c for part in parts for c in part), key=lambda c: c.key)
+        batch = concat([c.batch for c in chunks], self.tokenizer.pad_token_id)
+        stale = sum(c.stale_samples(self.weight_version) for c in chunks)
         data = self._training_data(batch)
         trained = len(data["advantages"])
         metrics = {}
@@ -338,14 +336,12 @@ class ActorWorker(Worker):
         rollout ranks costs one part, and a lagging actor coarsens its own granularity."""
         samples = trained = stale = parts = 0
         for chunks in inp.stream(balance=all_queued, target_weight=1):
-            batches = [c["batch"] for c in chunks]
+            batches = [c.batch for c in chunks]
             batch = (
                 batches[0] if len(batches) == 1 else concat(batches, self.tokenizer.pad_token_id)
             )
             samples += len(batch)
-            stale += sum(
-                len(c["batch"]) for c in chunks if c["weight_version"] != self.weight_version
-            )
+            stale += sum(c.stale_samples(self.weight_version) for c in chunks)
             data = self._training_data(batch)  # whole GRPO groups: a chunk is whole prompts
             if len(data["advantages"]):
                 trained += self.trainer.accumulate(data, self.micro_batch_size)

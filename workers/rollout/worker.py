@@ -7,6 +7,7 @@ import torch
 from m2flow import Channel, Worker
 
 from ..batch import num_tokens, to_batch
+from ..chunk import RolloutChunk
 from ..data.item import PromptItem
 from ..evaluation import greedy_scores
 from ..llm import build_tokenizer, compute_dtype, load_model
@@ -110,11 +111,11 @@ class RolloutWorker(Worker):
         A prompt item is ``{"prompt_ids": list[int], "group": int, "entry": dict}`` (the
         entry: :meth:`~..data.item.PromptItem.entry`, for the reward) plus optionally
         ``"step": int`` (the sampling key; 0 if absent); ``group`` is unique within
-        the step. A rollout chunk is ``{"batch": TensorDict [chunk * n_samples], "entries":
-        {group: entry}, "weight_version": int, "step": int, "step_samples": int}`` put with
-        weight = its token count; ``step_samples = num_prompts * n_samples`` is the number of
-        responses the whole step will have (all ranks): a consumer may announce it before the
-        step's last chunk (the reward service's batch-size hint, docs/reward_service.md).
+        the step. A rollout chunk is a :class:`~..chunk.RolloutChunk` (``batch [chunk *
+        n_samples]``, ``entries`` by group, ``weight_version``, ``step``, ``step_samples``) put
+        with weight = its token count; ``step_samples = num_prompts * n_samples`` is the number
+        of responses the whole step will have (all ranks): a consumer may announce it before
+        the step's last chunk (the reward service's batch-size hint, docs/reward_service.md).
 
         Returns:
             ``samples``, ``tokens`` (prompt + response), ``response_length`` (mean tokens).
@@ -153,16 +154,14 @@ class RolloutWorker(Worker):
             gen["group_index"] = groups[gen["group_index"]]
             batch = to_batch(gen)
             n_tok = num_tokens(batch)
-            out.put(
-                {
-                    "batch": batch,
-                    "entries": {it["group"]: it["entry"] for it in items},
-                    "weight_version": self.weight_version,
-                    "step": items[0].get("step", 0),
-                    "step_samples": step_samples,
-                },
-                weight=n_tok,
+            chunk = RolloutChunk(
+                batch,
+                entries={it["group"]: it["entry"] for it in items},
+                weight_version=self.weight_version,
+                step=items[0].get("step", 0),
+                step_samples=step_samples,
             )
+            out.put(chunk, weight=n_tok)
             samples += len(batch)
             tokens += n_tok
             resp_tokens += int(batch["response_mask"].sum())
