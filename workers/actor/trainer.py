@@ -16,11 +16,11 @@ from collections.abc import Mapping
 
 import torch
 
+from .. import parallel
 from ..algos.grpo import grpo_loss
 from ..algos.logprobs import sequence_logprobs, shared_prefix_logprobs
 from ..batch import row_index, row_order, split_rows
 from ..llm.model import checkpointing
-from . import data_parallel
 
 RESPONSE_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 _PACKED = object()  # an optimizer state slot whose tensor sits in the offload buffer
@@ -281,9 +281,9 @@ class PolicyTrainer:
     def finish_accumulation(self) -> dict[str, float]:
         """Scale the accumulated gradients to the token mean and take one optimizer step.
 
-        Data parallel (:mod:`.data_parallel` active): a collective every rank calls once per
-        step, its parts or none: gradients, token counts and metric sums are summed over the
-        ranks first, so every rank takes the step one rank would on all the parts.
+        Data parallel (:mod:`~m2flow.workers.parallel` active): a collective every rank calls
+        once per step, its parts or none: gradients, token counts and metric sums are summed
+        over the ranks first, so every rank takes the step one rank would on all the parts.
 
         Returns:
             ``loss``, ``pg_loss``, ``clip_frac``, ``ratio_mean``, ``kl`` (token means over the
@@ -291,12 +291,12 @@ class PolicyTrainer:
             accumulated).
         """
         acc, self._accumulated = self._accumulated, None
-        if data_parallel.active():  # every rank: the sums and gradients of all ranks' parts
+        if parallel.active():  # every rank: the sums and gradients of all ranks' parts
             keys = ("tokens", "loss", "pg_loss", "clip_frac", "ratio_mean")
             keys += ("kl",) * (self.kl_coef > 0)
-            acc = data_parallel.all_reduce_sums(acc or {}, keys, self.dp_group)
+            acc = parallel.all_reduce_sums(acc or {}, keys, self.dp_group)
             if acc["tokens"] > 0:
-                data_parallel.all_reduce_grads(self.model, self.dp_group)
+                parallel.all_reduce_grads(self.model, self.dp_group)
         if not acc or acc["tokens"] <= 0:
             self.optimizer.zero_grad(set_to_none=True)
             return {"steps": 0}

@@ -12,6 +12,7 @@ from m2flow.scheduler.balance import all_queued
 
 from m2flow import Channel, Worker
 
+from .. import parallel as dp
 from ..algos.grpo import grpo_advantages
 from ..batch import concat
 from ..data.reasoning_gym import task_split
@@ -19,7 +20,6 @@ from ..llm import build_tokenizer, compute_dtype, load_model
 from ..llm.placement import torch_device
 from ..reward.functions import RewardFunction
 from ..sft import run_sft
-from . import data_parallel as dp
 from .trainer import PolicyTrainer
 
 
@@ -29,8 +29,9 @@ class ActorWorker(Worker):
     By default one rank: given several devices by a plan, it uses them as one (``data_parallel
     = False``): all their CPU threads on virtual devices. With ``data_parallel=True`` it runs
     one rank per device, each with the whole model, reading its share of the step's chunks
-    from the channel; one gradient all-reduce per step (:mod:`.data_parallel`, gloo on CPU,
-    NCCL on CUDA) makes every rank take the optimizer step one rank would on all the chunks.
+    from the channel; one gradient all-reduce per step (:mod:`~m2flow.workers.parallel`, gloo
+    on CPU, NCCL on CUDA) makes every rank take the optimizer step one rank would on all the
+    chunks.
     The warm start runs on rank 0 and its weights are broadcast; rank 0 is the weight source
     and writes the checkpoints (every rank loads them).
 

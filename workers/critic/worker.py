@@ -13,7 +13,7 @@ import torch
 
 from m2flow import Channel, Worker
 
-from ..actor import data_parallel as dp
+from .. import parallel as dp
 from ..algos.ppo import explained_variance, gae, token_rewards
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
