@@ -16,8 +16,8 @@ import pytest
 from m2flow.workers.data.files import load_items
 from m2flow.workers.data.item import prompt_items
 from m2flow.workers.llm import build_char_tokenizer
+from m2flow.workers.llm.tokenizer import decode_responses
 from m2flow.workers.reward.worker import RewardWorker
-from m2flow.workers.rollout.generation import decode_responses
 from m2flow.workers.rollout.worker import RolloutWorker
 from test_workflow import ALPHABET, COMPARED, ROUNDED, TINY_MODEL, TINY_RUN, TOKENIZER, _records
 

@@ -26,8 +26,9 @@ from m2flow.workers.llm import (
     load_checkpoint,
     save_checkpoint,
 )
+from m2flow.workers.llm.tokenizer import decode_responses
 from m2flow.workers.reward.functions import RewardFunction
-from m2flow.workers.rollout.generation import decode_responses, eos_mask, generate, left_pad
+from m2flow.workers.rollout.generation import eos_mask, generate, left_pad
 from m2flow.workers.sft import run_sft, sft_batch
 from m2flow.workers.tasks import TaskDataset, TaskItem, accuracy, compact_prompt, score
 

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .data.item import PromptItem
+from .llm.tokenizer import decode_responses
 from .reward.functions import RewardFunction, RewardResult
-from .rollout.generation import decode_responses, generate
+from .rollout.generation import generate
 from .tasks import accuracy
 
 

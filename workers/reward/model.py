@@ -24,7 +24,7 @@ from ..critic.model import ValueModel
 from ..critic.trainer import ValueTrainer
 from ..llm import build_tokenizer, compute_dtype
 from ..llm.placement import torch_device
-from ..rollout.generation import decode_responses
+from ..llm.tokenizer import decode_responses
 from ..tasks import accuracy
 from .functions import RewardFunction, RewardResult, result_metrics
 

@@ -15,7 +15,7 @@ from m2flow import Channel, Worker
 from ..batch import num_tokens
 from ..chunk import RolloutChunk
 from ..llm import build_tokenizer
-from ..rollout.generation import decode_responses
+from ..llm.tokenizer import decode_responses
 from ..tasks import accuracy
 from .functions import RewardFunction, RewardResult, result_metrics
 

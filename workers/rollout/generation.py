@@ -248,14 +248,3 @@ def generate(
         "logprobs": lps,
         "group_index": group_index,
     }
-
-
-def decode_responses(
-    tokenizer: PreTrainedTokenizerBase, response_ids: torch.Tensor, response_mask: torch.Tensor
-) -> list[str]:
-    """Decode ``[B, R]`` responses to text, dropping masked positions and special tokens."""
-    texts = []
-    for row, m in zip(response_ids.tolist(), response_mask.tolist()):
-        toks = [t for t, keep in zip(row, m) if keep]
-        texts.append(tokenizer.decode(toks, skip_special_tokens=True))
-    return texts
