@@ -19,7 +19,7 @@ from ..data.reasoning_gym import task_split
 from ..llm import build_tokenizer, compute_dtype, load_model
 from ..llm.placement import torch_device
 from ..reward.functions import RewardFunction
-from ..sft import run_sft
+from .sft import run_sft
 from .trainer import PolicyTrainer
 
 

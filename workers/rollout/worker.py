@@ -9,10 +9,10 @@ from m2flow import Channel, Worker
 from ..batch import num_tokens, to_batch
 from ..chunk import RolloutChunk
 from ..data.item import PromptItem
-from ..evaluation import greedy_scores
 from ..llm import build_tokenizer, compute_dtype, load_model
 from ..llm.placement import offload_module, onload_module, split_evenly, torch_device
 from ..reward.functions import RewardFunction
+from .evaluation import greedy_scores
 from .generation import generate
 
 
