@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from m2flow.workers.data.config import DataConfig
+from m2flow.workers.data.reasoning_gym import task_section
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
     ModelConfig,
@@ -30,7 +31,6 @@ from m2flow.workers.recipe import (
     TaskConfig,
     WarmStartConfig,
     response_length,
-    task_section,
     validate_llm,
     validate_optim,
     warm_start_args,
