@@ -18,7 +18,7 @@ from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
 from m2flow.workers.rollout.exact import ExactEngine, GenRequest
 from m2flow.workers.rollout.worker import RolloutWorker
-from m2flow.workers.spot.manager import MANAGER_NAME
+from m2flow.workers.spot.names import MANAGER_NAME
 from m2flow.workers.tasks import TaskDataset
 from prompts import task_prompts
 

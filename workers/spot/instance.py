@@ -20,6 +20,8 @@ import time
 
 import ray
 
+from .names import MANAGER_NAME
+
 
 @ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={"loop": 1, "watch": 1})
 class SpotInstance:
@@ -80,8 +82,6 @@ class SpotInstance:
     @ray.method(concurrency_group="loop")
     def run(self) -> None:
         from m2flow.cluster import NAMESPACE
-
-        from .manager import MANAGER_NAME
 
         mgr = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
         executing = []
