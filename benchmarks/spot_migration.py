@@ -38,8 +38,8 @@ from m2flow.workers.data.item import prompt_items  # noqa: E402
 from m2flow.workers.data.reasoning_gym import task_items  # noqa: E402
 from m2flow.workers.data.sampler import PromptSampler  # noqa: E402
 from m2flow.workers.llm import build_char_tokenizer  # noqa: E402
+from m2flow.workers.rollout.spot.names import MANAGER_NAME  # noqa: E402
 from m2flow.workers.rollout.worker import RolloutWorker  # noqa: E402
-from m2flow.workers.spot.names import MANAGER_NAME  # noqa: E402
 from m2flow.workers.tasks import TaskDataset  # noqa: E402
 
 from m2flow import Channel, sync_weights  # noqa: E402

@@ -27,9 +27,9 @@ from m2flow.workers.rollout.emulated import (
     throughput_preset,
 )
 from m2flow.workers.rollout.exact import GenRequest
+from m2flow.workers.rollout.spot.config import SpotPoolConfig
+from m2flow.workers.rollout.spot.names import MANAGER_NAME
 from m2flow.workers.rollout.worker import RolloutWorker
-from m2flow.workers.spot.config import SpotPoolConfig
-from m2flow.workers.spot.names import MANAGER_NAME
 from test_spot import metrics, pool_step
 
 from m2flow import sync_weights

@@ -17,8 +17,8 @@ import torch
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
 from m2flow.workers.rollout.exact import ExactEngine, GenRequest
+from m2flow.workers.rollout.spot.names import MANAGER_NAME
 from m2flow.workers.rollout.worker import RolloutWorker
-from m2flow.workers.spot.names import MANAGER_NAME
 from m2flow.workers.tasks import TaskDataset
 from prompts import task_prompts
 

@@ -28,9 +28,9 @@ from m2flow.workers.actor.worker import ActorWorker  # noqa: E402
 from m2flow.workers.algos.logprobs import sequence_logprobs  # noqa: E402
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model  # noqa: E402
 from m2flow.workers.rollout.exact import GenRequest, to_generation_output  # noqa: E402
+from m2flow.workers.rollout.spot.names import MANAGER_NAME  # noqa: E402
 from m2flow.workers.rollout.vllm_engine import VllmEngine  # noqa: E402
 from m2flow.workers.rollout.worker import RolloutWorker  # noqa: E402
-from m2flow.workers.spot.names import MANAGER_NAME  # noqa: E402
 from m2flow.workers.tasks import TaskDataset  # noqa: E402
 from prompts import task_prompts  # noqa: E402
 from test_vllm_engine import LOGPROB_ATOL, SHORT_RUN, TINY  # noqa: E402

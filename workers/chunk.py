@@ -1,6 +1,6 @@
 """The rollout chunk: what a rollout rank puts into its output channel for each chunk of prompts
 (:meth:`~m2flow.workers.rollout.worker.RolloutWorker.generate`, the spot pool's
-:meth:`~m2flow.workers.spot.pool.ReservedSeeder.generate`), and what the reward worker,
+:meth:`~m2flow.workers.rollout.spot.pool.ReservedSeeder.generate`), and what the reward worker,
 the reward model, the reference, the critic and the actor read.
 
 A chunk holds whole GRPO groups: every sample of each of its prompts. Its :attr:`~RolloutChunk.

@@ -21,7 +21,7 @@ from .llm.config import DTYPES
 from .llm.config import ModelConfig as LMShape
 from .llm.tokenizer import tokenizer_spec
 from .reward.config import check_reward
-from .spot.config import SpotPoolConfig
+from .rollout.spot.config import SpotPoolConfig
 
 
 @dataclass

@@ -34,7 +34,7 @@ class RolloutWorker(Worker):
         shared_prefix: prefill each prompt once for its ``n_samples`` samples
             (:func:`.generation.prefill_shared`) instead of once per sample.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
-        spot: :class:`~m2flow.workers.spot.config.SpotPoolConfig` fields: with ``enabled``,
+        spot: :class:`~m2flow.workers.rollout.spot.config.SpotPoolConfig` fields: with ``enabled``,
             each step's rollout goes through the spot rollout pool (RLBoost; docs/spot.md):
             this rank seeds for ``T_seed`` seconds, spot instances continue.
         seed: the run seed: token ``t`` of sample ``j`` of prompt ``p`` in step ``s`` is drawn
@@ -97,7 +97,7 @@ class RolloutWorker(Worker):
             self.model.to(self.device)
         self.pool = None
         if spot_on:
-            from ..spot.pool import ReservedSeeder
+            from .spot.pool import ReservedSeeder
 
             self.pool = ReservedSeeder(self, spot, model, tokenizer)
 

@@ -20,11 +20,11 @@ import torch
 from m2flow import Channel
 from m2flow.work import Work
 
-from ..batch import num_tokens, to_batch
-from ..chunk import RolloutChunk
-from ..rollout.emulated import EmulatedEngine
-from ..rollout.exact import ExactEngine, GenRequest, to_generation_output
-from ..rollout.generation import stop_token_ids
+from ...batch import num_tokens, to_batch
+from ...chunk import RolloutChunk
+from ..emulated import EmulatedEngine
+from ..exact import ExactEngine, GenRequest, to_generation_output
+from ..generation import stop_token_ids
 from .config import SpotPoolConfig
 from .manager import get_manager
 

@@ -32,7 +32,7 @@ class SpotInstance:
     args: ``{"model", "tokenizer", "temperature", "top_p", "seed", "batch_rows", "threads"}``
         plus ``"engine": "exact"|"vllm"`` (vllm: ``max_batch`` is vLLM's ``max_num_seqs``);
         for an emulated engine ``{"engine": "emulated", "emulated", "eos_id", "filler_id",
-        "seed"}`` (:class:`~m2flow.workers.spot.config.EmulatedEngineConfig` fields).
+        "seed"}`` (:class:`~m2flow.workers.rollout.spot.config.EmulatedEngineConfig` fields).
     """
 
     def __init__(self, instance_id: str, block_tokens: int, max_batch: int, args: dict) -> None:
@@ -41,7 +41,7 @@ class SpotInstance:
         self.stop = threading.Event()
         self.vllm = args.get("engine") == "vllm"
         if args.get("engine") == "emulated":
-            from ..rollout.emulated import EmulatedEngine
+            from ..emulated import EmulatedEngine
 
             self.model = None
             self.engine = EmulatedEngine.from_config(
@@ -51,15 +51,15 @@ class SpotInstance:
             return
         import torch
 
-        from ..llm import build_tokenizer, load_model
-        from ..rollout.exact import ExactEngine
-        from ..rollout.generation import stop_token_ids
+        from ...llm import build_tokenizer, load_model
+        from ..exact import ExactEngine
+        from ..generation import stop_token_ids
 
         torch.set_num_threads(args.get("threads", 1))
         tok = build_tokenizer(args["tokenizer"])
         self.model = load_model(args["model"], tok)  # the host; weights come by pull
         if self.vllm:  # weights arrive by the first pull, as for the exact engine
-            from ..rollout.vllm_engine import VllmEngine
+            from ..vllm_engine import VllmEngine
 
             self.engine = VllmEngine(
                 args["model"].get("path") or self.model, tok, args["temperature"],

@@ -46,7 +46,7 @@ from m2flow.scheduler.spot import (
     select_instance,
 )
 
-from ..rollout.exact import GenRequest
+from ..exact import GenRequest
 from .config import SpotPoolConfig
 from .instance import SpotInstance
 from .names import MANAGER_NAME
