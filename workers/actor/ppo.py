@@ -11,6 +11,7 @@ from m2flow import Channel
 from ..algos.ppo import masked_whiten
 from ..batch import concat, row_order
 from ..checkpoint import load_state, save_state
+from ..weight_change import snapshot, update_norm
 from .trainer import RESPONSE_KEYS
 from .worker import ActorWorker
 
@@ -77,7 +78,7 @@ class PPOActorWorker(ActorWorker):
             data["old_logprobs"] = batch["logprobs"]
         # Megatron: rank 0's Hugging Face copy (the other ranks keep none: update_norm 0).
         params = [] if self.model is None else list(self.model.parameters())
-        before = [p.detach().clone() for p in params]
+        before = snapshot(params)
         split = (self.mini_batch_size, self.micro_batch_size, self.epochs, self.generator)
         if self.megatron is not None:
             metrics = megatron_ppo_update(self.megatron, data, *split)
@@ -90,8 +91,8 @@ class PPOActorWorker(ActorWorker):
                 data, mini, micro, epochs=epochs, shuffle=epochs > 1, generator=gen
             )
         self.weight_version += 1
-        change = sum(float(((p.detach() - b) ** 2).sum()) for p, b in zip(params, before))
-        return {**metrics, "samples": len(batch), "stale": stale, "update_norm": change**0.5}
+        norm = update_norm(before, params)
+        return {**metrics, "samples": len(batch), "stale": stale, "update_norm": norm}
 
 
 def megatron_ppo_update(

@@ -20,6 +20,7 @@ from ..checkpoint import load_state, save_state
 from ..chunk import RolloutChunk
 from ..llm import build_tokenizer, compute_dtype
 from ..llm.placement import torch_device
+from ..weight_change import snapshot, update_norm
 from .megatron_engine import lm_to_critic
 from .model import ValueModel
 from .trainer import ValueTrainer
@@ -228,14 +229,14 @@ class CriticWorker(Worker):
             "return_mean": float((data["returns"] * mask).sum() / n_tok),
             "explained_variance": explained_variance(data["old_values"], data["returns"], mask),
         }
-        before = [p.detach().clone() for p in self.trainer.model.parameters()]
+        before = snapshot(self.trainer.model.parameters())
         stats |= self.trainer.train_values(
             data, self.value_clip, self.mini, self.micro, self.epochs, self.generator
         )
         if self.megatron is not None:
             stats["update_norm"] = self.megatron.change_norm(before)
         else:
-            stats["update_norm"] = _change(before, self.trainer.model.parameters())
+            stats["update_norm"] = update_norm(before, self.trainer.model.parameters())
         return stats
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -274,9 +275,3 @@ class CriticWorker(Worker):
 
     def onload(self) -> None:
         self.trainer.onload()
-
-
-def _change(before: list[torch.Tensor], after) -> float:
-    """L2 norm of the difference between two parameter lists."""
-    sq = sum(float(((a.detach() - b) ** 2).sum()) for a, b in zip(after, before))
-    return sq**0.5

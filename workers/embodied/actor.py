@@ -21,6 +21,7 @@ from ..algos.ppo import clipped_value_loss, explained_variance, gae, masked_whit
 from ..batch import row_order, split_rows
 from ..checkpoint import load_state, save_state
 from ..llm.placement import torch_device
+from ..weight_change import snapshot, update_norm
 from .policy import ActorCritic
 
 
@@ -104,7 +105,7 @@ class EmbodiedActorWorker(Worker):
         n = len(flat["actions"])
         ones = flat["advantages"].new_ones(n, 1)
         flat["advantages"] = masked_whiten(flat["advantages"].unsqueeze(1), ones).squeeze(1)
-        before = [p.detach().clone() for p in self.net.parameters()]
+        before = snapshot(self.net.parameters())
         sums: dict[str, float] = defaultdict(float)
         steps = 0
         for _ in range(self.epochs):
@@ -115,14 +116,12 @@ class EmbodiedActorWorker(Worker):
                     sums[k] += v
                 steps += 1
         self.weight_version += 1
-        change = sum(
-            float(((p.detach() - b) ** 2).sum()) for p, b in zip(self.net.parameters(), before)
-        )
+        norm = update_norm(before, self.net.parameters())
         out = {k: v / steps for k, v in sums.items()}
         out["explained_variance"] = explained_variance(
             flat["values"], flat["returns"], ones.squeeze(1)
         )
-        out["samples"], out["update_norm"] = n, change**0.5
+        out["samples"], out["update_norm"] = n, norm
         return out
 
     def _step(self, mb: dict[str, torch.Tensor]) -> dict[str, float]:
