@@ -10,7 +10,7 @@ from ..algos.logprobs import sequence_logprobs
 from ..batch import num_tokens
 from ..checkpoint import load_state, save_state
 from ..llm import build_tokenizer, load_model
-from ..llm.placement import offload_module, onload_module, torch_device
+from ..llm.placement import offload_module, onload_module, set_torch_threads, torch_device
 from .trainer import RESPONSE_KEYS
 
 
@@ -37,7 +37,7 @@ class ReferenceWorker(Worker):
         micro_batch_size: int = 0,
         threads: int = 0,
     ) -> None:
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         self.device = torch_device(self.devices)
         tokenizer = build_tokenizer(tokenizer)
         self.model = load_model(model, tokenizer, self.device).eval()  # in model.dtype

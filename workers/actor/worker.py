@@ -17,7 +17,7 @@ from ..algos.grpo import grpo_advantages
 from ..batch import concat
 from ..data.reasoning_gym import task_split
 from ..llm import build_tokenizer, compute_dtype, load_model
-from ..llm.placement import torch_device
+from ..llm.placement import set_torch_threads, torch_device
 from ..reward.functions import RewardFunction
 from .sft import run_sft
 from .trainer import PolicyTrainer
@@ -159,7 +159,7 @@ class ActorWorker(Worker):
         )  # fmt: skip
         if megatron and dist is None:
             raise ValueError("engine='megatron' needs the rendezvous: start with launch()")
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         transformers.utils.logging.disable_progress_bar()  # no shard bars in run logs
         self.device = torch_device(self.devices)
         if self.world_size != 1 and not megatron:

@@ -19,7 +19,7 @@ from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
 from ..chunk import RolloutChunk
 from ..llm import build_tokenizer, compute_dtype
-from ..llm.placement import torch_device
+from ..llm.placement import set_torch_threads, torch_device
 from ..weight_change import snapshot, update_norm
 from .megatron_engine import lm_to_critic
 from .model import ValueModel
@@ -114,7 +114,7 @@ class CriticWorker(Worker):
         self._check(self.world_size, kw)
         if engine == "megatron" and dist is None:
             raise ValueError("critic.engine=megatron needs the rendezvous: start with launch()")
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         self.tokenizer = build_tokenizer(tokenizer)
         device = torch_device(self.devices)
         value_model = ValueModel(model, self.tokenizer, seed=seed)

@@ -20,7 +20,7 @@ from ..algos.grpo import grpo_loss
 from ..algos.ppo import clipped_value_loss, explained_variance, gae, masked_whiten
 from ..batch import row_order, split_rows
 from ..checkpoint import load_state, save_state
-from ..llm.placement import torch_device
+from ..llm.placement import set_torch_threads, torch_device
 from ..weight_change import snapshot, update_norm
 from .policy import ActorCritic
 
@@ -61,7 +61,7 @@ class EmbodiedActorWorker(Worker):
         threads: int = 0,
         seed: int = 0,
     ) -> None:
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         torch.manual_seed(seed)
         self.device = torch_device(self.devices)
         self.net = ActorCritic(obs_dim, n_actions, hidden).to(self.device)

@@ -23,7 +23,7 @@ from ..chunk import RolloutChunk
 from ..critic.model import ValueModel
 from ..critic.trainer import ValueTrainer
 from ..llm import build_tokenizer, compute_dtype
-from ..llm.placement import torch_device
+from ..llm.placement import set_torch_threads, torch_device
 from ..llm.tokenizer import decode_responses
 from ..tasks import accuracy
 from .functions import RewardFunction, RewardResult, result_metrics
@@ -66,7 +66,7 @@ class RewardModelWorker(Worker):
     ) -> None:
         if not 0.0 <= verifier_weight <= 1.0:
             raise ValueError(f"verifier_weight must be in [0, 1], got {verifier_weight}")
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         self.tokenizer = build_tokenizer(tokenizer)
         self.reward_fn = RewardFunction(**(reward or {}))
         self._results: list[RewardResult] = []  # this call's, for its metrics

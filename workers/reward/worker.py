@@ -15,6 +15,7 @@ from m2flow import Channel, Worker
 from ..batch import num_tokens
 from ..chunk import RolloutChunk
 from ..llm import build_tokenizer
+from ..llm.placement import set_torch_threads
 from ..llm.tokenizer import decode_responses
 from ..tasks import accuracy
 from .functions import RewardFunction, RewardResult, result_metrics
@@ -83,7 +84,7 @@ class RewardWorker(Worker):
                 "a reward function and the reward service: the service scores with its own "
                 "pipelines (reward_service.pipeline); leave reward.function at auto"
             )
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         self.tokenizer = build_tokenizer(tokenizer)
         self.reward_fn = RewardFunction(**(reward or {}))
         self._results: list[RewardResult] = []  # this call's, for its metrics

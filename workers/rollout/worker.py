@@ -10,7 +10,13 @@ from ..batch import num_tokens, to_batch
 from ..chunk import RolloutChunk
 from ..data.item import PromptItem
 from ..llm import build_tokenizer, compute_dtype, load_model
-from ..llm.placement import offload_module, onload_module, split_evenly, torch_device
+from ..llm.placement import (
+    offload_module,
+    onload_module,
+    set_torch_threads,
+    split_evenly,
+    torch_device,
+)
 from ..reward.functions import RewardFunction
 from .evaluation import greedy_scores
 from .generation import generate
@@ -72,7 +78,7 @@ class RolloutWorker(Worker):
                 f"engine='vllm' with rollout.spot.engine={spot.get('engine')!r}: the emulated "
                 "engine models the rollout engine; use rollout.engine=hf with it"
             )
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         self.device = torch_device(self.devices)
         self.tokenizer = build_tokenizer(tokenizer)
         # Weights in model.dtype (inference only); sync_weights casts the actor's into them.
