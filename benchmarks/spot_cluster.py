@@ -2,16 +2,17 @@
 colocated, veRL.2x and disaggregated baselines, ablations, and the planner's prediction
 (RLBoost section 6.2-6.4; docs/spot_cluster.md).
 
-Every configuration runs the real spot pool: the rollout manager (``workers/spot/manager.py``,
-Algorithms 1 and 2), ``SpotInstance`` actors on spot nodes that are real ``ray start``
-processes (``m2flow.spot.LocalSpotCluster``) joining and leaving as a trace of
-``scheduler.spot_trace.generate_segment`` says, and emulated engines
+Every configuration runs the real spot pool: the rollout manager
+(``workers/rollout/spot/manager.py``, Algorithms 1 and 2), ``SpotInstance`` actors on spot
+nodes that are real ``ray start`` processes (``m2flow.spot.LocalSpotCluster``) joining and
+leaving as a trace of ``scheduler.spot_trace.generate_segment`` says, and emulated engines
 (``workers/rollout/emulated.py``) on the instances and on the reserved cluster's rollout
 engines. What this script adds is the reserved 8xH100 cluster's side, emulated:
 
 - ``n_engines`` reserved rollout engines (TP 2: four per 8xH100 node), each running the
-  reserved seeder's own loop (``workers/spot/pool.seed``: register, lease, one block, report;
-  leave after ``T_seed`` once a spot instance is ready; the colocated fallback when none is);
+  reserved seeder's own loop (``workers/rollout/spot/pool.seed``: register, lease, one block,
+  report; leave after ``T_seed`` once a spot instance is ready; the colocated fallback when
+  none is);
 - an emulated trainer (:class:`TrainModel`) that collects finished GRPO groups from the
   manager in dynamic micro-batches (``collect(owner, m_b)``, the call whose wait the manager
   counts as ``t_train_wait``) and sleeps each micro-batch's modelled training time, then the
@@ -61,9 +62,9 @@ from m2flow.workers.rollout.emulated import (  # noqa: E402
 )
 from m2flow.workers.rollout.emulated_rollout import rollout_finish_times  # noqa: E402
 from m2flow.workers.rollout.exact import GenRequest  # noqa: E402
-from m2flow.workers.spot.config import SpotPoolConfig  # noqa: E402
-from m2flow.workers.spot.manager import get_manager  # noqa: E402
-from m2flow.workers.spot.pool import seed as seed_loop  # noqa: E402
+from m2flow.workers.rollout.spot.config import SpotPoolConfig  # noqa: E402
+from m2flow.workers.rollout.spot.manager import get_manager  # noqa: E402
+from m2flow.workers.rollout.spot.pool import seed as seed_loop  # noqa: E402
 
 from m2flow.spot import LocalSpotCluster  # noqa: E402
 

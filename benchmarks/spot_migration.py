@@ -38,8 +38,8 @@ from m2flow.workers.data.item import prompt_items  # noqa: E402
 from m2flow.workers.data.reasoning_gym import task_items  # noqa: E402
 from m2flow.workers.data.sampler import PromptSampler  # noqa: E402
 from m2flow.workers.llm import build_char_tokenizer  # noqa: E402
+from m2flow.workers.rollout.spot.names import MANAGER_NAME  # noqa: E402
 from m2flow.workers.rollout.worker import RolloutWorker  # noqa: E402
-from m2flow.workers.spot.manager import MANAGER_NAME  # noqa: E402
 from m2flow.workers.tasks import TaskDataset  # noqa: E402
 
 from m2flow import Channel, sync_weights  # noqa: E402
@@ -122,7 +122,7 @@ def main() -> None:
                 seconds = time.monotonic() - t0
                 got = 0
                 while got < a.prompts:
-                    got += len(out.get(timeout=60)["entries"])
+                    got += len(out.get(timeout=60).entries)
                 inp.close()
                 out.close()
                 row = {"step_s": seconds, "preempted_at_s": preempted, **res["spot"]}

@@ -63,11 +63,11 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--quiet", action="store_true", help="no warm-start progress lines")
     a = ap.parse_args(argv)
 
+    from m2flow.workers.actor.sft import run_sft
     from m2flow.workers.actor.trainer import PolicyTrainer
-    from m2flow.workers.data.reasoning_gym import task_split
+    from m2flow.workers.data.reasoning_gym import task_section, task_split
     from m2flow.workers.llm import build_model, build_tokenizer, save_checkpoint, tokenizer_spec
-    from m2flow.workers.recipe import task_section, warm_start_args
-    from m2flow.workers.sft import run_sft
+    from m2flow.workers.recipe import warm_start_args
 
     from m2flow.recipe import plain
     from m2flow.workflow import prepare

@@ -7,6 +7,7 @@ import pytest
 import torch
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.batch import to_batch
+from m2flow.workers.chunk import RolloutChunk
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
 from m2flow.workers.rollout.generation import generate
 from test_workflow import ALPHABET, TINY_MODEL, TOKENIZER
@@ -27,7 +28,7 @@ class Feeder(Worker):
         return len(chunks)
 
 
-def _chunks() -> list[dict]:
+def _chunks() -> list[RolloutChunk]:
     """4 rollout chunks of 2 GRPO groups x 4 samples, with rewards that vary in each group."""
     tok = build_char_tokenizer(ALPHABET)
     model = build_model(ModelConfig(**TINY_MODEL), tok, seed=0)
@@ -39,7 +40,7 @@ def _chunks() -> list[dict]:
                        max_new_tokens=4, temperature=1.0)  # fmt: skip
         gen["group_index"] = gen["group_index"] + 2 * k
         gen["rewards"] = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
-        chunks.append({"batch": to_batch(gen), "weight_version": 0})
+        chunks.append(RolloutChunk(to_batch(gen), entries={}, weight_version=0))
     return chunks
 
 

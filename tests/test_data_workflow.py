@@ -16,8 +16,8 @@ import pytest
 from m2flow.workers.data.files import load_items
 from m2flow.workers.data.item import prompt_items
 from m2flow.workers.llm import build_char_tokenizer
+from m2flow.workers.llm.tokenizer import decode_responses
 from m2flow.workers.reward.worker import RewardWorker
-from m2flow.workers.rollout.generation import decode_responses
 from m2flow.workers.rollout.worker import RolloutWorker
 from test_workflow import ALPHABET, COMPARED, ROUNDED, TINY_MODEL, TINY_RUN, TOKENIZER, _records
 
@@ -112,9 +112,9 @@ def test_reward_worker_scores_with_the_file_function(cluster, tmp_path):
         gen.wait()
         (out,) = rew.wait()
         chunk = copy.get(timeout=60)
-        b = chunk["batch"]
+        b = chunk.batch
         texts = decode_responses(tok, b["response_ids"], b["response_mask"])
-        entries = [chunk["entries"][int(g)] for g in b["group_index"]]
+        entries = chunk.row_entries()
         expected = [expected_score(t, e["ground_truth"]) for t, e in zip(texts, entries)]
         assert b["rewards"].tolist() == expected and len(expected) == 16
         assert [e["index"] for e in entries[::4]] == [2, 0, 3, 1]  # groups in step order

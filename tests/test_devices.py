@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from m2flow.workers.actor.losses import grpo_advantages
 from m2flow.workers.actor.trainer import PolicyTrainer
+from m2flow.workers.algos.grpo import grpo_advantages
+from m2flow.workers.algos.ppo import gae
 from m2flow.workers.batch import concat, to_batch
-from m2flow.workers.critic.losses import gae
 from m2flow.workers.critic.model import ValueModel
 from m2flow.workers.critic.trainer import ValueTrainer
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model

@@ -27,9 +27,9 @@ from m2flow.workers.rollout.emulated import (
     throughput_preset,
 )
 from m2flow.workers.rollout.exact import GenRequest
+from m2flow.workers.rollout.spot.config import SpotPoolConfig
+from m2flow.workers.rollout.spot.names import MANAGER_NAME
 from m2flow.workers.rollout.worker import RolloutWorker
-from m2flow.workers.spot.config import SpotPoolConfig
-from m2flow.workers.spot.manager import MANAGER_NAME
 from test_spot import metrics, pool_step
 
 from m2flow import sync_weights
@@ -274,7 +274,7 @@ def run_step(rollout, mgr, step: int, prompts: int = 16, during=None) -> tuple:
     res, rows, items = pool_step(rollout, mgr, step, prompts, SAMPLES, during)
     got = {}
     for key, (chunk, i) in rows.items():
-        b = chunk["batch"]
+        b = chunk.batch
         got[key] = b["response_ids"][i, : int(b["response_mask"][i].sum())].tolist()
     return res, {k: got[k] for k in sorted(got)}, items
 

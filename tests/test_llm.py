@@ -12,11 +12,12 @@ import os
 
 import pytest
 import torch
-from m2flow.workers.actor.losses import grpo_advantages, grpo_loss, sequence_logprobs
+from m2flow.workers.actor.sft import run_sft, sft_batch
 from m2flow.workers.actor.trainer import PolicyTrainer
+from m2flow.workers.algos.grpo import grpo_advantages, grpo_loss
+from m2flow.workers.algos.logprobs import sequence_logprobs
 from m2flow.workers.batch import concat, num_tokens, to_batch
 from m2flow.workers.data.reasoning_gym import task_items
-from m2flow.workers.evaluation import evaluate
 from m2flow.workers.llm import (
     DEFAULT_ALPHABET,
     ModelConfig,
@@ -25,9 +26,10 @@ from m2flow.workers.llm import (
     load_checkpoint,
     save_checkpoint,
 )
+from m2flow.workers.llm.tokenizer import decode_responses
 from m2flow.workers.reward.functions import RewardFunction
-from m2flow.workers.rollout.generation import decode_responses, eos_mask, generate, left_pad
-from m2flow.workers.sft import run_sft, sft_batch
+from m2flow.workers.rollout.evaluation import evaluate
+from m2flow.workers.rollout.generation import eos_mask, generate, left_pad
 from m2flow.workers.tasks import TaskDataset, TaskItem, accuracy, compact_prompt, score
 
 TINY = dict(

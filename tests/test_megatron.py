@@ -31,7 +31,8 @@ if importlib.util.find_spec("megatron") is None or (
     )
 
 import torch  # noqa: E402
-from m2flow.workers.actor.losses import grpo_loss, sequence_logprobs  # noqa: E402
+from m2flow.workers.algos.grpo import grpo_loss  # noqa: E402
+from m2flow.workers.algos.logprobs import sequence_logprobs  # noqa: E402
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")

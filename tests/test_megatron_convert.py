@@ -48,7 +48,7 @@ if importlib.util.find_spec("megatron") is None or (
     )
 
 import torch  # noqa: E402
-from m2flow.workers.actor.losses import sequence_logprobs  # noqa: E402
+from m2flow.workers.algos.logprobs import sequence_logprobs  # noqa: E402
 from test_megatron import (  # noqa: E402
     ADAMW,
     ADAMW_TRAINER,

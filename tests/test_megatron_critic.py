@@ -241,10 +241,10 @@ def test_ppo_epochs_on_megatron_engine_match_torch():
     import socket
 
     import torch.distributed as dist
-    from m2flow.workers.actor.losses import sequence_logprobs
     from m2flow.workers.actor.megatron.engine import MegatronEngine
     from m2flow.workers.actor.ppo import megatron_ppo_update
     from m2flow.workers.actor.trainer import PolicyTrainer
+    from m2flow.workers.algos.logprobs import sequence_logprobs
     from m2flow.workers.llm import build_model
 
     hf = build_model(MODEL, build_char_tokenizer(), seed=0)

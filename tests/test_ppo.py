@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from m2flow.workers.critic.data import token_rewards
-from m2flow.workers.critic.losses import clipped_value_loss, gae
+from m2flow.workers.algos.ppo import clipped_value_loss, gae, token_rewards
 from m2flow.workers.llm import build_char_tokenizer, build_model
 
 from m2flow.placement import Placement

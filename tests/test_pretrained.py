@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from m2flow.workers.actor.losses import grpo_advantages
 from m2flow.workers.actor.trainer import PolicyTrainer
+from m2flow.workers.algos.grpo import grpo_advantages
 from m2flow.workers.critic.model import ValueModel
 from m2flow.workers.llm import (
     build_char_tokenizer,

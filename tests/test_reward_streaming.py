@@ -15,11 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 from m2flow.workers.llm import build_char_tokenizer
+from m2flow.workers.llm.tokenizer import decode_responses
 from m2flow.workers.reward.service.app import BackgroundServer
 from m2flow.workers.reward.service.client import RewardClient
 from m2flow.workers.reward.service.pipelines import math_extract, math_verify
 from m2flow.workers.reward.worker import RewardWorker
-from m2flow.workers.rollout.generation import decode_responses
 from m2flow.workers.rollout.worker import RolloutWorker
 from m2flow.workers.tasks import TaskDataset
 from prompts import task_prompts
@@ -60,9 +60,9 @@ def _reference(texts: list[str], answers: list[str]) -> list[float]:
 def _check_rewards(scored: list[dict]) -> None:
     tok = build_char_tokenizer(ALPHABET)
     for c in scored:
-        b = c["batch"]
+        b = c.batch
         texts = decode_responses(tok, b["response_ids"], b["response_mask"])
-        answers = [c["entries"][int(g)]["ground_truth"] for g in b["group_index"]]
+        answers = [e["ground_truth"] for e in c.row_entries()]
         assert b["rewards"].tolist() == _reference(texts, answers)
 
 

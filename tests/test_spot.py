@@ -17,8 +17,8 @@ import torch
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
 from m2flow.workers.rollout.exact import ExactEngine, GenRequest
+from m2flow.workers.rollout.spot.names import MANAGER_NAME
 from m2flow.workers.rollout.worker import RolloutWorker
-from m2flow.workers.spot.manager import MANAGER_NAME
 from m2flow.workers.tasks import TaskDataset
 from prompts import task_prompts
 
@@ -115,7 +115,7 @@ def pool_step(rollout, mgr, step: int, prompts: int, samples: int, during=None) 
     rows: dict = {}
     while len(rows) < prompts * samples:
         chunk = out.get(timeout=60)
-        for i, g in enumerate(chunk["batch"]["group_index"].tolist()):
+        for i, g in enumerate(chunk.batch["group_index"].tolist()):
             rows[(g, sum(1 for (gg, _) in rows if gg == g))] = (chunk, i)
     assert out.qsize() == 0, "more samples than prompts x n_samples"
     inp.close()
@@ -129,10 +129,10 @@ def run_step(rollout, mgr, step: int, prompts: int = 16, during=None) -> tuple:
     res, rows, items = pool_step(rollout, mgr, step, prompts, SAMPLES, during)
     got = {}
     for key, (chunk, i) in rows.items():
-        b = chunk["batch"]
+        b = chunk.batch
         n = int(b["response_mask"][i].sum())
         got[key] = (b["response_ids"][i, :n].tolist(), b["logprobs"][i, :n].tolist())
-    versions = {chunk["weight_version"] for chunk, _ in rows.values()}
+    versions = {chunk.weight_version for chunk, _ in rows.values()}
     return res, got, versions, items
 
 

@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from m2flow.workers.actor.losses import sequence_logprobs  # noqa: E402
+from m2flow.workers.algos.logprobs import sequence_logprobs  # noqa: E402
 from m2flow.workers.llm import ModelConfig, build_model, build_tokenizer  # noqa: E402
-from m2flow.workers.rollout.generation import decode_responses  # noqa: E402
+from m2flow.workers.llm.tokenizer import decode_responses  # noqa: E402
 from m2flow.workers.rollout.vllm_engine import VllmEngine  # noqa: E402
 from m2flow.workers.tasks import TaskDataset  # noqa: E402
 

@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 os.environ["M2FLOW_WAIT_TIMEOUT"] = "300"
 
 import torch  # noqa: E402
-from m2flow.workers.actor.losses import sequence_logprobs  # noqa: E402
+from m2flow.workers.algos.logprobs import sequence_logprobs  # noqa: E402
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model  # noqa: E402
 from m2flow.workers.rollout.exact import GenRequest, to_generation_output  # noqa: E402
 from m2flow.workers.rollout.vllm_engine import (  # noqa: E402

@@ -24,13 +24,13 @@ os.environ["M2FLOW_WAIT_TIMEOUT"] = "300"
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-from m2flow.workers.actor.losses import sequence_logprobs  # noqa: E402
 from m2flow.workers.actor.worker import ActorWorker  # noqa: E402
+from m2flow.workers.algos.logprobs import sequence_logprobs  # noqa: E402
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model  # noqa: E402
 from m2flow.workers.rollout.exact import GenRequest, to_generation_output  # noqa: E402
+from m2flow.workers.rollout.spot.names import MANAGER_NAME  # noqa: E402
 from m2flow.workers.rollout.vllm_engine import VllmEngine  # noqa: E402
 from m2flow.workers.rollout.worker import RolloutWorker  # noqa: E402
-from m2flow.workers.spot.manager import MANAGER_NAME  # noqa: E402
 from m2flow.workers.tasks import TaskDataset  # noqa: E402
 from prompts import task_prompts  # noqa: E402
 from test_vllm_engine import LOGPROB_ATOL, SHORT_RUN, TINY  # noqa: E402
@@ -119,7 +119,7 @@ def test_preempted_vllm_instance_migrates_with_no_sample_lost(pool):
         time.sleep(0.05)
     (res,) = call.wait(timeout=600)
     chunks = []
-    while sum(len(c["batch"]) for c in chunks) < prompts * SAMPLES:
+    while sum(c.num_samples for c in chunks) < prompts * SAMPLES:
         chunks.append(out.get(timeout=60))
     assert out.qsize() == 0, "more samples than prompts x n_samples"
     inp.close()
@@ -132,7 +132,7 @@ def test_preempted_vllm_instance_migrates_with_no_sample_lost(pool):
     assert spot["migrated_tokens"] >= spot["migrated_samples"]  # partial responses kept
     got = {}
     for c in chunks:
-        b = c["batch"]
+        b = c.batch
         for i, g in enumerate(b["group_index"].tolist()):
             j = sum(1 for (gg, _) in got if gg == g)
             n = int(b["response_mask"][i].sum())

@@ -13,9 +13,9 @@ import pytest
 import torch
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import build_char_tokenizer
+from m2flow.workers.llm.tokenizer import decode_responses
 from m2flow.workers.reward.functions import RewardFunction
 from m2flow.workers.reward.worker import RewardWorker
-from m2flow.workers.rollout.generation import decode_responses
 from m2flow.workers.rollout.worker import RolloutWorker
 from m2flow.workers.tasks import TaskDataset
 from prompts import task_prompts
@@ -118,13 +118,13 @@ def test_rollout_reward_train_changes_weights(cluster):
         after = actor.get_weights().wait()[0]
 
         chunks = [copy.get(timeout=60) for _ in range(2)]  # 4 prompts in chunks of 2
-        assert copy.qsize() == 0 and sorted(len(c["batch"]) for c in chunks) == [8, 8]
+        assert copy.qsize() == 0 and sorted(c.num_samples for c in chunks) == [8, 8]
         rewards, expected = [], []
         for c in chunks:
-            b = c["batch"]
+            b = c.batch
             texts = decode_responses(build_char_tokenizer(ALPHABET), b["response_ids"],
                                      b["response_mask"])  # fmt: skip
-            entries = [c["entries"][int(g)] for g in b["group_index"]]
+            entries = c.row_entries()
             expected += RewardFunction("reasoning_gym")(texts, entries).scores
             rewards += b["rewards"].tolist()
         assert rewards == pytest.approx(expected, abs=1e-6)

@@ -17,17 +17,12 @@ from m2flow.config import ConfigError
 from m2flow.recipe import TrainerConfig, finite_positive, plain, require
 
 from .data.config import check_data, from_files, prompt_limit
+from .data.reasoning_gym import task_config
 from .llm.config import DTYPES
 from .llm.config import ModelConfig as LMShape
 from .llm.tokenizer import tokenizer_spec
 from .reward.config import check_reward
-from .spot.config import SpotPoolConfig
-
-#: ``task.config`` defaults per task, under the keys the user sets (other tasks: {}, i.e.
-#: reasoning-gym's own defaults). chain_sum's: short sums the tiny model can learn.
-TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
-}
+from .rollout.spot.config import SpotPoolConfig
 
 
 @dataclass
@@ -35,8 +30,8 @@ class TaskConfig:  # the reasoning-gym source: used without data.train_files
     name: str = (
         "chain_sum"  # any reasoning-gym dataset (other than chain_sum: model.tokenizer=qwen2)
     )
-    # the generator's keyword arguments, over TASK_DEFAULTS[name] (any key, e.g.
-    # task.config.max_digits=3; see task_config)
+    # the generator's keyword arguments, over data.reasoning_gym.TASK_DEFAULTS[name] (any
+    # key, e.g. task.config.max_digits=3; see task_config)
     config: dict[str, Any] = field(default_factory=dict)
     train_seed: int = 1
     train_size: int = 20000
@@ -215,24 +210,6 @@ def validate_llm(cfg, min_samples: int = 1) -> None:
     check_reward(cfg.reward)
     if not from_files(cfg):
         check_task(cfg)
-
-
-def task_config(name: str, config: dict) -> dict:
-    """The generator's keyword arguments: ``TASK_DEFAULTS[name]`` updated with ``config``."""
-    return {**TASK_DEFAULTS.get(name, {}), **dict(config)}
-
-
-def task_section(cfg) -> dict:
-    """``plain(cfg.task)`` with ``config`` (:func:`task_config`) resolved, plus the prompt
-    limit (``max_prompt_tokens``: :func:`~m2flow.workers.data.config.prompt_limit`, and
-    ``overlong_prompts``): what :func:`~m2flow.workers.data.reasoning_gym.task_split` reads."""
-    t = plain(cfg.task)
-    return {
-        **t,
-        "config": task_config(t["name"], t["config"]),
-        "max_prompt_tokens": prompt_limit(cfg),
-        "overlong_prompts": cfg.data.overlong_prompts,
-    }
 
 
 def check_task(cfg, sample: int = 64) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from m2flow.workers.data.config import DataConfig
+from m2flow.workers.data.reasoning_gym import task_section
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
     ModelConfig,
@@ -28,7 +29,6 @@ from m2flow.workers.recipe import (
     WarmStartConfig,
     model_section,
     response_length,
-    task_section,
     validate_llm,
     validate_optim,
     warm_start_args,

@@ -8,10 +8,10 @@ from m2flow.scheduler.balance import all_queued
 
 from m2flow import Channel
 
+from ..algos.ppo import masked_whiten
 from ..batch import concat, row_order
 from ..checkpoint import load_state, save_state
-from ..critic.data import chunk_key
-from ..critic.losses import masked_whiten
+from ..weight_change import snapshot, update_norm
 from .trainer import RESPONSE_KEYS
 from .worker import ActorWorker
 
@@ -68,9 +68,9 @@ class PPOActorWorker(ActorWorker):
         parts = inp.stream(balance=all_queued, target_weight=1)
         if self.megatron is not None:  # every rank: the whole step (see .megatron.engine)
             parts = [self.megatron.read_step(parts)]
-        chunks = sorted((c for part in parts for c in part), key=lambda c: chunk_key(c["batch"]))
-        batch = concat([c["batch"] for c in chunks], self.tokenizer.pad_token_id)
-        stale = sum(len(c["batch"]) for c in chunks if c["weight_version"] != self.weight_version)
+        chunks = sorted((c for part in parts for c in part), key=lambda c: c.key)
+        batch = concat([c.batch for c in chunks], self.tokenizer.pad_token_id)
+        stale = sum(c.stale_samples(self.weight_version) for c in chunks)
         data = {k: batch[k] for k in RESPONSE_KEYS}
         adv = batch["advantages"]
         data["advantages"] = masked_whiten(adv, batch["response_mask"]) if self.whiten else adv
@@ -78,7 +78,7 @@ class PPOActorWorker(ActorWorker):
             data["old_logprobs"] = batch["logprobs"]
         # Megatron: rank 0's Hugging Face copy (the other ranks keep none: update_norm 0).
         params = [] if self.model is None else list(self.model.parameters())
-        before = [p.detach().clone() for p in params]
+        before = snapshot(params)
         split = (self.mini_batch_size, self.micro_batch_size, self.epochs, self.generator)
         if self.megatron is not None:
             metrics = megatron_ppo_update(self.megatron, data, *split)
@@ -91,8 +91,8 @@ class PPOActorWorker(ActorWorker):
                 data, mini, micro, epochs=epochs, shuffle=epochs > 1, generator=gen
             )
         self.weight_version += 1
-        change = sum(float(((p.detach() - b) ** 2).sum()) for p, b in zip(params, before))
-        return {**metrics, "samples": len(batch), "stale": stale, "update_norm": change**0.5}
+        norm = update_norm(before, params)
+        return {**metrics, "samples": len(batch), "stale": stale, "update_norm": norm}
 
 
 def megatron_ppo_update(

@@ -6,12 +6,11 @@ import torch
 
 from m2flow import Channel, Worker
 
+from ..algos.logprobs import sequence_logprobs
 from ..batch import num_tokens
 from ..checkpoint import load_state, save_state
-from ..critic.data import chunk_key
 from ..llm import build_tokenizer, load_model
-from ..llm.placement import offload_module, onload_module, torch_device
-from .losses import sequence_logprobs
+from ..llm.placement import offload_module, onload_module, set_torch_threads, torch_device
 from .trainer import RESPONSE_KEYS
 
 
@@ -38,7 +37,7 @@ class ReferenceWorker(Worker):
         micro_batch_size: int = 0,
         threads: int = 0,
     ) -> None:
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         self.device = torch_device(self.devices)
         tokenizer = build_tokenizer(tokenizer)
         self.model = load_model(model, tokenizer, self.device).eval()  # in model.dtype
@@ -59,9 +58,9 @@ class ReferenceWorker(Worker):
         """
         samples = 0
         for (chunk,) in inp.stream():
-            batch = chunk["batch"]
+            batch = chunk.batch
             ref = self._logprobs(batch)
-            out.put({"ref_logprobs": ref}, weight=num_tokens(batch), key=chunk_key(batch))
+            out.put({"ref_logprobs": ref}, weight=num_tokens(batch), key=chunk.key)
             samples += len(batch)
         return {"samples": samples}
 

@@ -16,10 +16,11 @@ from collections.abc import Mapping
 
 import torch
 
+from .. import parallel
+from ..algos.grpo import grpo_loss
+from ..algos.logprobs import sequence_logprobs, shared_prefix_logprobs
 from ..batch import row_index, row_order, split_rows
 from ..llm.model import checkpointing
-from . import data_parallel
-from .losses import grpo_loss, sequence_logprobs, shared_prefix_logprobs
 
 RESPONSE_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 _PACKED = object()  # an optimizer state slot whose tensor sits in the offload buffer
@@ -65,11 +66,11 @@ class PolicyTrainer:
         clip_eps_low, clip_eps_high: PPO ratio clip range.
         kl_coef: k3 KL weight to the reference logprobs (batch key ``ref_logprobs``).
         shared_prefix: compute policy logprobs (GRPO training and :meth:`compute_logprobs`)
-            with :func:`~.losses.shared_prefix_logprobs`, each distinct prompt of a micro-batch
-            forwarded once; same values and gradients as the full forward up to float
-            rounding. Supervised steps keep the full forward (their prompts are distinct), and
-            so do training forwards of a model with gradient checkpointing (it recomputes
-            without a KV cache, which the shared prefix is).
+            with :func:`~m2flow.workers.algos.logprobs.shared_prefix_logprobs`, each distinct
+            prompt of a micro-batch forwarded once; same values and gradients as the full
+            forward up to float rounding. Supervised steps keep the full forward (their prompts
+            are distinct), and so do training forwards of a model with gradient checkpointing
+            (it recomputes without a KV cache, which the shared prefix is).
         compute_dtype: the forward/backward's dtype: float32, or bfloat16/float16 under
             ``torch.autocast`` over float32 master weights (mixed precision; ``model.dtype``).
     """
@@ -262,8 +263,9 @@ class PolicyTrainer:
         return batch, keys, self._accumulated
 
     def grpo_loss(self, lp: torch.Tensor, mb: dict, num_tokens: float):
-        """:func:`~.losses.grpo_loss` of logprobs ``lp`` ``[B, R]`` on micro-batch ``mb`` with
-        this trainer's clip range and KL weight; returns ``(loss, metrics)``."""
+        """:func:`~m2flow.workers.algos.grpo.grpo_loss` of logprobs ``lp`` ``[B, R]`` on
+        micro-batch ``mb`` with this trainer's clip range and KL weight; returns ``(loss,
+        metrics)``."""
         return grpo_loss(
             lp,
             mb["old_logprobs"],
@@ -279,9 +281,9 @@ class PolicyTrainer:
     def finish_accumulation(self) -> dict[str, float]:
         """Scale the accumulated gradients to the token mean and take one optimizer step.
 
-        Data parallel (:mod:`.data_parallel` active): a collective every rank calls once per
-        step, its parts or none: gradients, token counts and metric sums are summed over the
-        ranks first, so every rank takes the step one rank would on all the parts.
+        Data parallel (:mod:`~m2flow.workers.parallel` active): a collective every rank calls
+        once per step, its parts or none: gradients, token counts and metric sums are summed
+        over the ranks first, so every rank takes the step one rank would on all the parts.
 
         Returns:
             ``loss``, ``pg_loss``, ``clip_frac``, ``ratio_mean``, ``kl`` (token means over the
@@ -289,12 +291,12 @@ class PolicyTrainer:
             accumulated).
         """
         acc, self._accumulated = self._accumulated, None
-        if data_parallel.active():  # every rank: the sums and gradients of all ranks' parts
+        if parallel.active():  # every rank: the sums and gradients of all ranks' parts
             keys = ("tokens", "loss", "pg_loss", "clip_frac", "ratio_mean")
             keys += ("kl",) * (self.kl_coef > 0)
-            acc = data_parallel.all_reduce_sums(acc or {}, keys, self.dp_group)
+            acc = parallel.all_reduce_sums(acc or {}, keys, self.dp_group)
             if acc["tokens"] > 0:
-                data_parallel.all_reduce_grads(self.model, self.dp_group)
+                parallel.all_reduce_grads(self.model, self.dp_group)
         if not acc or acc["tokens"] <= 0:
             self.optimizer.zero_grad(set_to_none=True)
             return {"steps": 0}

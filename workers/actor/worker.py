@@ -12,14 +12,14 @@ from m2flow.scheduler.balance import all_queued
 
 from m2flow import Channel, Worker
 
+from .. import parallel as dp
+from ..algos.grpo import grpo_advantages
 from ..batch import concat
 from ..data.reasoning_gym import task_split
 from ..llm import build_tokenizer, compute_dtype, load_model
-from ..llm.placement import torch_device
+from ..llm.placement import set_torch_threads, torch_device
 from ..reward.functions import RewardFunction
-from ..sft import run_sft
-from . import data_parallel as dp
-from .losses import grpo_advantages
+from .sft import run_sft
 from .trainer import PolicyTrainer
 
 
@@ -29,8 +29,9 @@ class ActorWorker(Worker):
     By default one rank: given several devices by a plan, it uses them as one (``data_parallel
     = False``): all their CPU threads on virtual devices. With ``data_parallel=True`` it runs
     one rank per device, each with the whole model, reading its share of the step's chunks
-    from the channel; one gradient all-reduce per step (:mod:`.data_parallel`, gloo on CPU,
-    NCCL on CUDA) makes every rank take the optimizer step one rank would on all the chunks.
+    from the channel; one gradient all-reduce per step (:mod:`~m2flow.workers.parallel`, gloo
+    on CPU, NCCL on CUDA) makes every rank take the optimizer step one rank would on all the
+    chunks.
     The warm start runs on rank 0 and its weights are broadcast; rank 0 is the weight source
     and writes the checkpoints (every rank loads them).
 
@@ -61,7 +62,8 @@ class ActorWorker(Worker):
             using the rollout's (the weights are identical; the rollout's differ only by
             kernel rounding).
         shared_prefix: forward each GRPO group's prompt once in logprob and training
-            forwards (:func:`~.losses.shared_prefix_logprobs`); same math as the full forward.
+            forwards (:func:`~m2flow.workers.algos.logprobs.shared_prefix_logprobs`); same math
+            as the full forward.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
         seed: model init seed.
         data_parallel: one rank per device (launch) and a gradient all-reduce (see above);
@@ -157,7 +159,7 @@ class ActorWorker(Worker):
         )  # fmt: skip
         if megatron and dist is None:
             raise ValueError("engine='megatron' needs the rendezvous: start with launch()")
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         transformers.utils.logging.disable_progress_bar()  # no shard bars in run logs
         self.device = torch_device(self.devices)
         if self.world_size != 1 and not megatron:
@@ -310,11 +312,9 @@ class ActorWorker(Worker):
             parts = [self.megatron.read_step(parts)]
         # A fixed order (by first prompt id), whichever rank or chunk arrived first: the
         # mini-batches, hence the update, do not depend on the plan.
-        chunks = sorted(
-            (c for part in parts for c in part), key=lambda c: int(c["batch"]["group_index"][0])
-        )
-        batch = concat([c["batch"] for c in chunks], self.tokenizer.pad_token_id)
-        stale = sum(len(c["batch"]) for c in chunks if c["weight_version"] != self.weight_version)
+        chunks = sorted((c for part in parts for c in part), key=lambda c: c.key)
+        batch = concat([c.batch for c in chunks], self.tokenizer.pad_token_id)
+        stale = sum(c.stale_samples(self.weight_version) for c in chunks)
         data = self._training_data(batch)
         trained = len(data["advantages"])
         metrics = {}
@@ -337,14 +337,12 @@ class ActorWorker(Worker):
         rollout ranks costs one part, and a lagging actor coarsens its own granularity."""
         samples = trained = stale = parts = 0
         for chunks in inp.stream(balance=all_queued, target_weight=1):
-            batches = [c["batch"] for c in chunks]
+            batches = [c.batch for c in chunks]
             batch = (
                 batches[0] if len(batches) == 1 else concat(batches, self.tokenizer.pad_token_id)
             )
             samples += len(batch)
-            stale += sum(
-                len(c["batch"]) for c in chunks if c["weight_version"] != self.weight_version
-            )
+            stale += sum(c.stale_samples(self.weight_version) for c in chunks)
             data = self._training_data(batch)  # whole GRPO groups: a chunk is whole prompts
             if len(data["advantages"]):
                 trained += self.trainer.accumulate(data, self.micro_batch_size)

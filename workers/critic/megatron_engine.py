@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..actor import data_parallel as dp
+from .. import parallel as dp
 from ..actor.megatron.engine import _QUIET, MegatronPolicyTrainer
 from .trainer import ValueTrainer
 

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from ..actor import data_parallel
+from .. import parallel
 from ..actor.trainer import RESPONSE_KEYS, PolicyTrainer
+from ..algos.ppo import clipped_value_loss
 from ..batch import row_index, row_order, split_rows
-from .losses import clipped_value_loss
 from .model import ValueModel, response_values, sequence_scores
 
 _METRICS = ("vf_loss", "vf_clip_frac", "value_mean")
@@ -106,8 +106,8 @@ class ValueTrainer(PolicyTrainer):
                     for k, v in m.items():
                         part[k] += v * share
                 if self.dp_size > 1:  # every DP rank: the sums and gradients of all slices
-                    part = data_parallel.all_reduce_sums(part, _METRICS, self.dp_group)
-                    data_parallel.all_reduce_grads(self.model, self.dp_group)
+                    part = parallel.all_reduce_sums(part, _METRICS, self.dp_group)
+                    parallel.all_reduce_grads(self.model, self.dp_group)
                 for k, v in part.items():
                     sums[k] += v
                 sums["grad_norm"] += self._step()

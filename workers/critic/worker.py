@@ -1,7 +1,8 @@
 """Critic worker: values of rollout chunks, GAE advantages and returns, clipped value training.
 
 The critic is where a PPO step's branches join: it takes each rollout chunk, the reward
-model's scores and the reference logprobs for that chunk (by :func:`~.data.chunk_key`),
+model's scores and the reference logprobs for that chunk (by its
+:attr:`~m2flow.workers.chunk.RolloutChunk.key`),
 computes KL-shaped token rewards and GAE, hands the chunk with its advantages to the actor,
 then fits its values to the returns.
 """
@@ -12,13 +13,14 @@ import torch
 
 from m2flow import Channel, Worker
 
-from ..actor import data_parallel as dp
+from .. import parallel as dp
+from ..algos.ppo import explained_variance, gae, token_rewards
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
+from ..chunk import RolloutChunk
 from ..llm import build_tokenizer, compute_dtype
-from ..llm.placement import torch_device
-from .data import chunk_key, token_rewards
-from .losses import explained_variance, gae
+from ..llm.placement import set_torch_threads, torch_device
+from ..weight_change import snapshot, update_norm
 from .megatron_engine import lm_to_critic
 from .model import ValueModel
 from .trainer import ValueTrainer
@@ -112,7 +114,7 @@ class CriticWorker(Worker):
         self._check(self.world_size, kw)
         if engine == "megatron" and dist is None:
             raise ValueError("critic.engine=megatron needs the rendezvous: start with launch()")
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         self.tokenizer = build_tokenizer(tokenizer)
         device = torch_device(self.devices)
         value_model = ValueModel(model, self.tokenizer, seed=seed)
@@ -149,9 +151,9 @@ class CriticWorker(Worker):
         else:
             self.trainer.model.load_backbone(weights)
 
-    def _advantages(self, chunk: dict, score: torch.Tensor, ref: torch.Tensor) -> dict:
+    def _advantages(self, chunk: RolloutChunk, score: torch.Tensor, ref: torch.Tensor) -> None:
         """Values, KL-shaped rewards and GAE of one rollout chunk, added to its batch."""
-        batch = chunk["batch"]
+        batch = chunk.batch
         values = self.trainer.values(batch, self.micro)
         rewards, dones, kl = token_rewards(
             score, batch["logprobs"], ref, batch["response_mask"], self.kl_coef
@@ -160,7 +162,6 @@ class CriticWorker(Worker):
         mask = batch["response_mask"]
         batch["advantages"], batch["returns"] = adv * mask, ret * mask
         batch["old_values"], batch["kl"], batch["scores"] = values, kl, score.float()
-        return batch
 
     def _read_megatron(self, rollouts: Channel, scores: Channel, refs: Channel, out: Channel):
         """Megatron: every rank reads its share of the chunks (with their scores and reference
@@ -170,20 +171,19 @@ class CriticWorker(Worker):
         still wait for a score whose producer needs that device (a hang found in 1 of 3 runs
         with the reward on the critic's rank-0 device). After the exchange every producer is
         done, so the TP forwards may block. Every rank computes all values (in key order);
-        each puts its own chunks into ``out``."""
+        each puts its own chunks into ``out``. Returns all chunks, in key order."""
         mine = []
         for (chunk,) in rollouts.stream():
-            key = chunk_key(chunk["batch"])
+            key = chunk.key
             mine.append((chunk, scores.get(key=key)["scores"], refs.get(key=key)["ref_logprobs"]))
-        own = {chunk_key(c["batch"]) for c, _, _ in mine}
-        batches = []
-        for chunk, score, ref in sorted(
-            self._exchange(mine), key=lambda t: chunk_key(t[0]["batch"])
-        ):
-            batches.append(self._advantages(chunk, score, ref))
-            if chunk_key(chunk["batch"]) in own:
-                out.put(chunk, weight=num_tokens(chunk["batch"]))
-        return batches
+        own = {c.key for c, _, _ in mine}
+        chunks = []
+        for chunk, score, ref in sorted(self._exchange(mine), key=lambda t: t[0].key):
+            self._advantages(chunk, score, ref)
+            chunks.append(chunk)
+            if chunk.key in own:
+                out.put(chunk, weight=num_tokens(chunk.batch))
+        return chunks
 
     def _exchange(self, mine: list) -> list:
         """Every rank's ``mine``, on every rank (rank order), through the mailboxes."""
@@ -210,18 +210,17 @@ class CriticWorker(Worker):
             weight change).
         """
         if self.megatron is not None:
-            batches = self._read_megatron(rollouts, scores, refs, out)
+            chunks = self._read_megatron(rollouts, scores, refs, out)
         else:
-            batches = []
+            chunks = []
             for (chunk,) in rollouts.stream():
-                key = chunk_key(chunk["batch"])
-                score = scores.get(key=key)["scores"]
-                ref = refs.get(key=key)["ref_logprobs"]
-                batch = self._advantages(chunk, score, ref)
-                out.put(chunk, weight=num_tokens(batch))
-                batches.append(batch)
-        batches.sort(key=chunk_key)
-        data = concat(batches, self.tokenizer.pad_token_id)
+                score = scores.get(key=chunk.key)["scores"]
+                ref = refs.get(key=chunk.key)["ref_logprobs"]
+                self._advantages(chunk, score, ref)
+                out.put(chunk, weight=num_tokens(chunk.batch))
+                chunks.append(chunk)
+        chunks.sort(key=lambda c: c.key)
+        data = concat([c.batch for c in chunks], self.tokenizer.pad_token_id)
         mask = data["response_mask"]
         n_tok = float(mask.sum().clamp(min=1))
         stats = {
@@ -230,14 +229,14 @@ class CriticWorker(Worker):
             "return_mean": float((data["returns"] * mask).sum() / n_tok),
             "explained_variance": explained_variance(data["old_values"], data["returns"], mask),
         }
-        before = [p.detach().clone() for p in self.trainer.model.parameters()]
+        before = snapshot(self.trainer.model.parameters())
         stats |= self.trainer.train_values(
             data, self.value_clip, self.mini, self.micro, self.epochs, self.generator
         )
         if self.megatron is not None:
             stats["update_norm"] = self.megatron.change_norm(before)
         else:
-            stats["update_norm"] = _change(before, self.trainer.model.parameters())
+            stats["update_norm"] = update_norm(before, self.trainer.model.parameters())
         return stats
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -276,9 +275,3 @@ class CriticWorker(Worker):
 
     def onload(self) -> None:
         self.trainer.onload()
-
-
-def _change(before: list[torch.Tensor], after) -> float:
-    """L2 norm of the difference between two parameter lists."""
-    sq = sum(float(((a.detach() - b) ** 2).sum()) for a, b in zip(after, before))
-    return sq**0.5

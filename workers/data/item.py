@@ -1,7 +1,7 @@
 """The prompt item every data source gives, the prompt limit, and the step's prompt items.
 
 A :class:`PromptItem` is tokenized once, when its split is built. What travels with a rollout
-chunk is its :meth:`PromptItem.entry`, a small plain dict (``chunk["entries"][group]``) that
+chunk is its :meth:`PromptItem.entry`, a small plain dict (``chunk.entries[group]``) that
 the reward function reads: ``{"data_source", "ground_truth", "extra_info", "index"}``.
 """
 

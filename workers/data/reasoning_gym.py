@@ -9,11 +9,40 @@ the question through the chat template otherwise).
 
 from __future__ import annotations
 
+from typing import Any
+
+from m2flow.recipe import plain
+
 from ..tasks import DEFAULT_SYSTEM_PROMPT, TaskDataset
+from .config import prompt_limit
 from .item import PromptItem, limit_prompts
 
 #: ``data_source`` prefix of reasoning-gym items (the ``auto`` reward function's dispatch)
 SOURCE_PREFIX = "reasoning_gym/"
+
+#: ``task.config`` defaults per task, under the keys the user sets (other tasks: {}, i.e.
+#: reasoning-gym's own defaults). chain_sum's: short sums the tiny model can learn.
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+}
+
+
+def task_config(name: str, config: dict) -> dict:
+    """The generator's keyword arguments: ``TASK_DEFAULTS[name]`` updated with ``config``."""
+    return {**TASK_DEFAULTS.get(name, {}), **dict(config)}
+
+
+def task_section(cfg) -> dict:
+    """``plain(cfg.task)`` with ``config`` (:func:`task_config`) resolved, plus the prompt
+    limit (``max_prompt_tokens``: :func:`~m2flow.workers.data.config.prompt_limit`, and
+    ``overlong_prompts``): what :func:`task_split` reads."""
+    t = plain(cfg.task)
+    return {
+        **t,
+        "config": task_config(t["name"], t["config"]),
+        "max_prompt_tokens": prompt_limit(cfg),
+        "overlong_prompts": cfg.data.overlong_prompts,
+    }
 
 
 def task_items(dataset: TaskDataset, tokenizer) -> list[PromptItem]:
@@ -34,7 +63,7 @@ def task_split(task: dict, split: str, tokenizer) -> tuple[list[PromptItem], int
     prompt items, the prompt limit applied.
 
     Args:
-        task: :func:`~m2flow.workers.recipe.task_section`'s dict: ``name``, ``config``,
+        task: :func:`task_section`'s dict: ``name``, ``config``,
             ``{split}_seed``, ``{split}_size``, ``system_prompt``, and the resolved
             ``max_prompt_tokens`` and ``overlong_prompts`` (``data.*``).
 

@@ -11,7 +11,7 @@ from m2flow.recipe import plain
 from .config import file_keys, from_files, prompt_limit
 from .files import load_items
 from .item import PromptItem
-from .reasoning_gym import task_split
+from .reasoning_gym import task_section, task_split
 
 
 @dataclass
@@ -45,8 +45,6 @@ def run_data(cfg, tokenizer) -> RunData:
         ConfigError: a bad file or row, a prompt over the limit (``overlong_prompts=error``),
             or no training prompt left.
     """
-    from ..recipe import task_section
-
     d, limit = cfg.data, prompt_limit(cfg)
     notes: list[str] = []
 

@@ -4,8 +4,8 @@ PPO as in CleanRL's ``ppo.py`` (Huang et al., 2022): GAE over each environment's
 advantages whitened over the batch, clipped policy surrogate, clipped value loss weighted by
 ``vf_coef``, entropy bonus ``ent_coef``, global gradient clipping, Adam with ``eps=1e-5``. The
 surrogate and the value loss are the LM workflows' own functions
-(:func:`~m2flow.workers.actor.losses.grpo_loss` with one "token" per step, and
-:func:`~m2flow.workers.critic.losses.clipped_value_loss`).
+(:func:`~m2flow.workers.algos.grpo.grpo_loss` with one "token" per step, and
+:func:`~m2flow.workers.algos.ppo.clipped_value_loss`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import torch
 
 from m2flow import Channel, Worker
 
-from ..actor.losses import grpo_loss
+from ..algos.grpo import grpo_loss
+from ..algos.ppo import clipped_value_loss, explained_variance, gae, masked_whiten
 from ..batch import row_order, split_rows
 from ..checkpoint import load_state, save_state
-from ..critic.losses import clipped_value_loss, explained_variance, gae, masked_whiten
-from ..llm.placement import torch_device
+from ..llm.placement import set_torch_threads, torch_device
+from ..weight_change import snapshot, update_norm
 from .policy import ActorCritic
 
 
@@ -60,7 +61,7 @@ class EmbodiedActorWorker(Worker):
         threads: int = 0,
         seed: int = 0,
     ) -> None:
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         torch.manual_seed(seed)
         self.device = torch_device(self.devices)
         self.net = ActorCritic(obs_dim, n_actions, hidden).to(self.device)
@@ -104,7 +105,7 @@ class EmbodiedActorWorker(Worker):
         n = len(flat["actions"])
         ones = flat["advantages"].new_ones(n, 1)
         flat["advantages"] = masked_whiten(flat["advantages"].unsqueeze(1), ones).squeeze(1)
-        before = [p.detach().clone() for p in self.net.parameters()]
+        before = snapshot(self.net.parameters())
         sums: dict[str, float] = defaultdict(float)
         steps = 0
         for _ in range(self.epochs):
@@ -115,14 +116,12 @@ class EmbodiedActorWorker(Worker):
                     sums[k] += v
                 steps += 1
         self.weight_version += 1
-        change = sum(
-            float(((p.detach() - b) ** 2).sum()) for p, b in zip(self.net.parameters(), before)
-        )
+        norm = update_norm(before, self.net.parameters())
         out = {k: v / steps for k, v in sums.items()}
         out["explained_variance"] = explained_variance(
             flat["values"], flat["returns"], ones.squeeze(1)
         )
-        out["samples"], out["update_norm"] = n, change**0.5
+        out["samples"], out["update_norm"] = n, norm
         return out
 
     def _step(self, mb: dict[str, torch.Tensor]) -> dict[str, float]:

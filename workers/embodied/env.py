@@ -26,6 +26,7 @@ from ray import cloudpickle
 from m2flow import Channel, Worker
 
 from ..checkpoint import load_state, save_state
+from ..llm.placement import set_torch_threads
 
 
 class EnvWorker(Worker):
@@ -46,7 +47,7 @@ class EnvWorker(Worker):
         import gymnasium as gym
         from gymnasium.vector import AutoresetMode
 
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         self.envs = gym.make_vec(
             env_id,
             num_envs=num_envs,

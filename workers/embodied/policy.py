@@ -16,7 +16,7 @@ from torch import nn
 from m2flow import Channel, Worker
 
 from ..checkpoint import load_state, save_state
-from ..llm.placement import offload_module, onload_module, torch_device
+from ..llm.placement import offload_module, onload_module, set_torch_threads, torch_device
 
 
 def _mlp(sizes: list[int], last_gain: float) -> nn.Sequential:
@@ -63,7 +63,7 @@ class PolicyWorker(Worker):
     def __init__(
         self, obs_dim: int, n_actions: int, hidden: int = 64, threads: int = 0, seed: int = 0
     ) -> None:
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         self.device = torch_device(self.devices)
         self.net = ActorCritic(obs_dim, n_actions, hidden).to(self.device).eval()
         self.generator = torch.Generator(self.device).manual_seed(seed + 7919 * self.rank)

@@ -34,3 +34,11 @@ def split_evenly(n: int, parts: int) -> list[int]:
     if parts <= 0:
         raise ValueError(f"cannot split over {parts} ranks")
     return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+
+
+def set_torch_threads(worker, threads: int = 0) -> int:
+    """Set torch's intra-op threads in the worker's process: ``threads``, or with 0 the worker's
+    share of its node's CPUs (:attr:`m2flow.Worker.num_threads`). Returns the count set."""
+    n = threads or worker.num_threads
+    torch.set_num_threads(n)
+    return n

@@ -26,6 +26,9 @@ so every process builds the same one.
   converted file ~3 s: it is cached per process (one shared object) and on disk
   (``$M2FLOW_CACHE_DIR``, default ``~/.cache/m2flow``, file
   ``tokenizers/qwen2-<hash of the ranks file>/tokenizer.json``).
+
+:func:`decode_responses` turns a batch's response ids back into text (the reward functions'
+input).
 """
 
 from __future__ import annotations
@@ -35,9 +38,13 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    import torch
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)
@@ -227,3 +234,14 @@ def tokenizer_spec(model: dict) -> dict:
             raise ValueError("model.tokenizer=pretrained reads model.path's files: set model.path")
         return {"name": name, "path": model["path"]}
     return {"name": name}
+
+
+def decode_responses(
+    tokenizer: PreTrainedTokenizerBase, response_ids: torch.Tensor, response_mask: torch.Tensor
+) -> list[str]:
+    """Decode ``[B, R]`` responses to text, dropping masked positions and special tokens."""
+    texts = []
+    for row, m in zip(response_ids.tolist(), response_mask.tolist()):
+        toks = [t for t, keep in zip(row, m) if keep]
+        texts.append(tokenizer.decode(toks, skip_special_tokens=True))
+    return texts

@@ -21,12 +21,12 @@ from m2flow import Channel, Worker
 
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
-from ..critic.data import chunk_key
+from ..chunk import RolloutChunk
 from ..critic.model import ValueModel
 from ..critic.trainer import ValueTrainer
 from ..llm import build_tokenizer, compute_dtype
-from ..llm.placement import torch_device
-from ..rollout.generation import decode_responses
+from ..llm.placement import set_torch_threads, torch_device
+from ..llm.tokenizer import decode_responses
 from ..tasks import accuracy
 from .functions import RewardFunction, RewardResult, result_metrics
 
@@ -100,7 +100,7 @@ class RewardModelWorker(Worker):
     ) -> None:
         if not 0.0 <= verifier_weight <= 1.0:
             raise ValueError(f"verifier_weight must be in [0, 1], got {verifier_weight}")
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         self.tokenizer = build_tokenizer(tokenizer)
         self.reward_fn = RewardFunction(**(reward or {}))
         self._results: list[RewardResult] = []  # this call's, for its metrics
@@ -131,11 +131,10 @@ class RewardModelWorker(Worker):
             raise ValueError("a pretrained reward model (reward_model.path) keeps its weights")
         self.trainer.model.load_backbone(weights)
 
-    def _verify(self, chunk: dict) -> torch.Tensor:
-        batch = chunk["batch"]
+    def _verify(self, chunk: RolloutChunk) -> torch.Tensor:
+        batch = chunk.batch
         texts = decode_responses(self.tokenizer, batch["response_ids"], batch["response_mask"])
-        entries = [chunk["entries"][int(g)] for g in batch["group_index"]]
-        res = self.reward_fn(texts, entries)
+        res = self.reward_fn(texts, chunk.row_entries())
         self._results.append(res)
         return torch.tensor(res.scores, dtype=torch.float32)
 
@@ -159,10 +158,10 @@ class RewardModelWorker(Worker):
             raise ValueError("a pretrained reward model (reward_model.path) is not fitted")
         chunks = sorted(
             (c for part in inp.stream(balance=all_queued, target_weight=1) for c in part),
-            key=lambda c: chunk_key(c["batch"]),
+            key=lambda c: c.key,
         )
         pad = self.tokenizer.pad_token_id
-        batch = concat([c["batch"] for c in chunks], pad)
+        batch = concat([c.batch for c in chunks], pad)
         labels = torch.cat([self._verify(c) for c in chunks])
         prompts = batch["group_index"]
         n_prompts = int(prompts.max()) + 1 if len(prompts) else 0
@@ -204,11 +203,11 @@ class RewardModelWorker(Worker):
         mixed, ver, rm = [], [], []
         self._results = []
         for (chunk,) in inp.stream():
-            batch = chunk["batch"]
+            batch = chunk.batch
             v = self._verify(chunk)
             r = self.trainer.scores(batch, self.micro)
             s = self.w * v + (1.0 - self.w) * r
-            out.put({"scores": s}, weight=num_tokens(batch), key=chunk_key(batch))
+            out.put({"scores": s}, weight=num_tokens(batch), key=chunk.key)
             mixed.append(s)
             ver.append(v)
             rm.append(r)

@@ -13,8 +13,10 @@ from m2flow.scheduler.balance import all_queued
 from m2flow import Channel, Worker
 
 from ..batch import num_tokens
+from ..chunk import RolloutChunk
 from ..llm import build_tokenizer
-from ..rollout.generation import decode_responses
+from ..llm.placement import set_torch_threads
+from ..llm.tokenizer import decode_responses
 from ..tasks import accuracy
 from .functions import RewardFunction, RewardResult, result_metrics
 
@@ -82,7 +84,7 @@ class RewardWorker(Worker):
                 "a reward function and the reward service: the service scores with its own "
                 "pipelines (reward_service.pipeline); leave reward.function at auto"
             )
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         self.tokenizer = build_tokenizer(tokenizer)
         self.reward_fn = RewardFunction(**(reward or {}))
         self._results: list[RewardResult] = []  # this call's, for its metrics
@@ -98,31 +100,31 @@ class RewardWorker(Worker):
                 timeout_s=service["timeout_s"],
             )  # fmt: skip
 
-    def _texts(self, chunk: dict) -> tuple[list[str], list[dict]]:
-        batch = chunk["batch"]
+    def _texts(self, chunk: RolloutChunk) -> tuple[list[str], list[dict]]:
+        batch = chunk.batch
         texts = decode_responses(self.tokenizer, batch["response_ids"], batch["response_mask"])
-        return texts, [chunk["entries"][int(g)] for g in batch["group_index"]]
+        return texts, chunk.row_entries()
 
-    def _score_chunk(self, chunk: dict) -> list[float]:
+    def _score_chunk(self, chunk: RolloutChunk) -> list[float]:
         """Add ``rewards [B]`` to the chunk's batch (in process); returns them."""
         res = self.reward_fn(*self._texts(chunk))
         self._results.append(res)
-        chunk["batch"]["rewards"] = torch.tensor(res.scores, dtype=torch.float32)
+        chunk.batch["rewards"] = torch.tensor(res.scores, dtype=torch.float32)
         return res.scores
 
-    def _submit(self, chunk: dict, n: int, batches: set[str]):
+    def _submit(self, chunk: RolloutChunk, n: int, batches: set[str]):
         """Submit the chunk's responses to the service; returns ``(ids, future of rewards)``.
         ``n``: the chunk's number in this call on this rank."""
         texts, entries = self._texts(chunk)
-        step = chunk.get("step", 0)
-        groups = [int(g) for g in chunk["batch"]["group_index"]]
+        step = chunk.step
+        groups = [int(g) for g in chunk.batch["group_index"]]
         seen: dict[int, int] = {}
         ids = []
         for g in groups:  # a chunk holds whole groups: sample j of group g is its j-th row
             ids.append(f"{step}:{g}:{seen.get(g, 0)}")
             seen[g] = seen.get(g, 0) + 1
-        if chunk.get("step_samples"):
-            batch, size = f"{self.run}-c{self._calls}-s{step}", chunk["step_samples"]
+        if chunk.step_samples:
+            batch, size = f"{self.run}-c{self._calls}-s{step}", chunk.step_samples
         else:
             batch, size = f"{self.run}-c{self._calls}-r{self.rank}-n{n}", len(ids)
         batches.add(batch)
@@ -140,12 +142,12 @@ class RewardWorker(Worker):
                 chunk, ids, fut = pending.popleft()
                 got = fut.result(timeout=self.service["timeout_s"] + _GRACE_S)
                 rewards = [got[i] for i in ids]
-                chunk["batch"]["rewards"] = torch.tensor(rewards, dtype=torch.float32)
+                chunk.batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
                 rewards_all += rewards
                 ready.append(chunk)
             if not ready:
                 return
-            out.put_many(ready, weights=[num_tokens(c["batch"]) for c in ready])
+            out.put_many(ready, weights=[num_tokens(c.batch) for c in ready])
 
     def _close(self, batch: str) -> None:
         """Close ``batch`` on the service (best effort, logged): after a failed step (its
@@ -181,7 +183,7 @@ class RewardWorker(Worker):
                 if self.stream is None:
                     for chunk in chunks:
                         rewards_all += self._score_chunk(chunk)
-                    out.put_many(chunks, weights=[num_tokens(c["batch"]) for c in chunks])
+                    out.put_many(chunks, weights=[num_tokens(c.batch) for c in chunks])
                     continue
                 for chunk in chunks:
                     pending.append((chunk, *self._submit(chunk, n, batches)))

@@ -404,7 +404,7 @@ class EmulatedEngine:
     @classmethod
     def from_config(cls, cfg: dict, eos_id: int, filler_id: int, seed: int = 0,
                     min_new_tokens: int = 0) -> EmulatedEngine:  # fmt: skip
-        """From ``rollout.spot.emulated`` (:class:`~m2flow.workers.spot.config.
+        """From ``rollout.spot.emulated`` (:class:`~m2flow.workers.rollout.spot.config.
         EmulatedEngineConfig` fields)."""
         over = {"mem_util": cfg["mem_util"]} if cfg.get("mem_util") else {}
         model = throughput_preset(cfg.get("model", "qwen3-8b"), **over)

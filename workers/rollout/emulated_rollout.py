@@ -1,7 +1,7 @@
 """When each response of a rollout step finishes on emulated engines, without Ray or sleeping.
 
 :class:`~.emulated.EmulatedEngine` times one engine call (a block of decode iterations over the
-requests it is given); the spot pool's loops (``workers/spot/pool.seed``, the instances) decide
+requests it is given); the spot pool's loops (:func:`.spot.pool.seed`, the instances) decide
 which requests each engine runs. :func:`rollout_finish_times` is that loop with no manager in
 between, for trace generation (e.g. the reward service's request arrivals at cluster scale,
 ``benchmarks/reward_cluster.py``): ``n_engines`` engines share one queue of requests in key

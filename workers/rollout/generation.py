@@ -11,7 +11,7 @@ Output layout (veRL-style), with ``B = num_prompts * n_samples`` responses:
 - ``logprobs``       ``[B, R]`` float32, log-probability of each sampled token under
   ``log_softmax(logits / T)`` (raw logits scaled by the sampling temperature ``T``; ``T = 1`` for
   greedy), 0 where ``response_mask`` is 0. This is what the actor recomputes with
-  :func:`workers.actor.losses.sequence_logprobs` at the same temperature. Note that top-p
+  :func:`workers.algos.logprobs.sequence_logprobs` at the same temperature. Note that top-p
   truncation is *not* reflected: with ``top_p < 1`` the sampler draws from a truncated
   distribution, so keep ``top_p = 1`` for exact on-policy ratios.
 - ``group_index``    ``[B]`` int64, index of the prompt each response answers; the ``n_samples``
@@ -248,14 +248,3 @@ def generate(
         "logprobs": lps,
         "group_index": group_index,
     }
-
-
-def decode_responses(
-    tokenizer: PreTrainedTokenizerBase, response_ids: torch.Tensor, response_mask: torch.Tensor
-) -> list[str]:
-    """Decode ``[B, R]`` responses to text, dropping masked positions and special tokens."""
-    texts = []
-    for row, m in zip(response_ids.tolist(), response_mask.tolist()):
-        toks = [t for t, keep in zip(row, m) if keep]
-        texts.append(tokenizer.decode(toks, skip_special_tokens=True))
-    return texts

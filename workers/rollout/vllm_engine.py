@@ -12,7 +12,7 @@ What differs from the HF path:
   inverse CDF of :mod:`.sampling`. A run is reproducible, but its tokens differ from the HF
   engine's, and the spot pool's bit-exact migration (:mod:`.exact`) does not apply.
 - Logprobs are vLLM's ``processed_logprobs``: ``log_softmax(logits / T)`` after top-k/top-p,
-  which equals what the actor recomputes (:func:`workers.actor.losses.sequence_logprobs`) when
+  which equals what the actor recomputes (:func:`workers.algos.logprobs.sequence_logprobs`) when
   ``top_p = 1`` and ``top_k = 0``. With truncation on, the sampled token's logprob is
   renormalised over the kept tokens (the HF path reports the untruncated one).
 - Memory: on GPU the engine is built with ``enable_sleep_mode``, and :meth:`VllmEngine.sleep`

@@ -7,11 +7,18 @@ import torch
 from m2flow import Channel, Worker
 
 from ..batch import num_tokens, to_batch
+from ..chunk import RolloutChunk
 from ..data.item import PromptItem
-from ..evaluation import greedy_scores
 from ..llm import build_tokenizer, compute_dtype, load_model
-from ..llm.placement import offload_module, onload_module, split_evenly, torch_device
+from ..llm.placement import (
+    offload_module,
+    onload_module,
+    set_torch_threads,
+    split_evenly,
+    torch_device,
+)
 from ..reward.functions import RewardFunction
+from .evaluation import greedy_scores
 from .generation import generate
 
 
@@ -33,7 +40,7 @@ class RolloutWorker(Worker):
         shared_prefix: prefill each prompt once for its ``n_samples`` samples
             (:func:`.generation.prefill_shared`) instead of once per sample.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
-        spot: :class:`~m2flow.workers.spot.config.SpotPoolConfig` fields: with ``enabled``,
+        spot: :class:`~m2flow.workers.rollout.spot.config.SpotPoolConfig` fields: with ``enabled``,
             each step's rollout goes through the spot rollout pool (RLBoost; docs/spot.md):
             this rank seeds for ``T_seed`` seconds, spot instances continue.
         seed: the run seed: token ``t`` of sample ``j`` of prompt ``p`` in step ``s`` is drawn
@@ -71,7 +78,7 @@ class RolloutWorker(Worker):
                 f"engine='vllm' with rollout.spot.engine={spot.get('engine')!r}: the emulated "
                 "engine models the rollout engine; use rollout.engine=hf with it"
             )
-        torch.set_num_threads(threads or self.num_threads)
+        set_torch_threads(self, threads)
         self.device = torch_device(self.devices)
         self.tokenizer = build_tokenizer(tokenizer)
         # Weights in model.dtype (inference only); sync_weights casts the actor's into them.
@@ -96,7 +103,7 @@ class RolloutWorker(Worker):
             self.model.to(self.device)
         self.pool = None
         if spot_on:
-            from ..spot.pool import ReservedSeeder
+            from .spot.pool import ReservedSeeder
 
             self.pool = ReservedSeeder(self, spot, model, tokenizer)
 
@@ -110,11 +117,11 @@ class RolloutWorker(Worker):
         A prompt item is ``{"prompt_ids": list[int], "group": int, "entry": dict}`` (the
         entry: :meth:`~..data.item.PromptItem.entry`, for the reward) plus optionally
         ``"step": int`` (the sampling key; 0 if absent); ``group`` is unique within
-        the step. A rollout chunk is ``{"batch": TensorDict [chunk * n_samples], "entries":
-        {group: entry}, "weight_version": int, "step": int, "step_samples": int}`` put with
-        weight = its token count; ``step_samples = num_prompts * n_samples`` is the number of
-        responses the whole step will have (all ranks): a consumer may announce it before the
-        step's last chunk (the reward service's batch-size hint, docs/reward_service.md).
+        the step. A rollout chunk is a :class:`~..chunk.RolloutChunk` (``batch [chunk *
+        n_samples]``, ``entries`` by group, ``weight_version``, ``step``, ``step_samples``) put
+        with weight = its token count; ``step_samples = num_prompts * n_samples`` is the number
+        of responses the whole step will have (all ranks): a consumer may announce it before
+        the step's last chunk (the reward service's batch-size hint, docs/reward_service.md).
 
         Returns:
             ``samples``, ``tokens`` (prompt + response), ``response_length`` (mean tokens).
@@ -153,16 +160,14 @@ class RolloutWorker(Worker):
             gen["group_index"] = groups[gen["group_index"]]
             batch = to_batch(gen)
             n_tok = num_tokens(batch)
-            out.put(
-                {
-                    "batch": batch,
-                    "entries": {it["group"]: it["entry"] for it in items},
-                    "weight_version": self.weight_version,
-                    "step": items[0].get("step", 0),
-                    "step_samples": step_samples,
-                },
-                weight=n_tok,
+            chunk = RolloutChunk(
+                batch,
+                entries={it["group"]: it["entry"] for it in items},
+                weight_version=self.weight_version,
+                step=items[0].get("step", 0),
+                step_samples=step_samples,
             )
+            out.put(chunk, weight=n_tok)
             samples += len(batch)
             tokens += n_tok
             resp_tokens += int(batch["response_mask"].sum())

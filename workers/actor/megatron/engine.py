@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ... import parallel as dp
 from ...batch import row_index, split_rows
-from .. import data_parallel as dp
 from ..trainer import PolicyTrainer
 
 ENGINES = ("torch", "megatron")
@@ -268,7 +268,7 @@ class MegatronEngine:
     minutes), the world's as long.
 
     Raises:
-        RuntimeError: the rendezvous failed (:func:`~..data_parallel.init`).
+        RuntimeError: the rendezvous failed (:func:`~m2flow.workers.parallel.init`).
     """
 
     def __init__(

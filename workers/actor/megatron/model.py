@@ -241,7 +241,7 @@ def megatron_sequence_logprobs(
     response_mask: torch.Tensor,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """:func:`~m2flow.workers.actor.losses.sequence_logprobs` for a single-stage (PP=1)
+    """:func:`~m2flow.workers.algos.logprobs.sequence_logprobs` for a single-stage (PP=1)
     Megatron model: per-token logprobs ``[B, R]``, 0 where masked.
 
     Megatron's local attention takes no padding mask (only the causal one) and its rotary

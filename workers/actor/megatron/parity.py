@@ -62,7 +62,7 @@ def parity_rank(rank: int, world: int, workdir: str, tp: int, dp: int, pp: int =
 def _run(rank: int, workdir: Path, tp: int, dp: int, pp: int) -> None:
     from megatron.core import parallel_state as ps
 
-    from ..losses import grpo_loss
+    from ...algos.grpo import grpo_loss
     from .convert import hf_to_megatron, load_megatron_state, megatron_state
     from .model import build_gpt_model, init_parallel, logprobs_from_rolled_logits, rolled_inputs
 

@@ -20,10 +20,11 @@ import torch
 from m2flow import Channel
 from m2flow.work import Work
 
-from ..batch import num_tokens, to_batch
-from ..rollout.emulated import EmulatedEngine
-from ..rollout.exact import ExactEngine, GenRequest, to_generation_output
-from ..rollout.generation import stop_token_ids
+from ...batch import num_tokens, to_batch
+from ...chunk import RolloutChunk
+from ..emulated import EmulatedEngine
+from ..exact import ExactEngine, GenRequest, to_generation_output
+from ..generation import stop_token_ids
 from .config import SpotPoolConfig
 from .manager import get_manager
 
@@ -107,13 +108,14 @@ class ReservedSeeder:
                                                       w.n_samples))  # fmt: skip
                 versions |= {r.weight_version for r in part}
                 n_tok = num_tokens(batch)
-                out.put(
-                    {"batch": batch,
-                     "entries": {g: entries[g] for g in batch["group_index"].unique().tolist()},
-                     "weight_version": min(r.weight_version for r in part),
-                     "step": step, "step_samples": step_samples},
-                    weight=n_tok,
-                )  # fmt: skip
+                chunk = RolloutChunk(
+                    batch,
+                    entries={g: entries[g] for g in batch["group_index"].unique().tolist()},
+                    weight_version=min(r.weight_version for r in part),
+                    step=step,
+                    step_samples=step_samples,
+                )
+                out.put(chunk, weight=n_tok)
                 samples += len(batch)
                 tokens += n_tok
                 resp_tokens += int(batch["response_mask"].sum())

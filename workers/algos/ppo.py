@@ -1,10 +1,12 @@
-"""PPO pieces besides the policy surrogate: GAE, the clipped value loss, masked whitening.
+"""PPO pieces besides the policy surrogate: KL-shaped token rewards, GAE, the clipped value
+loss, masked whitening, explained variance.
 
-The clipped policy surrogate itself is :func:`m2flow.workers.actor.losses.grpo_loss` (it takes
+The clipped policy surrogate itself is :func:`m2flow.workers.algos.grpo.grpo_loss` (it takes
 per-token advantages ``[B, T]``). References: GAE (Schulman et al., 2016, "High-Dimensional
 Continuous Control Using Generalized Advantage Estimation", eq. 16 and the recursion of
 section 3); PPO's clipped value loss (the ``vf_clip`` of OpenAI baselines ``ppo2``, as used by
-InstructGPT-style RLHF in veRL and OpenRLHF); advantage whitening (baselines, CleanRL).
+InstructGPT-style RLHF in veRL and OpenRLHF); advantage whitening (baselines, CleanRL); the KL
+penalty in the reward (Ziegler et al., 2019; InstructGPT).
 
 Time runs along the *last* dimension everywhere: ``[B, T]`` (``B`` sequences or environments,
 ``T`` tokens or environment steps).
@@ -13,6 +15,35 @@ Time runs along the *last* dimension everywhere: ``[B, T]`` (``B`` sequences or 
 from __future__ import annotations
 
 import torch
+
+
+def token_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token rewards of RLHF PPO with the KL penalty in the reward (Ziegler et al., 2019,
+    eq. 2; InstructGPT eq. 2): ``r_t = -kl_coef * (log pi(y_t) - log pi_ref(y_t))``, plus the
+    sequence score on the response's last token.
+
+    Args:
+        scores: ``[B]`` sequence rewards (reward model and verifier mixed).
+        logprobs, ref_logprobs: ``[B, R]`` behaviour and reference logprobs.
+        response_mask: ``[B, R]`` 1 on response tokens (right padded, at least one).
+        kl_coef: the KL weight ``beta``.
+
+    Returns:
+        ``(rewards, dones, kl)`` ``[B, R]``: rewards, 1 on each response's last token (the
+        episode ends there), the per-token KL estimate ``log pi - log pi_ref`` (0 where masked).
+    """
+    mask = response_mask.float()
+    kl = (logprobs - ref_logprobs) * mask
+    last = (response_mask.sum(dim=1) - 1).clamp(min=0)
+    dones = torch.zeros_like(mask).scatter_(1, last.unsqueeze(1), 1.0)
+    rewards = -kl_coef * kl + dones * scores.float().unsqueeze(1)
+    return rewards * mask, dones, kl
 
 
 @torch.no_grad()

@@ -1,10 +1,12 @@
-"""Data parallelism for the torch actor: one process group over the actor's ranks, gradients
-summed by all-reduce (torch.distributed: gloo on CPU, NCCL on CUDA).
+"""Torch process groups of the training roles: the torch actor's data parallelism (one group
+over the actor's ranks, gradients summed by all-reduce; torch.distributed: gloo on CPU, NCCL on
+CUDA), and the world the Megatron engines (actor, critic) build their groups in.
 
-Each rank holds the whole model and trains on the chunks it reads from the shared channel;
-:meth:`~.trainer.PolicyTrainer.finish_accumulation` sums the ranks' token-sum gradients,
-token counts and metric sums, so every rank takes the same optimizer step as one rank would on
-the union of their chunks (the token mean is linear; only float summation order differs).
+Data parallel: each rank holds the whole model and trains on the chunks it reads from the
+shared channel; :meth:`~m2flow.workers.actor.trainer.PolicyTrainer.finish_accumulation` sums
+the ranks' token-sum gradients, token counts and metric sums, so every rank takes the same
+optimizer step as one rank would on the union of their chunks (the token mean is linear; only
+float summation order differs).
 
 Rendezvous: the driver picks the address of rank 0's node and a port free on the driver's
 machine (:func:`rendezvous`); on a multi-node cluster whose rank 0 is remote that port is only

@@ -20,6 +20,8 @@ import time
 
 import ray
 
+from .names import MANAGER_NAME
+
 
 @ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={"loop": 1, "watch": 1})
 class SpotInstance:
@@ -30,7 +32,7 @@ class SpotInstance:
     args: ``{"model", "tokenizer", "temperature", "top_p", "seed", "batch_rows", "threads"}``
         plus ``"engine": "exact"|"vllm"`` (vllm: ``max_batch`` is vLLM's ``max_num_seqs``);
         for an emulated engine ``{"engine": "emulated", "emulated", "eos_id", "filler_id",
-        "seed"}`` (:class:`~m2flow.workers.spot.config.EmulatedEngineConfig` fields).
+        "seed"}`` (:class:`~m2flow.workers.rollout.spot.config.EmulatedEngineConfig` fields).
     """
 
     def __init__(self, instance_id: str, block_tokens: int, max_batch: int, args: dict) -> None:
@@ -39,7 +41,7 @@ class SpotInstance:
         self.stop = threading.Event()
         self.vllm = args.get("engine") == "vllm"
         if args.get("engine") == "emulated":
-            from ..rollout.emulated import EmulatedEngine
+            from ..emulated import EmulatedEngine
 
             self.model = None
             self.engine = EmulatedEngine.from_config(
@@ -49,15 +51,15 @@ class SpotInstance:
             return
         import torch
 
-        from ..llm import build_tokenizer, load_model
-        from ..rollout.exact import ExactEngine
-        from ..rollout.generation import stop_token_ids
+        from ...llm import build_tokenizer, load_model
+        from ..exact import ExactEngine
+        from ..generation import stop_token_ids
 
         torch.set_num_threads(args.get("threads", 1))
         tok = build_tokenizer(args["tokenizer"])
         self.model = load_model(args["model"], tok)  # the host; weights come by pull
         if self.vllm:  # weights arrive by the first pull, as for the exact engine
-            from ..rollout.vllm_engine import VllmEngine
+            from ..vllm_engine import VllmEngine
 
             self.engine = VllmEngine(
                 args["model"].get("path") or self.model, tok, args["temperature"],
@@ -80,8 +82,6 @@ class SpotInstance:
     @ray.method(concurrency_group="loop")
     def run(self) -> None:
         from m2flow.cluster import NAMESPACE
-
-        from .manager import MANAGER_NAME
 
         mgr = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
         executing = []

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .actor.trainer import PolicyTrainer
-from .data.item import PromptItem
-from .evaluation import evaluate
-from .reward.functions import RewardFunction
-from .rollout.generation import left_pad
+from ..data.item import PromptItem
+from ..reward.functions import RewardFunction
+from ..rollout.evaluation import evaluate
+from ..rollout.generation import left_pad
+from .trainer import PolicyTrainer
 
 
 def sft_batch(

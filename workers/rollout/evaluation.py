@@ -7,10 +7,11 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .data.item import PromptItem
-from .reward.functions import RewardFunction, RewardResult
-from .rollout.generation import decode_responses, generate
-from .tasks import accuracy
+from ..data.item import PromptItem
+from ..llm.tokenizer import decode_responses
+from ..reward.functions import RewardFunction, RewardResult
+from ..tasks import accuracy
+from .generation import generate
 
 
 def greedy_responses(

@@ -69,7 +69,7 @@ class SpotPoolConfig:
         ]
         e = self.emulated
         if self.engine == "emulated":
-            from ..rollout.emulated import PRESETS
+            from ..emulated import PRESETS
 
             bad += [
                 (e.model.lower() in PRESETS, f"rollout.spot.emulated.model: {'|'.join(PRESETS)}"),

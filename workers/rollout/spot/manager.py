@@ -46,10 +46,11 @@ from m2flow.scheduler.spot import (
     select_instance,
 )
 
-from ..rollout.exact import GenRequest
+from ..exact import GenRequest
 from .config import SpotPoolConfig
+from .instance import SpotInstance
+from .names import MANAGER_NAME
 
-MANAGER_NAME = "m2flow:rollout_manager"
 _POLL_S = 0.05
 
 
@@ -408,8 +409,6 @@ class RolloutManager:
     async def _pool_loop(self) -> None:
         """Start a spot instance on every preemptible node without one, up to N_prem."""
         from m2flow.spot import alive_spot_nodes
-
-        from .instance import SpotInstance
 
         while True:
             now = time.monotonic()

@@ -1,0 +1,35 @@
+"""Algorithms as pure torch functions, one module per family (no Ray, no workers):
+
+- :mod:`.logprobs`: per-token logprobs of responses under a causal LM, full forward or each
+  distinct prompt once (:func:`sequence_logprobs`, :func:`shared_prefix_logprobs`);
+- :mod:`.grpo`: group-normalised advantages and the clipped policy loss with an optional k3 KL
+  (:func:`grpo_advantages`, :func:`grpo_loss`; PPO's policy loss too);
+- :mod:`.ppo`: KL-shaped token rewards, GAE, the clipped value loss, masked whitening,
+  explained variance (:func:`token_rewards`, :func:`gae`, :func:`clipped_value_loss`,
+  :func:`masked_whiten`, :func:`explained_variance`).
+
+A new algorithm (RLOO, a DAPO variant) is one more module here. Exports are lazy: importing
+:mod:`.ppo` or :mod:`.grpo` does not import transformers.
+"""
+
+from importlib import import_module
+
+_EXPORTS = {
+    "sequence_logprobs": ".logprobs",
+    "shared_prefix_logprobs": ".logprobs",
+    "grpo_advantages": ".grpo",
+    "grpo_loss": ".grpo",
+    "token_rewards": ".ppo",
+    "gae": ".ppo",
+    "masked_whiten": ".ppo",
+    "clipped_value_loss": ".ppo",
+    "explained_variance": ".ppo",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
