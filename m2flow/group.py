@@ -419,6 +419,13 @@ def launch(
     for rank, ref in enumerate(ready):
         try:
             ray.get(ref, timeout=wait_timeout())
+        except ray.exceptions.GetTimeoutError:  # alive but slow: not a death
+            group.shutdown()
+            slow = TimeoutError(
+                f"__init__() did not finish within {wait_timeout():.0f} s (a loaded host or a "
+                "large model); raise M2FLOW_WAIT_TIMEOUT (seconds) to wait longer"
+            )
+            raise WorkerError(name, rank, "__init__", slow, group.node_of(rank)) from None
         except ray.exceptions.RayError as e:
             group.shutdown()
             raise _as_worker_error(group, rank, "__init__", e) from None

@@ -61,6 +61,11 @@ class BadInit(Worker):
         raise RuntimeError("constructor-exploded-xyz")
 
 
+class SlowInit(Worker):
+    def __init__(self) -> None:
+        time.sleep(60)
+
+
 class Sender(Worker):
     def send_seq(self, dst: str, n: int, async_op: bool = False):
         items = [(self.rank, i) for i in range(n)]
@@ -226,6 +231,19 @@ def test_constructor_failure_raises_at_launch(cluster, echo):
     deaths = ray.get(cluster.lock_service.deaths.remote(), timeout=60)
     assert [d for d, retired in deaths if retired is None] == []
     assert [i["rank"] for i in echo.info().wait(timeout=60)] == [0, 1]
+
+
+def test_slow_constructor_is_a_timeout_not_a_death(cluster, monkeypatch):
+    """A rank alive but still in ``__init__`` at the wait limit is reported as slow, with the
+    setting that waits longer, not as a death ("Get timed out" read as one)."""
+    monkeypatch.setenv("M2FLOW_WAIT_TIMEOUT", "3")
+    with pytest.raises(WorkerError) as ei:
+        SlowInit.launch(cluster, placement=[1], name="slowinit")
+    err = ei.value
+    assert not err.died and err.method == "__init__"
+    assert "did not finish within 3 s" in str(err) and "M2FLOW_WAIT_TIMEOUT" in str(err)
+    with pytest.raises(ValueError):  # shut down, not left sleeping
+        ray.get_actor("slowinit:0", namespace="m2flow")
 
 
 def test_relaunch_after_shutdown(cluster):
