@@ -26,8 +26,23 @@ from functools import cache
 MARKER = re.compile(r"^<!-- m2flow:(cli|config)(?: ([\w.-]+))? -->$", re.MULTILINE)
 
 
+#: a Sphinx role of a docstring as mkdocstrings renders it: :class:<code>~m2flow.x.Y</code>
+SPHINX_ROLE = re.compile(r":(?:class|func|meth|mod|attr|exc|data|obj):<code>(~?)([\w.]+)</code>")
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     return MARKER.sub(lambda m: _generate(m.group(1), m.group(2)), markdown)
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """Docstrings name objects with Sphinx roles (``:class:`~m2flow.group.WorkerGroup```);
+    show them as code, the ``~`` form by its last name, as Sphinx would."""
+
+    def code(m: re.Match) -> str:
+        name = m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2)
+        return f"<code>{name}</code>"
+
+    return SPHINX_ROLE.sub(code, html)
 
 
 def _generate(kind: str, arg: str | None) -> str:
@@ -61,7 +76,8 @@ def cli_reference() -> str:
 
 
 def _help(runner, app, args: list[str]) -> str:
-    result = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "100", "NO_COLOR": "1"})
+    env = {"COLUMNS": "100", "NO_COLOR": "1"}
+    result = runner.invoke(app, [*args, "--help"], prog_name="m2flow", env=env)
     if result.exit_code != 0:
         raise RuntimeError(f"m2flow {' '.join(args)} --help failed: {result.output}")
     lines = [line.rstrip() for line in result.output.splitlines()]

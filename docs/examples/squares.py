@@ -3,7 +3,7 @@ a consumer group that sums them, for a few steps.
 
     m2flow run docs/examples/squares.py trainer.steps=3
     m2flow run docs/examples/squares.py cluster.devices_per_node=2 \
-        plan=docs/examples/squares_plan.yaml
+        plan=docs/examples/squares_plan.yaml trainer.steps=3
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ def main(cfg) -> dict:
     from m2flow.runlog import RunLog
 
     class Squarer(Worker):
+        # One rank over all the group's devices; the default (True) is one rank per device,
+        # each rank then taking its own share of the items.
+        data_parallel = False
+
         def square(self, numbers: Channel, out: Channel, n: int, pause: float) -> None:
             chunk = self.chunk_size(default=n)  # the plan's granularity, else all at once
             batch = []
@@ -56,6 +60,8 @@ def main(cfg) -> dict:
                 out.put(batch, weight=len(batch))
 
     class Summer(Worker):
+        data_parallel = False
+
         def total(self, squares: Channel) -> int:
             # one list per get; reads until every producer of this step has returned
             return sum(sum(batch) for (batch,) in squares.stream())
