@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import io
-import os
 import re
 import textwrap
 import tokenize
@@ -64,9 +63,6 @@ def cli_reference() -> str:
 
     from m2flow.cli import app
 
-    os.environ.setdefault("COLUMNS", "100")
-    os.environ["NO_COLOR"] = "1"
-    os.environ["TERM"] = "dumb"
     runner = CliRunner()
     group = get_command(app)
     parts = ["## `m2flow`", "", "```text", _help(runner, app, []), "```", ""]
@@ -76,7 +72,7 @@ def cli_reference() -> str:
 
 
 def _help(runner, app, args: list[str]) -> str:
-    env = {"COLUMNS": "100", "NO_COLOR": "1"}
+    env = {"COLUMNS": "100", "NO_COLOR": "1", "TERM": "dumb"}  # set during the call only
     result = runner.invoke(app, [*args, "--help"], prog_name="m2flow", env=env)
     if result.exit_code != 0:
         raise RuntimeError(f"m2flow {' '.join(args)} --help failed: {result.output}")
