@@ -1,6 +1,6 @@
 """RLBoost at cluster scale on one machine: throughput and cost efficiency against veRL-like
 colocated, veRL.2x and disaggregated baselines, ablations, and the planner's prediction
-(RLBoost section 6.2-6.4; docs/results/spot_cluster.md).
+(RLBoost section 6.2-6.4; docs/spot_cluster.md).
 
 Every configuration runs the real spot pool: the rollout manager
 (``workers/rollout/spot/manager.py``, Algorithms 1 and 2), ``SpotInstance`` actors on spot
@@ -77,8 +77,8 @@ SPOT_INSTANCE_PER_H = 5.32  # 2 x H100 spot
 RESERVED_GPU_PER_H = RESERVED_NODE_PER_H / 8
 
 PROMPTS, SAMPLES = 128, 8  # paper:301 (global batch 128 prompts, GRPO group 8)
-LENGTHS = ResponseLengths(3000.0, 1.0, 16384)  # docs/results/emulation.md (median, sigma: chosen)
-PROMPT_TOKENS = 200  # modelled prompt length (OpenR1-Math prompts; docs/results/emulation.md)
+LENGTHS = ResponseLengths(3000.0, 1.0, 16384)  # docs/emulation.md (median, sigma: chosen)
+PROMPT_TOKENS = 200  # modelled prompt length (OpenR1-Math prompts; docs/emulation.md)
 EOS, FILL = 1, 2
 
 

@@ -465,7 +465,7 @@ class RolloutManager:
         self._changed()
 
     def _end_step(self) -> None:
-        """Algorithm 1 after a step (definitions in docs/results/spot.md)."""
+        """Algorithm 1 after a step (definitions in docs/spot.md)."""
         now = time.monotonic()
         c = self.cur
         elapsed = max(now - c.start, 1e-9)
