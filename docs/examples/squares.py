@@ -37,7 +37,8 @@ def validate(cfg) -> None:
 
 
 def main(cfg) -> dict:
-    # Worker classes are defined inside main (or in an importable module): Ray pickles them.
+    # Imported here, not at the top: loading the file for --show-config or the config checks
+    # then starts nothing heavy. Worker classes may also live at the file's top level.
     from m2flow import Channel, Worker
     from m2flow.runlog import RunLog
 
