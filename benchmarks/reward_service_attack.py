@@ -5,7 +5,7 @@ subprocess (so what is measured is the service and its workers, not this script'
 with two tenants, ``alice`` and ``bob``. Each row runs one attack from one tenant while the
 other tenant's correct submissions (known rewards: 1.0, 0.5, and programs that sleep so they
 are running during the attack) go through the same pools concurrently; the attacking tenant
-alternates. The attacks of issue 25's second pass (lone surrogates, bad numbers, queued
+alternates. The input attacks (lone surrogates, bad numbers, queued
 memory, disk fill, huge values, task-name squatting) are in
 ``benchmarks/reward_service_attack_input.py``. Then one row runs every attack from both
 tenants at once; one row floods a service of its own with idle connections, no token needed

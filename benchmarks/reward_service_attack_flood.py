@@ -1,5 +1,5 @@
-"""The idle-connection flood row of the reward service attack benchmark (issue 25, second
-pass, item 2): no token needed, only the port.
+"""The idle-connection flood row of the reward service attack benchmark: no token
+needed, only the port.
 
 A service of its own runs as ``m2flow reward-service`` with its file-descriptor limit lowered
 to :data:`NOFILE` (the flood stays far below the machine's limits; the issue's was 19,990

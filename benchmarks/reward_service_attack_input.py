@@ -1,4 +1,4 @@
-"""Attacks of issue 25's second pass (items 1, 3-7) for the reward service attack benchmark
+"""Input attacks for the reward service attack benchmark
 (``benchmarks/reward_service_attack.py``): text that cannot be encoded, bodies with numbers
 JSON has not, queued memory, a sandbox filling the disk, values too large to print, and task
 names squatted before the other tenant uses them.

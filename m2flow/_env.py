@@ -1,4 +1,5 @@
-"""Environment defaults for Ray on a developer machine or CI (docs/design.md, "Machines")."""
+"""Environment defaults for Ray on a developer machine or CI (docs/concepts/design.md,
+"Machines")."""
 
 import os
 

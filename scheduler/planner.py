@@ -99,7 +99,7 @@ from .tables import FAMILY, Planner
 DEFAULT_SLACK = 0.01
 # Largest cluster planned. Tables hold every device count 0..N, so memory grows linearly in N
 # (the 5-component PPO graph with runner-ups: 0.5 GB peak here) and time faster (2 minutes on
-# this 2-core machine); benchmarks/planner.py measures both (docs/planning.md).
+# this 2-core machine); benchmarks/planner.py measures both (docs/results/planning.md).
 MAX_DEVICES = 65_536
 
 __all__ = [

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: everything CI cannot run, on one NVIDIA GPU, in about 8 minutes, ending with
-# one summary table (docs/gpu.md keeps the latest one, with the card and the date).
+# one summary table (docs/results/gpu.md keeps the latest one, with the card and the date).
 #
 #   scripts/gpu_check.sh [OUT]          # OUT: logs, run directories, summary (default $OUT or
 #                                       # scratch/gpu_check)

@@ -1,6 +1,6 @@
 """The summary table of ``scripts/gpu_check.sh``: one row per step, from its run directory.
 
-    python scripts/gpu_check_summary.py OUT      # prints Markdown (docs/gpu.md keeps it)
+    python scripts/gpu_check_summary.py OUT      # prints Markdown (docs/results/gpu.md keeps it)
 
 Columns: exit status and wall time; median step time and tokens/s over the measured GRPO steps
 (the first 3 dropped: start-up); held-out accuracy at the first and last evaluation; peak GPU

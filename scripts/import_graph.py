@@ -1,4 +1,4 @@
-"""The package-level import graph of ``workers/`` and its cycles (issue 23).
+"""The package-level import graph of ``workers/`` and its cycles.
 
     python scripts/import_graph.py            # summary, cycles, every cross-package edge
     python scripts/import_graph.py --module   # module-level imports only (no function bodies)

@@ -1,5 +1,4 @@
-"""Tests never read or write the checkout's ``runs/`` and never write into the checkout
-(issue 25, item 13).
+"""Tests never read or write the checkout's ``runs/`` and never write into the checkout.
 
 README's first command (``m2flow run workflows/grpo.py``) writes checkpoints to ``runs/grpo``
 under the cwd: every workflow's ``trainer.run_dir`` default is relative (``runs/grpo``,

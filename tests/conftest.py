@@ -37,7 +37,7 @@ def _short_tmp_dir(prefix: str) -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def session_cwd(tmp_path_factory):
-    """The session's cwd: a temporary directory, never the checkout (issue 25, item 13).
+    """The session's cwd: a temporary directory, never the checkout.
 
     Workflow defaults are relative (``trainer.run_dir=runs/grpo``): from here they cannot meet
     the user's runs in ``<checkout>/runs``, in this process or in the subprocesses and Ray

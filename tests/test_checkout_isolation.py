@@ -1,4 +1,4 @@
-"""Tests stay out of the checkout (issue 25, item 13): README's two commands in order (the main
+"""Tests stay out of the checkout: README's two commands in order (the main
 job, which writes checkpoints to ``runs/grpo``, then the tests) in one clone. The guard itself
 is ``checkout_guard.py``, wired in ``conftest.py``."""
 

@@ -1,4 +1,4 @@
-"""The emulated rollout engine (docs/emulation.md): its throughput model, response lengths,
+"""The emulated rollout engine (docs/results/emulation.md): its throughput model, response lengths,
 migration, and a step of the real spot pool (RolloutManager, SpotInstance actors on spot nodes,
 the reserved seeder) running it.
 
@@ -77,7 +77,7 @@ def test_decode_throughput_plateaus_with_batch_and_context_slows_it(name):
     )
 
 
-# TensorRT-LLM perf overview (H100 SXM, FP8, output tokens/s; docs/emulation.md):
+# TensorRT-LLM perf overview (H100 SXM, FP8, output tokens/s; docs/results/emulation.md):
 # (ISL, OSL) -> Llama-3.1-8B TP1, Llama-3.3-70B TP2
 PUBLISHED = {
     (128, 2048): (22714, 6651),

@@ -1,4 +1,4 @@
-"""Operator configuration of the reward service (issue 25, second pass, item 8): values JSON
+"""Operator configuration of the reward service: values JSON
 and the service cannot use (NaN, infinities, booleans for counts), unknown keys (typos) and
 unusable directories are refused at start with one line naming the key, never a traceback
 or a service that answers 500 later."""

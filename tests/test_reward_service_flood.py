@@ -1,4 +1,4 @@
-"""Connections to the reward service (issue 25, second pass, item 2): anyone who can reach the
+"""Connections to the reward service: anyone who can reach the
 port, token or not, must not make it unreachable. The service runs as ``m2flow
 reward-service`` in a subprocess with its file-descriptor limit lowered to 1024; the test
 opens 50 idle connections and 20 that send a header a line at a time, then 1500 more idle

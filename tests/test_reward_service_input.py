@@ -1,4 +1,4 @@
-"""The reward service under hostile *input* (issue 25, second pass, items 1, 5, 6, 7): text that
+"""The reward service under hostile *input*: text that
 cannot be encoded (lone surrogates) from the sandbox or the request, numbers JSON has not
 (NaN, Infinity, 1e400), booleans for numbers, values too large to print, task names that
 tenants share. Every answer must be a 2xx or a 4xx with a JSON body, never a 500; results must

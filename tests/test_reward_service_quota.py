@@ -1,4 +1,4 @@
-"""Bounded resources of the reward service (issue 25, second pass, items 3 and 4): the memory
+"""Bounded resources of the reward service: the memory
 its queued requests hold (per tenant and in total; 429 while full, 413 for a request that can
 never fit) and the disk a sandbox may fill (a size- and file-count-limited /scratch)."""
 

@@ -127,7 +127,7 @@ def test_extract_answer_rule():
 
 
 def test_char_tokenizer_refuses_what_it_cannot_encode(qwen, tmp_path):
-    run_dir = f"trainer.run_dir={tmp_path}"  # never the checkout's runs/grpo (issue 25)
+    run_dir = f"trainer.run_dir={tmp_path}"  # never the checkout's runs/grpo
     char = build_tokenizer({"name": "char"})
     ok = TaskDataset("chain_sum", TASKS["chain_sum"], seed=0, size=8, tokenizer=char)
     assert all(it.prompt.endswith("=") and it.target == it.answer for it in ok.items)

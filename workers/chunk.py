@@ -37,7 +37,7 @@ class RolloutChunk(NamedTuple):
             version among its samples).
         step: the step it belongs to (the sampling key; 0 by default).
         step_samples: responses the whole step will have, on all rollout ranks (the reward
-            service's batch-size hint, docs/reward_service.md); 0: unknown (then the reward
+            service's batch-size hint, docs/results/reward_service.md); 0: unknown (then the reward
             worker scores the chunk as a batch of its own).
     """
 

@@ -48,7 +48,7 @@ class TaskConfig:  # the reasoning-gym source: used without data.train_files
 class ModelConfig(LMShape):  # path (a Hugging Face directory) or a tiny Qwen2's shape, dtype
     # None: the tokenizer files of model.path (pretrained), else char. char: one token per
     # character of model.alphabet (+ pad/eos/bos/unk), compact prompts; qwen2: Qwen2's BPE
-    # and chat template, any reasoning-gym task (docs/tokenizers.md)
+    # and chat template, any reasoning-gym task (docs/results/tokenizers.md)
     tokenizer: Optional[str] = None
     alphabet: str = "0123456789+-="  # the char tokenizer's characters
 
@@ -74,7 +74,8 @@ class RolloutConfig:
     top_p: float = 1.0
     shared_prefix: bool = True  # prefill each prompt once per group, not once per sample
     threads: int = 0  # torch threads; 0 = the rank's share of its node's CPUs
-    spot: SpotPoolConfig = field(default_factory=SpotPoolConfig)  # RLBoost pool (docs/spot.md)
+    # the RLBoost spot rollout pool (docs/how-to/spot.md)
+    spot: SpotPoolConfig = field(default_factory=SpotPoolConfig)
 
 
 @dataclass

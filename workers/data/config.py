@@ -14,7 +14,7 @@ from .item import OVERLONG
 
 @dataclass
 class DataConfig:
-    # Your own data (docs/data_and_rewards.md): JSONL, JSON or Parquet, one path or a list
+    # Your own data (docs/how-to/data-and-rewards.md): JSONL, JSON or Parquet, one path or a list
     # (data.train_files=[a.jsonl,b.parquet]). None: the reasoning-gym task (task.*).
     train_files: Any = None
     # Held-out evaluation rows (heldout_accuracy). None: the task's held-out split with

