@@ -69,6 +69,7 @@ class System:
     n_prem_fixed: int | None = None
     reserved_price: bool = False
     theta: int = 64  # chosen (the live benchmark's)
+    fair_seed: bool = False  # ours: a reserved engine is dispatched at most N / (engines held)
     eta: float = 3.0  # rollout.spot.eta default
     t_init: float = 60.0  # chosen T_init (seconds)
     micro_batch: int = 8  # m_b, GRPO groups
@@ -112,6 +113,7 @@ class Eng:
         self.busy_s = 0.0
         self.last_done: float | None = None
         self.alloc_t = 0.0
+        self.got = 0  # requests dispatched to it this step
 
 
 def block_seconds(model: ThroughputModel, ctx: np.ndarray, new: np.ndarray) -> float:

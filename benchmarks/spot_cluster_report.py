@@ -126,8 +126,9 @@ def fig10_md(res: dict) -> str:
                 ]
             )
         k = res["disagg_size"].get(model, {}).get("k")
+        share = sum(r["last_response"] for r in base["records"]) / base["time_s"]
         parts.append(
-            f"**{model}** (Disagg.BAL: {k} instances)\n\n"
+            f"**{model}** (Disagg.BAL: {k} instances; veRL's rollout: {share:.0%} of its step)\n\n"
             + _t(
                 [
                     "system",

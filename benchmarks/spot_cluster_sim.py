@@ -248,11 +248,18 @@ class Sim:
                 self.rr += 1
         else:
             by_id = {e.id: e for e in elig}
-            while self.queue and elig:
-                pick = select_instance({e.id: len(e.pending) for e in elig}, self.sy.theta)
+            fair = self.sy.fair_seed and self.held  # ours: a reserved engine takes its share
+            if fair:
+                by_id = {k: e for k, e in by_id.items() if e.kind == "spot" or e.got < self.share}
+            while self.queue and by_id:
+                pick = select_instance({k: len(e.pending) for k, e in by_id.items()}, self.sy.theta)
                 if pick is None:
                     break  # delayed dispatch: wait for a completion
-                by_id[pick].pending.append(self.queue.popleft())
+                e = by_id[pick]
+                e.pending.append(self.queue.popleft())
+                e.got += 1
+                if fair and e.kind == "reserved" and e.got >= self.share:
+                    del by_id[pick]
         if self.sy.rebalance and self.step > 0 and self.sy.dispatch in ("jsq", "round_robin"):
             self.rebalance(elig)
         for e in elig if self.sy.dispatch != "shared" else self.held:
@@ -384,11 +391,14 @@ class Sim:
         self.queue: deque[Req] = deque()
         for e in self.reserved:  # resharded in place after training (TrainModel.sync_s)
             e.up, e.version = True, step
+        for e in [*self.reserved, *self.held]:
+            e.got = 0
         # Algorithm 1's N_prem takes effect: release what is over it (idle at a step's start)
         while sy.kind == "rlboost" and len(self.held) > self.n_prem():
             e = sorted(self.held, key=lambda x: (x.up, -x.alloc_t))[0]
             self.kill(e, preempted=False)
         self.fill_pool()
+        self.share = -(-PROMPTS * SAMPLES // (len(self.reserved) + len(self.held)))
         self.n_track = [self.now, 0.0]
         # weights of version ``step``
         t_roll = self.now
