@@ -196,6 +196,9 @@ def fig11(a, out: dict) -> None:
             k: r[k] for k in ("throughput", "tokens_per_dollar", "step_s", "avg_held", "spot_share")
         }
         rows[n]["t_seed"] = r["records"][-1]["t_seed"]
+        fair = rlboost(wl.model, f"static {n}, fair-share seeding", n_prem_fixed=n, fair_seed=True)
+        f = run(fair, wl, math.inf, [(0.0, n)], max_steps=a.steps, warmup=a.warmup, seed=a.seed)
+        rows[n]["fair"] = {k: f[k] for k in ("throughput", "tokens_per_dollar", "spot_share")}
         print(
             f"  fig11 n={n}: {r['throughput']:,.0f} tok/s {r['tokens_per_dollar']:,.0f} tok/$",
             flush=True,
@@ -204,6 +207,10 @@ def fig11(a, out: dict) -> None:
     for row in rows.values():
         row["x_throughput"] = row["throughput"] / base["throughput"]
         row["x_tokens_per_dollar"] = row["tokens_per_dollar"] / base["tokens_per_dollar"]
+        row["fair"]["x_throughput"] = row["fair"]["throughput"] / base["throughput"]
+        row["fair"]["x_tokens_per_dollar"] = (
+            row["fair"]["tokens_per_dollar"] / base["tokens_per_dollar"]
+        )
     out["fig11"] = {"model": wl.model, "rows": rows, "steps": a.steps, "warmup": a.warmup}
 
 
@@ -272,8 +279,9 @@ def fig13_17(a, out: dict) -> None:
     }
     for fig, (trace, events) in cases.items():
         res = {"events": events, "runs": {}}
-        for mode in ("pull", "sync"):
-            sy = rlboost(wl.model, mode, weights=mode, n_prem_fixed=6)
+        for mode in ("pull", "sync", "pull, fair-share seeding (ours)"):
+            w = mode.split(",")[0]
+            sy = rlboost(wl.model, mode, weights=w, n_prem_fixed=6, fair_seed="fair" in mode)
             r = run(sy, wl, math.inf, trace, events, max_steps=k + 2, seed=a.seed)
             st = r["records"][k]
             t1 = st["t_start"] + st["step_s"]
@@ -454,6 +462,7 @@ EXPERIMENTS = {
     "fig14": fig14,
     "fig16": fig16,
     "appE": appendix_e,
+    "tail": tail,
 }
 
 

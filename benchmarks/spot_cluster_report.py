@@ -29,15 +29,24 @@ def live_table(results: dict) -> None:
     for key, d in results["derived"].items():
         p = d.get("planner")
         t.add_row(
-            key, f"{d['throughput']:,.0f}", f"{d.get('x_throughput', float('nan')):.2f}",
-            f"{d['tokens_per_dollar']:,.0f}", f"{d.get('x_tokens_per_dollar', float('nan')):.2f}",
-            f"{d['step_s']:.0f}", f"{d['cost_per_step']:.3f}", f"{d['avg_available']:.1f}",
-            f"{d['avg_held']:.1f}", f"{d['spot_share']:.0%}",
+            key,
+            f"{d['throughput']:,.0f}",
+            f"{d.get('x_throughput', float('nan')):.2f}",
+            f"{d['tokens_per_dollar']:,.0f}",
+            f"{d.get('x_tokens_per_dollar', float('nan')):.2f}",
+            f"{d['step_s']:.0f}",
+            f"{d['cost_per_step']:.3f}",
+            f"{d['avg_available']:.1f}",
+            f"{d['avg_held']:.1f}",
+            f"{d['spot_share']:.0%}",
             f"{p['step_s']:.0f} ({p['step_error']:+.0%})" if p else "",
             f"{p['cost_per_step']:.3f} ({p['cost_error']:+.0%})" if p else "",
-            (f"{d['planner_window']['step_s']:.0f} ({d['planner_window']['step_error']:+.0%})"
-             if p else ""),
-        )  # fmt: skip
+            (
+                f"{d['planner_window']['step_s']:.0f} ({d['planner_window']['step_error']:+.0%})"
+                if p
+                else ""
+            ),
+        )
     Console(width=200).print(t)
     print(f"wall: {results['wall_s']:.0f} s")
 
@@ -151,21 +160,35 @@ def fig10_md(res: dict) -> str:
 
 def fig11_md(res: dict) -> str:
     paper = {1: "1.37x thr, 1.28x tok/$", 6: "2.25x thr, 1.62x tok/$"}
-    rows = [
-        [
-            n,
-            f"{r['throughput']:,.0f}",
-            f"{r['x_throughput']:.2f}",
-            f"{r['x_tokens_per_dollar']:.2f}",
-            f"{r['step_s']:.0f}",
-            f"{r['t_seed']:.0f}",
-            f"{r['spot_share']:.0%}",
-            paper.get(int(n), ""),
-        ]
-        for n, r in res["rows"].items()
-    ]
+    rows = []
+    for n, r in res["rows"].items():
+        f = r.get("fair", {})
+        rows.append(
+            [
+                n,
+                f"{r['throughput']:,.0f}",
+                f"{r['x_throughput']:.2f}",
+                f"{r['x_tokens_per_dollar']:.2f}",
+                f"{r['step_s']:.0f}",
+                f"{r['t_seed']:.0f}",
+                f"{r['spot_share']:.0%}",
+                f"{f.get('x_throughput', float('nan')):.2f} / "
+                f"{f.get('x_tokens_per_dollar', float('nan')):.2f}",
+                paper.get(int(n), ""),
+            ]
+        )
     return _t(
-        ["instances", "tok/s", "x (0)", "tok/$ x (0)", "step s", "T_seed", "spot share", "paper"],
+        [
+            "instances",
+            "tok/s",
+            "x (0)",
+            "tok/$ x (0)",
+            "step s",
+            "T_seed",
+            "spot share",
+            "ours, fair-share seeding: x thr / x tok/$",
+            "paper",
+        ],
         rows,
     )
 
@@ -301,6 +324,26 @@ def appe_md(res: dict) -> str:
     )
 
 
+def tail_md(res: dict) -> str:
+    rows = [
+        [
+            k.split("/")[0],
+            r["sigma"],
+            f"{r['median']:,.0f}",
+            f"{r['capped_share']:.1%}",
+            f"{r['verl_step_s']:.0f}",
+            f"{r['x_throughput']:.2f}",
+            f"{r['x_tokens_per_dollar']:.2f}",
+            f"{r['held']:.1f}",
+        ]
+        for k, r in res.items()
+    ]
+    return _t(
+        ["model", "sigma", "median", "capped", "veRL step s", "RLBoost/A x thr", "x tok/$", "held"],
+        rows,
+    )
+
+
 def markdown(out: dict) -> str:
     parts = []
     for key, title, fn in (
@@ -311,6 +354,7 @@ def markdown(out: dict) -> str:
         ("fig14", "Fig. 14", fig14_md),
         ("fig16", "Fig. 16", fig16_md),
         ("appE", "Appendix E (Fig. 18)", appe_md),
+        ("tail", "Ours: the response-length tail", tail_md),
     ):
         if key in out:
             parts.append(f"### {title}\n\n" + (fn(out[key]) if fn else fig13_md(out)))
