@@ -3,7 +3,7 @@ cluster of ``benchmarks/spot_cluster_sim.py``: emulated time, deterministic give
 
 One command runs every experiment; each writes its part of
 ``benchmarks/results/spot_cluster.json`` and prints its table (docs/spot_cluster.md puts them
-next to the paper's numbers):
+next to the paper's numbers; ``fig10``, ``fig13_17`` are also plotted in ``spot_cluster.png``):
 
 - ``fig10``: veRL, veRL.2x, Disagg.BAL and RLBoost on segments A/B/C (whole 2 h each), 8B /
   14B / 32B; extra rows, ours: the baselines as this project first ran them (through RLBoost's
@@ -18,9 +18,11 @@ next to the paper's numbers):
 - ``fig16``: the Fig. 10 runs re-priced at spot discounts 0-100 %.
 - ``appE``: 14B, response caps 5K-14K: RLBoost (Algorithm 1's ``N_prem``, 12 instances
   offered) and the best static pool, relative to veRL.
+- ``tail`` (ours): veRL vs RLBoost on segment A with lighter response-length tails.
+- ``agents``: section 4.3's per-node transfer agents, 32B on two nodes: two senders vs one.
 
-    python benchmarks/spot_cluster.py            # everything (~10-15 min on 2 shared cores)
-    python benchmarks/spot_cluster.py --quick    # CI size: 8B/A, short runs (~1-2 min)
+    python benchmarks/spot_cluster.py            # everything (~15 min on 2 shared cores)
+    python benchmarks/spot_cluster.py --quick    # CI size: 8B/A, short runs (~4 min, shared cores)
     python benchmarks/spot_cluster.py --only fig11 fig14
 """
 
@@ -454,6 +456,20 @@ def tail(a, out: dict) -> None:
     out["tail"] = res
 
 
+def agents(a, out: dict) -> None:
+    """Section 4.3's per-node transfer agents with round-robin pairing: 32B on two training
+    nodes, segment A, pulls spread over both nodes' frontend NICs or all sent by one."""
+    wl = Workload("qwen3-32b", seed=a.seed)
+    seg = generate_segment(a.segments[0], seed=a.seed)
+    res = {}
+    for n in (2, 1):
+        r = run(rlboost(wl.model, f"{n} agents", agents=n), wl, a.duration, seg, seed=a.seed)
+        res[str(n)] = {k: r[k] for k in ("throughput", "tokens_per_dollar", "step_s", "steps")}
+        print(f"  agents {n}: {r['throughput']:,.0f} tok/s, step {r['step_s']:.1f} s", flush=True)
+    res["x_throughput"] = res["2"]["throughput"] / res["1"]["throughput"]
+    out["agents"] = res
+
+
 EXPERIMENTS = {
     "fig10": fig10,
     "fig11": fig11,
@@ -463,6 +479,7 @@ EXPERIMENTS = {
     "fig16": fig16,
     "appE": appendix_e,
     "tail": tail,
+    "agents": agents,
 }
 
 
@@ -503,9 +520,10 @@ def main() -> None:
         out.setdefault("wall_s", {})[name] = time.time() - t0
         _save(out, path)
     print(f"wall {time.time() - wall0:.0f} s")
-    from spot_cluster_report import markdown
+    from spot_cluster_report import markdown, plot
 
     print(markdown(out))
+    plot(out, path.with_suffix(".png"))
 
 
 def _save(out: dict, path: Path) -> None:

@@ -69,6 +69,7 @@ class System:
     n_prem_fixed: int | None = None
     reserved_price: bool = False
     theta: int = 64  # chosen (the live benchmark's)
+    agents: int | None = None  # transfer agents (default: one per training node, section 4.3)
     fair_seed: bool = False  # ours: a reserved engine is dispatched at most N / (engines held)
     eta: float = 3.0  # rollout.spot.eta default
     t_init: float = 60.0  # chosen T_init (seconds)

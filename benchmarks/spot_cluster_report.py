@@ -344,6 +344,14 @@ def tail_md(res: dict) -> str:
     )
 
 
+def agents_md(res: dict) -> str:
+    rows = [[f"{n} node(s)", f"{r['throughput']:,.0f}", f"{r['step_s']:.1f}", r["steps"]]
+            for n, r in res.items() if n in ("1", "2")]  # fmt: skip
+    return _t(["weight senders", "tok/s", "step s", "steps"], rows) + (
+        f"\n\nTwo agents / one: x{res['x_throughput']:.3f} throughput."
+    )
+
+
 def markdown(out: dict) -> str:
     parts = []
     for key, title, fn in (
@@ -355,7 +363,36 @@ def markdown(out: dict) -> str:
         ("fig16", "Fig. 16", fig16_md),
         ("appE", "Appendix E (Fig. 18)", appe_md),
         ("tail", "Ours: the response-length tail", tail_md),
+        ("agents", "Section 4.3: per-node transfer agents (32B)", agents_md),
     ):
         if key in out:
             parts.append(f"### {title}\n\n" + (fn(out[key]) if fn else fig13_md(out)))
     return "\n\n".join(parts)
+
+
+def plot(out: dict, path: Path) -> None:
+    """Fig. 10's ratios to veRL (left) and Figs. 13/17's spot generation over the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    runs = out.get("fig10", {}).get("runs", {})
+    names = [k for k in runs if "ours" not in k and not k.endswith("/veRL")]
+    for ax, metric, title in ((axes[0], "throughput", "throughput / veRL"),
+                              (axes[1], "tokens_per_dollar", "tokens per $ / veRL")):  # fmt: skip
+        vals = [runs[k][metric] / runs[k.split("/")[0] + "/veRL"][metric] for k in names]
+        ax.barh(names, vals)
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.invert_yaxis()
+        ax.set(title=f"Fig. 10 (emulated): {title}")
+    ax = axes[2]
+    for fig_key, style in (("fig13", "-"), ("fig17", "--")):
+        for mode, r in out.get(fig_key, {}).get("runs", {}).items():
+            t = [10 * i for i in range(len(r["gen_tps"]))]
+            ax.plot(t, r["gen_tps"], style, label=f"{fig_key} {mode}")
+    ax.set(title="Figs. 13/17: spot tokens/s in the step", xlabel="s into the step")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

@@ -102,6 +102,7 @@ class Sim:
         if system.n_prem_fixed is not None:
             self.policy.n_prem = system.n_prem_fixed
         self.held: list[Eng] = []
+        self.agents = system.agents or system.reserved_nodes  # weight senders (section 4.3)
         self.available = 0
         self.version = -1
         self.records: list[dict] = []
@@ -404,7 +405,7 @@ class Sim:
         t_roll = self.now
         if sy.kind == "disagg" or sy.weights == "sync":
             up = [e for e in self.held if e.up]
-            dt = transfer_s(self.model, len(up), sy.reserved_nodes) if up else 0.0
+            dt = transfer_s(self.model, len(up), self.agents) if up else 0.0
             self.st["push_s"] = dt
             t_roll = self.now + dt
             for e in up:
@@ -413,9 +414,7 @@ class Sim:
             up = [e for e in self.held if e.up]
             for e in up:
                 e.version = -1
-                self.push(
-                    self.now + transfer_s(self.model, len(up), sy.reserved_nodes), "ready", e, step
-                )
+                self.push(self.now + transfer_s(self.model, len(up), self.agents), "ready", e, step)
         if sy.kind == "verl" or sy.dispatch == "static":
             share = len(reqs) // len(self.reserved)
             for i, e in enumerate(self.reserved):
@@ -466,7 +465,7 @@ class Sim:
                 e.up = True
                 if sy.weights == "pull" and sy.kind == "rlboost":
                     self.push(
-                        self.now + transfer_s(self.model, 1, sy.reserved_nodes),
+                        self.now + transfer_s(self.model, 1, self.agents),
                         "ready",
                         e,
                         self.version,

@@ -90,3 +90,22 @@ def test_sync_weights_keep_a_new_instance_out_until_the_next_step(sim):
         got[mode] = sim.Sim(sy, wl, [(0.0, 0)], [(0, 0.0, "add", 1)]).run(math.inf, 2)
     assert got["sync"][0]["spot_tokens"] == 0 < got["sync"][1]["spot_tokens"]
     assert got["pull"][0]["spot_tokens"] > 0  # pulled on arrival, served this step
+
+
+def test_fair_share_seeding_leaves_the_instances_their_share(sim):
+    """Ours: a reserved engine is dispatched at most N / (engines + instances) requests, so
+    the instances (pulling weights when the step starts) still find work in the queue."""
+    wl = sim.Workload("qwen3-8b", seed=0)
+    spot = {}
+    for fair in (False, True):
+        sy = sim.System("x", n_prem_fixed=6, fair_seed=fair)
+        rec = sim.Sim(sy, wl, [(0.0, 6)]).run(math.inf, 2)
+        spot[fair] = rec[1]["spot_tokens"] / (rec[1]["spot_tokens"] + rec[1]["reserved_tokens"])
+    assert spot[True] > spot[False] + 0.2
+
+
+def test_pulls_share_the_training_nodes_frontend_nics(sim):
+    m = sim.throughput_preset("qwen3-32b")
+    one = sim.transfer_s(m, 1, 1)  # the instance's own 50 Gb/s bounds it
+    assert one == pytest.approx(m.latency_s + m.weight_bytes / (50e9 / 8) / 0.8)
+    assert sim.transfer_s(m, 6, 1) > sim.transfer_s(m, 6, 2) == pytest.approx(one)
