@@ -21,7 +21,7 @@ next to the paper's numbers; ``fig10``, ``fig13_17`` are also plotted in ``spot_
 - ``tail`` (ours): veRL vs RLBoost on segment A with lighter response-length tails.
 - ``agents``: section 4.3's per-node transfer agents, 32B on two nodes: two senders vs one.
 
-    python benchmarks/spot_cluster.py            # everything (~15 min on 2 shared cores)
+    python benchmarks/spot_cluster.py            # everything (15-20 min on 2 shared cores)
     python benchmarks/spot_cluster.py --quick    # CI size: 8B/A, short runs (~4 min, shared cores)
     python benchmarks/spot_cluster.py --only fig11 fig14
 """
@@ -458,15 +458,18 @@ def tail(a, out: dict) -> None:
 
 def agents(a, out: dict) -> None:
     """Section 4.3's per-node transfer agents with round-robin pairing: 32B on two training
-    nodes, segment A, pulls spread over both nodes' frontend NICs or all sent by one."""
+    nodes, segment A, pulls spread over both nodes' frontend NICs or all sent by one; with
+    RLBoost's dispatch and with fair-share seeding (ours)."""
     wl = Workload("qwen3-32b", seed=a.seed)
     seg = generate_segment(a.segments[0], seed=a.seed)
     res = {}
-    for n in (2, 1):
-        r = run(rlboost(wl.model, f"{n} agents", agents=n), wl, a.duration, seg, seed=a.seed)
-        res[str(n)] = {k: r[k] for k in ("throughput", "tokens_per_dollar", "step_s", "steps")}
-        print(f"  agents {n}: {r['throughput']:,.0f} tok/s, step {r['step_s']:.1f} s", flush=True)
-    res["x_throughput"] = res["2"]["throughput"] / res["1"]["throughput"]
+    for fair in (False, True):
+        for n in (2, 1):
+            sy = rlboost(wl.model, f"{n} agents", agents=n, fair_seed=fair)
+            r = run(sy, wl, a.duration, seg, seed=a.seed)
+            key = f"{n}" + (", fair-share seeding (ours)" if fair else "")
+            res[key] = {k: r[k] for k in ("throughput", "tokens_per_dollar", "step_s", "steps")}
+            print(f"  agents {key}: {r['throughput']:,.0f} tok/s, step {r['step_s']:.1f} s")
     out["agents"] = res
 
 
