@@ -22,7 +22,7 @@ next to the paper's numbers; ``fig10``, ``fig13_17`` are also plotted in ``spot_
 - ``agents``: section 4.3's per-node transfer agents, 32B on two nodes: two senders vs one.
 
     python benchmarks/spot_cluster.py            # everything (15-20 min on 2 shared cores)
-    python benchmarks/spot_cluster.py --quick    # CI size: 8B/A, short runs (~4 min, shared cores)
+    python benchmarks/spot_cluster.py --quick    # CI size: 8B/A, short runs (2-4 min, shared cores)
     python benchmarks/spot_cluster.py --only fig11 fig14
 """
 

@@ -345,8 +345,10 @@ def tail_md(res: dict) -> str:
 
 
 def agents_md(res: dict) -> str:
-    rows = [[f"{n} node(s)", f"{r['throughput']:,.0f}", f"{r['step_s']:.1f}", r["steps"]]
-            for n, r in res.items() if isinstance(r, dict)]  # fmt: skip
+    rows = []
+    for n, r in res.items():
+        label = n.replace(",", " node(s),", 1) if "," in n else f"{n} node(s)"
+        rows.append([label, f"{r['throughput']:,.0f}", f"{r['step_s']:.1f}", r["steps"]])
     return _t(["weight senders", "tok/s", "step s", "steps"], rows)
 
 
