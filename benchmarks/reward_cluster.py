@@ -16,7 +16,7 @@ finish time (the end of the block it ended in); the response becomes a reward re
 time, and the batch (1,024 requests) is announced to the service at the rollout's start.
 Tenant ``i`` uses length seed ``1000 * seed + i``; batch ``b`` is step ``b + 1`` and the
 warm-up batch (the first batch's history, DistRS Algorithm 2 needs one: a profiling step) is
-step 0. Training between batches: ``TrainModel`` of ``benchmarks/spot_cluster.py`` (10 P T
+step 0. Training between batches: ``TrainModel`` of ``benchmarks/spot_cluster_model.py`` (10 P T
 FLOPs at MFU 0.4 on the 8 GPUs, plus the weight push ``sync_s``) over the step's prompt and
 response tokens, averaged over the tenant's steps (``TenantTrace`` has one ``train_s``):
 ~127 s (8B) and ~230 s (14B).
@@ -82,7 +82,7 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from spot_cluster import PROMPT_TOKENS, PROMPTS, SAMPLES, TrainModel  # noqa: E402
+from spot_cluster_model import PROMPT_TOKENS, PROMPTS, SAMPLES, TrainModel  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "reward_cluster.json"
 TENANTS = ("qwen3-8b", "qwen3-14b") * 3  # model preset per tenant

@@ -1,31 +1,29 @@
-"""RLBoost at cluster scale on one machine: throughput and cost efficiency against veRL-like
-colocated, veRL.2x and disaggregated baselines, ablations, and the planner's prediction
-(RLBoost section 6.2-6.4; docs/spot_cluster.md).
+"""RLBoost's evaluation (section 6, Appendices D-E) as the paper makes it, on the emulated
+cluster of ``benchmarks/spot_cluster_sim.py``: emulated time, deterministic given ``--seed``.
 
-Every configuration runs the real spot pool: the rollout manager
-(``workers/rollout/spot/manager.py``, Algorithms 1 and 2), ``SpotInstance`` actors on spot
-nodes that are real ``ray start`` processes (``m2flow.spot.LocalSpotCluster``) joining and
-leaving as a trace of ``scheduler.spot_trace.generate_segment`` says, and emulated engines
-(``workers/rollout/emulated.py``) on the instances and on the reserved cluster's rollout
-engines. What this script adds is the reserved 8xH100 cluster's side, emulated:
+One command runs every experiment; each writes its part of
+``benchmarks/results/spot_cluster.json`` and prints its table (docs/spot_cluster.md puts them
+next to the paper's numbers; ``fig10``, ``fig13_17`` are also plotted in ``spot_cluster.png``):
 
-- ``n_engines`` reserved rollout engines (TP 2: four per 8xH100 node), each running the
-  reserved seeder's own loop (``workers/rollout/spot/pool.seed``: register, lease, one block,
-  report; leave after ``T_seed`` once a spot instance is ready; the colocated fallback when
-  none is);
-- an emulated trainer (:class:`TrainModel`) that collects finished GRPO groups from the
-  manager in dynamic micro-batches (``collect(owner, m_b)``, the call whose wait the manager
-  counts as ``t_train_wait``) and sleeps each micro-batch's modelled training time, then the
-  weight push, then stages the next weight version (the manager then runs Algorithm 1's
-  update from the step's ``t_train``, ``t_train_wait``, ``t_remote_wait``...).
+- ``fig10``: veRL, veRL.2x, Disagg.BAL and RLBoost on segments A/B/C (whole 2 h each), 8B /
+  14B / 32B; extra rows, ours: the baselines as this project first ran them (through RLBoost's
+  manager) and RLBoost's ablations on segment A.
+- ``fig11``: 14B with a static number of instances (0-8), relative to 0.
+- ``fig12``: 14B, 5 of 6 instances preempted, substitutes arriving one by one: full Algorithm
+  1, without memory, without seeding.
+- ``fig13`` / ``fig17``: 14B, pull-based vs synchronized weight transfer, instances added
+  (Fig. 13) or restarted (Fig. 17) within a step: spot generation throughput over the step.
+- ``fig14``: 14B, 3 of 6 instances preempted 100 s / 200 s into a step: migrate vs recompute,
+  step-time overhead over no preemption (5 seeds, 95 % interval).
+- ``fig16``: the Fig. 10 runs re-priced at spot discounts 0-100 %.
+- ``appE``: 14B, response caps 5K-14K: RLBoost (Algorithm 1's ``N_prem``, 12 instances
+  offered) and the best static pool, relative to veRL.
+- ``tail`` (ours): veRL vs RLBoost on segment A with lighter response-length tails.
+- ``agents``: section 4.3's per-node transfer agents, 32B on two nodes: two senders vs one.
 
-All times are emulated seconds = real seconds x ``time_scale``.
-
-    python benchmarks/spot_cluster.py            # the default table (8B; A/B/C; ablations)
-    python benchmarks/spot_cluster.py --quick    # 8B, segment A, RLBoost + veRL only
-    python benchmarks/spot_cluster.py --models qwen3-8b qwen3-14b --segments A B C
-
-Writes ``benchmarks/results/spot_cluster.json`` and ``.png``.
+    python benchmarks/spot_cluster.py            # everything (15-20 min on 2 shared cores)
+    python benchmarks/spot_cluster.py --quick    # CI size: 8B/A, short runs (2-4 min, shared cores)
+    python benchmarks/spot_cluster.py --only fig11 fig14
 """
 
 from __future__ import annotations
@@ -33,553 +31,510 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import statistics
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION", "0.05")
+import numpy as np
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-from m2flow.scheduler.spot_plan import (  # noqa: E402
-    Prices,
-    SpotPool,
-    expected_instances,
-    plan_rollout,
-    tail_term,
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from m2flow.scheduler.spot_trace import generate_segment  # noqa: E402
+from m2flow.workers.rollout.emulated import ResponseLengths  # noqa: E402
+from spot_cluster_sim import (  # noqa: E402
+    CAP,
+    RESERVED_GPU_PER_H,
+    SPOT_INSTANCE_PER_H,
+    Sim,
+    System,
+    Workload,
+    summarise,
+    with_cap,
 )
-from m2flow.scheduler.spot_trace import generate_segment, instances_at  # noqa: E402
-from m2flow.workers.rollout.emulated import (  # noqa: E402
-    EmulatedEngine,
-    ResponseLengths,
-    throughput_preset,
-)
-from m2flow.workers.rollout.emulated_rollout import rollout_finish_times  # noqa: E402
-from m2flow.workers.rollout.exact import GenRequest  # noqa: E402
-from m2flow.workers.rollout.spot.config import SpotPoolConfig  # noqa: E402
-from m2flow.workers.rollout.spot.manager import get_manager  # noqa: E402
-from m2flow.workers.rollout.spot.pool import seed as seed_loop  # noqa: E402
-
-from m2flow.spot import LocalSpotCluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "spot_cluster.json"
-
-# RLBoost Table 2 (paper:283-288) and Appendix A: $ per hour
-RESERVED_NODE_PER_H = 83.79  # 8 x H100 on demand
-SPOT_INSTANCE_PER_H = 5.32  # 2 x H100 spot
-RESERVED_GPU_PER_H = RESERVED_NODE_PER_H / 8
-
-PROMPTS, SAMPLES = 128, 8  # paper:301 (global batch 128 prompts, GRPO group 8)
-LENGTHS = ResponseLengths(3000.0, 1.0, 16384)  # docs/emulation.md (median, sigma: chosen)
-PROMPT_TOKENS = 200  # modelled prompt length (OpenR1-Math prompts; docs/emulation.md)
-EOS, FILL = 1, 2
+MODELS = ("qwen3-8b", "qwen3-14b", "qwen3-32b")
 
 
-@dataclass(frozen=True)
-class TrainModel:
-    """The reserved cluster's training time (emulated seconds).
-
-    A micro-batch of ``T`` tokens (prompt + response) costs ``flops_per_param_token * P * T /
-    (gpus * 989.4e12 * mfu * scale_eff)``: ``flops_per_param_token = 10`` is the actor update
-    (6 P T: forward + backward) plus GRPO's two extra forwards, the old-policy log-probs and
-    the reference policy's (2 P T each, as veRL computes ``old_log_prob`` and ``ref_log_prob``);
-    attention FLOPs are left out (at ~4.5K-token responses they add ~8 % for 8B). ``mfu = 0.4``
-    is **chosen**: FSDP/Megatron BF16 training of 8-32B dense models on H100 is commonly
-    reported at 35-45 % MFU; ``scale_eff`` (0.9 for two nodes, **chosen**) stands for FSDP
-    across two 8xH100 nodes, which the paper says costs veRL.2x "additional overheads"
-    (paper:331). After the last micro-batch the new weights go to the reserved rollout engines
-    (colocated resharding): ``sync_s`` (2 s fixed + weight bytes at 200 GB/s, **chosen**); spot
-    instances pull their copy while the next step starts (the engines' modelled pull).
-    """
-
-    params: float
-    gpus: int = 8
-    mfu: float = 0.4
-    scale_eff: float = 1.0
-    flops_per_param_token: float = 10.0
-    peak_flops: float = 989.4e12  # H100 SXM BF16 dense
-
-    def train_s(self, tokens: int) -> float:
-        flops = self.flops_per_param_token * self.params * tokens
-        return flops / (self.gpus * self.peak_flops * self.mfu * self.scale_eff)
-
-    @property
-    def sync_s(self) -> float:
-        return 2.0 + 2 * self.params / 200e9
+def nodes_of(model: str) -> int:
+    return 2 if model == "qwen3-32b" else 1  # paper:301-309
 
 
-# ---------------------------------------------------------------------------------------------
-# one configuration
-
-
-@dataclass
-class Config:
-    name: str
-    model: str = "qwen3-8b"
-    segment: str | None = "A"  # trace segment; None: fixed instances (disagg) or none
-    reserved_nodes: int = 1  # 8xH100 training nodes
-    fixed_instances: int = 0  # always-on rollout instances (disagg), priced reserved
-    spot: dict | None = None  # SpotPoolConfig overrides (ablations)
-    steps: int = 8
-    warmup: int = 2
-    scale_eff: float = 1.0
-
-
-def _requests(step: int) -> list[GenRequest]:
-    return [
-        GenRequest(f"{step}:{p}:{j}", [3], (step, p, j), 16384, owner=0)
-        for p in range(PROMPTS)
-        for j in range(SAMPLES)
-    ]
-
-
-class Replay:
-    """Follows a trace on a LocalSpotCluster (its own thread and stop event, so one cluster
-    serves every configuration)."""
-
-    def __init__(self, local: LocalSpotCluster, trace, time_scale: float, seed: int) -> None:
-        import random
-
-        self.local, self.trace, self.ts = local, trace, time_scale
-        self.rng = random.Random(seed)
-        self.stop = threading.Event()
-        self.thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        t0 = time.monotonic()
-
-        def run() -> None:
-            for t_s, count in self.trace[1:]:
-                if self.stop.wait(max(0.0, t0 + t_s / self.ts - time.monotonic())):
-                    return
-                have = self.local.spot_nodes
-                if count > have:
-                    self.local.add_spot(count - have)
-                elif count < have:
-                    self.local.remove_spot(have - count, self.rng)
-
-        self.thread = threading.Thread(target=run, daemon=True, name="trace")
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join(timeout=120)
-
-
-def run_config(local: LocalSpotCluster, cfg: Config, ts: float, seed: int,
-               pool_over: dict) -> dict:  # fmt: skip
-    """Runs ``cfg.steps`` steps; returns per-step records (emulated seconds, $)."""
-    preset = throughput_preset(cfg.model)
-    n_engines = 4 * cfg.reserved_nodes  # TP-2 engines of the training cluster (paper:186)
-    trainer = TrainModel(preset.params, gpus=8 * cfg.reserved_nodes, scale_eff=cfg.scale_eff)
-    emu = {"model": cfg.model, "time_scale": ts, "length_median": 3000.0, "length_sigma": 1.0,
-           "length_cap": 16384, "prompt_tokens": PROMPT_TOKENS, "mem_util": 0.0}  # fmt: skip
-    spot = {"enabled": True, "engine": "emulated", "emulated": emu, **pool_over,
-            **(cfg.spot or {})}  # fmt: skip
-    if cfg.fixed_instances:  # disaggregated: no seeding, a fixed pool
-        spot.update(seeding=False, n_prem_min=cfg.fixed_instances,
-                    n_prem_max=cfg.fixed_instances)  # fmt: skip
-    pc = SpotPoolConfig(**spot)
-    pc.check()
-    args = {"engine": "emulated", "emulated": asdict(pc.emulated), "eos_id": EOS,
-            "filler_id": FILL, "seed": seed, "min_new_tokens": 0}  # fmt: skip
-    mgr = get_manager(asdict(pc), n_engines, args)
-    engines = [EmulatedEngine.from_config(args["emulated"], EOS, FILL, seed) for _ in
-               range(n_engines)]  # fmt: skip
-    trace = generate_segment(cfg.segment, seed=seed) if cfg.segment else None
-    replay = None
-    records: list[dict] = []
-    try:
-        # the instances present at t = 0 (or the fixed pool) start before the clock does
-        first = trace[0][1] if trace else cfg.fixed_instances
-        if first:
-            local.add_spot(first)
-        version = 0
-        ray.get(mgr.stage.remote(version, [ray.put(b"w")]), timeout=120)
-        n_prem0 = ray.get(mgr.metrics.remote(), timeout=60)["n_prem"]
-        want = min(first, n_prem0)
-        deadline = time.monotonic() + 300
-        while want and ray.get(mgr.spot_ready.remote()) < want:  # instances up, weights pulled
-            if time.monotonic() > deadline:
-                raise TimeoutError("spot instances did not start in 300 s")
-            time.sleep(0.5)
-        if trace:
-            replay = Replay(local, trace, ts, seed)
-            replay.start()
-        t_run0 = time.monotonic()
-
-        def seed_all(t_seed: float) -> None:
-            threads = [threading.Thread(target=seed_loop, args=(mgr, engines[i], f"reserved:{i}",
-                                                           version, t_seed, pc.max_batch,
-                                                           pc.block_tokens))
-                       for i in range(n_engines)]  # fmt: skip
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-
-        for step in range(cfg.steps):
-            t0 = time.monotonic()
-            t_seed = ray.get(mgr.submit.remote(step, 0, _requests(step)), timeout=120)
-            seed_all(t_seed)
-            t_seed_end = time.monotonic()
-            got = tokens = 0
-            train_busy = fallback = 0.0
-            micro = 0
-            while got < PROMPTS:
-                groups = ray.get(mgr.collect.remote(0, pc.micro_batch_prompts, 1.0),
-                                 timeout=120)  # fmt: skip
-                if not groups:
-                    if ray.get(mgr.spot_ready.remote()) == 0:  # colocated fallback
-                        f0 = time.monotonic()
-                        seed_all(0.0)
-                        fallback += time.monotonic() - f0
-                    continue
-                got += len(groups)
-                n_tok = sum(PROMPT_TOKENS + len(r.tokens) for g in groups for r in g)
-                tokens += n_tok
-                dt = trainer.train_s(n_tok) / ts
-                time.sleep(dt)
-                train_busy += dt
-                micro += 1
-            time.sleep(trainer.sync_s / ts)
-            version += 1
-            ray.get(mgr.stage.remote(version, [ray.put(b"w")]), timeout=120)  # ends the step
-            t1 = time.monotonic()
-            hist = ray.get(mgr.metrics.remote(), timeout=60)["steps"]
-            h = hist[-1] if hist else {}
-            step_s = (t1 - t0) * ts
-            spot_inst_s = h.get("n_bar", 0.0) * h.get("step_s", 0.0) * ts
-            if cfg.fixed_instances:  # always-on, reserved-priced instances
-                cost = (
-                    step_s
-                    / 3600
-                    * (
-                        cfg.reserved_nodes * RESERVED_NODE_PER_H
-                        + cfg.fixed_instances * 2 * RESERVED_GPU_PER_H
-                    )
-                )
-                spot_cost = 0.0
-            else:
-                spot_cost = spot_inst_s / 3600 * SPOT_INSTANCE_PER_H
-                cost = step_s / 3600 * cfg.reserved_nodes * RESERVED_NODE_PER_H + spot_cost
-            t_emul = (t0 - t_run0) * ts
-            rec = {
-                "step": step, "step_s": step_s, "tokens": tokens, "cost": cost,
-                "spot_cost": spot_cost, "spot_instance_s": spot_inst_s,
-                "seed_s": (t_seed_end - t0) * ts, "train_s": train_busy * ts,
-                "fallback_s": fallback * ts, "micro_batches": micro,
-                "t_seed": t_seed * ts, "n_prem": h.get("n_prem"), "n_bar": h.get("n_bar"),
-                "available": instances_at(trace, t_emul) if trace else cfg.fixed_instances,
-                "t_train_wait": h.get("t_train_wait", 0.0) * ts,
-                "t_remote_wait": h.get("t_remote_wait", 0.0) * ts,
-                "reserved_tokens": h.get("reserved_tokens"), "spot_tokens": h.get("spot_tokens"),
-                "preemptions": h.get("preemptions"), "migrated_samples": h.get("migrated_samples"),
-                "rebalanced_samples": h.get("rebalanced_samples"),
-                "failed_starts": h.get("failed_starts"), "t_start": t_emul,
-            }  # fmt: skip
-            records.append(rec)
-            print(f"  {cfg.name} step {step}: {step_s:7.1f} s  {tokens / step_s:8.0f} tok/s  "
-                  f"${cost:6.3f}  T_seed {rec['t_seed']:6.1f}  N_prem {rec['n_prem']}  "
-                  f"n_bar {rec['n_bar'] or 0:.2f}  avail {rec['available']}  "
-                  f"wait {rec['t_train_wait']:.0f}/{rec['t_remote_wait']:.0f}  "
-                  f"pre {rec['preemptions']}", flush=True)  # fmt: skip
-    finally:
-        if replay is not None:
-            replay.close()
-        try:
-            ray.get(mgr.shutdown.remote(), timeout=60)
-        except Exception:  # noqa: BLE001
-            pass
-        ray.kill(mgr, no_restart=True)
-        local.remove_spot(local.spot_nodes)
-        # the next configuration's manager must not see these nodes as alive (GCS marks a
-        # killed raylet dead only after missed heartbeats)
-        from m2flow.spot import alive_spot_nodes
-
-        deadline = time.monotonic() + 90
-        while alive_spot_nodes() and time.monotonic() < deadline:
-            time.sleep(1.0)
-    return {"config": asdict(cfg), "records": records, **summarise(records, cfg.warmup)}
-
-
-def summarise(records: list[dict], warmup: int) -> dict:
-    rec = records[warmup:] or records
-    time_s = sum(r["step_s"] for r in rec)
-    tokens = sum(r["tokens"] for r in rec)
-    cost = sum(r["cost"] for r in rec)
+def run(
+    system: System,
+    wl: Workload,
+    duration: float,
+    trace=None,
+    events=(),
+    max_steps=10**6,
+    warmup: int = 0,
+    seed: int = 0,
+) -> dict:
+    sim = Sim(system, wl, trace, events, rng_seed=seed)
+    rec = sim.run(duration, max_steps)
     return {
-        "measured_steps": len(rec),
-        "throughput": tokens / time_s,  # tokens trained per emulated second
-        "tokens_per_dollar": tokens / cost,
-        "step_s": time_s / len(rec),
-        "cost_per_step": cost / len(rec),
-        "spot_share": sum(r["spot_tokens"] or 0 for r in rec)
-        / max(sum((r["spot_tokens"] or 0) + (r["reserved_tokens"] or 0) for r in rec), 1),
-        "avg_available": statistics.fmean(r["available"] for r in rec),
-        "avg_held": statistics.fmean(r["n_bar"] or 0.0 for r in rec),
-        "preemptions": sum(r["preemptions"] or 0 for r in rec),
+        "system": asdict(system),
+        "records": rec,
+        "timeline": sim.timeline,
+        **summarise(rec, warmup),
+    }
+
+
+def verl(model: str, two_x: bool = False) -> System:
+    n = nodes_of(model) * (2 if two_x else 1)
+    return System(
+        "veRL.2x" if two_x else "veRL",
+        "verl",
+        n,
+        scale_eff=0.9 if two_x else 1.0,
+        dispatch="static",
+        rebalance=False,
+        seeding=False,
+    )
+
+
+def disagg(model: str, k: int) -> System:
+    return System(
+        "Disagg.BAL",
+        "disagg",
+        nodes_of(model),
+        dispatch="shared",
+        rebalance=False,
+        seeding=False,
+        weights="sync",
+        instances=k,
+    )
+
+
+def rlboost(model: str, name: str = "RLBoost", **over) -> System:
+    return System(name, "rlboost", nodes_of(model), **over)
+
+
+def disagg_size(wl: Workload, steps: int = 2) -> dict:
+    """Disagg.BAL's instance count as StreamRL's resource optimizer balances the stages
+    (paper:322): rollout time taken to scale as ``1 / k`` over ``k`` reserved 2xH100 instances
+    (its linear model), ``k = ceil(R_1 / T_train)`` with ``R_1`` one instance's rollout of the
+    step and ``T_train`` the step's training + reshard (means over ``steps`` emulated steps)."""
+    sim = Sim(disagg(wl.model, 1), wl)
+    rec = sim.run(math.inf, steps)
+    train = float(np.mean([r["t_train"] for r in rec])) + sim.trainer.sync_s
+    r1 = float(np.mean([r["last_response"] - r["push_s"] for r in rec]))
+    return {
+        "k": max(1, math.ceil(r1 / train)),
+        "rollout_1_s": r1,
+        "train_s": train,
+        "rule": "ceil(R_1 / T_train)",
     }
 
 
 # ---------------------------------------------------------------------------------------------
-# offline model (no sleeping): rollout times for the planner and the disaggregated sizing
 
 
-def finish_times(model: str, n_engines: int, seed: int, step: int, block: int,
-                 max_batch: int) -> np.ndarray:  # fmt: skip
-    """Modelled seconds from the step's start until each of step ``step``'s 1024 responses
-    ends on ``n_engines`` engines sharing its queue (``rollout_finish_times``), in
-    ``_requests`` order (prompt-major: a group's samples are contiguous)."""
-    keys = [r.key for r in _requests(step)]
-    fin, _ = rollout_finish_times(throughput_preset(model), LENGTHS, keys, n_engines, seed,
-                                  max_batch, block, PROMPT_TOKENS)  # fmt: skip
-    return fin
+def fig10(a, out: dict) -> None:
+    res = out.setdefault("fig10", {"runs": {}, "disagg_size": {}})
+    for model in a.models:
+        wl = Workload(model, seed=a.seed)
+        size = disagg_size(wl)
+        res["disagg_size"][model] = size
+        k = size["k"]
+        systems = [(verl(model), None), (disagg(model, k), None)]
+        if nodes_of(model) == 1:
+            systems.insert(1, (verl(model, two_x=True), None))
+        for seg in a.segments:
+            systems.append((rlboost(model, f"RLBoost/{seg}"), seg))
+        # ours: the baselines as first built, through RLBoost's own manager
+        systems.append(
+            (
+                rlboost(model, "ours: veRL-like (RLBoost fallback, no instances)", n_prem_fixed=0),
+                None,
+            )
+        )
+        systems.append(
+            (
+                rlboost(
+                    model,
+                    "ours: Disagg-like (RLBoost pool, no seeding)",
+                    n_prem_fixed=k,
+                    seeding=False,
+                    reserved_price=True,
+                ),
+                [(0.0, k)],
+            )
+        )
+        if not a.no_ablations:
+            seg = a.segments[0]
+            for name, over in (
+                ("no memory", {"memory": False}),
+                ("no seeding", {"seeding": False}),
+                ("round robin", {"dispatch": "round_robin"}),
+                ("no rebalance", {"rebalance": False}),
+                ("recompute", {"migration": "recompute"}),
+                ("sync weights", {"weights": "sync"}),
+                ("fair-share seeding", {"fair_seed": True}),
+            ):
+                systems.append((rlboost(model, f"ours: ablation {name}/{seg}", **over), seg))
+        for sy, seg in systems:
+            trace = generate_segment(seg, seed=a.seed) if isinstance(seg, str) else seg
+            t0 = time.time()
+            r = run(sy, wl, a.duration, trace, seed=a.seed)
+            r["segment"] = seg if isinstance(seg, str) else None
+            r["wall_s"] = time.time() - t0
+            res["runs"][f"{model}/{sy.name}"] = r
+            print(
+                f"  {model}/{sy.name}: {r['throughput']:,.0f} tok/s {r['tokens_per_dollar']:,.0f}"
+                f" tok/$ held {r['avg_held']:.2f} steps {r['steps']} ({r['wall_s']:.1f} s)",
+                flush=True,
+            )
 
 
-def offline_rollout_s(model: str, n_engines: int, seed: int, step: int, block: int,
-                      max_batch: int) -> float:  # fmt: skip
-    """Modelled seconds for ``n_engines`` engines to roll out step ``step``: its last
-    response's end (:func:`finish_times`)."""
-    return float(finish_times(model, n_engines, seed, step, block, max_batch).max())
+def fig11(a, out: dict) -> None:
+    wl = Workload("qwen3-14b", seed=a.seed)
+    rows = {}
+    for n in a.static_counts:
+        sy = rlboost(wl.model, f"static {n}", n_prem_fixed=n)
+        r = run(sy, wl, math.inf, [(0.0, n)], max_steps=a.steps, warmup=a.warmup, seed=a.seed)
+        rows[n] = {
+            k: r[k] for k in ("throughput", "tokens_per_dollar", "step_s", "avg_held", "spot_share")
+        }
+        rows[n]["t_seed"] = r["records"][-1]["t_seed"]
+        fair = rlboost(wl.model, f"static {n}, fair-share seeding", n_prem_fixed=n, fair_seed=True)
+        f = run(fair, wl, math.inf, [(0.0, n)], max_steps=a.steps, warmup=a.warmup, seed=a.seed)
+        rows[n]["fair"] = {k: f[k] for k in ("throughput", "tokens_per_dollar", "spot_share")}
+        print(
+            f"  fig11 n={n}: {r['throughput']:,.0f} tok/s {r['tokens_per_dollar']:,.0f} tok/$",
+            flush=True,
+        )
+    base = rows[min(rows)]
+    for row in rows.values():
+        row["x_throughput"] = row["throughput"] / base["throughput"]
+        row["x_tokens_per_dollar"] = row["tokens_per_dollar"] / base["tokens_per_dollar"]
+        row["fair"]["x_throughput"] = row["fair"]["throughput"] / base["throughput"]
+        row["fair"]["x_tokens_per_dollar"] = (
+            row["fair"]["tokens_per_dollar"] / base["tokens_per_dollar"]
+        )
+    out["fig11"] = {"model": wl.model, "rows": rows, "steps": a.steps, "warmup": a.warmup}
 
 
-def step_tokens(seed: int, step: int) -> int:
-    lengths = LENGTHS.lengths(seed, [r.key for r in _requests(step)])
-    return int(lengths.sum()) + PROMPTS * SAMPLES * PROMPT_TOKENS
+def fig12(a, out: dict) -> None:
+    """6 instances; 5 preempted at ``t_p``; one substitute every ``gap`` s until 6 again."""
+    wl = Workload("qwen3-14b", seed=a.seed)
+    t_p, gap = a.fig12_start, a.fig12_gap
+    trace = [(0.0, 6), (t_p, 1)] + [(t_p + gap * i, 1 + i) for i in range(1, 6)]
+    end = t_p + gap * 5 + a.fig12_tail
+    res = {"trace": trace, "t_preempt": t_p, "end": end, "runs": {}}
+    for name, over in (
+        ("full", {}),
+        ("w/o memory", {"memory": False}),
+        ("w/o seeding", {"seeding": False}),
+    ):
+        r = run(rlboost(wl.model, name, **over), wl, end, trace, seed=a.seed)
+        rec = [x for x in r["records"] if x["t_start"] >= t_p]
+        s = summarise(rec)
+        res["runs"][name] = {
+            **s,
+            "steps_detail": [
+                {
+                    k: x[k]
+                    for k in (
+                        "t_start",
+                        "step_s",
+                        "t_seed",
+                        "n_prem",
+                        "n_bar",
+                        "n_hat",
+                        "memory_hit",
+                        "t_train_wait",
+                        "t_remote_wait",
+                    )
+                }
+                for x in rec
+            ],
+        }
+        print(f"  fig12 {name}: {s['throughput']:,.0f} tok/s over {s['steps']} steps", flush=True)
+    full = res["runs"]["full"]["throughput"]
+    for v in res["runs"].values():
+        v["vs_full"] = v["throughput"] / full - 1
+    out["fig12"] = res
 
 
-def plan_for(model: str, segment: str, seed: int, reserved_nodes: int, block: int,
-             max_batch: int, steps: range, n_bar: float | None = None) -> dict:  # fmt: skip
-    """scheduler.spot_plan's choice from the emulator's own model: ``R`` and one instance's
-    items/s from the offline engine model, ``t_train`` from :class:`TrainModel`, the expected
-    instances from the segment's trace (or ``n_bar``), the paper's prices."""
-    preset = throughput_preset(model)
-    n_eng = 4 * reserved_nodes
-    trainer = TrainModel(preset.params, gpus=8 * reserved_nodes)
-    rs = [offline_rollout_s(model, n_eng, seed, s, block, max_batch) for s in steps]
-    R = statistics.fmean(rs)
-    t_train = statistics.fmean(trainer.train_s(step_tokens(seed, s)) for s in steps)
-    t_train += trainer.sync_s
-    if n_bar is None:
-        n_bar = expected_instances(generate_segment(segment, seed=seed))
-    # one instance's items/s when the batch is spread over ~n_bar instances
-    n = max(1, round(n_bar))
-    one = offline_rollout_s(model, n, seed, steps[0], block, max_batch)
-    r_items = PROMPTS / n / one
-    # the long responses' term: when each GRPO group is complete on those n engines
-    ends = [group_end_s(model, n, seed, s, block, max_batch) for s in steps]
-    tails = [tail_term(g, t_train) for g in ends]
-    pool = SpotPool(
-        instance_items_per_s=r_items,
-        devices_per_instance=2,
-        expected_instances=n_bar,
-        weight_sync_s=preset.weight_transfer_s(),
-        tail_s=statistics.fmean(t for t, _ in tails),
-        tail_train_fraction=statistics.fmean(f for _, f in tails),
-    )
-    prices = Prices(reserved=RESERVED_GPU_PER_H, spot=SPOT_INSTANCE_PER_H / 2)
-    plan = plan_rollout(PROMPTS, R + t_train, R, t_train, 8 * reserved_nodes, pool, prices,
-                        objective="time")  # fmt: skip
-    return {"R": R, "t_train": t_train, "instance_items_per_s": r_items, "n_bar": n_bar,
-            "weight_sync_s": pool.weight_sync_s, "tail_s": pool.tail_s,
-            "tail_train_fraction": pool.tail_train_fraction, "plan": plan.to_dict()}  # fmt: skip
+def _gen_timeline(r: dict, t0: float, t1: float, bin_s: float = 10.0) -> list[float]:
+    """Spot tokens/s in ``bin_s`` bins over ``[t0, t1)`` (blocks spread evenly over their span)."""
+    nb = max(1, math.ceil((t1 - t0) / bin_s))
+    out = np.zeros(nb)
+    for b0, b1, made in r["timeline"]:
+        if b1 <= t0 or b0 >= t1 or b1 <= b0:
+            continue
+        for i in range(max(0, int((b0 - t0) // bin_s)), min(nb, int((b1 - t0) // bin_s) + 1)):
+            lo, hi = max(b0, t0 + i * bin_s), min(b1, t0 + (i + 1) * bin_s)
+            if hi > lo:
+                out[i] += made * (hi - lo) / (b1 - b0)
+    return list(out / bin_s)
 
 
-def group_end_s(model: str, n_engines: int, seed: int, step: int, block: int,
-                max_batch: int) -> list[float]:  # fmt: skip
-    """Emulated seconds from the step's start until each GRPO group's last sample ends
-    (:func:`finish_times`)."""
-    fin = finish_times(model, n_engines, seed, step, block, max_batch)
-    return [float(g.max()) for g in fin.reshape(PROMPTS, SAMPLES)]
+def fig13_17(a, out: dict) -> None:
+    wl = Workload("qwen3-14b", seed=a.seed)
+    k = a.warmup + 1  # the step with the scenario
+    cases = {
+        "fig13": ([(0.0, 1)], [(k, 20.0 * i, "add", 1) for i in range(1, 6)]),
+        "fig17": ([(0.0, 6)], [(k, 40.0 * i, "restart", 1) for i in range(1, 4)]),
+    }
+    for fig, (trace, events) in cases.items():
+        res = {"events": events, "runs": {}}
+        for mode in ("pull", "sync", "pull, fair-share seeding (ours)"):
+            w = mode.split(",")[0]
+            sy = rlboost(wl.model, mode, weights=w, n_prem_fixed=6, fair_seed="fair" in mode)
+            r = run(sy, wl, math.inf, trace, events, max_steps=k + 2, seed=a.seed)
+            st = r["records"][k]
+            t1 = st["t_start"] + st["step_s"]
+            res["runs"][mode] = {
+                "step_s": st["step_s"],
+                "next_step_s": r["records"][k + 1]["step_s"],
+                "spot_tokens": st["spot_tokens"],
+                "push_s": st["push_s"],
+                "gen_tps": _gen_timeline(r, st["t_start"], t1),
+                "mean_gen_tps": st["spot_tokens"] / st["step_s"],
+            }
+            print(
+                f"  {fig} {mode}: step {st['step_s']:.0f} s, spot tokens/s "
+                f"{st['spot_tokens'] / st['step_s']:,.0f}",
+                flush=True,
+            )
+        out[fig] = res
 
 
-def replan(path: str) -> None:
-    """Recompute the planner's choices (pure, from the emulator's models) and the derived table
-    of an earlier run's results, keeping its measured rows; for a planner change."""
-    results = json.loads(Path(path).read_text())
-    st = results["settings"]
-    for key in results["plans"]:
-        model, seg = key.split("/")
-        nodes = 2 if model == "qwen3-32b" else 1
-        results["plans"][key] = plan_for(model, seg, st["seed"], nodes, st["block"], 256,
-                                         range(st["warmup"], st["steps"]))  # fmt: skip
-    results["replanned"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    results["derived"] = derived(results)
-    Path(path).write_text(json.dumps(results, indent=2, default=float) + "\n")
-    _report(results, path)
+def fig14(a, out: dict) -> None:
+    k = a.warmup + 1
+    res = {}
+    for t_rel in (100.0, 200.0):
+        over = {"migrate": [], "recompute": []}
+        for s in range(a.fig14_seeds):
+            wl = Workload("qwen3-14b", seed=a.seed + s)
+            base = None
+            for mode in ("none", "migrate", "recompute"):
+                ev = [] if mode == "none" else [(k, t_rel, "preempt", 3)]
+                mig = "recompute" if mode == "recompute" else "tokens"
+                sy = rlboost(wl.model, mode, n_prem_fixed=6, migration=mig)
+                r = run(sy, wl, math.inf, [(0.0, 6)], ev, max_steps=k + 1, seed=a.seed + s)
+                step_s = r["records"][k]["step_s"]
+                if mode == "none":
+                    base = step_s
+                else:
+                    over[mode].append(step_s - base)
+        row = {}
+        for mode, xs in over.items():
+            row[mode] = {
+                "mean_s": float(np.mean(xs)),
+                "p2.5": float(np.percentile(xs, 2.5)),
+                "p97.5": float(np.percentile(xs, 97.5)),
+                "all": xs,
+            }
+        rc = row["recompute"]["mean_s"]
+        row["reduction"] = 1 - row["migrate"]["mean_s"] / rc if rc > 0 else None
+        res[f"{int(t_rel)}s"] = row
+        print(
+            f"  fig14 at {t_rel:.0f} s: migrate +{row['migrate']['mean_s']:.1f} s, recompute "
+            f"+{rc:.1f} s, reduction {row['reduction']}",
+            flush=True,
+        )
+    out["fig14"] = res
 
 
-# ---------------------------------------------------------------------------------------------
+def fig16(a, out: dict) -> None:
+    """Re-price Fig. 10's RLBoost runs: spot per-GPU price = on-demand x (1 - discount)."""
+    runs = out.get("fig10", {}).get("runs", {})
+    res = {"table2_discount": 1 - SPOT_INSTANCE_PER_H / (2 * RESERVED_GPU_PER_H), "models": {}}
+    for model in a.models:
+        base = runs.get(f"{model}/veRL")
+        if base is None:
+            continue
+        rows = {}
+        for d in np.round(np.linspace(0, 1, 11), 2):
+            price = 2 * RESERVED_GPU_PER_H * (1 - d)
+            effs = [
+                summarise(runs[f"{model}/RLBoost/{s}"]["records"], 0, price)["tokens_per_dollar"]
+                for s in a.segments
+                if f"{model}/RLBoost/{s}" in runs
+            ]
+            rows[f"{d:.1f}"] = float(np.mean(effs)) / base["tokens_per_dollar"]
+        ref = {
+            n: runs[f"{model}/{n}"]["tokens_per_dollar"] / base["tokens_per_dollar"]
+            for n in ("veRL.2x", "Disagg.BAL")
+            if f"{model}/{n}" in runs
+        }
+        even = next((float(d) for d, v in rows.items() if v >= 1.0), None)
+        res["models"][model] = {"x_verl_by_discount": rows, "baselines": ref, "break_even": even}
+    out["fig16"] = res
+
+
+def appendix_e(a, out: dict) -> None:
+    res = {}
+    for cap in a.caps:
+        wl = with_cap(Workload("qwen3-14b", seed=a.seed), cap)
+        base = run(verl(wl.model), wl, math.inf, max_steps=max(3, a.warmup + 2), warmup=1)
+        alg = run(
+            rlboost(wl.model, "RLBoost"),
+            wl,
+            math.inf,
+            [(0.0, 12)],
+            max_steps=a.steps,
+            warmup=a.warmup,
+            seed=a.seed,
+        )
+        static = {}
+        for n in a.appe_counts:
+            r = run(
+                rlboost(wl.model, f"static {n}", n_prem_fixed=n),
+                wl,
+                math.inf,
+                [(0.0, n)],
+                max_steps=a.steps,
+                warmup=a.warmup,
+                seed=a.seed,
+            )
+            static[n] = (
+                r["tokens_per_dollar"] / base["tokens_per_dollar"],
+                r["throughput"] / base["throughput"],
+            )
+        best = max(static, key=lambda n: static[n][0])
+        res[str(cap)] = {
+            "verl_step_s": base["step_s"],
+            "alg1": {
+                "x_throughput": alg["throughput"] / base["throughput"],
+                "x_tokens_per_dollar": alg["tokens_per_dollar"] / base["tokens_per_dollar"],
+                "n_prem": [x["n_prem"] for x in alg["records"]],
+                "held": alg["avg_held"],
+            },
+            "best_static": {
+                "n": best,
+                "x_tokens_per_dollar": static[best][0],
+                "x_throughput": static[best][1],
+            },
+            "static": {str(n): v for n, v in static.items()},
+        }
+        print(
+            f"  appE cap {cap}: Alg.1 x{res[str(cap)]['alg1']['x_throughput']:.2f} thr "
+            f"N_prem {alg['records'][-1]['n_prem']}; best static n={best} "
+            f"x{static[best][1]:.2f} thr x{static[best][0]:.2f} tok/$",
+            flush=True,
+        )
+    out["appE"] = res
+
+
+def tail(a, out: dict) -> None:
+    """Ours, not the paper's: the same comparison (veRL vs RLBoost on segment A) with lighter
+    response-length tails. The lognormal's ``sigma`` varies; its median moves so that the
+    uncapped mean stays that of the default (3000 exp(1/2) = 4,946 tokens)."""
+    res = {}
+    mean = 3000.0 * math.exp(0.5)
+    for model in a.tail_models:
+        for sigma in a.sigmas:
+            lengths = ResponseLengths(mean / math.exp(sigma**2 / 2), sigma, CAP)
+            wl = Workload(model, lengths, a.seed)
+            base = run(verl(model), wl, a.duration)
+            rl = run(
+                rlboost(model, "RLBoost/A"), wl, a.duration, generate_segment("A", seed=a.seed)
+            )
+            capped = float(
+                np.mean(
+                    lengths.lengths(a.seed, [(0, p, j) for p in range(128) for j in range(8)])
+                    >= CAP
+                )
+            )
+            key = f"{model}/sigma={sigma}"
+            res[key] = {
+                "median": lengths.median,
+                "sigma": sigma,
+                "capped_share": capped,
+                "verl_step_s": base["step_s"],
+                "x_throughput": rl["throughput"] / base["throughput"],
+                "x_tokens_per_dollar": rl["tokens_per_dollar"] / base["tokens_per_dollar"],
+                "held": rl["avg_held"],
+            }
+            r = res[key]
+            print(f"  tail {key}: x{r['x_throughput']:.2f}, x{r['x_tokens_per_dollar']:.2f} tok/$")
+    out["tail"] = res
+
+
+def agents(a, out: dict) -> None:
+    """Section 4.3's per-node transfer agents with round-robin pairing: 32B on two training
+    nodes, segment A, pulls spread over both nodes' frontend NICs or all sent by one; with
+    RLBoost's dispatch and with fair-share seeding (ours)."""
+    wl = Workload("qwen3-32b", seed=a.seed)
+    seg = generate_segment(a.segments[0], seed=a.seed)
+    res = {}
+    for fair in (False, True):
+        for n in (2, 1):
+            sy = rlboost(wl.model, f"{n} agents", agents=n, fair_seed=fair)
+            r = run(sy, wl, a.duration, seg, seed=a.seed)
+            key = f"{n}" + (", fair-share seeding (ours)" if fair else "")
+            res[key] = {k: r[k] for k in ("throughput", "tokens_per_dollar", "step_s", "steps")}
+            print(f"  agents {key}: {r['throughput']:,.0f} tok/s, step {r['step_s']:.1f} s")
+    out["agents"] = res
+
+
+EXPERIMENTS = {
+    "fig10": fig10,
+    "fig11": fig11,
+    "fig12": fig12,
+    "fig13_17": fig13_17,
+    "fig14": fig14,
+    "fig16": fig16,
+    "appE": appendix_e,
+    "tail": tail,
+    "agents": agents,
+}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="8B, segment A, RLBoost + veRL only")
-    ap.add_argument("--models", nargs="+", default=["qwen3-8b"])
+    ap.add_argument("--quick", action="store_true", help="CI size: 8B/A, short runs")
+    ap.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), help="these experiments")
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--segments", nargs="+", default=["A", "B", "C"])
-    ap.add_argument("--steps", type=int, default=8, help="steps per RLBoost run (spot)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--baseline-steps", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=7200.0, help="emulated s per segment")
     ap.add_argument("--no-ablations", action="store_true")
-    ap.add_argument("--time-scale", type=float, default=20.0)
-    ap.add_argument("--block", type=int, default=512, help="tokens per report")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--replan", metavar="JSON", help="recompute the planner rows of a results "
-                    "file (its measured rows kept) and exit")  # fmt: skip
     a = ap.parse_args()
-    if a.replan:
-        return replan(a.replan)
+    a.steps, a.warmup = 12, 3
+    a.static_counts = list(range(0, 9))
+    a.fig12_start, a.fig12_gap, a.fig12_tail = 2000.0, 600.0, 1800.0
+    a.fig14_seeds = 5
+    a.caps = [5120, 8192, 10240, 12288, CAP]
+    a.appe_counts = list(range(1, 9))
+    a.tail_models, a.sigmas = ["qwen3-8b", "qwen3-14b"], [0.5, 0.75, 1.0]
     if a.quick:
-        a.models, a.segments, a.steps, a.warmup, a.baseline_steps = ["qwen3-8b"], ["A"], 5, 1, 2
-        a.no_ablations = True
-    pool_over = {"block_tokens": a.block, "max_batch": 256, "micro_batch_prompts": 8,
-                 "theta": 64, "t_seed_init": 0.0, "timeout_s": 3600.0}  # fmt: skip
-    import signal
-
-    def _stop(signum, frame):  # clean up the local cluster on SIGTERM/SIGINT too
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+        a.models, a.segments, a.duration, a.no_ablations = ["qwen3-8b"], ["A"], 1800.0, True
+        a.steps, a.warmup, a.static_counts, a.fig14_seeds = 5, 2, [0, 1, 3, 6], 2
+        a.fig12_start, a.fig12_gap, a.fig12_tail = 800.0, 300.0, 600.0
+        a.caps, a.appe_counts = [5120, CAP], [2, 4, 6]
+        a.tail_models, a.sigmas = ["qwen3-8b"], [0.5, 1.0]
+    todo = a.only or list(EXPERIMENTS)
+    path = Path(a.out)
+    out = json.loads(path.read_text()) if a.only and path.exists() else {}
+    out["settings"] = {k: v for k, v in vars(a).items() if k not in ("only", "out")}
+    out["settings"]["time"] = "emulated seconds, deterministic given the seed"
     wall0 = time.time()
-    results: dict = {"settings": {**vars(a), "pool": pool_over}, "runs": {}, "plans": {}}
-    local = LocalSpotCluster(2, {}, spot_cpus=1)
-    try:
-        for model in a.models:
-            nodes = 2 if model == "qwen3-32b" else 1
-            preset = throughput_preset(model)
-            trainer = TrainModel(preset.params, gpus=8 * nodes)
-            # Disagg.BAL sizing: reserved 2xH100 instances whose rollout time matches training
-            # (StreamRL's balance; paper:335), from the offline model of step 0
-            r4 = offline_rollout_s(model, 4 * nodes, a.seed, 0, a.block, 256)
-            t_tr = trainer.train_s(step_tokens(a.seed, 0)) + trainer.sync_s
-            k = max(1, math.ceil(4 * nodes * r4 / t_tr))
-            plans = {}
-            for seg in a.segments:
-                plans[seg] = plan_for(model, seg, a.seed, nodes, a.block, 256,
-                                      range(a.warmup, a.steps))  # fmt: skip
-                results["plans"][f"{model}/{seg}"] = plans[seg]
-            configs = [Config("veRL", model, None, nodes, steps=a.baseline_steps, warmup=1)]
-            for seg in a.segments:
-                t_init = plans[seg]["plan"]["best"].get("t_seed") or 0.0
-                configs.append(Config(f"RLBoost/{seg}", model, seg, nodes, steps=a.steps,
-                                      warmup=a.warmup,
-                                      spot={"t_seed_init": t_init / a.time_scale}))  # fmt: skip
-            if not a.quick:
-                if model != "qwen3-32b":
-                    configs.append(
-                        Config(
-                            "veRL.2x",
-                            model,
-                            None,
-                            2 * nodes,
-                            steps=a.baseline_steps,
-                            warmup=1,
-                            scale_eff=0.9,
-                        )
-                    )
-                configs.append(Config("Disagg.BAL", model, None, nodes, fixed_instances=k,
-                                      steps=a.baseline_steps + 1, warmup=1))  # fmt: skip
-            if not a.no_ablations and model == a.models[0]:
-                seg = a.segments[0]
-                for name, over in (("no seeding", {"seeding": False}),
-                                   ("no memory", {"memory": False}),
-                                   ("round robin", {"dispatch": "round_robin"}),
-                                   ("no rebalance", {"rebalance": False})):  # fmt: skip
-                    t_init = plans[seg]["plan"]["best"].get("t_seed") or 0.0
-                    configs.append(
-                        Config(
-                            f"ablation {name}/{seg}",
-                            model,
-                            seg,
-                            nodes,
-                            steps=a.steps,
-                            warmup=a.warmup,
-                            spot={"t_seed_init": t_init / a.time_scale, **over},
-                        )
-                    )
-            for cfg in configs:
-                t0 = time.time()
-                print(f"{model} {cfg.name} ...", flush=True)
-                res = run_config(local, cfg, a.time_scale, a.seed, pool_over)
-                res["wall_s"] = time.time() - t0
-                results["runs"][f"{model}/{cfg.name}"] = res
-                _save(results, a.out, wall0)
-    finally:
-        ray.shutdown()
-        local.shutdown()
-    results["wall_s"] = time.time() - wall0
-    _save(results, a.out, wall0)
-    _report(results, a.out)
+    for name in todo:
+        print(f"{name} ...", flush=True)
+        t0 = time.time()
+        EXPERIMENTS[name](a, out)
+        out.setdefault("wall_s", {})[name] = time.time() - t0
+        _save(out, path)
+    print(f"wall {time.time() - wall0:.0f} s")
+    from spot_cluster_report import markdown, plot
+
+    print(markdown(out))
+    plot(out, path.with_suffix(".png"))
 
 
-def _report(results: dict, out: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from spot_cluster_report import plot, table
-
-    table(results)
-    try:
-        plot(results, Path(out).with_suffix(".png"))
-    except Exception as e:  # noqa: BLE001
-        print(f"no plot: {e}")
-
-
-def derived(results: dict) -> dict:
-    """Ratios against veRL, and the planner's error, per model."""
-    out = {}
-    runs = results["runs"]
-    for key, r in runs.items():
-        model, name = key.split("/", 1)
-        base = runs.get(f"{model}/veRL")
-        row = {"throughput": r["throughput"], "tokens_per_dollar": r["tokens_per_dollar"],
-               "step_s": r["step_s"], "cost_per_step": r["cost_per_step"],
-               "avg_available": r["avg_available"], "avg_held": r["avg_held"],
-               "spot_share": r["spot_share"], "preemptions": r["preemptions"]}  # fmt: skip
-        if base:
-            row["x_throughput"] = r["throughput"] / base["throughput"]
-            row["x_tokens_per_dollar"] = r["tokens_per_dollar"] / base["tokens_per_dollar"]
-        if name.startswith("RLBoost/"):
-            p = results["plans"].get(f"{model}/{name.split('/')[1]}")
-            if p:
-                best = p["plan"]["best"]
-                row["planner"] = {
-                    "mode": best["mode"], "step_s": best["step_s"],
-                    "cost_per_step": best["cost_per_step"], "n_prem": best["n_prem"],
-                    "t_seed": best["t_seed"],
-                    "step_error": best["step_s"] / r["step_s"] - 1,
-                    "cost_error": best["cost_per_step"] / r["cost_per_step"] - 1,
-                }  # fmt: skip
-                # the same plan at the availability the run actually saw (its trace window)
-                st = results["settings"]
-                c = r["config"]
-                w = plan_for(model, c["segment"], st["seed"], c["reserved_nodes"], st["block"],
-                             256, range(c["warmup"], c["steps"]),
-                             n_bar=r["avg_available"])["plan"]["best"]  # fmt: skip
-                row["planner_window"] = {
-                    "n_bar": r["avg_available"], "step_s": w["step_s"],
-                    "cost_per_step": w["cost_per_step"], "n_prem": w["n_prem"],
-                    "step_error": w["step_s"] / r["step_s"] - 1,
-                    "cost_error": w["cost_per_step"] / r["cost_per_step"] - 1,
-                }  # fmt: skip
-        out[key] = row
-    return out
-
-
-def _save(results: dict, out: str, wall0: float) -> None:
-    results["derived"] = derived(results)
-    results["wall_s"] = time.time() - wall0
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(results, indent=2, default=float) + "\n")
+def _save(out: dict, path: Path) -> None:
+    slim = json.loads(json.dumps(out, default=float))
+    for r in slim.get("fig10", {}).get("runs", {}).values():
+        r.pop("timeline", None)  # spot blocks: large; the per-step records stay
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(slim, indent=1) + "\n")
 
 
 if __name__ == "__main__":

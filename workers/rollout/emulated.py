@@ -1,8 +1,8 @@
 """An emulated rollout engine: :class:`~.exact.ExactEngine`'s interface, but a block of tokens
 costs the time a GPU engine would take (a throughput model) and that time is slept, not
 computed. So the spot pool's manager, policies and Ray actors run unchanged at cluster scale
-(RLBoost section 6: Qwen3-8B/14B/32B, 16K-token responses, 128 prompts x 8 per step) with many
-instances sharing one CPU. Model, calibration and limits: ``docs/emulation.md``.
+(RLBoost section 6: Qwen3-8B/14B/32B, responses capped at 14K = 14,336 tokens, 128 prompts x 8
+per step) with many instances sharing one CPU. Model, calibration and limits: ``docs/emulation.md``.
 
 Three small pieces, each usable alone:
 
