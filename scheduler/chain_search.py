@@ -119,15 +119,14 @@ class ChainSearch:
         # (_pieces), which gives each query's j* bracket and a lower bound before any search.
         tabled = nq >= self.n // 2
         pieces = tabled and not floor.any()
-        if pieces and group is not None:
-            g_best = np.full(int(group.max()) + 1, INF)
-            np.minimum.at(g_best, group, best)
+
+        setups = []
 
         def rest_of(rest, q, j, t, cap):  # first stage's chunk t, then the rest under its floor
             v, mu_d = self._phi(rest, ki[q], m[q] - j, np.maximum(floor[q], t), cap - t)
             return t + v, np.maximum(t, mu_d)
 
-        for b_i, b in enumerate(branches):
+        for b in branches:
             st, rest = b.stage, b.rest
             fa, la = _span(st.cost)
             fb, lb = rest.span
@@ -181,23 +180,55 @@ class ChainSearch:
                 return out, low
 
             runs = p_u if self.allow_idle else None  # every table nonincreasing: Phi too
-            bracket = None
+            bracket, least = None, np.where(lo <= hi, -INF, INF)
             if pieces:
                 left, right, least = self._pieces(b, h_u, h_d, hc, ki, m, lo, hi)
-                cap = best if group is None else np.minimum(best, g_best[group])
-                skip = (least > _threshold(cap)) & (lo <= hi)  # cannot beat what is held
-                lo = np.where(skip, hi + 1, lo)
                 bracket = (left, right)
+            setups.append((lo, hi, bound, exact, runs, bracket, least))
+
+        def search(b_i, sel):  # branch b_i's chains for the queries sel; their lower bounds
+            lo, hi, bound, exact, runs, bracket, _ = setups[b_i]
             val, at, low, lower = split_query(
-                lo, hi, bound, exact, best, runs, self.exhaustive, group, bracket
-            )
-            if pieces:
-                lower = np.where(skip, least, lower)
-            win = val < best
+                np.where(sel, lo, hi + 1), hi, bound, exact, best, runs, self.exhaustive, group,
+                bracket,
+            )  # fmt: skip
+            # an earlier branch wins ties even when searched later (best first)
+            win = (val < best) | ((val == best) & (b_i < br) & np.isfinite(val))
             best[win], mu[win], br[win], bj[win] = val[win], low[win], b_i, at[win]
-            low_all = np.minimum(low_all, lower)
+            return lower
+
+        lowers = [np.array(x[6]) for x in setups]  # per branch: a lower bound per query
+        if pieces and group is not None:
+            # Best first: per group (only its least cost must be exact), the query and
+            # branch with the least lower bound, searched before the rest so that its cost
+            # prunes the others'.
+            g_best = np.full(int(group.max()) + 1, INF)
+            np.minimum.at(g_best, group, best)
+            bounds = np.stack(lowers)
+            lb_q, b_q = bounds.min(axis=0), bounds.argmin(axis=0)
+            g_lb = np.full(g_best.size, INF)
+            np.minimum.at(g_lb, group, lb_q)
+            cand = (lb_q == g_lb[group]).nonzero()[0]
+            pick = cand[np.unique(group[cand], return_index=True)[1]]
+            pick = pick[lb_q[pick] < INF]
+            first = np.zeros((len(setups), nq), bool)
+            first[b_q[pick], pick] = True
+            for b_i in np.unique(b_q[pick]).tolist():
+                lowers[b_i] = np.where(first[b_i], search(b_i, first[b_i]), lowers[b_i])
+            np.minimum.at(g_best, group, best)
+        for b_i, (lo, hi, *_, least) in enumerate(setups):
+            sel = lo <= hi
+            if pieces:
+                cap = best if group is None else np.minimum(best, g_best[group])
+                sel &= least <= _threshold(cap)  # else it cannot beat what is held
+                if group is not None:
+                    sel &= ~first[b_i]
+            if sel.any():
+                lowers[b_i] = np.where(sel, search(b_i, sel), lowers[b_i])
             if pieces and group is not None:
                 np.minimum.at(g_best, group, best)
+        for lower in lowers:
+            low_all = np.minimum(low_all, lower)
         if ub is not None:
             best[br < 0] = INF
         return best, mu, br, bj, np.minimum(low_all, best)
@@ -205,7 +236,8 @@ class ChainSearch:
     def _pieces(self, b: _Branch, h_u, h_d, hc, ki, m, lo, hi):
         """Per query ``(ki, m)`` of branch ``b`` without a floor: a bracket ``(left, right)``
         of the tabled bound's smallest minimiser over ``[lo, hi]`` and a lower bound of its
-        minimum (seconds; :func:`~.search.split_query`'s ``bracket``).
+        minimum (seconds; :func:`~.search.split_query`'s ``bracket``; ``-inf`` where unknown,
+        ``inf`` where no split is feasible).
 
         With ``t(j)`` the first stage's chunk time and ``d``, ``c`` the rest's (least-sum,
         own) per-k minorants at ``m - j``, the bound is ``max(t + c, k t + d)`` (with a chain
@@ -246,7 +278,7 @@ class ChainSearch:
         sure = ok1 & ok2 & (lo <= hi) & ~np.isnan(least)
         left = np.where(sure, np.maximum(np.minimum(j1, j2) - 1, lo), lo)
         right = np.where(sure, np.minimum(np.maximum(j1, j2) + 1, hi), hi)
-        return left, right, np.where(sure, least, -INF)
+        return left, right, np.where(sure, least, np.where(lo <= hi, -INF, INF))
 
     def _piece_merges(self, b: _Branch, hc):
         """:meth:`_pieces`' merges of branch ``b``, per piece ``(pos, b0, width)``: ``pos`` the
