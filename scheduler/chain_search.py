@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cost import INF, chunk_time, convex_minorant
-from .search import split_query
+from .search import _threshold, split_query
 from .table_types import _Any, _Branch, _Chain, _span, _Stage
 
 _CELLS = 1 << 13  # (k, n) queries of a chain table searched at once (bounds temporaries)
@@ -62,6 +62,7 @@ class ChainSearch:
             )
             cv[ki, m], ck[ki, m], bk[ki, m], jk[ki, m] = val, low, br, j
             cmu[ki, m] = np.where(np.isfinite(val) & (low == val), mu, -INF)
+        self._piece_cache.clear()  # brackets of this table's queries (and nested ones)
         k_best = np.argmin(cv, axis=0)  # the first, fewest chunks, among the least
         cols = np.arange(size)
         cost = cv[k_best, cols]
@@ -114,12 +115,18 @@ class ChainSearch:
         if ub is not None:
             best[:] = ub
         k = self.kf[ki]
+        # Many queries without a floor: the bound is a max of min-plus sums of convex tables
+        # (_pieces), which gives each query's j* bracket and a lower bound before any search.
+        tabled = nq >= self.n // 2
+        pieces = tabled and not floor.any()
+
+        setups = []
 
         def rest_of(rest, q, j, t, cap):  # first stage's chunk t, then the rest under its floor
             v, mu_d = self._phi(rest, ki[q], m[q] - j, np.maximum(floor[q], t), cap - t)
             return t + v, np.maximum(t, mu_d)
 
-        for b_i, b in enumerate(branches):
+        for b in branches:
             st, rest = b.stage, b.rest
             fa, la = _span(st.cost)
             fb, lb = rest.span
@@ -130,7 +137,6 @@ class ChainSearch:
 
             # Many queries: the minorants' chunk times per k once (flattened (K, N+1)), so
             # that a bound costs two gathers; few (a nested search): scale on the fly.
-            tabled = nq >= self.n // 2
             if tabled:
                 h_u = chunk_time(h_u[None, :], o_u, self.kf[:, None]).ravel()
                 h_d = chunk_time((ha if hc is not None else h_d)[None, :], o_d, self.kf[:, None])
@@ -174,15 +180,148 @@ class ChainSearch:
                 return out, low
 
             runs = p_u if self.allow_idle else None  # every table nonincreasing: Phi too
+            bracket, least = None, np.where(lo <= hi, -INF, INF)
+            if pieces:
+                left, right, least = self._pieces(b, h_u, h_d, hc, ki, m, lo, hi)
+                bracket = (left, right)
+            setups.append((lo, hi, bound, exact, runs, bracket, least))
+
+        def search(b_i, sel):  # branch b_i's chains for the queries sel; their lower bounds
+            lo, hi, bound, exact, runs, bracket, _ = setups[b_i]
             val, at, low, lower = split_query(
-                lo, hi, bound, exact, best, runs, self.exhaustive, group
-            )
-            win = val < best
+                np.where(sel, lo, hi + 1), hi, bound, exact, best, runs, self.exhaustive, group,
+                bracket,
+            )  # fmt: skip
+            # an earlier branch wins ties even when searched later (best first)
+            win = (val < best) | ((val == best) & (b_i < br) & np.isfinite(val))
             best[win], mu[win], br[win], bj[win] = val[win], low[win], b_i, at[win]
+            return lower
+
+        lowers = [np.array(x[6]) for x in setups]  # per branch: a lower bound per query
+        if pieces and group is not None:
+            # Best first: per group (only its least cost must be exact), the query and
+            # branch with the least lower bound, searched before the rest so that its cost
+            # prunes the others'.
+            g_best = np.full(int(group.max()) + 1, INF)
+            np.minimum.at(g_best, group, best)
+            bounds = np.stack(lowers)
+            lb_q, b_q = bounds.min(axis=0), bounds.argmin(axis=0)
+            g_lb = np.full(g_best.size, INF)
+            np.minimum.at(g_lb, group, lb_q)
+            cand = (lb_q == g_lb[group]).nonzero()[0]
+            pick = cand[np.unique(group[cand], return_index=True)[1]]
+            pick = pick[lb_q[pick] < INF]
+            first = np.zeros((len(setups), nq), bool)
+            first[b_q[pick], pick] = True
+            for b_i in np.unique(b_q[pick]).tolist():
+                lowers[b_i] = np.where(first[b_i], search(b_i, first[b_i]), lowers[b_i])
+            np.minimum.at(g_best, group, best)
+        for b_i, (lo, hi, *_, least) in enumerate(setups):
+            sel = lo <= hi
+            if pieces:
+                cap = best if group is None else np.minimum(best, g_best[group])
+                sel &= least <= _threshold(cap)  # else it cannot beat what is held
+                if group is not None:
+                    sel &= ~first[b_i]
+            if sel.any():
+                lowers[b_i] = np.where(sel, search(b_i, sel), lowers[b_i])
+            if pieces and group is not None:
+                np.minimum.at(g_best, group, best)
+        for lower in lowers:
             low_all = np.minimum(low_all, lower)
         if ub is not None:
             best[br < 0] = INF
         return best, mu, br, bj, np.minimum(low_all, best)
+
+    def _pieces(self, b: _Branch, h_u, h_d, hc, ki, m, lo, hi):
+        """Per query ``(ki, m)`` of branch ``b`` without a floor: a bracket ``(left, right)``
+        of the tabled bound's smallest minimiser over ``[lo, hi]`` and a lower bound of its
+        minimum (seconds; :func:`~.search.split_query`'s ``bracket``; ``-inf`` where unknown,
+        ``inf`` where no split is feasible).
+
+        With ``t(j)`` the first stage's chunk time and ``d``, ``c`` the rest's (least-sum,
+        own) per-k minorants at ``m - j``, the bound is ``max(t + c, k t + d)`` (with a chain
+        in the rest) or ``max(k t + d, t + k d)``: each piece ``A(j) + B(m - j)`` with ``A``,
+        ``B`` convex, whose smallest minimiser over every ``m`` at once comes from merging the
+        two slope sequences: from ``m = first_A + first_B`` on, the sum takes the smallest
+        slope left, so ``j`` is ``first_A`` plus the number of ``A``'s slopes among the ``m -
+        first_A - first_B`` smallest of both (``B``'s first on ties; O(N log N) per chunk
+        count, where a bisection costs O(log N) bound evaluations per query). Below both
+        pieces' minimisers the bound falls, above both it rises, so its own smallest minimiser
+        lies between them (widened by one for rounding); the larger of the pieces' minima
+        bounds it from below. Tables ``h_u``, ``h_d``, ``hc``: flattened ``(K, N+1)`` chunk
+        times (the bound's); the merges use the unscaled minorants, whose slopes are the chunk
+        times' times ``k``.
+        """
+        size, nk = self.n + 1, self.chunks.size
+        key = (id(b.stage), id(b.rest))
+        got = self._piece_cache.get(key)
+        if got is None:
+            got = self._piece_merges(b, hc)
+            self._piece_cache[key] = got
+        a0, merges = got
+        ends = []
+        for pos, b0, width in merges:  # pos: per row, the places of A's slopes in the merge
+            steps = m - a0 - b0[ki]
+            count = np.searchsorted(pos, steps + ki * width) - ki * (pos.size // nk)
+            ok = (steps >= 0) & (count >= 0) & (count <= pos.size // nk)
+            ends.append((np.clip(a0 + count, lo, np.maximum(hi, lo)), ok))
+        (j1, ok1), (j2, ok2) = ends
+        km1, row = self.kf[ki] - 1, ki * size
+        with np.errstate(invalid="ignore"):
+            t1, t2 = h_u[row + j1], h_u[row + j2]
+            d1, d2 = h_d[row + m - j1], h_d[row + m - j2]
+            if hc is None:  # the bound's own arithmetic: t + d + (k - 1) max(t, d)
+                least = np.maximum(t1 + d1 + km1 * t1, t2 + d2 + km1 * d2)
+            else:  # t + max(c, d + (k - 1) t)
+                least = np.maximum(t1 + hc[row + m - j1], t2 + (d2 + km1 * t2))
+        sure = ok1 & ok2 & (lo <= hi) & ~np.isnan(least)
+        left = np.where(sure, np.maximum(np.minimum(j1, j2) - 1, lo), lo)
+        right = np.where(sure, np.minimum(np.maximum(j1, j2) + 1, hi), hi)
+        return left, right, np.where(sure, least, np.where(lo <= hi, -INF, INF))
+
+    def _piece_merges(self, b: _Branch, hc):
+        """:meth:`_pieces`' merges of branch ``b``, per piece ``(pos, b0, width)``: ``pos`` the
+        merge places of the first stage's slopes, row ``r`` (chunk count) offset by ``r *
+        width`` and flattened; ``b0[r]`` where that row's ``B`` becomes finite."""
+        nk = self.chunks.size
+        h_u = self._hull(b.stage)
+        ha, _, h_st = self._bounds(b.rest)
+        kf = self.kf[:, None]
+
+        def slopes(h):
+            fin = np.isfinite(h).nonzero()[0]
+            if not fin.size:
+                return np.zeros(0), 0
+            return np.maximum.accumulate(np.diff(h[fin[0] : fin[-1] + 1])), int(fin[0])
+
+        su, a0 = slopes(h_u)
+        sd, d0 = slopes(ha if hc is not None else h_st)
+        # The chunk times' slopes are the minorants' over k: compare su / k (t) with sd / k
+        # (d), su (k t) with sd / k, su / k with sd (k d).
+        if hc is None:
+            vals = [su[None, :] * kf, su[None, :] / kf]  # against sd: P1 = k t + d, P2 = t + k d
+            rows = [(sd, d0)] * 2
+        else:
+            size = self.n + 1
+            vals = [su[None, :] / kf, su[None, :] * kf]  # P1 = t + c (c per row), P2 = k t + d
+            rows = [None, (sd, d0)]
+            crow = [slopes(hc[r * size : (r + 1) * size]) for r in range(nk)]
+        out = []
+        for v, base in zip(vals, rows):
+            if base is not None:
+                places = np.searchsorted(base[0], v, side="right")
+                b0 = np.full(nk, base[1])
+                width = su.size + base[0].size + 2
+            else:  # one B per row
+                places = np.stack(
+                    [np.searchsorted(c, v[r], side="right") for r, (c, _) in enumerate(crow)]
+                )
+                b0 = np.array([c0 for _, c0 in crow])
+                width = su.size + max(c.size for c, _ in crow) + 2
+            pos = places + np.arange(su.size) + np.arange(nk)[:, None] * width
+            out.append((pos.ravel(), b0, width))
+        return a0, out
 
     def _phi_stage(self, at: _Any, ki, m, floor):
         """:meth:`_phi` over ``at``'s stage table alone: ``t + (k - 1) max(floor, t)`` and

@@ -101,7 +101,7 @@ def convex_minorant(p: np.ndarray) -> tuple[np.ndarray, bool]:
     ``h`` is ``p`` itself (``p`` finite on a contiguous range and convex there, which holds for
     Amdahl-type leaves ``a + b/n + c*n`` and sums of them).
     """
-    fin = np.flatnonzero(np.isfinite(p[1:])) + 1
+    fin = np.isfinite(p[1:]).nonzero()[0] + 1
     h = np.full(p.shape, INF)
     if fin.size == 0:
         return h, False
@@ -113,7 +113,7 @@ def convex_minorant(p: np.ndarray) -> tuple[np.ndarray, bool]:
     # vertex, so dropping every such point keeps the hull (3-10x faster than the loop alone).
     for _ in range(_HULL_PASSES):
         a, b, c = fin[:-2], fin[1:-1], fin[2:]
-        above = np.flatnonzero((p[b] - p[a]) * (c - b) >= (p[c] - p[b]) * (b - a))
+        above = ((p[b] - p[a]) * (c - b) >= (p[c] - p[b]) * (b - a)).nonzero()[0]
         if not above.size:  # every point below its neighbours' chord: the hull itself
             h[lo : hi + 1] = np.interp(np.arange(lo, hi + 1), fin, p[fin])
             return h, False

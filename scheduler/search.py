@@ -189,7 +189,7 @@ def _fold(value, best_j, v, n, j, val) -> None:
     v, n, j, val = v[fin], n[fin], j[fin], val[fin]
     order = np.lexsort((j, val, n, v))
     v, n, j, val = v[order], n[order], j[order], val[order]
-    first = np.r_[True, (v[1:] != v[:-1]) | (n[1:] != n[:-1])]
+    first = np.concatenate(([True], (v[1:] != v[:-1]) | (n[1:] != n[:-1])))
     v, n, j, val = v[first], n[first], j[first], val[first]
     cur, cj = value[v, n], best_j[v, n]
     win = (val < cur) | ((val == cur) & ((j < cj) | (cj < 0)))
@@ -216,6 +216,7 @@ def split_query(
     runs: np.ndarray | None = None,
     exhaustive: bool = False,
     group: np.ndarray | None = None,
+    bracket: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Least exact cost of every query ``q`` over the splits ``lo[q] <= j <= hi[q]``.
 
@@ -244,6 +245,10 @@ def split_query(
         group: int array ``(Q,)``: only the least cost of each group is wanted exactly (the
             planner's chunk counts of one device count), so splits whose bound is above the
             group's best so far are skipped; a query that loses this way gets a lower bound.
+        bracket: int arrays ``(L, R)``, ``(Q,)``: per query a sub-range of ``[lo, hi]``
+            holding the bound's smallest minimiser (the planner's chain search derives one
+            from the bound's convex pieces); the bisection for ``j*`` then searches only it.
+            Ignored in exhaustive mode.
 
     Returns:
         ``(value, j, payload, lower)``, each ``(Q,)``: ``inf``, ``-1``, ``nan`` where no split
@@ -260,7 +265,7 @@ def split_query(
     value, best_j, payload = np.full(nq, INF), np.full(nq, -1, np.int64), np.full(nq, np.nan)
     lower = np.full(nq, INF)
     ub = np.full(nq, INF) if ub is None else np.asarray(ub, dtype=float)
-    q = np.flatnonzero(lo <= hi)
+    q = (lo <= hi).nonzero()[0]
     if not q.size:
         return value, best_j, payload, lower
     with np.errstate(invalid="ignore", over="ignore"):
@@ -271,7 +276,8 @@ def split_query(
                 _fold_runs(b_star, j_star, None, np.arange(q.size), w, j, bound(q[w])(j), None)
         else:
             bq = bound(q)
-            j_star = _lift(lo[q] - 1, hi[q] - 1, lambda j: np.subtract(*bq(j + _PAIR)) < 0) + 1
+            a, b = (lo[q], hi[q]) if bracket is None else (bracket[0][q], bracket[1][q])
+            j_star = _lift(a - 1, b - 1, lambda j: np.subtract(*bq(j + _PAIR)) < 0) + 1
             b_star = np.where(np.isnan(b := bq(j_star)), INF, b)
         lower[q] = b_star
         keep = b_star <= _threshold(ub[q])
@@ -288,7 +294,7 @@ def split_query(
         thr = _threshold(cap)
         if exhaustive:
             for w, j in _blocks(lo[q], hi[q] - lo[q] + 1):
-                sel = np.flatnonzero((bound(q[w])(j) <= thr[w]) & (j != j_star[w]))
+                sel = ((bound(q[w])(j) <= thr[w]) & (j != j_star[w])).nonzero()[0]
                 if sel.size:
                     v, x = exact(q[w[sel]], j[sel], thr[w[sel]])
                     _fold_runs(value, best_j, payload, q, w[sel], j[sel], v, x)
@@ -327,14 +333,14 @@ def _blocks(start: np.ndarray, counts: np.ndarray, runs: np.ndarray | None = Non
     counts = np.maximum(counts, 0)
     steps = first = None
     if runs is not None:
-        steps = np.flatnonzero(runs[2:] != runs[1:-1]) + 2  # j with runs[j] != runs[j - 1]
-        first = np.searchsorted(steps, start, side="right")
+        steps = (runs[2:] != runs[1:-1]).nonzero()[0] + 2  # j with runs[j] != runs[j - 1]
+        first = steps.searchsorted(start, side="right")
         last = start + counts - 1
-        counts = np.where(counts > 0, np.searchsorted(steps, last, side="right") - first + 1, 0)
+        counts = np.where(counts > 0, steps.searchsorted(last, side="right") - first + 1, 0)
     if not counts.any():
         return
     ends = np.cumsum(counts)
-    cut = np.searchsorted(ends, np.arange(BLOCK, int(ends[-1]), BLOCK), side="right")
+    cut = ends.searchsorted(np.arange(BLOCK, int(ends[-1]), BLOCK), side="right")
     edges = np.unique(np.r_[0, cut, counts.size])
     for a, b in zip(edges[:-1].tolist(), edges[1:].tolist()):
         c = counts[a:b]
@@ -344,7 +350,7 @@ def _blocks(start: np.ndarray, counts: np.ndarray, runs: np.ndarray | None = Non
             yield w, start[w] + pos
             continue
         j = start[w].copy()
-        inner = np.flatnonzero(pos)
+        inner = pos.nonzero()[0]
         j[inner] = steps[first[w[inner]] + pos[inner] - 1]
         yield w, j
 
@@ -354,7 +360,7 @@ def _fold_q(value, best_j, payload, q, j, v, x) -> None:
     least finite ``v``, then smallest ``j`` (``payload`` follows the winner; ``None`` skips
     it)."""
     cur, cj = value[q], best_j[q]
-    win = np.flatnonzero(np.isfinite(v) & ((v < cur) | ((v == cur) & ((j < cj) | (cj < 0)))))
+    win = (np.isfinite(v) & ((v < cur) | ((v == cur) & ((j < cj) | (cj < 0))))).nonzero()[0]
     value[q[win]], best_j[q[win]] = v[win], j[win]
     if payload is not None:
         payload[q[win]] = x[win]
@@ -364,9 +370,9 @@ def _fold_runs(value, best_j, payload, q, w, j, v, x) -> None:
     """:func:`_fold_q` of a block of :func:`_blocks`: ``w`` (window per candidate) is
     nondecreasing, ``j`` increasing within a window, ``q[w]`` the window's query (distinct)."""
     v = np.where(np.isnan(v), INF, v)
-    starts = np.flatnonzero(np.r_[True, w[1:] != w[:-1]])
+    starts = np.concatenate(([True], w[1:] != w[:-1])).nonzero()[0]
     v_w = np.minimum.reduceat(v, starts)
-    at = np.flatnonzero(v == np.repeat(v_w, np.diff(np.r_[starts, w.size])))
-    first = at[np.searchsorted(at, starts)][np.isfinite(v_w)]  # each window's least, first j
+    at = (v == np.repeat(v_w, np.diff(np.concatenate((starts, [w.size]))))).nonzero()[0]
+    first = at[at.searchsorted(starts)][np.isfinite(v_w)]  # each window's least, first j
     _fold_q(value, best_j, payload, q[w[first]], j[first], v[first],
             None if x is None else x[first])  # fmt: skip

@@ -103,6 +103,7 @@ class Planner(ChainSearch, PlanBuilder):
         self.switch_mask = sum(1 << i for i, nd in enumerate(nodes) if nd.switch_cost > 0)
         self.memo: dict[tuple, object] = {}
         self._cuts: dict[int, list[int]] = {}
+        self._piece_cache: dict[tuple, np.ndarray] = {}  # chain_search._pieces, per table
         self.inf = _Stage(np.full(n_devices + 1, INF), 0.0)
         for node in nodes:
             self._leaf_arrays(node)
