@@ -121,7 +121,8 @@ class ReservedSeeder:
                 resp_tokens += int(batch["response_mask"].sum())
         pool = ray.get(mgr.metrics.remote(), timeout=120)
         keep = ("reserved_tokens", "spot_tokens", "preemptions", "migrated_samples",
-                "migrated_tokens", "rebalanced_samples", "t_seed", "n_prem")  # fmt: skip
+                "migrated_tokens", "rebalanced_samples", "released", "t_seed",
+                "n_prem")  # fmt: skip
         return {
             "samples": samples,
             "tokens": tokens,
