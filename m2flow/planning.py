@@ -186,9 +186,11 @@ def plan_with_remote(
     if svc is not None:
         spot_placement.predicted[svc.component] = added
     spot_placement.groups[comp] = list(range(num_devices))
+    # The plan's T_seed and N_prem are Algorithm 1's starting point; it adapts both each
+    # step ("spot" mode starts at T_seed = 0, and line 9 may still open a window).
     spot_placement.options = {
-        comp: {"spot": {"enabled": True, "seeding": best.mode == "seeded",
-                        "t_seed_init": float(best.t_seed or 0.0), "n_prem_max": best.n_prem}}
+        comp: {"spot": {"enabled": True, "t_seed_init": float(best.t_seed or 0.0),
+                        "n_prem_init": best.n_prem}}
     }  # fmt: skip
     spot_placement.remote = placement.remote
     spot_placement.predicted_step_s = best.step_s

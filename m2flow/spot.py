@@ -15,6 +15,7 @@ by ``time_scale``.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -91,6 +92,14 @@ class LocalSpotCluster:
         self._thread: threading.Thread | None = None
         self._serial = 0
         self.preemptions = self.joins = 0
+        # Its nodes run in sessions of their own (a terminal's signals miss them): they end
+        # with this process on a normal exit or an error (atexit) and on SIGTERM (raised as
+        # SystemExit, so the run's cleanup runs as for Ctrl-C's KeyboardInterrupt).
+        atexit.register(self._at_exit)
+        self._sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+                self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     @property
     def spot_nodes(self) -> int:
@@ -106,6 +115,8 @@ class LocalSpotCluster:
 
         with self._guard:
             for _ in range(n):
+                if self._stop.is_set():  # shutting down: start nothing more
+                    return
                 self._serial += 1
                 tag = f"m2flow_spot_node_{self._serial}"
                 res = json.dumps({SPOT_RESOURCE: 1, tag: 1})
@@ -113,16 +124,22 @@ class LocalSpotCluster:
                     [f"--address={self.address}", f"--num-cpus={self.spot_cpus:g}",
                      f"--resources={res}"]
                 )  # fmt: skip
-                deadline = time.monotonic() + timeout
-                while True:
-                    ids = [x["NodeID"] for x in ray.nodes()
-                           if x.get("Alive") and x["Resources"].get(tag)]  # fmt: skip
-                    if ids:
-                        break
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        _kill_tree(proc.pid)
-                        raise TimeoutError(f"spot node {tag} did not join in {timeout:.0f} s")
-                    time.sleep(0.1)
+                try:
+                    deadline = time.monotonic() + timeout
+                    while True:
+                        ids = [x["NodeID"] for x in ray.nodes()
+                               if x.get("Alive") and x["Resources"].get(tag)]  # fmt: skip
+                        if ids:
+                            break
+                        if self._stop.is_set():
+                            raise RuntimeError(f"spot node {tag}: the cluster is shutting down")
+                        if time.monotonic() > deadline or proc.poll() is not None:
+                            raise TimeoutError(f"spot node {tag} did not join in {timeout:.0f} s")
+                        time.sleep(0.1)
+                except BaseException:  # Ray gone (shutdown began), a timeout, a signal
+                    _kill_tree(proc.pid)
+                    proc.wait(timeout=30)
+                    raise
                 self._spot.append(_SpotNode(proc, ids[0]))
                 self.joins += 1
 
@@ -168,16 +185,28 @@ class LocalSpotCluster:
             for t_s, count in trace:
                 if self._stop.wait(max(0.0, t0 + t_s / time_scale - time.monotonic())):
                     return
-                if count > self.spot_nodes:
-                    self.add_spot(count - self.spot_nodes)
-                elif count < self.spot_nodes:
-                    self.remove_spot(self.spot_nodes - count, rng)
+                try:
+                    if count > self.spot_nodes:
+                        self.add_spot(count - self.spot_nodes)
+                    elif count < self.spot_nodes:
+                        self.remove_spot(self.spot_nodes - count, rng)
+                except Exception:
+                    if self._stop.is_set():  # shutdown began mid-change: nothing left to do
+                        return
+                    raise
 
         self._thread = threading.Thread(target=run, daemon=True, name="spot-trace")
         self._thread.start()
 
+    def _at_exit(self) -> None:
+        import ray
+
+        if ray.is_initialized():  # the driver first, while its cluster is still there
+            ray.shutdown()
+        self.shutdown()
+
     def shutdown(self) -> None:
-        """Stop the replay and every node (call after ``ray.shutdown()``)."""
+        """Stop the replay and every node (call after ``ray.shutdown()``; again is a no-op)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
@@ -188,6 +217,14 @@ class LocalSpotCluster:
             self._spot.clear()
         _kill_tree(self._head.pid)
         self._head.wait(timeout=30)
+        atexit.unregister(self._at_exit)
+        if self._sigterm is not None and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _ray_start(args: list[str]) -> subprocess.Popen:

@@ -12,7 +12,7 @@ Pure Python + numpy/scipy: no Ray, no torch; the same code runs live and in trac
 """
 
 from .spot_balance import Move, ThroughputProfile, batching_plateau, rebalance, select_instance
-from .spot_seeding import SeedingPolicy, StepStats
+from .spot_seeding import SeedingPolicy, StepStats, seconds_outside
 from .spot_trace import (
     SEGMENTS,
     SegmentStats,
@@ -43,6 +43,7 @@ __all__ = [
     "load_trace",
     "rebalance",
     "save_trace",
+    "seconds_outside",
     "select_instance",
     "time_scale",
     "trace_stats",

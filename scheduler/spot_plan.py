@@ -27,8 +27,10 @@ the rollout component's remote option and prices both. Its model of one step (se
   (docs/spot_cluster.md), as most of its step is this tail.
 
 The step is the max of a rising and a falling line in ``T``, so the best window is their
-crossing ``T* = (sync + B / (n r) - t_train) / (1 + B / (R n r))`` (RLBoost Algorithm 1
-line 9's fixed point: neither side waits) clamped to ``[0, R)``; ``T = 0`` is spot rollout
+crossing ``T* = (sync + B / (n r) - t_train) / (1 + B / (R n r))`` (in this model both
+sides end together there; RLBoost's Algorithm 1 line 9 has no closed form: it moves
+``T_seed`` until the trainer's and the instances' measured waits are equal) clamped to
+``[0, R)``; ``T = 0`` is spot rollout
 without seeding. ``T >= R`` would leave the pool idle, which the reserved plan beats, so it is
 not a spot choice. The tail term does not depend on ``T``: where it is above the crossing
 the step is flat around ``T*``, and the plan keeps ``T*``. ``N_prem`` is searched over

@@ -209,3 +209,22 @@ class SeedingPolicy:
             if stats.n_hat in self.memory:  # line 13
                 self.t_seed = self.memory[stats.n_hat]  # line 14
         return self.t_seed, self.n_prem
+
+
+def seconds_outside(
+    a: float, b: float, lo: float, hi: float, minus: list[tuple[float, float]]
+) -> float:
+    """Seconds of the interval ``[a, b]`` that lie inside ``[lo, hi]`` and outside every
+    interval of ``minus`` (which may overlap one another). Used for ``t_train_wait``: a
+    trainer's wait counts after the seeding window (``lo``) and outside the reserved ranks'
+    generation (``minus``), when the training cluster's devices roll out instead."""
+    a, b = max(a, lo), min(b, hi)
+    if b <= a:
+        return 0.0
+    cut, t = 0.0, a
+    for x, y in sorted(minus):
+        x, y = max(x, t), min(y, b)
+        if y > x:
+            cut += y - x
+            t = y
+    return b - a - cut

@@ -197,3 +197,34 @@ def test_node_joining_mid_step_pulls_weights_and_takes_work(pool):
     assert versions == {0}
     expected = reference(actor, items)
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in expected.items()}
+
+
+def test_n_prem_caps_the_pool_below_the_nodes_offered(pool):
+    """Algorithm 1 line 10 on a cluster offering more instances than useful: two spot nodes
+    stay available; a step of rollout alone asks for both, then a step with little rollout
+    work and a long training phase gives ``N_prem`` = 1, and the pool holds one instance (the
+    idle one beyond the cap is released), the other node left unused."""
+    cluster, local, actor, rollout, mgr = pool
+    if local.spot_nodes < 2:
+        local.add_spot(2 - local.spot_nodes)
+    sync_weights(actor, rollout)  # ends an earlier test's step (its Algorithm 1 update)
+    run_step(rollout, mgr, step=10, prompts=8)
+    sync_weights(actor, rollout)  # no training: line 10 asks for every instance it may hold
+    assert metrics(mgr)["n_prem"] == 2
+    wait_until(lambda: spot_ready(mgr) == 2, 240, "two spot instances on the current weights")
+    run_step(rollout, mgr, step=11, prompts=4)
+    time.sleep(3.0)  # the trainer trains for 3 s
+    sync_weights(actor, rollout)  # the step ends: Algorithm 1
+    m = metrics(mgr)
+    rec = m["steps"][-1]
+    assert m["n_prem"] == 1, (m["n_prem"], rec)
+
+    def held():
+        return [v for v in metrics(mgr)["instances"].values() if v["kind"] == "spot"]
+
+    wait_until(lambda: len(held()) == 1, 30, "the pool to release the instance beyond N_prem")
+    time.sleep(1.5)  # three pool-loop rounds: none starts on the free node
+    assert len(held()) == 1 and local.spot_nodes == 2 and metrics(mgr)["released"] >= 1
+    # both instances held all step: n_bar is exactly 2, and the memory fired for it
+    assert rec["n_hat"] == 2 and rec["n_bar"] == pytest.approx(2, abs=1e-6), rec
+    assert 2 in {int(k) for k in m["memory"]}, m["memory"]

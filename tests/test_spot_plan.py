@@ -116,7 +116,8 @@ def test_cheap_available_pool_takes_rollout_of_a_rollout_bound_workflow():
         reserved = next(c for c in sp.runner_ups if c.mode == "reserved")
         assert sp.best.step_s < result.time and sp.best.cost_per_step < reserved.cost_per_step
         opts = placement.options["rollout"]["spot"]
-        assert opts["enabled"] and opts["n_prem_max"] == sp.best.n_prem >= 1
+        assert opts["enabled"] and opts["n_prem_init"] == sp.best.n_prem >= 1
+        assert "seeding" not in opts and "n_prem_max" not in opts  # Algorithm 1 adapts both
         assert opts["t_seed_init"] == pytest.approx(sp.best.t_seed)
         assert placement.groups["rollout"] == list(range(N))  # seeds on every reserved device
         assert placement.predicted_step_s == pytest.approx(sp.best.step_s)

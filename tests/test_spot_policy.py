@@ -24,6 +24,7 @@ from m2flow.scheduler.spot import (
     load_trace,
     rebalance,
     save_trace,
+    seconds_outside,
     select_instance,
     time_scale,
     trace_stats,
@@ -445,3 +446,12 @@ def test_generate_segment_other_durations_and_errors():
     assert math.isclose(got.avg_instances, 4.58, abs_tol=1 / 3600) and got[1:] == (8, 9)
     with pytest.raises(ValueError, match="kind"):
         generate_segment("D")
+
+
+def test_seconds_outside_clips_and_cuts_overlapping_spans():
+    """The trainer's wait [0, 10] counts after the seeding window (lo = 2) and outside the
+    reserved ranks' generation [1, 3], [2.5, 4] and [6, 7] (overlapping spans cut once),
+    up to hi = 9: 7 s less [2, 4] and [6, 7]."""
+    assert seconds_outside(0, 10, 2, 9, [(6, 7), (1, 3), (2.5, 4)]) == pytest.approx(4.0)
+    assert seconds_outside(0, 1, 2, 9, []) == 0.0  # before the window ended
+    assert seconds_outside(3, 5, 0, 9, [(0, 9)]) == 0.0  # the devices rolled out throughout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -303,11 +304,14 @@ class ActorWorker(Worker):
             trainer metrics (``loss``, ``clip_frac``, ``grad_norm``, ...), ``samples``,
             ``stale`` (samples generated with an older weight version than the actor's);
             streaming (no ``mini_batch_size``): ``parts``, the forward/backward passes over
-            arrived chunks (chunks queued together are one part).
+            arrived chunks (chunks queued together are one part); ``input_waits``: the
+            ``[t0, t1]`` wall-clock (``time.time()``) seconds it waited for chunks (the
+            trainer's idle time that the spot pool's Algorithm 1 reads, RLBoost 4.1).
         """
         if self.mini_batch_size is None and self.megatron is None:
             return self._train_streaming(inp)
-        parts = inp.stream(balance=all_queued, target_weight=1)
+        waits: list[list[float]] = []
+        parts = _timed(inp.stream(balance=all_queued, target_weight=1), waits)
         if self.megatron is not None:  # every rank: the whole step (see .megatron.engine)
             parts = [self.megatron.read_step(parts)]
         # A fixed order (by first prompt id), whichever rank or chunk arrived first: the
@@ -326,7 +330,7 @@ class ActorWorker(Worker):
                 self.model.load_state_dict(hf)
         elif trained:
             metrics = self.trainer.train_on_batch(data, self.mini_batch_size, self.micro_batch_size)
-        return self._finish(metrics, len(batch), trained, stale)
+        return {**self._finish(metrics, len(batch), trained, stale), "input_waits": waits}
 
     def _train_streaming(self, inp: Channel) -> dict:
         """One optimizer step over the whole batch, training on chunks as they arrive
@@ -336,7 +340,8 @@ class ActorWorker(Worker):
         several: the same update, one part's fixed cost), so a coalesced edge fed by several
         rollout ranks costs one part, and a lagging actor coarsens its own granularity."""
         samples = trained = stale = parts = 0
-        for chunks in inp.stream(balance=all_queued, target_weight=1):
+        waits: list[list[float]] = []
+        for chunks in _timed(inp.stream(balance=all_queued, target_weight=1), waits):
             batches = [c.batch for c in chunks]
             batch = (
                 batches[0] if len(batches) == 1 else concat(batches, self.tokenizer.pad_token_id)
@@ -351,6 +356,7 @@ class ActorWorker(Worker):
         # A data-parallel rank that got no chunk still took the global step: report it.
         out = self._finish(metrics if metrics.get("steps") else {}, samples, trained, stale)
         out["parts"] = parts
+        out["input_waits"] = waits
         return out
 
     def _training_data(self, batch) -> dict:
@@ -488,3 +494,18 @@ class ActorWorker(Worker):
             self.sft_trainer.onload()
         if self.ref_model is not None and self.device.type == "cuda":
             self.ref_model.to(self.device)
+
+
+def _timed(stream, waits: list):
+    """``stream``'s items; appends to ``waits`` the ``[t0, t1]`` wall-clock seconds each
+    ``next`` blocked (waiting for data, the end of the step included)."""
+    it = iter(stream)
+    while True:
+        t0 = time.time()
+        try:
+            item = next(it)
+        except StopIteration:
+            waits.append([t0, time.time()])
+            return
+        waits.append([t0, time.time()])
+        yield item

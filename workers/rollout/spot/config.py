@@ -33,6 +33,7 @@ class SpotPoolConfig:
     seeding: bool = True  # ablation False: no seeding, spot instances take everything
     n_prem_max: int = 0  # cap on spot instances over Algorithm 1's N_prem (0: none)
     n_prem_min: int = 1  # floor under N_prem (>= 1: the pool never turns itself off)
+    n_prem_init: int = 0  # Algorithm 1's first N_prem (0: line 3's N_resv; a plan sets it)
     theta: int = 8  # Algorithm 2's Θ: most pending requests per instance (delayed dispatch)
     dispatch: str = "jsq"  # "jsq" (Algorithm 2) or "round_robin" (ablation)
     rebalance: bool = True  # Algorithm 2's continuous rebalancing (ablation: False)
@@ -63,6 +64,7 @@ class SpotPoolConfig:
             (self.micro_batch_prompts >= 1, "rollout.spot.micro_batch_prompts must be >= 1"),
             (self.n_prem_max >= 0, "rollout.spot.n_prem_max must be >= 0"),
             (self.n_prem_min >= 1, "rollout.spot.n_prem_min must be >= 1"),
+            (self.n_prem_init >= 0, "rollout.spot.n_prem_init must be >= 0"),
             (self.migration in ("tokens", "recompute"), "rollout.spot.migration: tokens|recompute"),
             (self.min_new_tokens >= 0, "rollout.spot.min_new_tokens must be >= 0"),
             (self.engine in ("exact", "emulated"), "rollout.spot.engine: exact|emulated"),

@@ -17,11 +17,17 @@ policies in :mod:`m2flow.scheduler.spot`; the manager applies them:
   longer holds it is ignored.
 - **rebalancing** (Algorithm 2, CONTINUOUSLB): pending requests move to idle instances;
   executing ones beyond the batching plateau ``B`` of the previous step's online throughput
-  profile are revoked at the busiest instance's next report and requeued to the idle one.
-- **admission and seeding** (Algorithm 1): at most ``N_prem`` spot instances run; the reserved
-  ranks generate for ``T_seed`` seconds, then hand their partial responses over (unless no spot
-  instance is ready: then they finish the rollout themselves). ``T_seed`` and ``N_prem`` are
-  updated after every step from its idle and compute times.
+  profile are revoked at the busiest instance's next report and go, with their tokens, to the
+  front of the idle instance's pending requests (``MIGRATEREQS(j -> i, r)``, line 27).
+- **admission and seeding** (Algorithm 1): at most ``N_prem`` spot instances run (an idle
+  instance beyond a lowered ``N_prem`` is released); the reserved ranks generate for ``T_seed``
+  seconds, then hand their partial responses over (unless no spot instance is ready: then
+  they finish the rollout themselves). ``T_seed`` and ``N_prem`` are updated after every step
+  from its idle and compute times: ``n_bar`` is the spot instance count integrated up to the
+  step's end (a count held all step gives exactly that integer, so the memory of lines 11-14
+  fires); the trainer's idle time is what the trainer reports (:meth:`RolloutManager.
+  trainer_waits`: its waits for micro-batches, outside the reserved ranks' generation), else
+  the waits of a trainer that collects itself.
 - **weights** (4.3): staged once per update (one object-store copy); an instance pulls the
   version it lacks when it registers and at each update, and takes work only on the current
   version.
@@ -33,6 +39,7 @@ preemptions, migrated samples and tokens, ``T_seed``, ``N_prem``.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -43,6 +50,7 @@ from m2flow.scheduler.spot import (
     StepStats,
     ThroughputProfile,
     rebalance,
+    seconds_outside,
     select_instance,
 )
 
@@ -63,7 +71,7 @@ class _Instance:
     version: int = -1
     pending: deque = field(default_factory=deque)  # request ids assigned, not leased yet
     executing: set = field(default_factory=set)  # request ids leased
-    revoke: set = field(default_factory=set)  # executing ids to give back at the next report
+    revoke: dict = field(default_factory=dict)  # executing id -> instance it moves to
     accepting: bool = True  # False: leaving (a reserved rank after seeding)
     busy_s: float = 0.0  # engine seconds this step
     last_done: float | None = None  # when it last finished a response this step
@@ -76,7 +84,12 @@ class _Step:
     start: float = 0.0
     seed_end: float | None = None
     owners: dict[int, int] = field(default_factory=dict)  # rank -> prompts it will collect
+    # waits of a trainer that collects itself (collect's caller trains between calls)
     train_wait: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    # the trainer's reported waits for micro-batches: rank -> [(t0, t1)] wall-clock seconds
+    trainer_waits: dict[int, list] = field(default_factory=dict)
+    seed_end_wall: float | None = None  # time.time() when the seeding window ended
+    reserved_spans: list = field(default_factory=list)  # [id, t0, t1]: reserved generation (wall)
     n_integral: float = 0.0  # spot instance-seconds, for n_bar
     n_since: float = 0.0
 
@@ -95,7 +108,8 @@ class RolloutManager:
             n_resv=n_reserved, eta=c.eta, t_init=c.t_seed_init, use_memory=c.memory,
             n_prem_min=c.n_prem_min, n_prem_max=c.n_prem_max or None,
         )  # fmt: skip
-        self.policy.n_prem = max(self.policy.n_prem, c.n_prem_min)
+        n = c.n_prem_init or self.policy.n_prem  # a plan's N_prem, else line 3's N_resv
+        self.policy.n_prem = max(c.n_prem_min, min(n, c.n_prem_max or n))
         if not c.seeding:  # ablation: everything goes to the spot instances at once
             self.policy.t_seed = 0.0
         self.profile = ThroughputProfile()
@@ -138,7 +152,8 @@ class RolloutManager:
 
     async def set_config(self, **fields) -> None:
         """Change pool settings from the next lease or dispatch on (e.g. an ablation's
-        ``dispatch`` or ``rebalance``; ``max_batch``).
+        ``dispatch`` or ``rebalance``; ``max_batch``; ``n_prem_min``/``n_prem_max`` clamp
+        ``N_prem`` at once, and ``n_prem_init`` sets it).
 
         Raises:
             ValueError: an unknown field or a bad value.
@@ -151,6 +166,10 @@ class RolloutManager:
         cfg = replace(self.cfg, **fields)
         cfg.check()
         self.cfg = cfg
+        p = self.policy  # Algorithm 1's clamps (and a new starting N_prem) apply from now on
+        p.n_prem_min, p.n_prem_max = cfg.n_prem_min, cfg.n_prem_max or None
+        n = cfg.n_prem_init if "n_prem_init" in fields and cfg.n_prem_init else p.n_prem
+        p.n_prem = max(p.n_prem_min, n if p.n_prem_max is None else min(n, p.n_prem_max))
         self._changed()
 
     async def current_weights(self) -> tuple[int, list]:
@@ -180,7 +199,11 @@ class RolloutManager:
 
     async def register(self, instance_id: str, kind: str = "reserved") -> None:
         """A reserved rank starts seeding (spot instances are registered by the pool loop)."""
+        if kind == "spot":
+            self._integrate()  # the count changes: n_bar's integral up to now
         self.instances[instance_id] = _Instance(instance_id, kind, version=self.version)
+        if kind == "reserved":  # the reserved devices generate from now until it leaves
+            self.cur.reserved_spans.append([instance_id, time.time(), None])
         self._changed()
 
     async def lease(self, instance_id: str, version: int, capacity: int) -> list[GenRequest]:
@@ -238,7 +261,7 @@ class RolloutManager:
         drop = [rid for rid in inst.revoke if rid in inst.executing]
         for rid in drop:
             inst.executing.discard(rid)
-            self._requeue(rid, migrated=True)
+            self._requeue(rid, migrated=True, to=self.instances.get(inst.revoke[rid]))
         inst.revoke.clear()
         self._changed()
         return drop
@@ -249,8 +272,13 @@ class RolloutManager:
         inst = self.instances.pop(instance_id, None)
         if inst is None:
             return
+        now = time.time()
+        for span in self.cur.reserved_spans:
+            if span[0] == instance_id and span[2] is None:
+                span[2] = now
         if self.cur.seed_end is None:
             self.cur.seed_end = time.monotonic()
+            self.cur.seed_end_wall = now
         for rid in [*inst.pending, *inst.executing]:
             self._requeue(rid, migrated=False)
         self._changed()
@@ -263,8 +291,12 @@ class RolloutManager:
 
     async def collect(self, owner: int, min_groups: int, timeout: float) -> list[list[GenRequest]]:
         """Finished GRPO groups of ``owner``: at least ``min_groups`` (or all it has left),
-        waiting up to ``timeout`` seconds (``[]`` if none came). The wait counts as
-        training-cluster idle time."""
+        waiting up to ``timeout`` seconds (``[]`` if none came). The wait counts as the
+        trainer's idle time (Algorithm 1's ``t_train^wait``) only in a step whose trainer
+        reported no waits of its own (:meth:`trainer_waits`): then the caller is taken to be
+        the trainer (it trains between calls, as the emulated cluster's does). A rollout rank
+        that collects for a trainer on the same devices is not idle while the trainer trains
+        there, so with a reporting trainer its waits are not counted."""
         t0 = time.monotonic()
         deadline = t0 + timeout
         while True:
@@ -280,6 +312,23 @@ class RolloutManager:
         out, self.ready[owner] = self.ready[owner], []
         return out
 
+    async def trainer_waits(self, waits: list[list[list[float]]]) -> None:
+        """The trainer's waits for micro-batches in the current step (RLBoost 4.1: the
+        training cluster idle, "waiting for sufficient responses to fill a microbatch"), one
+        list per trainer rank of ``[t0, t1]`` wall-clock (``time.time()``) seconds. Algorithm 1
+        reads their mean over ranks, counting only what lies after the seeding window and
+        outside the reserved ranks' generation. Call before the step's :meth:`stage`.
+
+        Raises:
+            ValueError: an interval that is not two finite times in order.
+        """
+        for rank, spans in enumerate(waits):
+            for span in spans:
+                t0, t1 = (float(x) for x in span)
+                if not (math.isfinite(t0) and math.isfinite(t1) and t0 <= t1):
+                    raise ValueError(f"trainer rank {rank}: bad wait interval {span!r}")
+            self.cur.trainer_waits[rank] = [tuple(map(float, x)) for x in spans]
+
     async def metrics(self) -> dict:
         """This step's counters so far, the schedule, and the instances."""
         return {
@@ -287,6 +336,7 @@ class RolloutManager:
             "t_seed": self.policy.t_seed,
             "n_prem": self.policy.n_prem,
             "plateau": self.plateau,
+            "memory": dict(self.policy.memory),
             "queue": len(self.queue),
             "instances": {
                 i.id: {
@@ -321,6 +371,7 @@ class RolloutManager:
             "rebalanced_samples": 0,
             "failed_starts": 0,
             "instance_errors": 0,
+            "released": 0,
         }
 
     def _changed(self) -> None:
@@ -346,7 +397,9 @@ class RolloutManager:
                 del self.requests[q.id]
             del self.groups_left[key]
 
-    def _requeue(self, rid: str, migrated: bool) -> None:
+    def _requeue(self, rid: str, migrated: bool, to: _Instance | None = None) -> None:
+        """Back to the queue's head, or to the head of ``to``'s pending requests (a
+        rebalancing move's destination, while it can still take work)."""
         r = self.requests[rid]
         if migrated and r.tokens:
             r.moves += 1
@@ -354,7 +407,10 @@ class RolloutManager:
             self.stats["migrated_tokens"] += len(r.tokens)
             if self.cfg.migration == "recompute":  # ablation: restart from the prompt
                 r.tokens, r.logprobs = [], []
-        self.queue.appendleft(rid)  # continued first: it has the most work done
+        if to is not None and to.accepting and to.version == self.version:
+            to.pending.appendleft(rid)
+        else:
+            self.queue.appendleft(rid)  # continued first: it has the most work done
 
     def _eligible(self) -> list[_Instance]:
         return [
@@ -391,7 +447,7 @@ class RolloutManager:
                 continue
             moves = rebalance(
                 {k: len(i.pending) for k, i in live.items()},
-                {k: len(i.executing) - len(i.revoke) for k, i in live.items()},
+                {k: len(i.executing - i.revoke.keys()) for k, i in live.items()},
                 self.plateau,
             )
             for m in moves:
@@ -400,21 +456,29 @@ class RolloutManager:
                     for _ in range(min(m.count, len(src.pending))):
                         dst.pending.append(src.pending.pop())
                 else:
-                    for rid in sorted(src.executing - src.revoke)[: m.count]:
-                        src.revoke.add(rid)  # given back at src's next report, then queued
+                    for rid in sorted(src.executing - src.revoke.keys())[: m.count]:
+                        src.revoke[rid] = dst.id  # given back at src's next report, to dst
                 self.stats["rebalanced_samples"] += m.count
             if moves:
                 self._changed()
 
     async def _pool_loop(self) -> None:
-        """Start a spot instance on every preemptible node without one, up to N_prem."""
+        """Start a spot instance on every preemptible node without one, up to N_prem; release
+        idle instances beyond it (Algorithm 1 lowered N_prem: they would only cost)."""
         from m2flow.spot import alive_spot_nodes
 
         while True:
-            now = time.monotonic()
+            self._integrate()
             spot = [i for i in self.instances.values() if i.kind == "spot"]
-            self.cur.n_integral += len(spot) * (now - self.cur.n_since)
-            self.cur.n_since = now
+            for inst in list(reversed(spot)):  # newest first
+                if len(spot) <= self.policy.n_prem:
+                    break
+                if inst.handle is not None and not inst.pending and not inst.executing:
+                    self._integrate()
+                    del self.instances[inst.id]  # before the kill: _watch sees it gone
+                    spot.remove(inst)
+                    self.stats["released"] += 1
+                    ray.kill(inst.handle, no_restart=True)
             used = {i.node for i in spot}
             for node in alive_spot_nodes():
                 if len(spot) >= self.policy.n_prem:
@@ -428,10 +492,22 @@ class RolloutManager:
                         node, soft=False
                     ),
                 ).remote(iid, self.cfg.block_tokens, self.cfg.max_batch, self.instance_args)
+                self._integrate()
                 inst = self.instances[iid] = _Instance(iid, "spot", handle, node)
                 spot.append(inst)
                 asyncio.get_event_loop().create_task(self._watch(inst, handle.run.remote()))
             await asyncio.sleep(0.5)
+
+    def _integrate(self) -> float:
+        """Advance the step's spot instance-seconds (``n_bar``'s integral) to now, at the
+        count held since the last call: called before every change of the count and at the
+        step's end, so a count held constant integrates exactly. Returns now (monotonic)."""
+        now = time.monotonic()
+        c = self.cur
+        held = sum(1 for i in self.instances.values() if i.kind == "spot")
+        c.n_integral += held * max(now - c.n_since, 0.0)
+        c.n_since = now
+        return now
 
     async def _watch(self, inst: _Instance, run) -> None:
         """Until the instance's process dies (its watch call fails) or its loop ends (``run``
@@ -452,6 +528,7 @@ class RolloutManager:
             ray.kill(inst.handle, no_restart=True)
         if self.instances.get(inst.id) is not inst:
             return
+        self._integrate()
         del self.instances[inst.id]
         if loop_ended:
             self.stats["instance_errors"] += 1
@@ -466,12 +543,12 @@ class RolloutManager:
 
     def _end_step(self) -> None:
         """Algorithm 1 after a step (definitions in docs/spot.md)."""
-        now = time.monotonic()
+        now = self._integrate()  # n_bar's integral up to the step's end, at its clock
         c = self.cur
         elapsed = max(now - c.start, 1e-9)
         spot = [i for i in self.instances.values() if i.kind == "spot"]
         seed_end = c.seed_end if c.seed_end is not None else now
-        train_wait = sum(c.train_wait.values()) / max(len(c.train_wait), 1)
+        train_wait = self._train_wait(time.time())
         worked = [i for i in spot if i.last_done is not None]
         n_bar = c.n_integral / elapsed
         stats = StepStats(
@@ -499,6 +576,21 @@ class RolloutManager:
         self.history = self.history[-100:]
         self.stats = self._fresh_stats()
         self.cur.step = -1
+
+    def _train_wait(self, end: float) -> float:
+        """``t_train^wait`` of the step ending at ``end`` (wall clock): the mean over trainer
+        ranks of their reported waits after the seeding window, less the reserved ranks'
+        generation (the devices roll out then, they are not idle); without reports, the mean
+        collect wait of a trainer that collects itself."""
+        c = self.cur
+        if not c.trainer_waits:
+            return sum(c.train_wait.values()) / max(len(c.train_wait), 1)
+        lo = c.seed_end_wall if c.seed_end_wall is not None else end
+        busy = [(a, b if b is not None else end) for _, a, b in c.reserved_spans]
+        total = 0.0
+        for spans in c.trainer_waits.values():
+            total += sum(seconds_outside(a, b, lo, end, busy) for a, b in spans)
+        return total / len(c.trainer_waits)
 
 
 def get_manager(cfg: dict, n_reserved: int, instance_args: dict):

@@ -121,7 +121,8 @@ class ReservedSeeder:
                 resp_tokens += int(batch["response_mask"].sum())
         pool = ray.get(mgr.metrics.remote(), timeout=120)
         keep = ("reserved_tokens", "spot_tokens", "preemptions", "migrated_samples",
-                "migrated_tokens", "rebalanced_samples", "t_seed", "n_prem")  # fmt: skip
+                "migrated_tokens", "rebalanced_samples", "released", "t_seed",
+                "n_prem")  # fmt: skip
         return {
             "samples": samples,
             "tokens": tokens,
@@ -168,3 +169,20 @@ def seed(mgr, engine, iid: str, version: int, t_seed: float, max_batch: int, blo
     finally:
         ray.get(mgr.leave.remote(iid), timeout=120)
     return time.monotonic() - t0
+
+
+def trainer_waits(waits: list[list[list[float]]]) -> None:
+    """Report the trainer's waits for micro-batches of this step (``[t0, t1]`` wall-clock
+    seconds per trainer rank: :meth:`ActorWorker.train`'s ``input_waits``) to the run's rollout
+    manager (:meth:`.manager.RolloutManager.trainer_waits`); nothing when the run has no spot
+    pool. Call after the trainer's step, before the weights are synchronised (which ends the
+    pool's step)."""
+    from m2flow.cluster import NAMESPACE
+
+    from .names import MANAGER_NAME
+
+    try:
+        mgr = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
+    except ValueError:  # no spot pool in this run
+        return
+    ray.get(mgr.trainer_waits.remote(waits), timeout=120)
