@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -85,6 +86,7 @@ class TraceWriter:
         self.skipped_steps = 0
         self.dropped = 0
         self.cost_s = 0.0  # seconds the driver spent here (the trace's cost on its thread)
+        self._lock = threading.Lock()  # calls may be waited from several driver threads
         self._meta(DRIVER_PID, None, "process_name", {"name": "driver"})
         self._meta(DRIVER_PID, 0, "thread_name", {"name": "driver"})
         events.enable(True)
@@ -97,8 +99,13 @@ class TraceWriter:
 
     def add(self, group: str, rank: int, shipped: tuple | None) -> None:
         """Events a rank of ``group`` shipped (:meth:`m2flow.events.Recorder.drain`)."""
-        if shipped is None or self._file.closed:
+        if shipped is None:
             return
+        with self._lock:
+            if not self._file.closed:
+                self._add(group, rank, shipped)
+
+    def _add(self, group: str, rank: int, shipped: tuple) -> None:
         t0 = time.perf_counter()
         wall0, mono0, _pid, evs, dropped = shipped
         self.dropped += dropped
@@ -117,6 +124,11 @@ class TraceWriter:
     def mark(self, step: int, wall: float) -> None:
         """Step ``step`` was logged at ``wall`` (seconds): its window closes; the events that
         started in it are written (or left out, past the size bound)."""
+        with self._lock:
+            if not self._file.closed:
+                self._mark(step, wall)
+
+    def _mark(self, step: int, wall: float) -> None:
         t0 = time.perf_counter()
         start = self.marks[-1] if self.marks else self.origin_ns / 1e9
         self.marks.append(wall)
@@ -134,8 +146,11 @@ class TraceWriter:
     def close(self) -> None:
         """Write what is left (events after the last step go to a step ``last + 1``), a
         ``trace summary`` event, and the closing bracket."""
-        if self._file.closed:
-            return
+        with self._lock:
+            if not self._file.closed:
+                self._close()
+
+    def _close(self) -> None:
         self._take_driver()
         events.enable(False)
         after = (self.steps[-1] + 1) if self.steps else 0

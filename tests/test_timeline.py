@@ -188,3 +188,18 @@ def test_provenance_warnings():
     assert "measured at load" in w
     (w,) = provenance_warnings(plan, 64, here)
     assert "planned for 64 devices" in w and "1, 2 devices" in w
+
+
+def test_profile_keeps_where_it_was_measured(tmp_path):
+    from m2flow.scheduler.profile import ProfileError, load_profile, save_profile
+
+    prof = load_profile(_profile(tmp_path / "p.yaml", machine()))
+    assert prof.measured_on == machine(prof.measured_on["load_1m"])
+    save_profile(prof, tmp_path / "again.yaml")
+    assert load_profile(tmp_path / "again.yaml").measured_on == prof.measured_on
+    assert load_profile(_profile(tmp_path / "old.yaml", None)).measured_on is None
+    doc = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    doc["measured_on"] = "my laptop"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(ProfileError, match="measured_on: give a mapping"):
+        load_profile(tmp_path / "bad.yaml")
