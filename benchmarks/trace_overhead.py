@@ -3,8 +3,9 @@
 Runs a workflow several times in one Ray session, alternating ``M2FLOW_TRACE=1`` and ``=0``
 (interleaved, so load drifts hit both alike), and compares the median step time of each run
 (steps after the first ``--skip``). Prints one line per run and a summary: the median over
-runs of each side, the spread (min-max of the run medians), and the overhead
-``(traced - untraced) / untraced`` of the medians, plus the trace's size and events per step.
+runs of each side, the spread (min-max of the run medians), the overhead
+``(traced - untraced) / untraced`` of the medians and the paired overhead (the median over
+repeats of the ratio of its two runs), plus the trace's size and events per step.
 
     python benchmarks/trace_overhead.py --workflow grpo --repeats 4 --steps 12
     python benchmarks/trace_overhead.py --workflow handoff --repeats 6 --steps 30
@@ -119,6 +120,8 @@ def main() -> None:
         cluster.shutdown()
         ray.shutdown()
     on, off = statistics.median(runs[True]), statistics.median(runs[False])
+    # each repeat ran both sides back to back: the median of their ratios cancels slow drifts
+    paired = statistics.median(a / b - 1 for a, b in zip(runs[True], runs[False], strict=True))
     per_event = worker_cost_per_event()
     direct = statistics.median(driver) + per_step * per_event
     doc = {
@@ -130,6 +133,7 @@ def main() -> None:
         "traced_runs_s": runs[True],
         "untraced_runs_s": runs[False],
         "overhead": (on - off) / off,
+        "paired_overhead": paired,
         "trace_bytes": size,
         "events_per_step": per_step,
         "driver_cost_per_step_s": statistics.median(driver),
@@ -139,7 +143,8 @@ def main() -> None:
     print(
         f"{args.workflow}: traced {on:.4f} s/step (runs {min(runs[True]):.4f}-"
         f"{max(runs[True]):.4f}), untraced {off:.4f} s/step (runs {min(runs[False]):.4f}-"
-        f"{max(runs[False]):.4f}), overhead {doc['overhead']:+.1%}; trace {size} bytes, "
+        f"{max(runs[False]):.4f}), overhead {doc['overhead']:+.1%} (paired {paired:+.1%}); "
+        f"trace {size} bytes, "
         f"{per_step:.0f} events/step"
     )
     print(

@@ -327,7 +327,7 @@ def _trace_report(session: Session, placement: Placement, out: dict, skip: int) 
     steps = [s for (_, _), (s, _) in zip(marks, marks[1:]) if s >= 1][skip:]
     if session.trace is not None:
         out["unpriced"] = unpriced(session.trace.totals, steps, placement.plan)
-        if out["unpriced"]:
+        if out["unpriced"] and placement.plan:  # priced by a profile: say what it missed
             lines.append(unpriced_line(out["unpriced"]))
     cluster = session.cluster
     n = None if cluster is None else cluster.num_devices

@@ -114,6 +114,8 @@ def test_timeline_command_prints_the_per_group_difference_and_draws(planned_run)
         assert r["diff_busy_s"] == pytest.approx(r["measured_busy_s"] - r["predicted_busy_s"])
     res = CliRunner().invoke(app, ["timeline", str(run_dir), "--step", "99"])
     assert res.exit_code == 2 and "step 99 is not in the trace" in res.output
+    res = CliRunner().invoke(app, ["timeline", str(run_dir.parent)])  # no trace there
+    assert res.exit_code == 2 and "trace.json does not exist" in res.output
 
 
 def test_no_trace_when_off_or_profiling(tmp_path, monkeypatch):
