@@ -387,7 +387,8 @@ class Channel:
         with _guard:  # these items go in this operation, after the puts gathered before
             client.pending.append((key, epoch, entries))
             ref = client.submit("put", timeout, track=async_op)
-        return Work(ref) if async_op else Work(ref).wait()
+        work = Work(ref, label=("channel_put", self.name))
+        return work if async_op else work.wait()
 
     # -- get --------------------------------------------------------------------------------
 
@@ -481,7 +482,8 @@ class Channel:
         args = (key, target, policy, timeout, max_items, epoch, prefetch)
         ref = client.submit("get", *args, track=async_op)
         client.reading = True
-        work = Work(ref, then=functools.partial(self._received, key, prefetch), yields=True)
+        then = functools.partial(self._received, key, prefetch)
+        work = Work(ref, then=then, yields=True, label=("channel_get", self.name))
         if async_op:
             return work
         # Work.wait yields the worker's devices if the items are not there at once, so a

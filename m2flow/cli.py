@@ -158,8 +158,10 @@ def _register_commands() -> None:
     from importlib.metadata import entry_points
 
     from .plan_cli import register as register_plan
+    from .timeline_cli import register as register_timeline
 
     register_plan(app)
+    register_timeline(app)
     for ep in entry_points(group="m2flow.commands"):
         ep.load()(app)
 

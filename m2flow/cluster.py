@@ -168,6 +168,8 @@ class Cluster:
         # The run's placement (a m2flow.placement.Placement from a plan, or None) needs this
         # cluster's devices to be resolved.
         self.placement = session.resolve(self) if session else None
+        if session is not None:
+            session.start_trace(self.run_dir)
 
     # -- inventory -------------------------------------------------------------------------
 
@@ -264,6 +266,9 @@ class Cluster:
 
         from .channel import created_channels, forget_channels
 
+        session = current_session()
+        if session is not None and ray.is_initialized():
+            session.close_trace(self.groups)
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             if self.spot is not None:

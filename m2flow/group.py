@@ -29,6 +29,7 @@ from .calls import CallContext, channels_in
 from .cluster import Cluster
 from .mailbox import IO_GROUP
 from .placement import merge_options
+from .tracefile import drain_groups
 from .work import flush_puts
 from .worker import (
     WATCH_GROUP,
@@ -223,6 +224,9 @@ class WorkerGroup:
         """Kill every rank and wait until their names are free (a group of the same name can
         then be launched again). The ranks are unregistered first, so stopping them is not
         reported as a death (:mod:`m2flow.liveness`)."""
+        session = current_session()
+        if session is not None and session.trace is not None and not session.trace.closed:
+            drain_groups(session.trace, [self])
         keys = [actor_name(self.name, r) for r in range(self.world_size)]
         ids = [a._actor_id.hex() for a in self.actors]
         ray.get(self.cluster.lock_service.unregister.remote(keys, ids), timeout=timeout)
@@ -320,6 +324,9 @@ class GroupCall:
         if session is not None:
             r = self._result
             session.record_call(self.group.name, self.method, r.time(busy=True), r.time())
+            if session.trace is not None:
+                for rank, stats in zip(self.ranks, r.stats):
+                    session.trace.add(self.group.name, rank, stats.events)
         return self._result
 
     def _get(self, ref, rank: int):
@@ -382,6 +389,8 @@ def launch(
         placement = devices if worker_cls.data_parallel else [devices]
     ranks = normalize_placement(placement, cluster)
     launch_index = next(_launch_counter)
+    session = current_session()
+    trace = session is not None and session.trace is not None
     actor_cls = ray.remote(concurrency_groups={IO_GROUP: 8, WATCH_GROUP: 1})(
         _actor_class(worker_cls)
     )
@@ -400,6 +409,7 @@ def launch(
         ctx = WorkerContext(
             name, rank, len(ranks), devs, cluster.lock_service, lock, launch_index, cpus, node
         )
+        ctx.trace = trace
         actors.append(
             actor_cls.options(
                 name=aname,
@@ -411,7 +421,6 @@ def launch(
         )
     group = WorkerGroup(name, worker_cls, actors, ranks, cluster)
     cluster.groups.append(group)
-    session = current_session()
     if session is not None:
         session.groups[name] = ranks
     # Surface constructor failures here, with the rank, rather than at the first call.

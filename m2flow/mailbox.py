@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import ray
 
+from . import events
 from ._context import NAMESPACE
 from ._env import wait_timeout
 from .work import Work, flush_puts
@@ -138,7 +139,7 @@ class Mailbox:
         ref = box.take(0) if box.ready() else None
         if ref is None:
             flush_puts()
-            since = time.time()
+            since, since_ns = time.time(), events.now()
             with self._m2flow_yield_devices():
                 left = timeout
                 while ref is None and left > 0:
@@ -146,6 +147,7 @@ class Mailbox:
                     left -= liveness.POLL_S
                     if ref is None:
                         liveness.check(self.worker_key, since)
+            events.record("recv", f"from {actor_name(src_group, src_rank)}", since_ns)
         if ref is None:
             raise TimeoutError(
                 f"{self.worker_key}: nothing received from "

@@ -54,6 +54,11 @@ class Placement:
             without a line of the runner changing.
         remote: what the plan runs off the reserved devices, for reports (the spot choice:
             mode, ``t_seed``, ``n_prem``, cost per step; :mod:`m2flow.scheduler.spot_plan`).
+        plan: what draws the predicted step next to the measured one (``m2flow timeline``):
+            ``tree`` (the planner's tree, ``Plan.to_dict``), per component ``switch_s`` and
+            ``chunk_overhead_s``, the profile's ``step_overhead_s``, ``profiled_devices``
+            (device counts measured per component) and ``measured_on``; empty when the
+            placement was not planned from a profile.
     """
 
     mode: str = "temporal"
@@ -67,6 +72,7 @@ class Placement:
     sub_batches: dict[str, int | None] = field(default_factory=dict)
     options: dict[str, dict] = field(default_factory=dict)
     remote: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)
 
     def devices_for(self, group: str, cluster: Cluster) -> list[int]:
         """Device ids of ``group`` on ``cluster``."""
@@ -145,6 +151,7 @@ class Placement:
             "sub_batches": dict(self.sub_batches),
             "options": {k: dict(v) for k, v in self.options.items()},
             "remote": dict(self.remote),
+            "plan": dict(self.plan),
         }
 
     def save(self, path: str | Path) -> None:

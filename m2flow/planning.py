@@ -92,6 +92,14 @@ def plan_from_profile(
     placement = from_plan(plan, list(wf.edges), wf.batch_size, num_devices)
     overhead = float(getattr(prof, "step_overhead_s", 0.0) or 0.0)
     placement.predicted_step_s = float(plan.time) + overhead
+    placement.plan = {
+        "tree": plan.to_dict(),
+        "switch_s": {n: c.switch_s for n, c in prof.components.items()},
+        "chunk_overhead_s": {n: c.chunk_overhead_s for n, c in prof.components.items()},
+        "step_overhead_s": overhead,
+        "profiled_devices": {n: [p.devices for p in c.points] for n, c in prof.components.items()},
+        "measured_on": prof.measured_on,
+    }
     return out, placement
 
 
@@ -273,7 +281,13 @@ def placement_for(
 def report(session: Session, log: Callable = print, skip: int = 2) -> dict[str, Any] | None:
     """Predicted vs measured step time of the run's placement (median over the steps after
     the first ``skip``); written to ``<run_dir>/plan_report.json`` when the cluster has a run
-    directory. Returns the report (``None`` without a planned placement or steps)."""
+    directory. Returns the report (``None`` without a planned placement or steps).
+
+    With a trace (:mod:`m2flow.tracefile`) it also names what the profile did not price
+    (``unpriced``: lock waits, hand-offs, offload + onload against ``switch_s``;
+    :func:`m2flow.measured.unpriced`), and it warns when the plan's profile was measured
+    elsewhere (``warnings``: :func:`m2flow.measured.provenance_warnings`). ``plan`` keeps what
+    ``m2flow timeline`` draws the predicted step from."""
     placement = session.placement
     steps = session.step_times()[skip:]
     if not isinstance(placement, Placement) or not steps:
@@ -296,8 +310,30 @@ def report(session: Session, log: Callable = print, skip: int = 2) -> dict[str, 
         out["error"] = err
         line += f", predicted {placement.predicted_step_s:.4f} s/step, error {err:+.1%}"
     log(line)
+    for line in _trace_report(session, placement, out, skip):
+        log(line)
     cluster = session.cluster
     if cluster is not None and cluster.run_dir is not None:
         cluster.run_dir.mkdir(parents=True, exist_ok=True)
         (cluster.run_dir / "plan_report.json").write_text(json.dumps(out, indent=2))
     return out
+
+
+def _trace_report(session: Session, placement: Placement, out: dict, skip: int) -> list[str]:
+    """Add ``plan``, ``unpriced`` and ``warnings`` to ``out``; the lines to print."""
+    from .measured import machine, provenance_warnings, unpriced, unpriced_line
+
+    lines = []
+    out["plan"] = placement.plan
+    marks = session.marks
+    steps = [s for (_, _), (s, _) in zip(marks, marks[1:]) if s >= 1][skip:]
+    if session.trace is not None:
+        out["unpriced"] = unpriced(session.trace.totals, steps, placement.plan)
+        if out["unpriced"] and placement.plan:  # priced by a profile: say what it missed
+            lines.append(unpriced_line(out["unpriced"]))
+    cluster = session.cluster
+    n = None if cluster is None else cluster.num_devices
+    out["machine"] = machine()
+    out["warnings"] = provenance_warnings(placement.plan, n, out["machine"])
+    lines += [f"warning: {w}" for w in out["warnings"]]
+    return lines

@@ -60,6 +60,7 @@ from typing import Any
 
 import networkx as nx
 
+from .measured import load_1m, machine
 from .placement import Placement
 from .program import prepare, run_prepared
 from .scheduler.cost import divisors
@@ -227,10 +228,13 @@ def profile(
         RuntimeError: the runner logs no steps or builds no Cluster.
     """
     overrides, config_files = list(overrides or []), list(config_files or [])
+    loads: list[float] = []  # the machine's load around each run (measured_on.load_1m)
 
     def run(placement: Placement, what: str) -> dict:
         log(f"profiling {what} ...")
+        loads.append(load_1m())
         res = run_steps(workflow, overrides, config_files, placement, steps, warmup)
+        loads.append(load_1m())
         shown = ", ".join(f"{g} {t:.3f} s" for g, t in res["busy"].items())
         log(f"  {what}: step {res['step_s']:.3f} s; busy {shown}")
         return res
@@ -293,6 +297,7 @@ def profile(
         device_memory_bytes=first["memory_capacity"],
         step_overhead_s=round(max(unattributed, 0.0), 6),
         cycles=cycles,
+        measured_on=machine(_median(loads)),
     )
 
 

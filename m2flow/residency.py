@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from . import events
 from ._env import wait_timeout
 from .mailbox import IO_GROUP
 
@@ -68,7 +69,7 @@ class Residency:
         ctx = self._m2flow_ctx
         if not ctx.lock or self._m2flow_holding:
             return 0.0
-        t0 = time.time()
+        t0, t0_ns = time.time(), events.now()
         evict = ray.get(
             ctx.lock_service.acquire.remote(self.worker_key, wait_timeout()),
             timeout=wait_timeout() + 30,
@@ -80,6 +81,7 @@ class Residency:
                 ray.get(ref, timeout=wait_timeout())
             except ray.exceptions.RayActorError:  # died meanwhile: its memory is gone anyway
                 pass
+        events.record("lock_wait", "device lock", t0_ns, evicted=len(evict))
         self._m2flow_holding = True
         self._m2flow_onload_if_needed()
         return time.time() - t0
@@ -106,20 +108,22 @@ class Residency:
             yield
             return
         self._m2flow_release(reserve=True)
-        t0 = time.time()
+        t0, t0_ns = time.time(), events.now()
         try:
             yield
         finally:
             self._m2flow_acquire()
             self._m2flow_call_wait += time.time() - t0
+            events.record("handoff", "devices yielded", t0_ns)
 
     def _m2flow_onload_if_needed(self) -> None:
         st = self._m2flow_load
         with st.lock:
             if not st.loaded:
-                t0 = time.perf_counter()
+                t0, t0_ns = time.perf_counter(), events.now()
                 self.onload()
                 st.onload_s += time.perf_counter() - t0
+                events.record("onload", "onload", t0_ns)
                 st.loaded = True
                 st.onloads += 1
 
@@ -130,9 +134,10 @@ class Residency:
         with st.lock:
             if not st.loaded:
                 return False
-            t0 = time.perf_counter()
+            t0, t0_ns = time.perf_counter(), events.now()
             self.offload()
             st.offload_s += time.perf_counter() - t0
+            events.record("offload", "offload", t0_ns, track="io")
             st.loaded = False
             st.offloads += 1
             return True

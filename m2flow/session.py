@@ -16,6 +16,7 @@ says, or on every device; edges are coalesced.
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections import defaultdict
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from ._context import close_session, current_session, open_session  # noqa: F401
 if TYPE_CHECKING:
     from .cluster import Cluster
     from .placement import Placement
+    from .tracefile import TraceWriter
 
 
 class StopRun(Exception):
@@ -63,6 +65,7 @@ class Session:
     weight_versions: dict[str, int] = field(default_factory=dict)  # group -> last synced version
     cluster: Cluster | None = None
     result: Any = None  # what the runner's main(cfg) returned
+    trace: TraceWriter | None = None  # the measured timeline (<run_dir>/trace.json)
 
     def __enter__(self) -> Session:
         open_session(self)
@@ -82,12 +85,37 @@ class Session:
             self.placement.check(cluster)
         return self.placement
 
+    def start_trace(self, run_dir) -> None:
+        """Record the run's timeline into ``run_dir/trace.json`` (:mod:`m2flow.tracefile`):
+        not without a run directory, not while profiling (``max_steps``), not with
+        ``M2FLOW_TRACE=0``."""
+        if self.trace is not None or run_dir is None or self.max_steps is not None:
+            return
+        if os.environ.get("M2FLOW_TRACE", "1") == "0":
+            return
+        from pathlib import Path
+
+        from .tracefile import TraceWriter, max_bytes_from_env
+
+        self.trace = TraceWriter(Path(run_dir) / "trace.json", max_bytes_from_env())
+
+    def close_trace(self, groups=()) -> None:
+        """Collect the events ``groups`` recorded after their last call and close the trace."""
+        if self.trace is None:
+            return
+        from .tracefile import drain_groups
+
+        drain_groups(self.trace, groups)
+        self.trace.close()
+
     def record_call(self, group: str, method: str, busy: float, duration: float) -> None:
         self.calls.append(CallRecord(group, method, len(self.marks), busy, duration))
 
     def mark_step(self, step: int, wall: float) -> None:
         """A step was logged; raises :class:`StopRun` when ``max_steps`` are done."""
         self.marks.append((step, wall))
+        if self.trace is not None:
+            self.trace.mark(step, wall)
         done = sum(1 for s, _ in self.marks if s >= 1)
         if self.max_steps is not None and done >= self.max_steps:
             raise StopRun(f"profiled {done} steps")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from . import weight_ipc, weight_transport
+from . import events, weight_ipc, weight_transport
 from ._context import current_session
 from ._env import wait_timeout
 
@@ -180,8 +180,9 @@ def sync_weights(
         sent = src.on(src_rank).call("_m2flow_send_weights", dst.name, dst.world_size, transport)
     got = dst.call("_m2flow_recv_weights", src.name, src_rank, transport)
     try:
-        versions = got.wait(timeout)
-        sent.wait(timeout)
+        with events.span("weight_sync", f"{src.name} -> {dst.name}", transport=transport):
+            versions = got.wait(timeout)
+            sent.wait(timeout)
     finally:
         if transport == "cuda_ipc":  # every receiver has copied (or failed): free the buffers
             src.on(src_rank).call("_m2flow_release_ipc").wait(timeout)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from . import liveness
+from . import events, liveness
 from ._context import current_worker
 from ._env import wait_timeout
 
@@ -25,11 +25,13 @@ class Work:
     Built from a Ray ``ref`` (optionally post-processed by ``then``) or from a deferred
     callable ``run``. With ``yields=True`` (waits for data), waiting inside a worker yields
     the worker's devices while the result is not ready. Waits check the run's liveness
-    (:mod:`m2flow.liveness`).
+    (:mod:`m2flow.liveness`). ``label`` ``(kind, name)``: the wait is recorded as that event
+    (:mod:`m2flow.events`, e.g. ``("channel_get", "rollout_out")``).
     """
 
-    def __init__(self, ref=None, then=None, run=None, yields: bool = False) -> None:
+    def __init__(self, ref=None, then=None, run=None, yields: bool = False, label=None) -> None:
         self._ref, self._then, self._run, self._yields = ref, then, run, yields
+        self._label = label
 
     def wait(self, timeout: float | None = None):
         """The result.
@@ -39,10 +41,16 @@ class Work:
                 ``M2FLOW_WAIT_TIMEOUT``).
             WorkerDied: a worker of the run died meanwhile.
         """
-        import ray
-
         if self._run is not None:
             return self._run()
+        if self._label is not None and events.enabled():
+            with events.span(*self._label):
+                return self._wait(timeout)
+        return self._wait(timeout)
+
+    def _wait(self, timeout: float | None):
+        import ray
+
         flush_puts()
         timeout = wait_timeout() if timeout is None else timeout
         worker = current_worker()

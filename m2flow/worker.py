@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import ray
 
+from . import events
 from ._context import current_worker, set_current_worker  # noqa: F401 (public path)
 from ._env import wait_timeout
 from .calls import CallContext
@@ -62,6 +63,7 @@ class WorkerContext:
         launch_index: order of the group's launch (its device-lock priority).
         cpus: CPUs of this rank's devices (its share of the node's CPUs).
         node: address of the node the rank runs on.
+        trace: record the rank's runtime events (:mod:`m2flow.events`).
     """
 
     group: str
@@ -73,6 +75,7 @@ class WorkerContext:
     launch_index: int = 0
     cpus: float = 1.0
     node: str = ""
+    trace: bool = False
 
 
 @dataclass
@@ -82,6 +85,7 @@ class CallStats:
     start: float
     end: float
     wait: float = 0.0  # waiting for device locks or for data (channel get, recv)
+    events: tuple | None = None  # the rank's runtime events since its last call (m2flow.events)
 
     @property
     def duration(self) -> float:
@@ -170,6 +174,7 @@ class Worker(Mailbox, Residency, Weights):
         if cuda:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cuda))
         set_current_worker(self)
+        events.enable(ctx.trace)
         me = ray.get_runtime_context().current_actor
         ray.get(
             ctx.lock_service.register.remote(
@@ -230,7 +235,7 @@ class Worker(Mailbox, Residency, Weights):
         fn = getattr(self, method)
         locked = not getattr(fn, "_m2flow_no_device_lock", False)
         self._m2flow_call_ctx = ctx
-        start = time.time()
+        start, t0 = time.time(), events.now()
         self._m2flow_call_wait = self._m2flow_acquire() if locked else 0.0
         try:
             result = fn(*args, **kwargs)
@@ -244,7 +249,17 @@ class Worker(Mailbox, Residency, Weights):
         self._m2flow_end_channels(ctx, None)
         self._m2flow_call_ctx = None
         self._m2flow_timers[method].append(end - start)
-        return result, CallStats(start, end, self._m2flow_call_wait)
+        shipped = None
+        if events.enabled():
+            kind, name = _CALL_KINDS.get(method, ("call", method))
+            events.record(kind, name, t0, wait_s=round(self._m2flow_call_wait, 6))
+            shipped = events.recorder.drain()
+        return result, CallStats(start, end, self._m2flow_call_wait, shipped)
+
+    @ray.method(concurrency_group=IO_GROUP)
+    def _m2flow_drain_events(self):
+        """The events recorded since the last call returned (the run's end collects them)."""
+        return events.recorder.drain()
 
     def _m2flow_end_channels(self, ctx: CallContext | None, abort: str | None) -> None:
         from .channel import finish_call
@@ -326,6 +341,12 @@ class Worker(Mailbox, Residency, Weights):
         self._m2flow_timers.clear()
         return out
 
+
+# Runtime calls drawn as weight syncs in the trace, not as the group's own work.
+_CALL_KINDS = {
+    "_m2flow_send_weights": ("weight_sync", "send weights"),
+    "_m2flow_recv_weights": ("weight_sync", "receive weights"),
+}
 
 # Base-class methods that are group methods too (everything else of Worker is runtime API).
 _BASE_GROUP_METHODS = frozenset({"pop_timings", "get_weights"})

@@ -39,6 +39,12 @@ Schema (YAML; units: seconds, bytes, items per step)::
       component: reward               # runs off the reserved devices (.reward_remote)
       extra_delay_s: 0.62             # the service's predicted extra delay per batch
       tail_s: 0.05                    # scoring time of the last request
+    measured_on:                      # where it was measured (optional; m2flow profile writes it)
+      host: node-7                    # hostname
+      cpu: AMD EPYC 7B13              # CPU model
+      cpus: 2                         # logical CPUs
+      gpu: null                       # GPU model (null: none)
+      load_1m: 5.2                    # mean 1-minute load average while profiling
 
 Only ``batch_size`` and ``components`` (each with ``points``) are required; a profile without
 ``cycles`` (written before cycles could split) plans its cycles time-shared, as before; one
@@ -136,6 +142,7 @@ class Profile:
     spot: SpotPool | None = None
     prices: Prices | None = None
     reward_service: RewardService | None = None
+    measured_on: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The document, keys in schema order (what :func:`save_profile` writes)."""
@@ -165,6 +172,7 @@ class Profile:
             **({"spot": asdict(self.spot)} if self.spot else {}),
             **({"prices": asdict(self.prices)} if self.prices else {}),
             **({"reward_service": asdict(self.reward_service)} if self.reward_service else {}),
+            **({"measured_on": dict(self.measured_on)} if self.measured_on else {}),
         }
 
 
@@ -192,6 +200,7 @@ _TOP = {
     "spot",
     "prices",
     "reward_service",
+    "measured_on",
 }
 _CYCLE = {
     "members",
@@ -346,7 +355,16 @@ def profile_from_dict(doc: Any) -> Profile:
         spot=spot,
         prices=prices,
         reward_service=service,
+        measured_on=_measured_on(doc.get("measured_on")),
     )
+
+
+def _measured_on(doc: Any) -> dict[str, Any] | None:
+    _need(
+        doc is None or isinstance(doc, dict),
+        f"measured_on: give a mapping (host, cpu, cpus, gpu, load_1m), not {doc!r}",
+    )
+    return None if doc is None else dict(doc)
 
 
 def _build(cls, doc: dict, where: str):
