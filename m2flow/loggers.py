@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,7 @@ class Wandb:
         os.environ.setdefault("WANDB_MODE", "offline")
         os.environ.setdefault("WANDB_SILENT", "true")
         id_file = run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id)
         self._run = wandb.init(
             dir=str(run_dir), project="m2flow", name=run_dir.name, id=run_id, resume="allow",
@@ -130,6 +131,7 @@ class Mlflow:
     def __init__(self, run_dir: Path, config: dict | None = None, **_: Any) -> None:
         import mlflow
 
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3.x: opt in
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").absolute().as_uri()
         self._client = mlflow.MlflowClient(tracking_uri=uri)
         exp = self._client.get_experiment_by_name("m2flow")

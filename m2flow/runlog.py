@@ -82,7 +82,7 @@ class RunLog:
             TimeRemainingColumn(),
             TextColumn("{task.fields[status]}"),
             console=self.console,
-            transient=not self.console.is_terminal,  # a log file gets lines, not frames
+            transient=False,
         )
         self._task = None  # the step bar, added at the first advance()
         self._steps_name = steps_name
@@ -148,11 +148,13 @@ class RunLog:
         self.progress.console.print(*args, highlight=False)
 
     def __enter__(self) -> RunLog:
-        self.progress.start()
+        if self.console.is_terminal:  # a log file gets the lines only, no frames
+            self.progress.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.progress.stop()
+        if self.progress.live.is_started:
+            self.progress.stop()
         for sink in self._sinks:
             sink.close()
 
