@@ -5,6 +5,7 @@ one progress bar per phase (its name, elapsed time and ETA) and a metrics line e
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -121,9 +122,10 @@ class RunLog:
         )
 
     def wait(self, name: str, call, expected_s: float | None = None, note: str = "") -> list:
-        """Wait for a group call (``call.wait()``'s per-rank results) under a bar of its own,
-        named ``name``: elapsed seconds against ``expected_s`` (else the time this phase took
-        last time; unknown the first time), removed when the call returns.
+        """Wait for a group call (``call.wait()``: per-rank results, its errors and fail-fast
+        unchanged) under a bar of its own, named ``name``: elapsed seconds against
+        ``expected_s`` (else the time this phase took last time; unknown the first time),
+        removed when the call returns.
 
         Raises:
             WorkerError: as ``call.wait()``.
@@ -132,15 +134,21 @@ class RunLog:
         task = self.progress.add_task(
             name, total=expected, status=note, done=f"of ~{expected:.0f} s" if expected else ""
         )
-        t0 = time.time()
-        try:
-            while not call.done():
-                elapsed = time.time() - t0
+        t0, stop = time.time(), threading.Event()
+
+        def tick() -> None:  # the bar moves with the clock while the driver waits
+            while not stop.wait(0.2):
                 if expected:
-                    self.progress.update(task, completed=min(elapsed, 0.99 * expected))
-                time.sleep(0.1)
+                    done = min(time.time() - t0, 0.99 * expected)
+                    self.progress.update(task, completed=done)
+
+        ticker = threading.Thread(target=tick, name=f"m2flow-bar-{name}", daemon=True)
+        ticker.start()
+        try:
             return call.wait()
         finally:
+            stop.set()
+            ticker.join()
             self._last[name] = time.time() - t0
             self.progress.remove_task(task)
 

@@ -98,17 +98,15 @@ def test_an_optional_logger_writes_offline_or_names_its_extra(tmp_path, name):
 
 
 class _Later:
-    """What RunLog.wait needs of a group call (``done``, ``wait``), finishing after
-    ``seconds``; records the bars shown while it runs."""
+    """What RunLog.wait needs of a group call (``wait``), returning after ``seconds``; records
+    the bars shown while it runs."""
 
     def __init__(self, log: RunLog, seconds: float) -> None:
-        self.log, self.end, self.seen = log, time.monotonic() + seconds, []
-
-    def done(self) -> bool:
-        self.seen = [(t.description, t.total) for t in self.log.progress.tasks]
-        return time.monotonic() >= self.end
+        self.log, self.seconds, self.seen = log, seconds, []
 
     def wait(self) -> list:
+        self.seen = [(t.description, t.total) for t in self.log.progress.tasks]
+        time.sleep(self.seconds)
         return ["result"]
 
 

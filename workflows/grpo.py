@@ -201,7 +201,9 @@ def main(cfg) -> dict:
         data.notes += load_sampler(sampler, state)
     summary = {}
     resumed = start if cfg.resume else None  # later records are dropped, time continues
-    with RunLog(tr.run_dir, tr.steps, tr.logger, resumed, tr.log_every, plain(cfg)) as log:
+    with RunLog(
+        tr.run_dir, tr.steps, tr.logger, resumed, tr.log_every, plain(cfg), "GRPO steps"
+    ) as log:
         log.print(cluster.describe())
         for note in data.notes:
             log.print(note)

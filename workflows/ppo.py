@@ -249,7 +249,9 @@ def main(cfg) -> dict:
         start, state = checkpoints.restore(trained)
         data.notes += load_sampler(sampler, state)
     resumed = start if cfg.resume else None  # later records are dropped, time continues
-    with RunLog(tr.run_dir, tr.steps, tr.logger, resumed, tr.log_every, plain(cfg)) as log:
+    with RunLog(
+        tr.run_dir, tr.steps, tr.logger, resumed, tr.log_every, plain(cfg), "PPO steps"
+    ) as log:
         log.print(cluster.describe())
         for note in data.notes:
             log.print(note)
