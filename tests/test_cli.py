@@ -147,6 +147,7 @@ def test_empty_plan_file_exit_2(tmp_path):
         (["--steps", "0"], "measure at least one step (--steps >= 1)"),
         (["--warmup", "-1"], "--warmup >= 0"),
         (["--devices", "0"], "every device count must be >= 1"),
+        (["rollout.temperature=0"], "rollout.temperature must be a finite number > 0"),
     ],
 )
 def test_profile_bad_arguments_exit_2_before_ray(tmp_path, args, message):
