@@ -5,6 +5,11 @@ Exports are lazy so that ``import m2flow.scheduler`` pulls in neither Ray nor to
 
 from importlib import import_module
 
+from ._env import apply_ray_env_defaults
+
+# Ray reads its logging switches (RAY_DEDUP_LOGS, ...) when it is imported: set them first.
+apply_ray_env_defaults()
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

@@ -127,7 +127,9 @@ def profile(
             )
         if devices is not None and any(n < 1 for n in devices):
             raise ConfigError(f"--devices {devices}: every device count must be >= 1")
-        prepare(workflow, rest, config or [])  # config errors before any run starts
+        # keys and types before any run starts; the values are checked by the first run,
+        # whose run directory is the profiler's own (trainer.run_dir is not touched)
+        prepare(workflow, rest, config or [], validate=False)
         profile_to_file(
             workflow, rest, config or [], output, devices, steps, warmup, chunks, log=err.print
         )

@@ -116,7 +116,11 @@ class Placement:
 
     def check(self, cluster: Cluster) -> None:
         """Raises :class:`PlacementError` when a device id is not on ``cluster``."""
-        n = cluster.num_devices
+        self.check_count(cluster.num_devices)
+
+    def check_count(self, n: int) -> None:
+        """Raises :class:`PlacementError` when a device id is not in ``[0, n)`` (``n``: the
+        cluster's devices; checked before the cluster starts when the config knows ``n``)."""
         named = dict(self.groups)
         if self.default_devices is not None:
             named["(default)"] = self.default_devices

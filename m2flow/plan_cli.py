@@ -137,10 +137,7 @@ def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, s
     n_bar = None
     if trace is not None or prices is not None or objective != "time":
         if prof.spot is None:
-            raise ConfigError(
-                f"--spot-trace/--price/--objective need a spot pool, and profile {str(path)!r} "
-                "has no spot: section; add one (m2flow.scheduler.profile documents it)"
-            )
+            prof = _with_default_spot(prof, path)
         if trace is not None:
             try:
                 n_bar = expected_instances(load_trace(trace))
@@ -150,6 +147,39 @@ def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, s
         prof, devices, capacity, mode, objective, n_bar, _prices(prices), **options
     )
     return prof, result, placement, spot
+
+
+def _with_default_spot(prof, path: Path):
+    """``prof`` with a ``spot:`` pool assumed from its own measurements, for a profile that
+    has none (a profiler-written one): instances like one reserved device, each running the
+    ``rollout`` component at its measured 1-device rate, weights synced for free. Says so on
+    stderr.
+
+    Raises:
+        ConfigError: no ``rollout`` component to take the pool's rate from (the keys to add
+            are named).
+    """
+    from dataclasses import replace
+
+    from .config import ConfigError
+    from .scheduler.spot_plan import SpotPool
+
+    comp = prof.components.get("rollout")
+    one = comp.time_fit()(1) if comp is not None else 0.0
+    if not one > 0:
+        raise ConfigError(
+            f"--spot-trace/--price/--objective need a spot pool: add to profile {str(path)!r} "
+            "spot: {component: <the rollout group>, instance_items_per_s: <one instance's "
+            "items/s>} (optional: devices_per_instance, weight_sync_s; m2flow.scheduler.profile)"
+        )
+    rate = prof.batch_size / one
+    err.print(
+        f"spot: profile {escape(str(path))} has no spot: section; assumed instances like one "
+        f"reserved device: rollout at its measured 1-device rate, {rate:.3g} {prof.item}s/s "
+        "each, weight sync 0 s (write a spot: section to set them; m2flow.scheduler.profile)",
+        highlight=False,
+    )
+    return replace(prof, spot=SpotPool(component="rollout", instance_items_per_s=rate))
 
 
 def _nodes(devs: range, per_node: int) -> str:
@@ -231,28 +261,55 @@ def _components_table(comps: dict, nodes: int) -> Table:
 
 
 def _fits(prof) -> dict[str, dict]:
+    """Per component: the time and memory fits, the device counts measured and the held-out
+    error (leave-one-out, from 3 device counts on; ``None`` below: an exact fit of two
+    points checks nothing)."""
     from .scheduler.profile import fits
 
     doc = {}
     for name, (tf, mf) in fits(prof).items():
+        counts = sorted({int(n) for n, _ in tf.points})
         doc[name] = {
             "time": {"model": tf.model, "formula": tf.formula(), "error": tf.error},
             "memory": {"model": mf.model, "formula": mf.formula(), "error": mf.error},
             "note": tf.note,
             "error_kind": tf.error_kind,
+            "device_counts": counts,
+            "held_out_error": tf.error if tf.error_kind == "loo" else None,
         }
     return doc
 
 
+def _fit_quality(f: dict) -> str:
+    """``4.2% held out`` from 3 device counts on; below, no error is known (two points fit
+    a two-parameter model exactly: its residual of ~1e-15 says nothing)."""
+    if f["held_out_error"] is not None:
+        return f"{100 * f['held_out_error']:.2g}% held out"
+    return "none: exact fit" if len(f["device_counts"]) == 2 else "none: 1 point"
+
+
 def _fits_table(fit_doc: dict) -> Table:
     t = Table(title="profile fits (n = devices)")
-    for col in ("component", "time model", "seconds", "error", "memory model"):
-        t.add_column(col, justify="right" if col == "error" else "left")
+    for col in ("component", "time model", "seconds", "measured n", "error", "memory model"):
+        t.add_column(col, justify="right" if col in ("error", "measured n") else "left")
     for name, f in fit_doc.items():
-        e = f["time"]["error"]
-        err_txt = "-" if math.isnan(e) else f"{100 * e:.2g}% ({f['error_kind']})"
-        t.add_row(name, f["time"]["model"], f["time"]["formula"], err_txt, f["memory"]["model"])
+        counts = ", ".join(map(str, f["device_counts"]))
+        t.add_row(name, f["time"]["model"], f["time"]["formula"], counts, _fit_quality(f),
+                  f["memory"]["model"])  # fmt: skip
     return t
+
+
+def extrapolation_warning(fit_doc: dict, devices: int) -> str:
+    """A warning when ``devices`` lies beyond the device counts the profile measured (the
+    fits extrapolate there, unchecked); ``""`` within them."""
+    top = min((max(f["device_counts"]) for f in fit_doc.values()), default=devices)
+    if devices <= top:
+        return ""
+    return (
+        f"warning: planning {devices} devices from a profile measured on at most {top}: the "
+        "fits extrapolate beyond that, unchecked; profile more device counts (m2flow profile "
+        f"... --devices 1 --devices 2 --devices 4 ... on a cluster of up to {devices})"
+    )
 
 
 def _ranges(rs) -> str:
@@ -278,50 +335,6 @@ def _shown(runner_ups, limit: int) -> list:
         firsts.setdefault(p.kind(), p)
     keep = {id(p) for p in runner_ups[:limit]} | {id(p) for p in firsts.values()}
     return [p for p in runner_ups if id(p) in keep]
-
-
-def gantt(result, prof, path: Path) -> None:
-    """Draw one predicted step of ``result.plan`` into ``path`` (matplotlib, Agg; PNG by the
-    suffix): one row per device range, bars for compute, switches (offload + onload) and
-    per-chunk overheads, one bar per pipelined chunk."""
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    from .scheduler.timeline import step_timeline
-
-    switch = {n: c.switch_s for n, c in prof.components.items()}
-    overhead = {n: c.chunk_overhead_s for n, c in prof.components.items()}
-    tl = step_timeline(result.plan, switch, overhead)
-    names = list(prof.components)
-    palette = [
-        "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
-        "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
-    ]  # fmt: skip
-    color = {n: palette[i % len(palette)] for i, n in enumerate(names)}
-    style = {
-        "switch": {"facecolor": "#dddddd", "hatch": "///", "edgecolor": "#888888"},
-        "overhead": {"facecolor": "#444444"},
-    }
-    fig = Figure(figsize=(11, 1.4 + 0.55 * len(tl.rows)))
-    ax = fig.add_subplot()
-    groups: dict[tuple, list] = {}
-    for b in tl.bars:
-        groups.setdefault((b.row, b.kind, b.component), []).append((b.start, b.end - b.start))
-    for (row, kind, comp), spans in groups.items():
-        y = len(tl.rows) - 1 - row
-        kw = style.get(kind, {"facecolor": color.get(comp, "#4e79a7"), "edgecolor": "white"})
-        ax.broken_barh(spans, (y - 0.4, 0.8), linewidth=0.3, **kw)
-    ax.set_yticks(range(len(tl.rows)))
-    ax.set_yticklabels([f"{n}  [{r.start}, {r.stop})" for n, r in reversed(tl.rows)])
-    ax.set_xlabel("seconds within one predicted step")
-    ax.set_xlim(0, tl.end * 1.01 or 1.0)  # a 0 s step (profile at seconds: 0) still draws
-    ax.set_title(f"{result.plan.shape()}: {tl.end:.4g} s per step on {result.num_devices} devices")
-    handles = [Patch(facecolor=color[n], label=n) for n in names if n in result.plan.placement()]
-    handles += [Patch(label="switch (offload+onload)", **style["switch"])]
-    handles += [Patch(label="per-chunk overhead", **style["overhead"])]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def _write(path: Path, write) -> None:
@@ -398,10 +411,19 @@ def plan(
     per_node = devices // nodes
     comps = components(result, per_node)
     fit_doc = _fits(prof)
+    warning = extrapolation_warning(fit_doc, devices)
+    if warning:
+        err.print(f"[yellow]{escape(warning)}[/]", highlight=False)
     if save is not None:
         _write(save, placement.save)
     if gantt_png is not None:
-        _write(gantt_png, lambda path: gantt(result, prof, path))
+        from .plan_gantt import gantt, spot_parts
+
+        parts = None
+        if spot is not None and spot.best.mode != "reserved":
+            opts = {"allow_idle": idle, **({} if slack is None else {"slack": slack})}
+            parts = spot_parts(prof, devices, result.capacity, mode, **opts)
+        _write(gantt_png, lambda path: gantt(result, prof, path, spot, parts))
     if as_json:
         doc = result.to_dict()
         doc.update(
@@ -414,6 +436,7 @@ def plan(
             throughput_items_per_s=prof.batch_size / step if step > 0 else None,
             components=comps,
             fits=fit_doc,
+            warnings=[warning] if warning else [],
             spot=None if spot is None else spot.to_dict(),
         )
         print(json.dumps(doc, indent=2))

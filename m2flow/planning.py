@@ -31,14 +31,28 @@ def profile_to_file(
     chunks: int = 4,
     log: Callable = print,
 ):
-    """Profile ``workflow`` (see :mod:`m2flow.profiler`) and write the profile YAML; returns
-    the :class:`~m2flow.scheduler.profile.Profile`."""
+    """Profile ``workflow`` (see :mod:`m2flow.profiler`) and write the profile YAML, rewritten
+    after every measured run (an interrupted profile keeps what it measured); returns the
+    :class:`~m2flow.scheduler.profile.Profile`."""
     from .profiler import profile
     from .scheduler.profile import save_profile
 
-    prof = profile(workflow, overrides, config_files, device_counts, steps, warmup, chunks, log)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
+    kept = []
+
+    def save(prof) -> None:
+        save_profile(prof, output)
+        kept.append(1)
+
+    try:
+        prof = profile(
+            workflow, overrides, config_files, device_counts, steps, warmup, chunks, log, save
+        )
+    except KeyboardInterrupt:
+        if kept:
+            log(f"interrupted: {output} keeps the runs measured so far")
+        raise
     save_profile(prof, output)
     log(f"profile written to {output}")
     return prof

@@ -47,14 +47,24 @@ cycle's cost model (:mod:`m2flow.scheduler.cycle`) needs, profile key ``cycles``
   The split runs need 2 devices; with one, the cycle keeps ``split_gap_s = shared_gap_s`` and
   no sub-batch overhead (it cannot split there anyway).
 
+Only the first run starts the runner from scratch (its warm start included): a runner that
+resumes (a ``resume`` key, ``trainer.run_dir`` and ``trainer.save_every``, as the shipped
+ones) checkpoints at its last measured step, and every later run resumes a copy of that
+checkpoint, so the warm start runs once. Each run uses a run directory of its own under a
+temporary one (the user's ``trainer.run_dir`` is left alone). With ``save``, the profile
+measured so far is written after every run: an interrupted profile keeps its finished runs.
+
 Schema: :mod:`m2flow.scheduler.profile`.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 import statistics
+import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +225,7 @@ def profile(
     warmup: int = 2,
     chunks: int = 4,
     log=print,
+    save: Callable[[Profile], None] | None = None,
 ) -> Profile:
     """Profile ``workflow`` (see the module docstring); the planner's
     :class:`~m2flow.scheduler.profile.Profile`.
@@ -223,49 +234,117 @@ def profile(
         device_counts: device counts to measure (default ``1, 2, 4, ...`` up to the cluster's).
         steps, warmup: measured steps per run and steps discarded before them.
         chunks: chunks per batch in the chunk-overhead run (1 skips it).
+        save: called with the profile measured so far after every run.
 
     Raises:
         RuntimeError: the runner logs no steps or builds no Cluster.
     """
     overrides, config_files = list(overrides or []), list(config_files or [])
-    loads: list[float] = []  # the machine's load around each run (measured_on.load_1m)
+    scratch = Path(tempfile.mkdtemp(prefix="m2flow-profile-"))
+    try:
+        return _profile(
+            workflow, overrides, config_files, device_counts, steps, warmup, chunks, log, save,
+            _RunDirs(workflow, overrides, config_files, scratch, warmup + steps),
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+class _RunDirs:
+    """Overrides giving each profiling run a run directory of its own; for a runner that
+    resumes, the first run checkpoints at its last measured step and later runs resume copies
+    of that checkpoint (no second warm start)."""
+
+    def __init__(self, workflow, overrides, config_files, scratch: Path, per_run: int) -> None:
+        _, cfg = prepare(workflow, overrides, config_files, validate=False)
+        tr = getattr(cfg, "trainer", None)
+        keys = ("run_dir", "save_every", "steps")
+        self.resumes = "resume" in cfg and tr is not None and all(k in tr for k in keys)
+        self.has_run_dir = tr is not None and "run_dir" in tr
+        self.scratch, self.per_run, self.count = scratch, per_run, 0
+        # room for the first run and one resumed run (one step more), the end beyond both
+        self.steps = max(int(tr.steps), 2 * per_run + 2) if self.resumes else None
+
+    def overrides(self) -> list[str]:
+        self.count += 1
+        run_dir = self.scratch / f"run{self.count}"
+        if not self.resumes:
+            return [f"trainer.run_dir={run_dir}"] if self.has_run_dir else []
+        out = [f"trainer.run_dir={run_dir}", f"trainer.steps={self.steps}"]
+        first = self.scratch / "run1"
+        if self.count == 1:
+            return out + [f"trainer.save_every={self.per_run}"]
+        shutil.copytree(first / "checkpoints", run_dir / "checkpoints")
+        return out + ["resume=true", f"trainer.save_every={10 * self.steps}"]
+
+
+def _profile(workflow, overrides, config_files, device_counts, steps, warmup, chunks, log, save,
+             dirs: _RunDirs) -> Profile:  # fmt: skip
+    # loads: the machine's load around each run (measured_on.load_1m)
+    measured: dict[str, Any] = {"runs": {}, "chunked": None, "k": 1, "cycles": [], "loads": []}
 
     def run(placement: Placement, what: str) -> dict:
-        log(f"profiling {what} ...")
-        loads.append(load_1m())
-        res = run_steps(workflow, overrides, config_files, placement, steps, warmup)
-        loads.append(load_1m())
+        extra = dirs.overrides()
+        resumed = "resume=true" in extra  # its first step also restores: never measured
+        log(
+            f"profiling {what}" + (" (from the first run's checkpoint)" if resumed else "") + " ..."
+        )
+        skip = max(warmup, 1) if resumed else warmup
+        measured["loads"].append(load_1m())
+        res = run_steps(workflow, overrides + extra, config_files, placement, steps, skip)
+        measured["loads"].append(load_1m())
         shown = ", ".join(f"{g} {t:.3f} s" for g, t in res["busy"].items())
         log(f"  {what}: step {res['step_s']:.3f} s; busy {shown}")
         return res
 
+    def saved(res: dict, n: int | None = None) -> dict:
+        if n is not None:
+            measured["runs"][n] = res
+        if save is not None:
+            save(_assemble(workflow, first, measured, steps, warmup))
+        return res
+
     first = run(Placement(mode="temporal", default_devices=[0]), "1 device")
+    saved(first, 1)
     n_max = first["num_devices"]
     counts = device_counts or [n for n in (2**i for i in range(12)) if n <= n_max]
     bad = [n for n in counts if not 1 <= n <= n_max]
     if bad:
         raise ValueError(f"device counts {bad} are not in 1..{n_max} (the cluster's devices)")
-    runs = {1: first}
+    runs = measured["runs"]
     for n in counts:
         if n not in runs:
             placement = Placement(mode="temporal", default_devices=list(range(n)))
-            runs[n] = run(placement, f"{n} devices")
+            saved(run(placement, f"{n} devices"), n)
 
     per_step = first["steps"] or 1
-    driver_items = [i for s, d, i in first["edges"] if s == "driver" and d != "driver"]
-    batch = max(1, round(sum(driver_items) / (per_step + warmup)))
-    chunked = None
+    batch = _batch(first, warmup)
     if chunks > 1 and batch >= chunks:
         m = math.ceil(batch / chunks)
-        chunked = run(_chunked_placement(first, n_max, m), f"pipelined, chunks of {m}")
-        k = math.ceil(batch / m)
+        measured["chunked"] = run(_chunked_placement(first, n_max, m), f"pipelined, chunks of {m}")
+        measured["k"] = math.ceil(batch / m)
+        saved(measured["chunked"])
 
-    cycles = []
     for leader, follower in _cycles(first):
-        cycles.append(
+        measured["cycles"].append(
             _profile_cycle(run, first, leader, follower, n_max, per_step + warmup, chunks, log)
         )
+        saved(first)
+    return _assemble(workflow, first, measured, steps, warmup)
 
+
+def _batch(first: dict[str, Any], warmup: int) -> int:
+    """Items the driver puts into the workflow per step (the first run's traced edges)."""
+    driver_items = [i for s, d, i in first["edges"] if s == "driver" and d != "driver"]
+    return max(1, round(sum(driver_items) / ((first["steps"] or 1) + warmup)))
+
+
+def _assemble(workflow: str, first: dict, measured: dict, steps: int, warmup: int) -> Profile:
+    """The profile from the runs measured so far (``measured``: ``runs`` by device count,
+    ``chunked`` and its chunk count ``k``, ``cycles``)."""
+    runs, chunked, k, cycles = (measured[x] for x in ("runs", "chunked", "k", "cycles"))
+    per_step = first["steps"] or 1
+    batch = _batch(first, warmup)
     edges: dict[tuple[str, str], int] = defaultdict(int)
     for s, d, items in first["edges"]:
         if "driver" not in (s, d):
@@ -297,7 +376,7 @@ def profile(
         device_memory_bytes=first["memory_capacity"],
         step_overhead_s=round(max(unattributed, 0.0), 6),
         cycles=cycles,
-        measured_on=machine(_median(loads)),
+        measured_on=machine(_median(measured["loads"])),
     )
 
 

@@ -28,6 +28,9 @@ from .config import ConfigError, load_config
 from .placement import Placement
 from .session import Session, StopRun
 
+#: keys of the runtime's sections that earlier versions had -> their names now
+RENAMED = {"trainer.tensorboard": "trainer.logger"}
+
 
 def resolve_workflow(spec: str | Path) -> Path:
     """A workflow path, or a built-in workflow's file by name (``grpo``).
@@ -44,6 +47,26 @@ def resolve_workflow(spec: str | Path) -> Path:
     if candidate.is_file() and path.suffix in ("", ".py"):
         return Path(str(candidate))
     raise ConfigError(f"workflow {str(spec)!r} is neither a file nor a built-in workflow name")
+
+
+def resolve_preset(spec: str | Path) -> Path:
+    """A config file for ``-c``: a path, or a built-in preset's name (``smoke`` for
+    ``workflows/presets/smoke.yaml``, shipped with the package).
+
+    Raises:
+        ConfigError: neither a file nor a built-in preset name (the names are listed).
+    """
+    path = Path(spec)
+    if path.is_file() or path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
+        return path  # load_config names a missing file
+    presets = importlib.resources.files("m2flow.workflows") / "presets"
+    candidate = presets / f"{path.name}.yaml"
+    if candidate.is_file():
+        return Path(str(candidate))
+    names = sorted(p.name[: -len(".yaml")] for p in presets.iterdir() if p.name.endswith(".yaml"))
+    raise ConfigError(
+        f"-c {str(spec)!r} is neither a file nor a built-in preset (presets: {', '.join(names)})"
+    )
 
 
 def load_workflow(path: Path) -> ModuleType:
@@ -85,19 +108,21 @@ def prepare(
 ) -> tuple[ModuleType, Any]:
     """Load the workflow and build its configuration (keys and types checked), and with
     ``validate`` run the workflow's value checks (``validate(cfg)``, which may read files and
-    the run directory; ``--show-config`` skips them and touches nothing). An override of a key
+    the run directory; ``--show-config`` skips them and touches nothing). A config file may be
+    a built-in preset's name (:func:`resolve_preset`). An override of a key
     the workflow's ``RENAMED`` map lists (``{old key: new key}``) names the new key.
 
     Raises:
         ConfigError: a bad workflow, key or value.
     """
     module = load_workflow(resolve_workflow(workflow))
-    renamed = getattr(module, "RENAMED", {})
+    renamed = {**RENAMED, **getattr(module, "RENAMED", {})}
     for o in overrides:
         key = o.split("=", 1)[0]
         if key in renamed:
             raise ConfigError(f"{key} is now {renamed[key]}: write {renamed[key]}=...")
-    cfg = load_config(module.Config, list(overrides), list(config_files))
+    files = [resolve_preset(f) for f in config_files]
+    cfg = load_config(module.Config, list(overrides), files)
     if validate and hasattr(module, "validate"):
         module.validate(cfg)
     return module, cfg

@@ -61,7 +61,10 @@ class TrainerConfig:
     save_every: int = 25  # checkpoint every this many steps (and at the last)
     seed: int = 0
     run_dir: str = "runs/run"
-    tensorboard: bool = False
+    # metric sinks (m2flow.loggers): console, jsonl, tensorboard, wandb, mlflow (offline; the
+    # last three are extras of the same names)
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    log_every: int = 10  # print the metrics every this many steps (and the first and last)
 
 
 def require(checks: list[tuple[bool, str]]) -> None:
@@ -118,7 +121,8 @@ def validate_trainer(tr: TrainerConfig, resume: bool) -> None:
     """Value checks of the trainer section and the run directory, before anything starts.
 
     Raises:
-        ConfigError: non-positive ``eval_every``/``save_every``, negative ``steps``, a
+        ConfigError: non-positive ``eval_every``/``save_every``/``log_every``, an unknown
+            ``logger`` or one whose extra is missing, negative ``steps``, a
             ``run_dir`` that is a file or cannot be created (no writable directory above
             it), ``--resume`` without a checkpoint, or a fresh run over an earlier run's
             checkpoints (nothing would be lost, but nothing is mixed).
@@ -128,8 +132,12 @@ def validate_trainer(tr: TrainerConfig, resume: bool) -> None:
             (tr.steps >= 0, "trainer.steps must be >= 0"),
             (tr.eval_every >= 1, "trainer.eval_every must be >= 1 (steps between evaluations)"),
             (tr.save_every >= 1, "trainer.save_every must be >= 1 (steps between checkpoints)"),
+            (tr.log_every >= 1, "trainer.log_every must be >= 1 (steps between metrics lines)"),
         ]
     )
+    from .loggers import check_loggers
+
+    check_loggers(list(tr.logger))
     run_dir = Path(tr.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(

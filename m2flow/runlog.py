@@ -1,76 +1,104 @@
-"""Run directory, metrics log (JSONL, optional TensorBoard) and a progress bar for runners."""
+"""Run directory, metric sinks (``trainer.logger``: :mod:`m2flow.loggers`) and the console:
+one progress bar per phase (its name, elapsed time and ETA) and a metrics line every
+``log_every`` steps."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from ._context import current_session
-from .config import ConfigError
+from .loggers import open_sinks
+
+#: the default of ``trainer.logger``
+DEFAULT_LOGGERS = ("console", "jsonl")
 
 
 class RunLog:
-    """Writes one JSON object per step to ``run_dir/metrics.jsonl`` and shows progress.
+    """Writes one record per step (``{"step", "time", **metrics}``) to the run's sinks and shows
+    progress on the console.
 
     Args:
         run_dir: the run's directory (created).
-        total_steps: steps of the progress bar.
-        tensorboard: also write scalars with ``torch.utils.tensorboard`` (needs tensorboard).
+        total_steps: steps of the step bar.
+        logger: sink names (:mod:`m2flow.loggers`): ``console``, ``jsonl``, ``tensorboard``,
+            ``wandb``, ``mlflow``; a bool is the older ``tensorboard`` flag (JSONL and the
+            console, plus TensorBoard when true).
         resume_step: the checkpoint's step when the run resumes: the records of later steps
             (logged before the run stopped, about to be redone) are dropped from
             ``metrics.jsonl``, and ``time`` continues from the last record kept.
+        log_every: print a step's metrics every this many steps (and step 0 and the last).
+        config: the run's configuration as a dict, for sinks that keep one (wandb, mlflow).
+        steps_name: the label of the step bar.
+
+    Raises:
+        ConfigError: an unknown logger, or one whose optional package is missing.
     """
 
     def __init__(
         self,
         run_dir: str | Path,
         total_steps: int,
-        tensorboard: bool = False,
+        logger: Sequence[str] | bool = DEFAULT_LOGGERS,
         resume_step: int | None = None,
+        log_every: int = 1,
+        config: dict | None = None,
+        steps_name: str = "steps",
     ) -> None:
+        if isinstance(logger, bool):
+            logger = DEFAULT_LOGGERS + (("tensorboard",) if logger else ())
+        names = list(logger)
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.console = Console()
+        self.echo = "console" in names
+        self.console = Console(quiet=not self.echo, soft_wrap=True)  # a record is one line
+        self.total_steps = total_steps
+        self.log_every = max(1, int(log_every))
         elapsed = 0.0
         if resume_step is not None:
             elapsed = _keep_until(self.dir / "metrics.jsonl", resume_step)
-        self._file = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        self._sinks = open_sinks(names, self.dir, config)
         self._t0 = time.time() - elapsed
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ConfigError(
-                    "TensorBoard logging needs the tensorboard package: "
-                    'pip install -c constraints.txt -e ".[tensorboard]"'
-                ) from None
-            self._tb = SummaryWriter(str(self.dir / "tb"))
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
-            MofNCompleteColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[done]}"),
             TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
             TextColumn("{task.fields[status]}"),
             console=self.console,
             transient=False,
         )
-        self._task = self.progress.add_task("steps", total=total_steps, status="")
+        self._task = None  # the step bar, added at the first advance()
+        self._steps_name = steps_name
+        self._last: dict[str, float] = {}  # phase -> seconds it took last time (its ETA)
 
-    def log(self, step: int, metrics: dict[str, Any], echo: bool = True) -> None:
-        """Append ``{"step", "time", **metrics}`` to the JSONL file (and TensorBoard)."""
+    def log(self, step: int, metrics: dict[str, Any], echo: bool | None = None) -> None:
+        """Write ``{"step", "time", **metrics}`` to every sink; print it on the console at step
+        0, every ``log_every`` steps, at the last step, or when ``echo`` is True (False:
+        never)."""
         now = time.time()
         record = {"step": step, "time": round(now - self._t0, 3), **metrics}
-        self._file.write(json.dumps(record, default=float) + "\n")
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, step)
+        for sink in self._sinks:
+            sink.write(step, record)
+        if echo is None:
+            echo = step == 0 or step % self.log_every == 0 or step == self.total_steps
         if echo:
             shown = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
             self.progress.console.print(f"step {step}: {shown}", highlight=False)
@@ -82,20 +110,61 @@ class RunLog:
             session.mark_step(step, now)  # may raise StopRun (profiling)
 
     def advance(self, completed: int, status: str = "") -> None:
-        self.progress.update(self._task, completed=completed, status=status)
+        """Move the step bar to ``completed`` steps (the first call shows it)."""
+        if self._task is None:
+            self._task = self.progress.add_task(
+                self._steps_name, total=self.total_steps, completed=completed, status=status,
+                done=f"{completed}/{self.total_steps}",
+            )  # fmt: skip
+            return
+        self.progress.update(
+            self._task, completed=completed, status=status, done=f"{completed}/{self.total_steps}"
+        )
+
+    def wait(self, name: str, call, expected_s: float | None = None, note: str = "") -> list:
+        """Wait for a group call (``call.wait()``: per-rank results, its errors and fail-fast
+        unchanged) under a bar of its own, named ``name``: elapsed seconds against
+        ``expected_s`` (else the time this phase took last time; unknown the first time),
+        removed when the call returns.
+
+        Raises:
+            WorkerError: as ``call.wait()``.
+        """
+        expected = expected_s or self._last.get(name)
+        task = self.progress.add_task(
+            name, total=expected, status=note, done=f"of ~{expected:.0f} s" if expected else ""
+        )
+        t0, stop = time.time(), threading.Event()
+
+        def tick() -> None:  # the bar moves with the clock while the driver waits
+            while not stop.wait(0.2):
+                if expected:
+                    done = min(time.time() - t0, 0.99 * expected)
+                    self.progress.update(task, completed=done)
+
+        ticker = threading.Thread(target=tick, name=f"m2flow-bar-{name}", daemon=True)
+        ticker.start()
+        try:
+            return call.wait()
+        finally:
+            stop.set()
+            ticker.join()
+            self._last[name] = time.time() - t0
+            self.progress.remove_task(task)
 
     def print(self, *args) -> None:
         self.progress.console.print(*args, highlight=False)
 
     def __enter__(self) -> RunLog:
-        self.progress.start()
+        if self.console.is_terminal:  # a log file gets the lines only, no frames
+            self.progress.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.progress.stop()
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        if self.progress.live.is_started:
+            self.progress.stop()
+        for sink in self._sinks:
+            sink.close()
 
 
 def _fmt(v: Any) -> str:

@@ -12,6 +12,7 @@ becomes a placement through :mod:`m2flow.planning`, which may profile the progra
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -68,4 +69,29 @@ def run_workflow(
     module, cfg = prepare(workflow, overrides, config_files)
     if isinstance(plan, str):
         plan = placement_for(plan, str(workflow), list(overrides), list(config_files), profile, log)
+    if isinstance(plan, Placement):
+        _check_devices(plan, cfg)
     return run_prepared(module, cfg, plan, max_steps=max_steps, keep_cluster=keep_cluster)
+
+
+def _check_devices(plan: Placement, cfg) -> None:
+    """A plan naming a device the embedded cluster will not have is refused before Ray
+    starts. The count is the GPUs of this machine, else ``cluster.devices_per_node`` virtual
+    devices; a joined cluster (``cluster.address``, or a Ray session this process already
+    runs, which the run's Cluster joins) is checked once it is up.
+
+    Raises:
+        PlacementError: a device id beyond the cluster's.
+    """
+    cluster = getattr(cfg, "cluster", None)
+    if cluster is None or getattr(cluster, "address", None) is not None:
+        return
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        return
+    named = [d for ids in plan.groups.values() for d in ids] + list(plan.default_devices or [])
+    n = int(getattr(cluster, "devices_per_node", 1))
+    if named and max(named) >= n:  # more than the virtual devices: GPUs may have them
+        import torch
+
+        n = torch.cuda.device_count() or n
+    plan.check_count(n)

@@ -68,6 +68,9 @@ def assert_one_line_exit_2(code: int, out: str, message: str) -> None:
         (["model.hidden_size=0"], "model.hidden_size and model.intermediate_size must be >= 1"),
         (["model.num_attention_heads=3"], "must be >= 1 and divide model.hidden_size=128"),
         (["cluster.devices_per_node=100000000"], "at most 1024 virtual devices a node"),
+        (["trainer.logger=[console,csv]"], "unknown logger 'csv'; choose from console, jsonl"),
+        (["trainer.log_every=0"], "trainer.log_every must be >= 1"),
+        (["trainer.tensorboard=true"], "trainer.tensorboard is now trainer.logger"),
     ],
 )
 def test_config_errors_exit_2(tmp_path, args, message):
@@ -144,6 +147,7 @@ def test_empty_plan_file_exit_2(tmp_path):
         (["--steps", "0"], "measure at least one step (--steps >= 1)"),
         (["--warmup", "-1"], "--warmup >= 0"),
         (["--devices", "0"], "every device count must be >= 1"),
+        (["rollout.temperature=0"], "rollout.temperature must be a finite number > 0"),
     ],
 )
 def test_profile_bad_arguments_exit_2_before_ray(tmp_path, args, message):
@@ -243,3 +247,21 @@ def test_reserved_key_exit_2(tmp_path):
     """A key named like a config method (``items``) would read as the method: refused."""
     code, out, _ = m2flow("run", str(GRPO), "task.config.items=3", f"trainer.run_dir={tmp_path}")
     assert_one_line_exit_2(code, out, "config key 'task.config.items' is a reserved name")
+
+
+def test_plan_naming_a_device_beyond_the_cluster_exit_2(tmp_path):
+    """A plan file naming device 99 on a 1-device cluster: refused before Ray starts."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("mode: spatial\ngroups:\n  rollout: [0]\n  reward: [0]\n  actor: [99]\n")
+    code, out, _ = m2flow("run", str(GRPO), f"plan={plan}", f"trainer.run_dir={tmp_path / 'r'}")
+    assert_one_line_exit_2(code, out, "devices [99], but the cluster has 1 devices")
+
+
+def test_a_preset_by_name_and_an_unknown_one(tmp_path):
+    """``-c smoke`` is the shipped preset (its keys show in the config); an unknown name lists
+    the presets, one line, exit 2."""
+    code, out, _ = m2flow("run", str(GRPO), "-c", "smoke", "--show-config")
+    assert code == 0, out
+    assert "run_dir: runs/smoke" in out and "time_budget_s: 15" in out
+    code, out, _ = m2flow("run", str(GRPO), "-c", "smok", f"trainer.run_dir={tmp_path / 'r'}")
+    assert_one_line_exit_2(code, out, "neither a file nor a built-in preset (presets: ")

@@ -251,3 +251,21 @@ def test_zero_second_profile_plans(app, tmp_path):
     doc = json.loads(run(app, one, "-n", "8", "--json").stdout)
     inference = doc["components"]["inference"]  # costs its switch (0.2 s) when time-shared
     assert inference["time_s"] in (0.0, 0.2) and doc["time_s"] > 0
+
+
+def test_planning_beyond_the_profiled_devices_warns_and_fit_quality_is_honest(app):
+    """A profile measured on 1 and 2 devices planned for 64: one warning line on stderr (the
+    fits extrapolate, unchecked), and the fits report no error for an exact 2-point fit
+    (not its ~1e-15 residual); a profile with 4+ device counts reports held-out errors."""
+    res = run(app, FLAT, "-n", "64", "--json")
+    assert res.exit_code == 0, res.stderr
+    assert "warning: planning 64 devices from a profile measured on at most 2" in res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["warnings"] and doc["fits"]["rollout"]["device_counts"] == [1, 2]
+    assert doc["fits"]["rollout"]["held_out_error"] is None
+    assert "none: exact fit" in run(app, FLAT, "-n", "64").stdout
+    assert "warning" not in run(app, FLAT, "-n", "2").stderr  # within the measured counts
+    ppo = json.loads(run(app, PPO, "-n", "64", "--json").stdout)
+    assert ppo["warnings"] == []
+    held_out = ppo["fits"]["rollout"]["held_out_error"]
+    assert held_out is not None and 0 < held_out < 0.05

@@ -22,6 +22,7 @@ VIRTUAL_DEVICES = 2
 def grpo_profile(cluster, tmp_path_factory):
     """The tiny GRPO runner profiled on 1 and 2 devices (one Ray session, three short runs)."""
     out = tmp_path_factory.mktemp("prof")
+    lines, saves = [], []
     prof = profile(
         GRPO,
         TINY_RUN
@@ -35,15 +36,29 @@ def grpo_profile(cluster, tmp_path_factory):
         steps=2,
         warmup=1,
         chunks=2,
-        log=lambda *a: None,
+        log=lines.append,
+        save=saves.append,
     )
     path = out / "profile.yaml"
     save_profile(prof, path)
-    return prof, path
+    return prof, path, lines, saves
+
+
+def test_profile_warm_starts_once_and_saves_after_every_run(grpo_profile):
+    """Later runs resume the first run's checkpoint (no second warm start), and the profile
+    measured so far is handed to ``save`` after each run: the first has the 1-device point
+    only, the last is the whole profile."""
+    prof, _, lines, saves = grpo_profile
+    started = [line for line in lines if line.startswith("profiling ")]
+    assert len(started) == 3 and "checkpoint" not in started[0], started
+    assert all("(from the first run's checkpoint)" in line for line in started[1:]), started
+    assert len(saves) == 3
+    assert [p.devices for p in saves[0].components["actor"].points] == [1]
+    assert saves[-1] == prof
 
 
 def test_profile_measures_the_traced_graph(grpo_profile):
-    prof, path = grpo_profile
+    prof, path, _, _ = grpo_profile
     assert prof.batch_size == 4  # prompts the runner puts per step (trainer.prompts_per_step)
     assert {(e.src, e.dst) for e in prof.edges} == {("rollout", "reward"), ("reward", "actor")}
     comps = prof.components
@@ -62,7 +77,7 @@ def test_planned_run_reports_predicted_and_measured(cluster, grpo_profile, tmp_p
     predicted-vs-measured report; groups land where the plan put them."""
     from m2flow.workflow import run_workflow
 
-    _, path = grpo_profile
+    _, path, _, _ = grpo_profile
     run_dir = tmp_path / mode
     session = run_workflow(
         GRPO, TINY_RUN + ["trainer.steps=4", f"trainer.run_dir={run_dir}"], plan=mode,
@@ -79,7 +94,7 @@ def test_planned_run_reports_predicted_and_measured(cluster, grpo_profile, tmp_p
 
 
 def test_spatial_needs_a_device_per_group(grpo_profile):
-    _, path = grpo_profile
+    _, path, _, _ = grpo_profile
     with pytest.raises(ConfigError, match="spatial"):
         plan_from_profile(load_profile(path), 2, None, "spatial")
 

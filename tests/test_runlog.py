@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import time
 
+import pytest
+
+from m2flow.config import ConfigError
+from m2flow.loggers import LOGGERS
 from m2flow.runlog import RunLog
 
 
@@ -44,3 +50,76 @@ def _records_lenient(path):
         except json.JSONDecodeError:
             pass
     return out
+
+
+def _step_lines(out: str) -> list[int]:
+    return [
+        int(line.split()[1].rstrip(":")) for line in out.splitlines() if line.startswith("step ")
+    ]
+
+
+def test_metrics_print_every_log_every_steps_and_at_the_last(tmp_path, capsys):
+    with RunLog(tmp_path, 7, log_every=3) as log:
+        for step in range(8):
+            log.log(step, {"loss": 0.5, "phase": "x" * 200})
+        log.log(8, {"heldout_accuracy": 0.5}, echo=True)  # an evaluation: always shown
+    out = capsys.readouterr().out
+    assert _step_lines(out) == [0, 3, 6, 7, 8]
+    assert all(len(line) > 200 for line in out.splitlines()[:4])  # one line each, unwrapped
+
+
+def test_the_logger_list_picks_the_sinks(tmp_path, capsys):
+    with RunLog(tmp_path / "a", 1, ["jsonl"]) as log:
+        log.log(1, {"x": 1.0})
+    assert capsys.readouterr().out == ""  # no console
+    assert _records(tmp_path / "a" / "metrics.jsonl")[0]["x"] == 1.0
+    with RunLog(tmp_path / "b", 1, ["console"]) as log:
+        log.log(1, {"x": 1.0})
+    assert capsys.readouterr().out == "step 1: x=1\n"
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()
+    with pytest.raises(ConfigError, match="unknown logger 'csv'"):
+        RunLog(tmp_path / "c", 1, ["console", "csv"])
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "wandb", "mlflow"])
+def test_an_optional_logger_writes_offline_or_names_its_extra(tmp_path, name):
+    """Installed: it writes under the run directory, offline. Missing: one line naming the
+    extra that installs it."""
+    module = LOGGERS[name][0]
+    if importlib.util.find_spec(module) is None:
+        with pytest.raises(ConfigError, match=rf'pip install .*"\.\[{name}\]"'):
+            RunLog(tmp_path, 1, ["jsonl", name])
+        return
+    with RunLog(tmp_path, 2, ["jsonl", name], config={"trainer": {"steps": 2}}) as log:
+        log.log(1, {"loss": 0.25, "phase": "warm_start"})
+        log.log(2, {"loss": 0.125})
+    written = {"tensorboard": "tb", "wandb": "wandb", "mlflow": "mlruns"}[name]
+    assert any((tmp_path / written).rglob("*")), f"{name} wrote nothing in {written}/"
+
+
+class _Later:
+    """What RunLog.wait needs of a group call (``wait``), returning after ``seconds``; records
+    the bars shown while it runs."""
+
+    def __init__(self, log: RunLog, seconds: float) -> None:
+        self.log, self.seconds, self.seen = log, seconds, []
+
+    def wait(self) -> list:
+        self.seen = [(t.description, t.total) for t in self.log.progress.tasks]
+        time.sleep(self.seconds)
+        return ["result"]
+
+
+def test_a_phase_shows_a_named_bar_whose_eta_is_its_last_duration(tmp_path):
+    with RunLog(tmp_path, 3) as log:
+        first = _Later(log, 0.3)
+        assert log.wait("warm start", first, expected_s=20.0) == ["result"]
+        assert first.seen == [("warm start", 20.0)]  # the budget bounds the first ETA
+        ev = _Later(log, 0.3)
+        log.wait("evaluation", ev)
+        assert ev.seen == [("evaluation", None)]  # unknown the first time
+        again = _Later(log, 0.1)
+        log.wait("evaluation", again)
+        ((name, total),) = again.seen
+        assert name == "evaluation" and 0.25 < total < 2.0  # the first evaluation's seconds
+        assert log.progress.tasks == []  # a finished phase leaves no bar

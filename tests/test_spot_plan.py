@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -189,11 +191,51 @@ def test_bad_cli_spot_input_exits_2_naming_it(tmp_path, args, needle):
     assert r.exit_code == 2 and needle in r.output, r.output
 
 
-def test_spot_options_need_a_spot_pool(tmp_path):
+PROFILED = Path(__file__).resolve().parent / "profiles" / "grpo_flat_rollout.yaml"
+
+
+def test_spot_plan_from_a_profiler_written_profile(tmp_path):
+    """A profile as ``m2flow profile`` writes it (no ``spot:`` section) plans spot rollout:
+    instances assumed like one reserved device at the rollout's measured 1-device rate, said
+    on stderr; ``--gantt`` draws the chosen spot plan, its spot row included."""
+    from m2flow.plan_gantt import chart_rows, spot_parts
+    from m2flow.planning import load_profile
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("t_s,instances\n0,8\n100,8\n")
+    png = tmp_path / "step.png"
+    r = _cli(PROFILED, "-n", 2, "--spot-trace", trace, "--gantt", png, "--json")
+    assert r.exit_code == 0, r.output
+    assert "has no spot: section; assumed instances like one reserved device" in r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["spot"]["best"]["mode"] != "reserved" and png.stat().st_size > 0
+    prof = load_profile(PROFILED)
+    rate = prof.batch_size / prof.components["rollout"].time_fit()(1)
+    pool = SpotPool(instance_items_per_s=rate, expected_instances=8.0)
+    prof = replace(prof, spot=pool)
+    result, _, sp = plan_with_remote(prof, 2, None, "auto", runner_ups=True)
+    rows, bars, end, _ = chart_rows(result, prof, sp, spot_parts(prof, 2, math.inf, "auto"))
+    assert any("spot instance" in row for row in rows) and "sync" in {b[1] for b in bars}
+    assert "rollout" not in {
+        b[2]
+        for b in bars
+        if b[0] >= rows.index(next(r for r in rows if r.startswith(("actor", "reward"))))
+    }  # rollout left the devices
+    assert end == pytest.approx(sp.best.step_s, rel=0.05)
+
+
+def test_spot_options_without_a_rollout_component_name_the_keys(tmp_path):
+    doc = _doc()
+    doc["components"] = {
+        "generate": doc["components"]["rollout"],
+        "actor": doc["components"]["actor"],
+    }
+    doc["edges"] = [{"src": "generate", "dst": "actor", "items_per_step": B}]
     prof = tmp_path / "p.yaml"
-    prof.write_text(yaml.safe_dump(_doc()))
+    prof.write_text(yaml.safe_dump(doc))
     r = _cli(prof, "-n", N, "--objective", "cost")
-    assert r.exit_code == 2 and "no spot: section" in r.output, r.output
+    assert r.exit_code == 2 and "spot: {component: <the rollout group>" in r.output, r.output
+    assert "instance_items_per_s" in r.output and len(r.output.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(

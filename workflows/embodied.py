@@ -66,7 +66,9 @@ class Config:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(
-        default_factory=lambda: TrainerConfig(steps=60, save_every=20, run_dir="runs/embodied")
+        default_factory=lambda: TrainerConfig(
+            steps=60, save_every=20, log_every=5, run_dir="runs/embodied"
+        )
     )
     resume: bool = False  # continue from the last checkpoint in trainer.run_dir
 
@@ -114,7 +116,7 @@ def main(cfg) -> dict:
     summary: dict = {}
     start = checkpoints.restore(trained)[0] if cfg.resume else 0
     resumed = start if cfg.resume else None  # later records are dropped, time continues
-    with RunLog(tr.run_dir, tr.steps, tr.tensorboard, resume_step=resumed) as log:
+    with RunLog(tr.run_dir, tr.steps, tr.logger, resumed, tr.log_every, plain(cfg)) as log:
         log.print(cluster.describe())
         sync_weights(actor, policy)
         log.advance(start)
@@ -150,7 +152,7 @@ def main(cfg) -> dict:
             summary["final_recent_return"] = metrics["recent_return"]
             if step % tr.save_every == 0 or step == tr.steps:
                 checkpoints.save(step, trained)
-            log.log(step, metrics, echo=step % 5 == 0 or step == 1)
+            log.log(step, metrics)
             log.advance(step, f"return {metrics['recent_return']:.1f}")
         log.print(f"summary: {summary}")
     cluster.shutdown()

@@ -189,7 +189,7 @@ def main(cfg) -> dict:
         """``heldout_accuracy`` (share of held-out prompts with reward 1); none without them."""
         if not data.heldout:
             return {}
-        outs = rollout.evaluate().wait()
+        outs = log.wait("evaluation", rollout.evaluate())
         scores = [s for o in outs for s in o["scores"]]
         out = {"heldout_accuracy": sum(s == 1.0 for s in scores) / len(scores)}
         if cfg.reward.on_error == "penalty":
@@ -202,15 +202,17 @@ def main(cfg) -> dict:
         data.notes += load_sampler(sampler, state)
     summary = {}
     resumed = start if cfg.resume else None  # later records are dropped, time continues
-    with RunLog(tr.run_dir, tr.steps, tr.tensorboard, resume_step=resumed) as log:
+    with RunLog(
+        tr.run_dir, tr.steps, tr.logger, resumed, tr.log_every, plain(cfg), "GRPO steps"
+    ) as log:
         log.print(cluster.describe())
         for note in data.notes:
             log.print(note)
         if start == 0:
             ws_args, skipped = warm_start_args(cfg, data.source)
-            ws = actor.warm_start(
-                None if skipped else task, seed=tr.seed, reward=rewards, **ws_args
-            ).wait()[0]
+            task_or_none = None if skipped else task
+            call = actor.warm_start(task_or_none, seed=tr.seed, reward=rewards, **ws_args)
+            ws = log.wait("warm start", call, None if skipped else ws_args["time_budget_s"])[0]
             if skipped:
                 log.print(f"warm start: skipped ({skipped})")
             sync_weights(actor, rollout)
@@ -260,7 +262,7 @@ def main(cfg) -> dict:
                     summary["final_accuracy"] = metrics["heldout_accuracy"]
             if step % tr.save_every == 0 or step == tr.steps:
                 checkpoints.save(step, {"actor": actor}, {"data": sampler.state_dict()})
-            log.log(step, metrics, echo="heldout_accuracy" in metrics or step % 10 == 0)
+            log.log(step, metrics, echo="heldout_accuracy" in metrics or None)
             log.advance(step, f"reward {metrics['reward_mean']:.3f}")
         log.print(f"summary: {summary}")
     cluster.shutdown()

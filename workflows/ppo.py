@@ -236,7 +236,7 @@ def main(cfg) -> dict:
         """``heldout_accuracy`` (share of held-out prompts with reward 1); none without them."""
         if not data.heldout:
             return {}
-        outs = rollout.evaluate().wait()
+        outs = log.wait("evaluation", rollout.evaluate())
         scores_ = [s for o in outs for s in o["scores"]]
         out = {"heldout_accuracy": sum(s == 1.0 for s in scores_) / len(scores_)}
         if cfg.reward.on_error == "penalty":
@@ -249,15 +249,17 @@ def main(cfg) -> dict:
         start, state = checkpoints.restore(trained)
         data.notes += load_sampler(sampler, state)
     resumed = start if cfg.resume else None  # later records are dropped, time continues
-    with RunLog(tr.run_dir, tr.steps, tr.tensorboard, resume_step=resumed) as log:
+    with RunLog(
+        tr.run_dir, tr.steps, tr.logger, resumed, tr.log_every, plain(cfg), "PPO steps"
+    ) as log:
         log.print(cluster.describe())
         for note in data.notes:
             log.print(note)
         if start == 0:
             ws_args, skipped = warm_start_args(cfg, data.source)
-            ws = actor.warm_start(
-                None if skipped else task, seed=tr.seed, reward=rewards, **ws_args
-            ).wait()[0]
+            task_or_none = None if skipped else task
+            call = actor.warm_start(task_or_none, seed=tr.seed, reward=rewards, **ws_args)
+            ws = log.wait("warm start", call, None if skipped else ws_args["time_budget_s"])[0]
             if skipped:
                 log.print(f"warm start: skipped ({skipped})")
             fitted = not cfg.reward_model.path  # else your reward model, as it is
@@ -270,7 +272,7 @@ def main(cfg) -> dict:
                 gen = rollout.generate(prompts, fit, fit_n)
                 call = reward.fit(fit, cfg.reward_fit.heldout_batches * n, cfg.reward_fit.epochs)
                 gen.wait()
-                rm = call.wait()[0]
+                rm = log.wait("reward model fit", call)[0]
             ev = evaluate()
             if ev:
                 summary["accuracy_after_warm_start"] = ev["heldout_accuracy"]
@@ -312,7 +314,7 @@ def main(cfg) -> dict:
                     summary["final_accuracy"] = metrics["heldout_accuracy"]
             if step % tr.save_every == 0 or step == tr.steps:
                 checkpoints.save(step, trained, {"data": sampler.state_dict()})
-            log.log(step, metrics, echo="heldout_accuracy" in metrics or step % 10 == 0)
+            log.log(step, metrics, echo="heldout_accuracy" in metrics or None)
             log.advance(step, f"verifier {metrics['verifier_mean']:.3f}")
         log.print(f"summary: {summary}")
     cluster.shutdown()
