@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> Path:
     a = ap.parse_args(argv)
 
     from m2flow.workers.actor.sft import run_sft
-    from m2flow.workers.actor.trainer import PolicyTrainer
     from m2flow.workers.data.reasoning_gym import task_section, task_split
+    from m2flow.workers.engines.trainer import PolicyTrainer
     from m2flow.workers.llm import build_model, build_tokenizer, save_checkpoint, tokenizer_spec
     from m2flow.workers.recipe import warm_start_args
 

@@ -24,23 +24,23 @@ class ShardedActor(ActorWorker):
     def shard(self, reference: bool = False) -> tuple[int, int, int, dict]:
         """``(tp_rank, pp_rank, dp_rank, Megatron state dict)`` of this rank's policy shard (or
         reference shard)."""
-        from m2flow.workers.actor.megatron.convert import megatron_state
+        from m2flow.workers.engines.megatron.convert import megatron_state
 
-        e = self.megatron
+        e = self.engine.megatron
         model = e.ref_model if reference else e.model
         return e.tp_rank, e.pp_rank, e.dp_rank, megatron_state(model)
 
     def optimizer_state(self) -> dict:
-        return self.trainer.optimizer.state_dict()
+        return self.engine.trainer.optimizer.state_dict()
 
     def scramble(self) -> None:
         """Weights (and the reference's) to 0 and a fresh optimizer: what a checkpoint load
         must undo."""
-        models = [self.megatron.model, self.megatron.ref_model]
+        models = [self.engine.megatron.model, self.engine.megatron.ref_model]
         with torch.no_grad():
             for p in (p for m in models if m is not None for p in m.parameters()):
                 p.zero_()
-        self.trainer.optimizer.state.clear()
+        self.engine.trainer.optimizer.state.clear()
 
 
 class ProbedRollout(RolloutWorker):

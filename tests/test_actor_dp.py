@@ -100,3 +100,48 @@ def test_several_ranks_need_data_parallel_and_streaming(cluster):
         ActorWorker.launch(cluster, [0, 1], name="actor_mb", data_parallel=True,
                            mini_batch_size=8, **kw)  # fmt: skip
     assert not [g for g in cluster.groups if g.name in ("actor_two", "actor_mb")]
+
+
+def test_a_new_train_engine_is_one_file(cluster):
+    """tests/sgd_engine.py (plain SGD, registered by import path) runs the actor role unchanged:
+    its step is the SGD step on the GRPO loss of the sorted, concatenated chunks."""
+    from m2flow.workers.algos.grpo import grpo_advantages
+    from m2flow.workers.batch import concat
+    from m2flow.workers.engines.registry import TRAIN_ENGINES
+    from sgd_engine import KEYS, SgdEngine, sgd_update
+
+    assert TRAIN_ENGINES.get("sgd_engine:SgdEngine") is SgdEngine
+    TRAIN_ENGINES.register("sgd", SgdEngine)  # in this process; workers resolve the path
+    assert TRAIN_ENGINES.get("sgd") is SgdEngine and TRAIN_ENGINES.knows("sgd")
+    assert TRAIN_ENGINES.knows("sgd_engine:SgdEngine") and not TRAIN_ENGINES.knows("fsdp")
+    with pytest.raises(ValueError, match="actor.engine='fsdp': pick one of torch, megatron, sgd"):
+        TRAIN_ENGINES.get("fsdp")
+    chunks = _chunks()
+    actor = ActorWorker.launch(
+        cluster,
+        [0],
+        name="actor_sgd",
+        model=TINY_MODEL,
+        lr=0.5,
+        tokenizer=TOKENIZER,
+        threads=1,
+        engine="sgd_engine:SgdEngine",
+    )
+    try:
+        before = actor.get_weights().wait(60)[0]
+        (got,) = _step(cluster, actor, chunks, "sgd")
+        after = actor.get_weights().wait(60)[0]
+    finally:
+        actor.shutdown()
+    batch = concat([c.batch for c in chunks], build_char_tokenizer(ALPHABET).pad_token_id)
+    data = {k: batch[k] for k in KEYS}
+    data |= {"advantages": grpo_advantages(batch["rewards"], batch["group_index"]),
+             "old_logprobs": batch["logprobs"]}  # fmt: skip
+    model = build_model(ModelConfig(**TINY_MODEL), build_char_tokenizer(ALPHABET))
+    model.load_state_dict(before)
+    want = sgd_update(model, data, lr=0.5, temperature=1.0)
+    assert got["steps"] == 1 and got["samples"] == got["trained_samples"] == 32
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert max(float((after[n] - before[n]).abs().max()) for n in after) > 1e-4
+    for n, w in model.state_dict().items():
+        torch.testing.assert_close(after[n], w, rtol=0, atol=1e-6)

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from m2flow.workers.actor.trainer import PolicyTrainer
 from m2flow.workers.algos.grpo import grpo_advantages
 from m2flow.workers.algos.ppo import gae
 from m2flow.workers.batch import concat, to_batch
-from m2flow.workers.critic.model import ValueModel
-from m2flow.workers.critic.trainer import ValueTrainer
+from m2flow.workers.engines.trainer import PolicyTrainer
+from m2flow.workers.engines.value_model import ValueModel
+from m2flow.workers.engines.value_trainer import ValueTrainer
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
 from m2flow.workers.rollout.generation import generate
 from m2flow.workers.rollout.sampling import sample_tokens

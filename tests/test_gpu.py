@@ -201,8 +201,8 @@ def test_grpo_step_on_cuda(tmp_path):
     a seeded rollout on CUDA from a loaded directory in bf16, then a mixed-precision actor
     step over float32 master weights; and in fp32 the rollout's logprobs equal the actor's."""
     import torch
-    from m2flow.workers.actor.trainer import PolicyTrainer
     from m2flow.workers.algos.grpo import grpo_advantages
+    from m2flow.workers.engines.trainer import PolicyTrainer
     from m2flow.workers.llm import build_tokenizer, load_model, tokenizer_spec
     from m2flow.workers.rollout.generation import generate
 

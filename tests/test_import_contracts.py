@@ -87,6 +87,11 @@ PLANTS = {
         "from m2flow.workers.actor import losses  # noqa",
         "m2flow.workers.engines is not allowed to import m2flow.workers.actor",
     ),
+    "a package cycle in workers": (
+        "workers/llm/config.py",
+        "def f():\n    from m2flow.workers.data import item  # noqa",
+        "No cycles are allowed in m2flow.workers.",
+    ),
     "a module outside every layer": (
         "m2flow/newcomer.py",
         "X = 1",

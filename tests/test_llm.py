@@ -13,11 +13,11 @@ import os
 import pytest
 import torch
 from m2flow.workers.actor.sft import run_sft, sft_batch
-from m2flow.workers.actor.trainer import PolicyTrainer
 from m2flow.workers.algos.grpo import grpo_advantages, grpo_loss
 from m2flow.workers.algos.logprobs import sequence_logprobs
 from m2flow.workers.batch import concat, num_tokens, to_batch
 from m2flow.workers.data.reasoning_gym import task_items
+from m2flow.workers.engines.trainer import PolicyTrainer
 from m2flow.workers.llm import (
     DEFAULT_ALPHABET,
     ModelConfig,

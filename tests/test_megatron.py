@@ -101,7 +101,7 @@ def _keys(batch):
 def single_rank_group():
     """A one-process gloo group with Megatron parallel state TP=PP=1 (in this process)."""
     import torch.distributed as dist
-    from m2flow.workers.actor.megatron.model import init_parallel
+    from m2flow.workers.engines.megatron.model import init_parallel
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
@@ -121,8 +121,8 @@ def single_rank_group():
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_conversion_round_trip_bit_exact(tie, tp):
-    from m2flow.workers.actor.megatron.convert import hf_to_megatron, megatron_to_hf
-    from m2flow.workers.actor.megatron.model import megatron_shape
+    from m2flow.workers.engines.megatron.convert import hf_to_megatron, megatron_to_hf
+    from m2flow.workers.engines.megatron.model import megatron_shape
 
     hf = _hf_model(tie=tie)
     state = hf.state_dict()
@@ -141,12 +141,12 @@ def test_conversion_round_trip_bit_exact(tie, tp):
 @pytest.mark.parametrize("tie", [True, False])
 def test_conversion_round_trip_pipeline_stages(tie):
     """tp=2 x pp=2: stages hold their own layers renumbered from 0, merged back bit-exact."""
-    from m2flow.workers.actor.megatron.convert import (
+    from m2flow.workers.engines.megatron.convert import (
         hf_to_megatron,
         megatron_to_hf,
         merge_pipeline_stages,
     )
-    from m2flow.workers.actor.megatron.model import megatron_shape
+    from m2flow.workers.engines.megatron.model import megatron_shape
 
     hf = _hf_model(tie=tie)
     state = hf.state_dict()
@@ -168,8 +168,8 @@ def test_conversion_round_trip_pipeline_stages(tie):
 
 def test_qkv_layout_groups_queries_with_their_kv_head():
     """Megatron's fused QKV rows: per KV group, its query heads then its key then its value."""
-    from m2flow.workers.actor.megatron.convert import hf_to_megatron
-    from m2flow.workers.actor.megatron.model import megatron_shape
+    from m2flow.workers.engines.megatron.convert import hf_to_megatron
+    from m2flow.workers.engines.megatron.model import megatron_shape
 
     hf = _hf_model()
     state = hf.state_dict()
@@ -184,8 +184,8 @@ def test_qkv_layout_groups_queries_with_their_kv_head():
 
 
 def test_megatron_to_hf_loads_into_hf_model():
-    from m2flow.workers.actor.megatron.convert import hf_to_megatron, megatron_to_hf
-    from m2flow.workers.actor.megatron.model import megatron_shape
+    from m2flow.workers.engines.megatron.convert import hf_to_megatron, megatron_to_hf
+    from m2flow.workers.engines.megatron.model import megatron_shape
 
     src, dst = _hf_model(tie=False, seed=0), _hf_model(tie=False, seed=5)
     shape = megatron_shape(src.config, tp=2)
@@ -201,13 +201,13 @@ def test_megatron_to_hf_loads_into_hf_model():
 @cpu_only
 @pytest.mark.parametrize("tie", [True, False])
 def test_tp1_logprobs_match_hf(single_rank_group, tie):
-    from m2flow.workers.actor.megatron.convert import (
+    from m2flow.workers.engines.megatron.convert import (
         hf_to_megatron,
         load_megatron_state,
         megatron_state,
         megatron_to_hf,
     )
-    from m2flow.workers.actor.megatron.model import build_gpt_model, megatron_sequence_logprobs
+    from m2flow.workers.engines.megatron.model import build_gpt_model, megatron_sequence_logprobs
 
     hf = _hf_model(tie=tie).eval()
     mg = build_gpt_model(hf.config).eval()
@@ -254,8 +254,8 @@ def _hf_step(hf, batch):
 def test_parallel_step_matches_hf(tmp_path, tp, pp, dp, tie):
     """TP / PP / DP Megatron over gloo vs the torch engine on one rank: logprobs, loss, grads,
     and weights after one AdamW step (shards gathered back to HF layout)."""
-    from m2flow.workers.actor.megatron.model import megatron_shape
-    from m2flow.workers.actor.megatron.parity import spawn_parity
+    from m2flow.workers.engines.megatron.model import megatron_shape
+    from m2flow.workers.engines.megatron.parity import spawn_parity
 
     hf = _hf_model(tie=tie)
     batch = _batch(hf.config.vocab_size)
@@ -301,8 +301,8 @@ def test_engine_pp2_kl_padded_micro_batches_match_torch_engine(tmp_path):
     actor computes them: metrics (loss incl. the KL term, kl, grad_norm) and weights."""
     import copy
 
-    from m2flow.workers.actor.megatron.parity import engine_rank, spawn_parity
-    from m2flow.workers.actor.trainer import PolicyTrainer
+    from m2flow.workers.engines.megatron.parity import engine_rank, spawn_parity
+    from m2flow.workers.engines.trainer import PolicyTrainer
 
     hf = _hf_model(tie=True)
     reference = copy.deepcopy(hf).eval().requires_grad_(False)
@@ -347,7 +347,7 @@ def test_engine_pp2_kl_padded_micro_batches_match_torch_engine(tmp_path):
 
 def _gathered(ranks, key, dp_rank, tp, shape):
     """HF-layout tensors of one DP replica: pipeline stages merged per TP rank, TP gathered."""
-    from m2flow.workers.actor.megatron.convert import megatron_to_hf, merge_pipeline_stages
+    from m2flow.workers.engines.megatron.convert import megatron_to_hf, merge_pipeline_stages
 
     shards = []
     for t in range(tp):
@@ -362,7 +362,7 @@ def _gathered(ranks, key, dp_rank, tp, shape):
 
 
 def test_shims_are_noops_with_cuda_and_patch_on_cpu():
-    from m2flow.workers.actor.megatron import shims
+    from m2flow.workers.engines.megatron import shims
 
     if torch.cuda.is_available():
         assert shims.apply_cpu_shims() is False

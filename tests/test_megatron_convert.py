@@ -143,7 +143,7 @@ def saved(tmp_path_factory):
 def single_rank_group():
     """A one-process gloo group with Megatron parallel state TP=PP=1 (in this process)."""
     import torch.distributed as dist
-    from m2flow.workers.actor.megatron.model import init_parallel
+    from m2flow.workers.engines.megatron.model import init_parallel
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
@@ -172,8 +172,8 @@ def _strict_load(model, state: dict) -> None:
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_round_trip_bit_exact_and_loads_strictly(saved, name, tp):
-    from m2flow.workers.actor.megatron.convert import hf_keys, hf_to_megatron, megatron_to_hf
-    from m2flow.workers.actor.megatron.model import megatron_shape
+    from m2flow.workers.engines.megatron.convert import hf_keys, hf_to_megatron, megatron_to_hf
+    from m2flow.workers.engines.megatron.model import megatron_shape
 
     model = saved[name][1]
     state = model.state_dict()
@@ -196,12 +196,12 @@ def test_round_trip_bit_exact_and_loads_strictly(saved, name, tp):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_round_trip_pipeline_stages(saved, name):
     """tp=2 x pp=2: each stage its own layers renumbered from 0, merged back bit-exact."""
-    from m2flow.workers.actor.megatron.convert import (
+    from m2flow.workers.engines.megatron.convert import (
         hf_to_megatron,
         megatron_to_hf,
         merge_pipeline_stages,
     )
-    from m2flow.workers.actor.megatron.model import megatron_shape
+    from m2flow.workers.engines.megatron.model import megatron_shape
 
     model = saved[name][1]
     state = model.state_dict()
@@ -221,8 +221,8 @@ def test_round_trip_pipeline_stages(saved, name):
 def test_back_converted_checkpoint_loads_with_from_pretrained(saved, name, tmp_path):
     """What the actor saves: its HF copy loaded with the gathered weights, ``save_pretrained``;
     ``AutoModelForCausalLM.from_pretrained`` gives the same class and the same weights."""
-    from m2flow.workers.actor.megatron.convert import hf_to_megatron, megatron_to_hf
-    from m2flow.workers.actor.megatron.model import megatron_shape
+    from m2flow.workers.engines.megatron.convert import hf_to_megatron, megatron_to_hf
+    from m2flow.workers.engines.megatron.model import megatron_shape
 
     model = saved[name][1]
     shape = megatron_shape(model.config, tp=2)
@@ -243,8 +243,8 @@ def test_weights_a_family_does_not_have_are_refused(saved):
     silently."""
     import dataclasses
 
-    from m2flow.workers.actor.megatron.convert import hf_to_megatron
-    from m2flow.workers.actor.megatron.model import megatron_shape
+    from m2flow.workers.engines.megatron.convert import hf_to_megatron
+    from m2flow.workers.engines.megatron.model import megatron_shape
 
     qwen = saved["qwen2"][1]
     shape = dataclasses.replace(megatron_shape(qwen.config), qkv_bias=False)
@@ -260,13 +260,13 @@ def test_weights_a_family_does_not_have_are_refused(saved):
 def test_tp1_logprobs_match_hf(single_rank_group, saved, name):
     """Megatron's forward vs the HF model's, per-token logprobs (left-padded prompts,
     right-padded responses); the live Megatron model's state converts back exactly."""
-    from m2flow.workers.actor.megatron.convert import (
+    from m2flow.workers.engines.megatron.convert import (
         hf_to_megatron,
         load_megatron_state,
         megatron_state,
         megatron_to_hf,
     )
-    from m2flow.workers.actor.megatron.model import build_gpt_model, megatron_sequence_logprobs
+    from m2flow.workers.engines.megatron.model import build_gpt_model, megatron_sequence_logprobs
 
     hf = saved[name][1]
     mg = build_gpt_model(hf.config).eval()
@@ -302,8 +302,8 @@ def test_llama_pp2_step_matches_hf(saved, tmp_path):
     """The Llama (untied, llama3 RoPE, head_dim 32) at TP=1 x PP=2 over gloo (Megatron's 1F1B
     schedule): logprobs, loss, gradients and weights after one AdamW step vs the HF model
     (tests/test_megatron.py's parity harness)."""
-    from m2flow.workers.actor.megatron.model import megatron_shape
-    from m2flow.workers.actor.megatron.parity import spawn_parity
+    from m2flow.workers.engines.megatron.model import megatron_shape
+    from m2flow.workers.engines.megatron.parity import spawn_parity
 
     hf = copy.deepcopy(saved["llama"][1]).train()
     batch = _batch(VOCAB)
@@ -343,8 +343,8 @@ def test_llama_engine_tp2_grpo_matches_torch_engine(saved, tmp_path):
     two ``train`` calls (mini-batches of 6 in micro-batches of 4, then the whole batch of 10)
     vs ``PolicyTrainer.train_on_batch`` (reference logprobs from a frozen copy): metrics and
     weights; the engine's ``gather_hf`` loads strictly into ``LlamaForCausalLM``."""
-    from m2flow.workers.actor.megatron.parity import engine_rank, spawn_parity
-    from m2flow.workers.actor.trainer import PolicyTrainer
+    from m2flow.workers.engines.megatron.parity import engine_rank, spawn_parity
+    from m2flow.workers.engines.trainer import PolicyTrainer
 
     hf = copy.deepcopy(saved["llama"][1])
     reference = copy.deepcopy(hf).eval().requires_grad_(False)
@@ -394,7 +394,7 @@ def test_llama_engine_tp2_grpo_matches_torch_engine(saved, tmp_path):
 def _llama_critic(saved, seed: int = 0):
     """A torch critic (``ValueModel``'s forward and head) on the Llama's trunk, its head
     perturbed away from 0 (a mislaid head then shows)."""
-    from m2flow.workers.critic.model import ValueModel
+    from m2flow.workers.engines.value_model import ValueModel
 
     class LlamaCritic(ValueModel):
         def __init__(self, lm):
@@ -412,8 +412,8 @@ def _llama_critic(saved, seed: int = 0):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_critic_round_trip_llama_trunk(saved, tp):
-    from m2flow.workers.actor.megatron.model import megatron_shape
-    from m2flow.workers.critic.megatron_engine import critic_to_megatron, megatron_to_critic
+    from m2flow.workers.engines.megatron.critic import critic_to_megatron, megatron_to_critic
+    from m2flow.workers.engines.megatron.model import megatron_shape
 
     critic = _llama_critic(saved)
     state = critic.state_dict()
@@ -431,9 +431,9 @@ def test_critic_tp2_llama_matches_torch_critic(saved, tmp_path):
     harness) vs the torch critic: values, value-loss metrics, weights and AdamW moments after 2
     epochs of 2 mini-batches (4 AdamW steps), then 4 more steps resumed from the torch
     critic's checkpoint."""
-    from m2flow.workers.actor.megatron.parity import spawn_parity
-    from m2flow.workers.critic.megatron_parity import critic_parity_rank
-    from m2flow.workers.critic.trainer import ValueTrainer
+    from m2flow.workers.engines.megatron.critic_parity import critic_parity_rank
+    from m2flow.workers.engines.megatron.parity import spawn_parity
+    from m2flow.workers.engines.value_trainer import ValueTrainer
 
     optim = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01, grad_clip=1.0)
     train = dict(value_clip=0.2, mini=2, micro=1, epochs=2, seed=3)
@@ -516,10 +516,10 @@ def test_unsupported_checkpoint_is_refused_at_launch(saved, name, role, match):
     """``check_config`` (what ``ActorWorker.launch`` / ``CriticWorker.launch`` run before any
     process starts) on ``model.path``: one line naming the model, the supported architectures
     and the torch engine. The workers' own launch checks refuse it the same way."""
-    from m2flow.workers.actor.megatron.arch import UnsupportedModel
-    from m2flow.workers.actor.megatron.engine import check_config
     from m2flow.workers.actor.worker import ActorWorker
     from m2flow.workers.critic.worker import CriticWorker
+    from m2flow.workers.engines.megatron.arch import UnsupportedModel
+    from m2flow.workers.engines.megatron.engine import check_config
 
     model = {"path": str(saved[name][0])}
     with pytest.raises(UnsupportedModel, match=match) as info:
@@ -529,7 +529,7 @@ def test_unsupported_checkpoint_is_refused_at_launch(saved, name, role, match):
     assert all(c in message for c in set(CLASSES.values()))
     print(message)
     kw = {"engine": "megatron", "model": model}
-    check = ActorWorker._check_ranks if role == "actor" else CriticWorker._check
+    check = ActorWorker._check if role == "actor" else CriticWorker._check
     with pytest.raises(UnsupportedModel, match=match):
         check(1, kw)
 
@@ -538,7 +538,7 @@ def test_supported_checkpoints_pass_the_launch_checks(saved):
     """Every supported checkpoint passes ``check_config`` from ``model.path`` at TP=2; the
     divisibility checks read the checkpoint's config (here: its MLP width); a path without a
     config is named."""
-    from m2flow.workers.actor.megatron.engine import check_config
+    from m2flow.workers.engines.megatron.engine import check_config
 
     for name in CONFIGS:
         check_config(4, {"model": {"path": str(saved[name][0])}, "tensor_parallel": 2})
@@ -573,8 +573,8 @@ def test_supported_checkpoints_pass_the_launch_checks(saved):
 def test_settings_without_exact_mapping_are_refused(config, match):
     """A supported family with a setting the conversion cannot map: refused before any model
     is built (``megatron_shape``, which ``build_gpt_model`` and the conversion call)."""
-    from m2flow.workers.actor.megatron.arch import UnsupportedModel, architecture
-    from m2flow.workers.actor.megatron.model import megatron_shape
+    from m2flow.workers.engines.megatron.arch import UnsupportedModel, architecture
+    from m2flow.workers.engines.megatron.model import megatron_shape
 
     cfg = config()
     with pytest.raises(UnsupportedModel, match=match):
@@ -586,7 +586,7 @@ def test_settings_without_exact_mapping_are_refused(config, match):
 def test_windows_that_never_cut_are_accepted():
     """A sliding window at least as long as the model's positions changes nothing: mapped
     (Qwen2.5 configs carry ``sliding_window`` with ``use_sliding_window=false``)."""
-    from m2flow.workers.actor.megatron.arch import architecture
+    from m2flow.workers.engines.megatron.arch import architecture
 
     assert architecture(MistralConfig(sliding_window=4096, max_position_embeddings=4096))
     assert architecture(Qwen2Config(use_sliding_window=False, sliding_window=16))

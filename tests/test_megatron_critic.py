@@ -32,9 +32,9 @@ if importlib.util.find_spec("megatron") is None or (
 
 import torch  # noqa: E402
 from m2flow.workers.checkpoint import load_state  # noqa: E402
-from m2flow.workers.critic.model import ValueModel  # noqa: E402
-from m2flow.workers.critic.trainer import ValueTrainer  # noqa: E402
 from m2flow.workers.critic.worker import CriticWorker  # noqa: E402
+from m2flow.workers.engines.value_model import ValueModel  # noqa: E402
+from m2flow.workers.engines.value_trainer import ValueTrainer  # noqa: E402
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer  # noqa: E402
 from test_ppo import PPO, TINY_MODEL, TINY_RUN, _records  # noqa: E402
 
@@ -144,13 +144,13 @@ def _close(got: dict, want: dict, atol: float) -> float:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_conversion_round_trip_bit_exact(tp):
     """torch critic -> Megatron TP shards -> torch critic, weights and AdamW moments."""
-    from m2flow.workers.actor.megatron.model import megatron_shape
-    from m2flow.workers.critic.megatron_engine import (
+    from m2flow.workers.engines.megatron.critic import (
         critic_to_megatron,
         megatron_to_critic,
         optimizer_from_torch,
         optimizer_to_torch,
     )
+    from m2flow.workers.engines.megatron.model import megatron_shape
 
     model = _critic()
     state = model.state_dict()
@@ -177,8 +177,8 @@ def test_conversion_round_trip_bit_exact(tp):
 def test_tp2_dp2_matches_torch_critic(tmp_path):
     """TP=2 x DP=2 over gloo (4 spawned ranks) vs the torch critic on one rank; see the module
     docstring."""
-    from m2flow.workers.actor.megatron.parity import spawn_parity
-    from m2flow.workers.critic.megatron_parity import critic_parity_rank
+    from m2flow.workers.engines.megatron.critic_parity import critic_parity_rank
+    from m2flow.workers.engines.megatron.parity import spawn_parity
 
     with _torch_threads(1):
         model = _critic()
@@ -235,16 +235,16 @@ def test_tp2_dp2_matches_torch_critic(tmp_path):
 
 
 def test_ppo_epochs_on_megatron_engine_match_torch():
-    """The PPO actor's update on the Megatron engine (:func:`megatron_ppo_update`, TP=1 in this
-    process) vs the torch engine's ``train_on_batch``: 2 epochs of 2 shuffled mini-batches on
-    per-token advantages, same metrics and weights (fp32 rounding)."""
+    """The PPO actor's update on the Megatron engine (:func:`~m2flow.workers.engines.megatron.
+    policy.ppo_epochs`, TP=1 in this process) vs the torch engine's ``train_on_batch``: 2 epochs of
+    2 shuffled mini-batches on per-token advantages, same metrics and weights (fp32 rounding)."""
     import socket
 
     import torch.distributed as dist
-    from m2flow.workers.actor.megatron.engine import MegatronEngine
-    from m2flow.workers.actor.ppo import megatron_ppo_update
-    from m2flow.workers.actor.trainer import PolicyTrainer
     from m2flow.workers.algos.logprobs import sequence_logprobs
+    from m2flow.workers.engines.megatron.engine import MegatronEngine
+    from m2flow.workers.engines.megatron.policy import ppo_epochs
+    from m2flow.workers.engines.trainer import PolicyTrainer
     from m2flow.workers.llm import build_model
 
     hf = build_model(MODEL, build_char_tokenizer(), seed=0)
@@ -264,7 +264,7 @@ def test_ppo_epochs_on_megatron_engine_match_torch():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     engine = MegatronEngine(hf.config, hf.state_dict(), 0, 1, None, torch.device("cpu"), 1, optim)
     try:
-        got = megatron_ppo_update(engine, data, 2, 1, 2, torch.Generator().manual_seed(5))
+        got = ppo_epochs(engine, data, 2, 1, 2, torch.Generator().manual_seed(5))
         weights = engine.gather_hf()
     finally:
         engine.shutdown()

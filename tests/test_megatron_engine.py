@@ -32,8 +32,8 @@ if importlib.util.find_spec("megatron") is None or (
     )
 
 import torch  # noqa: E402
-from m2flow.workers.actor.trainer import PolicyTrainer  # noqa: E402
 from m2flow.workers.actor.worker import ActorWorker  # noqa: E402
+from m2flow.workers.engines.trainer import PolicyTrainer  # noqa: E402
 from m2flow.workers.llm import build_char_tokenizer, build_model  # noqa: E402
 from megatron_probes import ProbedRollout, ShardedActor  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -67,8 +67,8 @@ OVERRIDES = [
 def _gather(shards: list[tuple[int, int, int, dict]], model: dict = MODEL) -> dict:
     """HF-layout weights from the ranks' ``(tp_rank, pp_rank, dp_rank, state)`` (DP replica
     0): stages merged, TP shards gathered."""
-    from m2flow.workers.actor.megatron.convert import megatron_to_hf, merge_pipeline_stages
-    from m2flow.workers.actor.megatron.model import megatron_shape
+    from m2flow.workers.engines.megatron.convert import megatron_to_hf, merge_pipeline_stages
+    from m2flow.workers.engines.megatron.model import megatron_shape
 
     mine = {(t, p): s for t, p, d, s in shards if d == 0}
     tp, pp = 1 + max(t for t, _ in mine), 1 + max(p for _, p in mine)
@@ -89,7 +89,7 @@ def _torch_engine_replay(cfg, model: dict, weights: list[dict], data: list[dict]
     ``data[v]`` (what the step from weight version ``v`` trained on) from ``weights[0]`` (the
     warm start). With ``actor.kl_coef > 0`` the reference is ``weights[0]`` (the torch actor
     freezes the warm-started policy) and its logprobs are computed as the torch actor does
-    (``ActorWorker._ref_logprobs``: the trainer's ``compute_logprobs`` on the frozen copy).
+    (``TorchEngine._with_reference``: the trainer's ``compute_logprobs`` on the frozen copy).
 
     Returns:
         per step ``(metrics, weights after it)``.

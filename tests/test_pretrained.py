@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from m2flow.workers.actor.trainer import PolicyTrainer
 from m2flow.workers.algos.grpo import grpo_advantages
-from m2flow.workers.critic.model import ValueModel
+from m2flow.workers.engines.trainer import PolicyTrainer
+from m2flow.workers.engines.value_model import ValueModel
 from m2flow.workers.llm import (
     build_char_tokenizer,
     build_pretrained_tokenizer,
@@ -283,7 +283,7 @@ def test_reward_model_from_a_classifier_scores_like_it(tmp_path):
     """``ValueModel.from_classifier``: the classifier's trunk and score head; the sequence
     score at the last real token of a padded batch equals the classifier's head on the
     unpadded sequence's last position."""
-    from m2flow.workers.critic.model import ValueModel, sequence_scores
+    from m2flow.workers.engines.value_model import ValueModel, sequence_scores
     from transformers import AutoModelForSequenceClassification
 
     tok = build_char_tokenizer()

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from m2flow.workers.actor.trainer import PolicyTrainer
+from m2flow.workers.engines.trainer import PolicyTrainer
 from m2flow.workers.llm import build_char_tokenizer
 from test_llm import _params_close, _rollout_batch, tiny_model
 

@@ -275,7 +275,7 @@ def test_a_model_directory_loads_and_matches_the_actor(tmp_path, arch):
     """``model.path``: vLLM reads the saved directory itself; on the same prompts the vLLM
     rollout's and the HF rollout's logprobs each equal the actor's recomputation (fp32,
     <= 1e-4); a weight update in place moves vLLM with the actor."""
-    from m2flow.workers.actor.trainer import PolicyTrainer
+    from m2flow.workers.engines.trainer import PolicyTrainer
     from m2flow.workers.llm import (
         build_char_tokenizer,
         build_qwen2_tokenizer,

@@ -1,6 +1,6 @@
 """How far a training step moved the weights: the ``update_norm`` metric of the PPO actor, the
 critic and the embodied actor (the Megatron critic reduces its shards over TP itself:
-:meth:`~m2flow.workers.critic.megatron_engine.MegatronCritic.change_norm`)."""
+:meth:`~m2flow.workers.engines.megatron.critic.MegatronCritic.change_norm`)."""
 
 from __future__ import annotations
 

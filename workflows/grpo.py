@@ -20,6 +20,7 @@ from typing import Optional
 
 from m2flow.workers.data.config import DataConfig
 from m2flow.workers.data.reasoning_gym import task_section
+from m2flow.workers.engines.registry import TRAIN_ENGINES
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
     ModelConfig,
@@ -109,7 +110,7 @@ def validate(cfg) -> None:
         [
             (a.clip_eps_low > 0 and a.clip_eps_high > 0, "actor.clip_eps_* must be > 0"),
             (a.kl_coef >= 0, "actor.kl_coef must be >= 0"),
-            (a.engine in ("torch", "megatron"), "actor.engine must be torch or megatron"),
+            (TRAIN_ENGINES.knows(a.engine), f"actor.engine must be {TRAIN_ENGINES.choices()}"),
             (a.engine == "megatron" or a.tensor_parallel == 1, "TP needs actor.engine=megatron"),
             (a.tensor_parallel >= 1, "actor.tensor_parallel must be >= 1"),
             (a.pipeline_parallel >= 1, "actor.pipeline_parallel must be >= 1"),

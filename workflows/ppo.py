@@ -25,6 +25,7 @@ from typing import Optional
 
 from m2flow.workers.data.config import DataConfig
 from m2flow.workers.data.reasoning_gym import task_section
+from m2flow.workers.engines.registry import TRAIN_ENGINES, VALUE_ENGINES
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
     ModelConfig,
@@ -137,9 +138,9 @@ class Config:
     resume: bool = False  # continue from the last checkpoint in trainer.run_dir
 
 
-def _engine_checks(name: str, section) -> list[tuple[bool, str]]:
+def _engine_checks(name: str, section, engines) -> list[tuple[bool, str]]:
     return [
-        (section.engine in ("torch", "megatron"), f"{name}.engine must be torch or megatron"),
+        (engines.knows(section.engine), f"{name}.engine must be {engines.choices()}"),
         (
             section.engine == "megatron" or section.tensor_parallel == 1,
             f"{name}.tensor_parallel needs {name}.engine=megatron",
@@ -166,8 +167,8 @@ def validate(cfg) -> None:
                 "reward_model.verifier_weight must be in [0, 1]",
             ),
             (0 <= f.heldout_batches < f.batches, "need 0 <= reward_fit.heldout_batches < batches"),
-            *_engine_checks("actor", cfg.actor),
-            *_engine_checks("critic", cfg.critic),
+            *_engine_checks("actor", cfg.actor, TRAIN_ENGINES),
+            *_engine_checks("critic", cfg.critic, VALUE_ENGINES),
         ]
     )
     if cfg.reward_model.path:

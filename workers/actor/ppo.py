@@ -9,10 +9,10 @@ from m2flow.scheduler.balance import all_queued
 from m2flow import Channel
 
 from ..algos.ppo import masked_whiten
-from ..batch import concat, row_order
+from ..batch import concat
 from ..checkpoint import load_state, save_state
+from ..engines.trainer import RESPONSE_KEYS
 from ..weight_change import snapshot, update_norm
-from .trainer import RESPONSE_KEYS
 from .worker import ActorWorker
 
 
@@ -25,9 +25,8 @@ class PPOActorWorker(ActorWorker):
         whiten_advantages: normalise advantages over the batch's tokens (mean 0, std 1).
         **kwargs: :class:`ActorWorker` arguments; leave ``kl_coef`` at 0 (the KL penalty is
             in the reward here). ``engine="megatron"``: the GRPO actor's Megatron engine
-            (TP x DP, one rank per device), each PPO epoch one
-            :meth:`~.megatron.engine.MegatronEngine.train` pass over the shuffled batch
-            (:func:`megatron_ppo_update`).
+            (TP x DP, one rank per device), each PPO epoch one pass over the shuffled batch
+            (:func:`~..engines.megatron.policy.ppo_epochs`).
 
     Raises:
         ValueError: ``data_parallel`` (the torch engine's data parallel is not wired for PPO).
@@ -66,9 +65,7 @@ class PPOActorWorker(ActorWorker):
             weights), ``update_norm`` (L2 norm of the weight change).
         """
         parts = inp.stream(balance=all_queued, target_weight=1)
-        if self.megatron is not None:  # every rank: the whole step (see .megatron.engine)
-            parts = [self.megatron.read_step(parts)]
-        chunks = sorted((c for part in parts for c in part), key=lambda c: c.key)
+        chunks = sorted(self.engine.read_step(parts), key=lambda c: c.key)
         batch = concat([c.batch for c in chunks], self.tokenizer.pad_token_id)
         stale = sum(c.stale_samples(self.weight_version) for c in chunks)
         data = {k: batch[k] for k in RESPONSE_KEYS}
@@ -77,49 +74,12 @@ class PPOActorWorker(ActorWorker):
         if not self.recompute_old_logprobs:
             data["old_logprobs"] = batch["logprobs"]
         # Megatron: rank 0's Hugging Face copy (the other ranks keep none: update_norm 0).
-        params = [] if self.model is None else list(self.model.parameters())
+        model = self.engine.model
+        params = [] if model is None else list(model.parameters())
         before = snapshot(params)
-        split = (self.mini_batch_size, self.micro_batch_size, self.epochs, self.generator)
-        if self.megatron is not None:
-            metrics = megatron_ppo_update(self.megatron, data, *split)
-            hf = self.megatron.gather_hf()  # rank 0's HF copy: the weight source
-            if hf is not None:
-                self.model.load_state_dict(hf)
-        else:
-            mini, micro, epochs, gen = split
-            metrics = self.trainer.train_on_batch(
-                data, mini, micro, epochs=epochs, shuffle=epochs > 1, generator=gen
-            )
+        metrics = self.engine.train(
+            data, self.mini_batch_size, self.micro_batch_size, self.epochs, self.generator
+        )
         self.weight_version += 1
         norm = update_norm(before, params)
         return {**metrics, "samples": len(batch), "stale": stale, "update_norm": norm}
-
-
-def megatron_ppo_update(
-    engine, data: dict, mini_batch_size, micro_batch_size, epochs: int, generator
-) -> dict[str, float]:
-    """:meth:`PolicyTrainer.train_on_batch` (``epochs``, ``shuffle=epochs > 1``) on a
-    :class:`~.megatron.engine.MegatronEngine`: per epoch one ``engine.train`` pass over the
-    batch permuted by ``torch.randperm(n, generator=generator)``, the same draws as the torch
-    engine's, so the mini-batches hold the same rows. Old logprobs, if absent, are computed once
-    for every row before the first update (every rank alike: a TP collective). Every rank
-    calls it with the same ``data`` and generator state.
-
-    Returns:
-        the torch engine's metrics: means over all optimizer steps, ``steps``.
-    """
-    n = len(data["response_ids"])
-    if "old_logprobs" not in data:
-        data = dict(data, old_logprobs=engine.trainer.compute_logprobs(data, micro_batch_size))
-    sums: dict[str, float] = {}
-    steps = 0
-    for _ in range(epochs):
-        order = row_order(n, epochs > 1, generator)
-        m = engine.train({k: v[order] for k, v in data.items()}, mini_batch_size, micro_batch_size)
-        k_steps = int(m.pop("steps", 0))
-        for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + v * k_steps
-        steps += k_steps
-    out = {k: v / max(steps, 1) for k, v in sums.items()}
-    out["steps"] = steps
-    return out

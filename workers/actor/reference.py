@@ -9,9 +9,9 @@ from m2flow import Channel, Worker
 from ..algos.logprobs import sequence_logprobs
 from ..batch import num_tokens
 from ..checkpoint import load_state, save_state
+from ..engines.trainer import RESPONSE_KEYS
 from ..llm import build_tokenizer, load_model
 from ..llm.placement import offload_module, onload_module, set_torch_threads, torch_device
-from .trainer import RESPONSE_KEYS
 
 
 class ReferenceWorker(Worker):

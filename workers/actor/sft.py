@@ -17,10 +17,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..data.item import PromptItem
+from ..data.reasoning_gym import task_split
+from ..engines.trainer import PolicyTrainer
 from ..reward.functions import RewardFunction
 from ..rollout.evaluation import evaluate
 from ..rollout.generation import left_pad
-from .trainer import PolicyTrainer
 
 
 def sft_batch(
@@ -100,3 +101,40 @@ def run_sft(
         if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
             break
     return SFTResult(step, time.perf_counter() - t0, loss, acc)
+
+
+def warm_start(
+    trainer: PolicyTrainer,
+    tokenizer: PreTrainedTokenizerBase,
+    task: dict | None,
+    steps: int,
+    lr: float,
+    rl_lr: float,
+    reward: dict | None = None,
+    **kwargs,
+) -> dict:
+    """:func:`run_sft` on the task's training split, checked on its validation split
+    (``task["val_seed"]``, ``task["val_size"]``; never the held-out split), at learning rate
+    ``lr``; then the trainer is left at ``rl_lr`` with fresh AdamW moments (the supervised
+    ones mislead RL). ``task=None`` (data files: no targets) or ``steps=0``: no step.
+
+    Args:
+        reward: :class:`~..reward.functions.RewardFunction` arguments (default ``auto``).
+        **kwargs: :func:`run_sft`'s ``batch_size``, ``seed``, ``target_accuracy``,
+            ``eval_every``, ``time_budget_s``.
+
+    Returns:
+        ``steps``, ``seconds``, ``loss`` (last), ``val_accuracy`` (greedy, last check).
+    """
+    if task is None or steps == 0:
+        train = val = []
+        steps = 0
+    else:
+        train, val = (task_split(task, s, tokenizer)[0] for s in ("train", "val"))
+    trainer.set_lr(lr)
+    res = run_sft(trainer, tokenizer, train, steps=steps, val=val,
+                  reward=RewardFunction(**(reward or {})), log=None, **kwargs)  # fmt: skip
+    trainer.set_lr(rl_lr)
+    trainer.optimizer.state.clear()
+    return {"steps": res.steps, "seconds": res.seconds, "loss": res.last_loss,
+            "val_accuracy": res.val_accuracy}  # fmt: skip

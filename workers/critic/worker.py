@@ -18,29 +18,26 @@ from ..algos.ppo import explained_variance, gae, token_rewards
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
 from ..chunk import RolloutChunk
-from ..llm import build_tokenizer, compute_dtype
+from ..engines.registry import VALUE_ENGINES
+from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads, torch_device
-from ..weight_change import snapshot, update_norm
-from .megatron_engine import lm_to_critic
-from .model import ValueModel
-from .trainer import ValueTrainer
 
 
 class CriticWorker(Worker):
-    """Value head on a tiny Qwen2, initialised from the (warm-started) policy.
+    """Value head on the policy's trunk, initialised from the (warm-started) policy, on the
+    value variant of the engine ``engine`` names (:data:`~..engines.registry.VALUE_ENGINES`).
 
     Torch engine: one rank (``data_parallel = False``); given several devices it uses them as
-    one. ``engine="megatron"`` (:mod:`.megatron_engine`): one rank per device, the ranks forming
-    Megatron's tensor- and data-parallel groups (DP = ranks / TP); each rank reads its share of
-    the step's chunks, the ranks exchange them (mailboxes), every rank computes the
-    values of all of them (TP peers forward together) and passes its own chunks on, then the
-    value update runs on the whole batch, split over the DP ranks. Weights and checkpoints stay
-    in the torch critic's layout (gathered to rank 0), so either engine resumes the other's.
+    one. Megatron engine (``whole_step``): one rank per device in TP x DP groups; each rank
+    reads its share of the step's chunks, the ranks exchange them (mailboxes), every rank
+    computes the values of all of them (TP peers forward together) and passes its own chunks
+    on, then the value update runs on the whole batch, split over the DP ranks. Weights and
+    checkpoints stay in the torch critic's layout (gathered to rank 0), so either engine
+    resumes the other's.
 
     Args:
         model: :class:`~m2flow.workers.llm.ModelConfig` fields (the policy's shape).
-        tokenizer: the tokenizer spec, ``{"name": "char", "alphabet": str}`` or
-            ``{"name": "qwen2"}`` (:func:`~m2flow.workers.llm.build_tokenizer`).
+        tokenizer: the tokenizer spec (:func:`~m2flow.workers.llm.build_tokenizer`).
         lr, betas, weight_decay, grad_clip: AdamW.
         value_clip: PPO value clip around the old values (0: none).
         gamma, lam: GAE discount and lambda (per token).
@@ -48,25 +45,24 @@ class CriticWorker(Worker):
         epochs: passes over each batch; mini_batch_size, micro_batch_size: responses per
             optimizer step / per forward (0: the whole batch / mini-batch).
         threads: torch threads (0: the CPUs of the rank's devices); seed: init and shuffling.
-        engine: ``"torch"`` or ``"megatron"`` (needs the ``megatron`` extra).
+        engine: a value engine's name (``"torch"``, ``"megatron"``: the ``megatron`` extra).
         tensor_parallel: Megatron TP size (divides the ranks and the model's heads).
         dist: the process group's rendezvous ``{"addr", "port"}`` (set by :meth:`launch`).
 
     Raises:
-        ValueError: an unknown ``engine``, a ``tensor_parallel`` without Megatron, or a
-            Megatron setting it cannot run (:func:`.megatron_engine.check_config`).
+        ValueError: an unknown ``engine`` or a setting it cannot run (its ``check``).
     """
 
     data_parallel = False  # torch: one rank over all its devices
 
     @classmethod
     def launch(cls, cluster, placement=None, **kwargs):
-        """:meth:`Worker.launch`; with ``engine="megatron"`` one rank per device of the
-        placement (default: where the plan puts the group) and their process group's
-        rendezvous. Refuses a bad engine setting before any process starts."""
+        """:meth:`Worker.launch`; for an engine that runs one rank per device, one rank per
+        device of the placement (default: where the plan puts the group) and their process
+        group's rendezvous. Refuses a bad engine setting before any process starts."""
         from m2flow.group import normalize_placement
 
-        if kwargs.get("engine", "torch") == "megatron":
+        if VALUE_ENGINES.get(kwargs.get("engine", "torch"), "critic").one_rank_per_device:
             if placement is None:
                 placement = cluster.devices_for(kwargs.get("name") or cls.__name__)
             ranks = [[d] for r in normalize_placement(placement, cluster) for d in r]
@@ -79,15 +75,7 @@ class CriticWorker(Worker):
 
     @staticmethod
     def _check(world_size: int, kwargs: dict) -> None:
-        engine = kwargs.get("engine", "torch")
-        if engine not in ("torch", "megatron"):
-            raise ValueError(f"critic.engine={engine!r}: pick torch or megatron")
-        if engine == "megatron":
-            from .megatron_engine import check_config
-
-            return check_config(world_size, kwargs)
-        if kwargs.get("tensor_parallel", 1) != 1:
-            raise ValueError("critic.tensor_parallel needs critic.engine=megatron")
+        VALUE_ENGINES.get(kwargs.get("engine", "torch"), "critic").check(world_size, kwargs)
 
     def __init__(
         self,
@@ -112,32 +100,14 @@ class CriticWorker(Worker):
     ) -> None:
         kw = {"engine": engine, "tensor_parallel": tensor_parallel, "model": model}
         self._check(self.world_size, kw)
-        if engine == "megatron" and dist is None:
-            raise ValueError("critic.engine=megatron needs the rendezvous: start with launch()")
         set_torch_threads(self, threads)
         self.tokenizer = build_tokenizer(tokenizer)
-        device = torch_device(self.devices)
-        value_model = ValueModel(model, self.tokenizer, seed=seed)
         optim = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, grad_clip=grad_clip)
-        self.megatron = None
-        if engine == "megatron":
-            from .megatron_engine import MegatronCritic
-
-            self.megatron = MegatronCritic(
-                value_model.backbone.config,
-                value_model.state_dict(),
-                [n for n, _ in value_model.named_parameters()],
-                self.rank,
-                self.world_size,
-                dist,
-                device,
-                tensor_parallel,
-                optim,
-            )
-            self.trainer = self.megatron.trainer
-        else:
-            dtype = compute_dtype(model.get("dtype", "auto"), device)
-            self.trainer = ValueTrainer(value_model.to(device), **optim, compute_dtype=dtype)
+        self.engine = VALUE_ENGINES.get(engine, "critic")(
+            model, self.tokenizer, device=torch_device(self.devices), rank=self.rank,
+            world_size=self.world_size, dist=dist, optim=optim, seed=seed,
+            tensor_parallel=tensor_parallel,
+        )  # fmt: skip
         self.value_clip, self.gamma, self.lam, self.kl_coef = value_clip, gamma, lam, kl_coef
         self.epochs = epochs
         self.mini, self.micro = mini_batch_size or None, micro_batch_size or None
@@ -146,15 +116,12 @@ class CriticWorker(Worker):
     def load_weights(self, weights: dict, version: int) -> None:
         """Start from the policy's transformer (``m2flow.sync_weights(actor, critic)``; every
         rank gets the whole policy; a Megatron rank keeps its shard)."""
-        if self.megatron is not None:
-            self.megatron.load(lm_to_critic(weights), head=False)
-        else:
-            self.trainer.model.load_backbone(weights)
+        self.engine.load_backbone(weights)
 
     def _advantages(self, chunk: RolloutChunk, score: torch.Tensor, ref: torch.Tensor) -> None:
         """Values, KL-shaped rewards and GAE of one rollout chunk, added to its batch."""
         batch = chunk.batch
-        values = self.trainer.values(batch, self.micro)
+        values = self.engine.trainer.values(batch, self.micro)
         rewards, dones, kl = token_rewards(
             score, batch["logprobs"], ref, batch["response_mask"], self.kl_coef
         )
@@ -163,15 +130,15 @@ class CriticWorker(Worker):
         batch["advantages"], batch["returns"] = adv * mask, ret * mask
         batch["old_values"], batch["kl"], batch["scores"] = values, kl, score.float()
 
-    def _read_megatron(self, rollouts: Channel, scores: Channel, refs: Channel, out: Channel):
-        """Megatron: every rank reads its share of the chunks (with their scores and reference
-        logprobs) to the end of step, then the ranks exchange them through their mailboxes
-        (``send``/``recv``; a ``recv`` yields the device while it waits). Not a
+    def _read_whole_step(self, rollouts: Channel, scores: Channel, refs: Channel, out: Channel):
+        """A ``whole_step`` engine (Megatron): every rank reads its share of the chunks (with their
+        scores and reference logprobs) to the end of step, then the ranks exchange them through
+        their mailboxes (``send``/``recv``; a ``recv`` yields the device while it waits). Not a
         ``torch.distributed`` collective: a rank blocked in one holds its device, and a peer may
-        still wait for a score whose producer needs that device (a hang found in 1 of 3 runs
-        with the reward on the critic's rank-0 device). After the exchange every producer is
-        done, so the TP forwards may block. Every rank computes all values (in key order);
-        each puts its own chunks into ``out``. Returns all chunks, in key order."""
+        still wait for a score whose producer needs that device (a hang found in 1 of 3 runs with
+        the reward on the critic's rank-0 device). After the exchange every producer is done, so the
+        TP forwards may block. Every rank computes all values (in key order); each puts its own
+        chunks into ``out``. Returns all chunks, in key order."""
         mine = []
         for (chunk,) in rollouts.stream():
             key = chunk.key
@@ -209,8 +176,8 @@ class CriticWorker(Worker):
             ``vf_clip_frac``, ``value_mean``, ``grad_norm``), ``update_norm`` (L2 norm of the
             weight change).
         """
-        if self.megatron is not None:
-            chunks = self._read_megatron(rollouts, scores, refs, out)
+        if self.engine.whole_step:
+            chunks = self._read_whole_step(rollouts, scores, refs, out)
         else:
             chunks = []
             for (chunk,) in rollouts.stream():
@@ -229,32 +196,25 @@ class CriticWorker(Worker):
             "return_mean": float((data["returns"] * mask).sum() / n_tok),
             "explained_variance": explained_variance(data["old_values"], data["returns"], mask),
         }
-        before = snapshot(self.trainer.model.parameters())
-        stats |= self.trainer.train_values(
+        before = self.engine.snapshot()
+        stats |= self.engine.trainer.train_values(
             data, self.value_clip, self.mini, self.micro, self.epochs, self.generator
         )
-        if self.megatron is not None:
-            stats["update_norm"] = self.megatron.change_norm(before)
-        else:
-            stats["update_norm"] = update_norm(before, self.trainer.model.parameters())
+        stats["update_norm"] = self.engine.update_norm(before)
         return stats
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """The value model's weights, on CPU (copies), in the torch critic's layout. Megatron:
         gathered on rank 0 (a collective of the group; the other ranks return ``None``)."""
-        if self.megatron is not None:
-            return self.megatron.gather()
-        return {k: v.detach().cpu().clone() for k, v in self.trainer.model.state_dict().items()}
+        return self.engine.state_dict()
 
     def save_checkpoint(self, path: str) -> str:
         """Value model, optimizer state and the shuffling RNG under ``path`` (rank 0's file;
         Megatron: weights and AdamW moments gathered into the torch critic's format)."""
-        if self.megatron is not None:
-            model, optimizer = self.megatron.gather(), self.megatron.gather_optimizer()
-            if self.rank != 0:
-                return str(path)
-        else:
-            model, optimizer = self.trainer.model.state_dict(), self.trainer.optimizer.state_dict()
+        state = self.engine.checkpoint_state()
+        if state is None:
+            return str(path)
+        model, optimizer = state
         state = {"model": model, "optimizer": optimizer, "generator": self.generator.get_state()}
         return save_state(path, 0, state)
 
@@ -262,16 +222,11 @@ class CriticWorker(Worker):
         """Restore what :meth:`save_checkpoint` wrote, by either engine in any layout (every
         rank reads rank 0's file)."""
         state = load_state(path, 0)
-        if self.megatron is not None:
-            self.megatron.load(state["model"])
-            self.megatron.load_optimizer(state["optimizer"])
-        else:
-            self.trainer.model.load_state_dict(state["model"])
-            self.trainer.optimizer.load_state_dict(state["optimizer"])
+        self.engine.load_checkpoint_state(state["model"], state["optimizer"])
         self.generator.set_state(state["generator"])
 
     def offload(self) -> None:
-        self.trainer.offload()
+        self.engine.offload()
 
     def onload(self) -> None:
-        self.trainer.onload()
+        self.engine.onload()

@@ -22,9 +22,8 @@ from m2flow import Channel, Worker
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
 from ..chunk import RolloutChunk
-from ..critic.model import ValueModel
-from ..critic.trainer import ValueTrainer
-from ..llm import build_tokenizer, compute_dtype
+from ..engines.registry import VALUE_ENGINES
+from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads, torch_device
 from ..llm.tokenizer import decode_responses
 from ..tasks import accuracy
@@ -33,7 +32,7 @@ from .functions import RewardFunction, RewardResult, result_metrics
 
 def check_reward_model(path: str, tokenizer: dict) -> None:
     """Before anything starts: ``path`` is a one-label sequence classifier
-    (:func:`~..critic.model.check_classifier`) whose tokenizer files, if it has any, have the
+    (:func:`~..engines.value_model.check_classifier`) whose tokenizer files, if it has any, have the
     policy's vocabulary (the reward model scores the policy's token ids as they are).
 
     Args:
@@ -42,7 +41,7 @@ def check_reward_model(path: str, tokenizer: dict) -> None:
     Raises:
         FileNotFoundError, ValueError: the first problem, with the fix.
     """
-    from ..critic.model import check_classifier
+    from ..engines.value_model import check_classifier
     from ..llm.tokenizer import build_pretrained_tokenizer
 
     check_classifier(path)
@@ -73,7 +72,7 @@ class RewardModelWorker(Worker):
         threads: torch threads (0: the CPUs of the rank's devices); seed: init and shuffling.
         reward: the verifier: :class:`~.functions.RewardFunction` arguments (``function``,
             ``on_error``, ``penalty``; default ``auto``).
-        path: a pretrained reward model (:meth:`~..critic.model.ValueModel.from_classifier`;
+        path: a pretrained reward model (:meth:`~..engines.value_model.ValueModel.from_classifier`;
             it scores the policy's token ids, so it must share the policy's tokenizer): used
             as it is (no :meth:`fit`, no weights from the policy). None: the policy's
             transformer with a new head, fitted by :meth:`fit`.
@@ -104,19 +103,13 @@ class RewardModelWorker(Worker):
         self.tokenizer = build_tokenizer(tokenizer)
         self.reward_fn = RewardFunction(**(reward or {}))
         self._results: list[RewardResult] = []  # this call's, for its metrics
-        device = torch_device(self.devices)
         self.pretrained = bool(path)
-        value_model = (
-            ValueModel.from_classifier(path, model.get("attn_implementation", "sdpa"))
-            if path
-            else ValueModel(model, self.tokenizer, seed=seed)
-        )
-        self.trainer = ValueTrainer(
-            value_model.to(device),
-            lr=lr,
-            grad_clip=grad_clip,
-            compute_dtype=compute_dtype(model.get("dtype", "auto"), device),
-        )
+        # the torch value engine (the critic's), fitted here as a reward model
+        self.engine = VALUE_ENGINES.get("torch", "reward_model")(
+            model, self.tokenizer, device=torch_device(self.devices), seed=seed,
+            optim={"lr": lr, "grad_clip": grad_clip}, classifier=path,
+        )  # fmt: skip
+        self.trainer = self.engine.trainer
         self.w, self.batch_size = verifier_weight, batch_size
         self.micro = micro_batch_size or None
         self.generator = torch.Generator().manual_seed(seed)

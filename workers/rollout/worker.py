@@ -18,8 +18,8 @@ from ..llm.placement import (
     torch_device,
 )
 from ..reward.functions import RewardFunction
+from .engines import ROLLOUT_ENGINES
 from .evaluation import greedy_scores
-from .generation import generate
 
 
 class RolloutWorker(Worker):
@@ -70,13 +70,17 @@ class RolloutWorker(Worker):
         seed: int = 0,
         engine: str = "hf",
     ) -> None:
-        if engine not in ("hf", "vllm"):
-            raise ValueError(f"engine must be 'hf' or 'vllm', got {engine!r}")
         spot_on = bool(spot and spot.get("enabled"))
         if engine == "vllm" and spot_on and spot.get("engine", "exact") != "exact":
             raise ValueError(
                 f"engine='vllm' with rollout.spot.engine={spot.get('engine')!r}: the emulated "
                 "engine models the rollout engine; use rollout.engine=hf with it"
+            )
+        build = ROLLOUT_ENGINES.get(engine, "rollout")
+        if not getattr(build, "generates", False):
+            raise ValueError(
+                f"rollout.engine={engine!r} continues blocks for the spot pool only "
+                f"(rollout.spot.engine): pick an engine that samples whole groups, hf or vllm"
             )
         set_torch_threads(self, threads)
         self.device = torch_device(self.devices)
@@ -85,27 +89,28 @@ class RolloutWorker(Worker):
         self.model = load_model(model, self.tokenizer, self.device).eval()
         self.n_samples, self.max_new_tokens = n_samples, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
-        self.shared_prefix = shared_prefix
         self.heldout = heldout
         self.reward = RewardFunction(**(reward or {}))
         self.seed = seed
-        self.vllm = None
-        if engine == "vllm":
-            from .vllm_engine import VllmEngine
-
-            # Built from the initial weights; m2flow.sync_weights replaces them in place.
-            dtype = str(compute_dtype(model.get("dtype", "auto"), self.device)).split(".")[-1]
-            self.vllm = VllmEngine(
-                model.get("path") or self.model.cpu(), self.tokenizer, temperature=temperature,
-                top_p=top_p, seed=seed, dtype=dtype,
-                min_new_tokens=spot.get("min_new_tokens", 0) if spot_on else 0,
-            )  # fmt: skip
-            self.model.to(self.device)
+        args = {
+            "model": model, "temperature": temperature, "top_p": top_p, "seed": seed,
+            "shared_prefix": shared_prefix,
+            "dtype": str(compute_dtype(model.get("dtype", "auto"), self.device)).split(".")[-1],
+            "min_new_tokens": spot.get("min_new_tokens", 0) if spot_on else 0,
+        }  # fmt: skip
+        self.engine = build(args, self.model, self.tokenizer)
+        self.model.to(self.device)  # (vLLM was built from a CPU copy)
         self.pool = None
         if spot_on:
             from .spot.pool import ReservedSeeder
 
             self.pool = ReservedSeeder(self, spot, model, tokenizer)
+
+    @property
+    def vllm(self):
+        """The engine when it samples on its own copy of the weights (vLLM), else ``None``: the
+        spot pool's reserved seeder continues blocks on it (:mod:`.spot.pool`)."""
+        return self.engine if self.engine.model is None else None
 
     # -- generation -------------------------------------------------------------------------
 
@@ -136,26 +141,12 @@ class RolloutWorker(Worker):
             size = min(granularity, share)
             items = prompts.get_batch(size, max_items=size)
             share -= len(items)
-            if self.vllm is not None:
-                gen = self.vllm.generate(
-                    [it["prompt_ids"] for it in items],
-                    n_samples=self.n_samples,
-                    max_new_tokens=self.max_new_tokens,
-                    sample_keys=[(it.get("step", 0), it["group"]) for it in items],
-                )
-            else:
-                gen = generate(
-                    self.model,
-                    self.tokenizer,
-                    [it["prompt_ids"] for it in items],
-                    n_samples=self.n_samples,
-                    max_new_tokens=self.max_new_tokens,
-                    temperature=self.temperature,
-                    top_p=self.top_p,
-                    shared_prefix=self.shared_prefix,
-                    sample_keys=[(it.get("step", 0), it["group"]) for it in items],
-                    seed=self.seed,
-                )
+            gen = self.engine.generate(
+                [it["prompt_ids"] for it in items],
+                n_samples=self.n_samples,
+                max_new_tokens=self.max_new_tokens,
+                sample_keys=[(it.get("step", 0), it["group"]) for it in items],
+            )
             groups = torch.tensor([it["group"] for it in items], device="cpu")
             gen["group_index"] = groups[gen["group_index"]]
             batch = to_batch(gen)
@@ -183,9 +174,9 @@ class RolloutWorker(Worker):
         """Load the policy's weights in place (``m2flow.sync_weights``); with the spot pool,
         rank 0 also stages them for the spot instances to pull; with ``engine="vllm"`` the
         engine's copy is updated in place too."""
-        self.model.load_state_dict(weights)
-        if self.vllm is not None:
-            self.vllm.load_weights(weights, version)
+        self.model.load_state_dict(weights)  # the held-out evaluation's model
+        if self.engine.model is not self.model:  # an engine with its own copy (vLLM)
+            self.engine.load_weights(weights, version)
         if self.pool is not None and self.rank == 0:
             # Host copies of their own: cuda_ipc delivers views into the source's packed
             # buffers (pickling a view writes its whole storage), and spot nodes may lack CUDA.
@@ -216,10 +207,8 @@ class RolloutWorker(Worker):
     def offload(self) -> None:
         # Weights can always be re-synced, but moving them is cheaper than a resync here.
         offload_module(self.model, self.device)
-        if self.vllm is not None:  # GPU: sleep level 1 (weights to host, KV cache freed)
-            self.vllm.sleep()
+        self.engine.sleep()  # vLLM on GPU: sleep level 1 (weights to host, KV cache freed)
 
     def onload(self) -> None:
         onload_module(self.model, self.device)
-        if self.vllm is not None:
-            self.vllm.wake_up()
+        self.engine.wake_up()

@@ -2,15 +2,13 @@
 
 Its loop (RLBoost 4.2-4.3): pull the staged weights when the manager has a newer version
 (pull-based, versioned: an instance that joins mid-step loads them, then takes work), lease
-its pending requests up to its batch room, generate one block of tokens
-(:class:`~m2flow.workers.rollout.exact.ExactEngine`), report the block, drop what the manager
-revokes. With ``args["engine"] == "vllm"`` it is a
-:class:`~m2flow.workers.rollout.vllm_engine.VllmEngine` (block-wise continuation, same
-loop). With ``args["engine"] == "emulated"`` the engine is an
-:class:`~m2flow.workers.rollout.emulated.EmulatedEngine` on the same loop (no model is built; a
-weight pull sleeps its modelled transfer time). If its node disappears, the process dies
-mid-block; the manager still holds every response up to the last reported block and moves it
-to another instance.
+its pending requests up to its batch room, generate one block of tokens, report the block,
+drop what the manager revokes. The engine is ``args["engine"]`` from
+:data:`~m2flow.workers.rollout.engines.ROLLOUT_ENGINES`: ``exact``
+(:class:`~m2flow.workers.rollout.exact.ExactEngine`), ``vllm`` (block-wise continuation) or
+``emulated`` (no model is built; a weight pull sleeps its modelled transfer time). If its node
+disappears, the process dies mid-block; the manager still holds every response up to the last
+reported block and moves it to another instance.
 """
 
 from __future__ import annotations
@@ -30,48 +28,30 @@ class SpotInstance:
     block_tokens: tokens generated between reports.
     max_batch: requests executing at once.
     args: ``{"model", "tokenizer", "temperature", "top_p", "seed", "batch_rows", "threads"}``
-        plus ``"engine": "exact"|"vllm"`` (vllm: ``max_batch`` is vLLM's ``max_num_seqs``);
-        for an emulated engine ``{"engine": "emulated", "emulated", "eos_id", "filler_id",
-        "seed"}`` (:class:`~m2flow.workers.rollout.spot.config.EmulatedEngineConfig` fields).
+        plus ``"engine"``: a rollout engine's name (vllm: ``max_batch`` is vLLM's
+        ``max_num_seqs``); for an emulated engine ``{"engine": "emulated", "emulated",
+        "eos_id", "filler_id", "seed"}`` (:class:`~m2flow.workers.rollout.spot.config.
+        EmulatedEngineConfig` fields).
     """
 
     def __init__(self, instance_id: str, block_tokens: int, max_batch: int, args: dict) -> None:
+        from ..engines import ROLLOUT_ENGINES
+
         self.id, self.block, self.max_batch = instance_id, block_tokens, max_batch
         self.version = -1
         self.stop = threading.Event()
-        self.vllm = args.get("engine") == "vllm"
-        if args.get("engine") == "emulated":
-            from ..emulated import EmulatedEngine
+        build = ROLLOUT_ENGINES.get(args.get("engine", "exact"), "rollout.spot")
+        tok = self.model = None  # emulated: no model is built
+        if build.needs_model:
+            import torch
 
-            self.model = None
-            self.engine = EmulatedEngine.from_config(
-                args["emulated"], args["eos_id"], args["filler_id"], args["seed"],
-                args.get("min_new_tokens", 0),
-            )  # fmt: skip
-            return
-        import torch
+            from ...llm import build_tokenizer, load_model
 
-        from ...llm import build_tokenizer, load_model
-        from ..exact import ExactEngine
-        from ..generation import stop_token_ids
-
-        torch.set_num_threads(args.get("threads", 1))
-        tok = build_tokenizer(args["tokenizer"])
-        self.model = load_model(args["model"], tok)  # the host; weights come by pull
-        if self.vllm:  # weights arrive by the first pull, as for the exact engine
-            from ..vllm_engine import VllmEngine
-
-            self.engine = VllmEngine(
-                args["model"].get("path") or self.model, tok, args["temperature"],
-                args["top_p"], seed=args["seed"],
-                max_num_seqs=max_batch, min_new_tokens=args.get("min_new_tokens", 0),
-            )  # fmt: skip
-            return
-        self.engine = ExactEngine(
-            self.model, stop_token_ids(tok, self.model.generation_config), args["temperature"],
-            args["top_p"], args["seed"],
-            args["batch_rows"], args.get("min_new_tokens", 0),
-        )  # fmt: skip
+            torch.set_num_threads(args.get("threads", 1))
+            tok = build_tokenizer(args["tokenizer"])
+            self.model = load_model(args["model"], tok)  # the host; weights come by pull
+        # vllm: max_batch is its max_num_seqs
+        self.engine = build({**args, "max_num_seqs": max_batch}, self.model, tok)
 
     @ray.method(concurrency_group="watch")
     def watch(self) -> str:
@@ -88,12 +68,9 @@ class SpotInstance:
         while not self.stop.is_set():
             version, refs = ray.get(mgr.current_weights.remote())
             if version != self.version and refs:
-                if self.model is None:  # emulated: the modelled pull of the weights' bytes
-                    self.engine.load_weights(version)
-                elif self.vllm:  # in place, prefix cache dropped
-                    self.engine.load_weights(ray.get(refs[0]), version)
-                else:
-                    self.model.load_state_dict(ray.get(refs[0]))
+                # emulated (no model): the modelled pull of the weights' bytes
+                weights = None if self.model is None else ray.get(refs[0])
+                self.engine.load_weights(weights, version)
                 self.version = version
                 executing = []  # leases of an older version are void (the manager requeued)
             room = self.max_batch - len(executing)

@@ -65,7 +65,7 @@ def check_config(world_size: int, kwargs: dict, role: str = "actor") -> None:
             the built-in preset's fields, or ``path`` to a Hugging Face directory whose
             ``config.json`` is read here, see :func:`~.arch.hf_config_of`).
         role: the config section the messages name (``actor``; ``critic`` for
-            :func:`~...critic.megatron_engine.check_config`).
+            :func:`~.critic.check_config`).
 
     Raises:
         ValueError: megatron-core missing, ``tensor_parallel * pipeline_parallel`` not dividing

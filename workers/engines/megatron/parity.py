@@ -209,7 +209,7 @@ def spawn_parity(
     target=None,
 ) -> None:
     """Run ``target`` (default :func:`parity_rank`; or :func:`engine_rank`, or the critic's
-    :func:`~m2flow.workers.critic.megatron_parity.critic_parity_rank`; same arguments) on
+    :func:`~m2flow.workers.engines.megatron.critic_parity.critic_parity_rank`; same arguments) on
     ``tp * pp * dp`` spawned processes (raises if one fails or the whole run exceeds
     ``timeout_s``; stragglers are terminated)."""
     import torch.multiprocessing as mp

@@ -3,8 +3,8 @@
 The parent builds a torch critic (``ValueModel``), a batch with old values and returns, and
 runs the torch critic's update on it twice: from the initial weights (step A) and, as a resume
 check, from step A's weights and AdamW state (step B). It saves all that (``case.pt``) and
-spawns ``tp * dp`` processes (:func:`~..actor.megatron.parity.spawn_parity` with
-``target=critic_parity_rank``); each builds this rank's :class:`~.megatron_engine.MegatronCritic`
+spawns ``tp * dp`` processes (:func:`~.parity.spawn_parity` with
+``target=critic_parity_rank``); each builds this rank's :class:`~.critic.MegatronCritic`
 from the torch critic's state, computes the values, runs ``train_values`` (step A), gathers
 weights and AdamW state into the torch critic's format, then loads the torch critic's state
 after step A (weights and optimizer: the cross-engine resume) and runs step B. Rank 0 writes
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 def critic_parity_rank(rank: int, world: int, workdir: str, tp: int, dp: int, pp: int = 1):
     """One rank of the critic parity run (``pp`` must be 1); writes ``workdir/rank0.pt``."""
-    from ..actor.megatron.parity import join_world
+    from .parity import join_world
 
     workdir = join_world(rank, world, workdir)
     try:
@@ -34,7 +34,7 @@ def critic_parity_rank(rank: int, world: int, workdir: str, tp: int, dp: int, pp
 
 
 def _run(rank: int, world: int, workdir: Path, tp: int) -> None:
-    from .megatron_engine import MegatronCritic
+    from .critic import MegatronCritic
 
     case = torch.load(workdir / "case.pt", weights_only=False)
     engine = MegatronCritic(

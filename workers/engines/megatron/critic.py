@@ -1,8 +1,8 @@
 """The PPO critic on Megatron-core (``critic.engine=megatron``): a ``GPTModel`` trunk and a
 scalar value head, tensor and data parallel over the critic's ranks (one per device).
 
-The model is the actor's (:func:`~..actor.megatron.model.build_gpt_model`: a Qwen2, Llama or
-Mistral trunk as :mod:`~..actor.megatron.arch` maps it, untied) whose ``output_layer`` is
+The model is the actor's (:func:`~.model.build_gpt_model`: a Qwen2, Llama or
+Mistral trunk as :mod:`~.arch` maps it, untied) whose ``output_layer`` is
 replaced by :class:`ValueHead`, a replicated ``Linear(H, 1)`` (how veRL's Megatron critic does
 it: ``LinearForLastLayer``): Megatron's ``GPTModel`` then runs its own final norm and hands the
 head ``[S, B, H]`` hidden states, which are whole on every TP rank (no sequence parallel), so
@@ -10,11 +10,11 @@ the head's values and gradients are the same on every TP rank; like the norms it
 the gradient norm. No vocabulary output layer is kept.
 
 Training (:class:`MegatronValueTrainer`) is the torch critic's
-:meth:`~.trainer.ValueTrainer.train_values` (clipped value loss, mini-batches, epochs), with DP
-rank ``d`` taking the ``d``-th contiguous slice of every mini-batch, gradients and metric sums
+:meth:`~..value_trainer.ValueTrainer.train_values` (clipped value loss, mini-batches, epochs), with
+DP rank ``d`` taking the ``d``-th contiguous slice of every mini-batch, gradients and metric sums
 summed over Megatron's DP group, and the optimizer step of the Megatron actor
-(:meth:`~..actor.megatron.engine.MegatronPolicyTrainer._step`: plain ``torch.optim.AdamW`` on
-the shards, clipping by the global gradient norm).
+(:meth:`~.engine.MegatronPolicyTrainer._step`: plain ``torch.optim.AdamW`` on the shards, clipping
+by the global gradient norm).
 
 Checkpoints are in the torch critic's format (``ValueModel`` state dict names, a
 ``torch.optim.AdamW`` state dict over ``ValueModel.parameters()``): the AdamW moments have the
@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import parallel as dp
-from ..actor.megatron.engine import _QUIET, MegatronPolicyTrainer
-from .trainer import ValueTrainer
+from ... import parallel as dp
+from ..value_trainer import ValueTrainer
+from .engine import _QUIET, MegatronPolicyTrainer
 
 _HEAD = ("output_layer.weight", "output_layer.bias")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -43,7 +43,7 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def check_config(world_size: int, kwargs: dict) -> None:
     """Refuse a Megatron critic configuration before any process starts: the actor's checks
-    (:func:`~..actor.megatron.engine.check_config`) under ``critic.*`` names (the critic runs
+    (:func:`~.engine.check_config`) under ``critic.*`` names (the critic runs
     one pipeline stage: its config has no ``pipeline_parallel``).
 
     Raises:
@@ -51,7 +51,7 @@ def check_config(world_size: int, kwargs: dict) -> None:
             model's heads; the message names the fix. ``UnsupportedModel`` (a ``ValueError``):
             a trunk the engine does not map (the message names ``critic.engine=torch``).
     """
-    from ..actor.megatron.engine import check_config as check
+    from .engine import check_config as check
 
     check(world_size, {**kwargs, "pipeline_parallel": 1}, role="critic")
 
@@ -72,8 +72,8 @@ class ValueHead(nn.Linear):
 
 
 def build_value_model(hf_config):
-    """This rank's Megatron value model (after :func:`~..actor.megatron.model.init_parallel`,
-    PP = 1): the trunk of :func:`~..actor.megatron.model.build_gpt_model` (Qwen2, Llama or
+    """This rank's Megatron value model (after :func:`~.model.init_parallel`,
+    PP = 1): the trunk of :func:`~.model.build_gpt_model` (Qwen2, Llama or
     Mistral; untied: the embedding is not shared with anything) and a :class:`ValueHead` as
     ``output_layer``. ``model(tokens, position_ids, attention_mask=...)`` returns
     ``[B, S, 1]``.
@@ -81,8 +81,8 @@ def build_value_model(hf_config):
     Raises:
         UnsupportedModel: a trunk the engine does not map (names ``critic.engine=torch``).
     """
-    from ..actor.megatron.arch import architecture
-    from ..actor.megatron.model import build_gpt_model
+    from .arch import architecture
+    from .model import build_gpt_model
 
     architecture(hf_config, role="critic")  # refused before anything is built
     untied = copy.deepcopy(hf_config)
@@ -93,10 +93,10 @@ def build_value_model(hf_config):
 
 
 def megatron_values(model, prompt_ids, prompt_mask, response_ids, response_mask):
-    """:func:`~.model.response_values` for a Megatron value model: ``[B, R]`` values of the
+    """:func:`~..value_model.response_values` for a Megatron value model: ``[B, R]`` values of the
     state before each response token, 0 where masked. Rows are rotated left by their prompt
-    padding as for the actor's logprobs (:func:`~..actor.megatron.model.rolled_inputs`)."""
-    from ..actor.megatron.model import rolled_inputs
+    padding as for the actor's logprobs (:func:`~.model.rolled_inputs`)."""
+    from .model import rolled_inputs
 
     tokens, position_ids, causal, back = rolled_inputs(prompt_ids, prompt_mask, response_ids)
     out = model(tokens, position_ids, attention_mask=causal).squeeze(-1).float()  # [B, S]
@@ -115,7 +115,7 @@ def critic_to_megatron(
     (``backbone.*`` = the family's trunk, e.g. ``Qwen2Model`` / ``LlamaModel``,
     ``head.{weight,bias}``). Without ``head.*`` keys (a policy's
     transformer, see :func:`lm_to_critic`) no ``output_layer`` entries are made."""
-    from ..actor.megatron.convert import hf_to_megatron
+    from .convert import hf_to_megatron
 
     lm = {"model." + k[9:]: v for k, v in state.items() if k.startswith("backbone.")}
     out = hf_to_megatron(lm, shape, tp_rank=tp_rank, tp_size=tp_size, post_process=False)
@@ -128,7 +128,7 @@ def critic_to_megatron(
 
 def megatron_to_critic(shards: list[dict[str, torch.Tensor]], shape) -> dict[str, torch.Tensor]:
     """The torch critic's state dict from the TP shards (``shards[r]``: rank ``r``'s)."""
-    from ..actor.megatron.convert import megatron_to_hf
+    from .convert import megatron_to_hf
 
     trunk = [{k: v for k, v in s.items() if k not in _HEAD} for s in shards]
     # "tied": megatron_to_hf then wants no output_layer; its lm_head copy is dropped.
@@ -187,10 +187,10 @@ def optimizer_from_torch(torch_state: dict, names: list[str], shape, tp_rank: in
 
 
 class MegatronValueTrainer(ValueTrainer, MegatronPolicyTrainer):
-    """:class:`~.trainer.ValueTrainer` on this rank's Megatron shard: the torch critic's value
-    loss, mini-batches and epochs; values from :func:`megatron_values`; DP slices and sums over
-    Megatron's DP group; :class:`~..actor.megatron.engine.MegatronPolicyTrainer`'s ``_step``
-    (AdamW on the shards, global gradient-norm clip). Reward-model fitting is not supported."""
+    """:class:`~..value_trainer.ValueTrainer` on this rank's Megatron shard: the torch critic's
+    value loss, mini-batches and epochs; values from :func:`megatron_values`; DP slices and sums
+    over Megatron's DP group; :class:`~.engine.MegatronPolicyTrainer`'s ``_step`` (AdamW on the
+    shards, global gradient-norm clip). Reward-model fitting is not supported."""
 
     def __init__(self, model, **kwargs):
         from megatron.core import parallel_state as ps
@@ -214,7 +214,7 @@ class MegatronCritic:
         torch_state: the torch critic's initial state dict (``ValueModel(..., seed)``: every
             rank builds the same one, so no collective is needed).
         names: ``ValueModel.parameters()`` names, in order (its optimizer's indices).
-        rank, world_size, rendezvous, device: as :class:`~..actor.megatron.engine.MegatronEngine`.
+        rank, world_size, rendezvous, device: as :class:`~.engine.MegatronEngine`.
         tensor_parallel: TP size (divides ``world_size``; DP = world / TP).
         trainer: :class:`MegatronValueTrainer` arguments (``lr``, ``betas``, ...).
 
@@ -239,7 +239,7 @@ class MegatronCritic:
 
         from m2flow._env import wait_timeout
 
-        from ..actor.megatron.model import init_parallel
+        from .model import init_parallel
 
         if not dist.is_initialized():
             dp.init(rank, world_size, rendezvous["addr"], rendezvous["port"], device)
@@ -285,7 +285,7 @@ class MegatronCritic:
     def gather(self) -> dict[str, torch.Tensor] | None:
         """The torch critic's state dict on rank 0 (TP shards of DP replica 0 gathered),
         ``None`` on the other ranks. A collective of the critic's ranks."""
-        from ..actor.megatron.convert import megatron_state
+        from .convert import megatron_state
 
         shards = self._gather_tp({k: v.cpu() for k, v in megatron_state(self.model).items()})
         return None if shards is None else megatron_to_critic(shards, self.shape)
@@ -337,3 +337,71 @@ class MegatronCritic:
 
         ps.destroy_model_parallel()
         dp.shutdown()
+
+
+class MegatronValueEngine:
+    """The ``megatron`` value engine (the critic's): :class:`MegatronCritic` shards, TP x DP,
+    one rank per device; weights and optimizer state leave and enter in the torch critic's
+    layout (so either engine resumes the other's checkpoints). Every rank needs every chunk of
+    the step (:meth:`read_step`: the role exchanges them first).
+    """
+
+    one_rank_per_device = True
+    #: every rank computes the values of every chunk of the step
+    whole_step = True
+
+    @classmethod
+    def check(cls, world_size: int, kwargs: dict, role: str = "critic") -> None:
+        check_config(world_size, kwargs)
+
+    def __init__(
+        self, model: dict, tokenizer, *, device: torch.device, rank: int, world_size: int,
+        dist: dict | None, optim: dict, seed: int = 0, tensor_parallel: int = 1, **_,
+    ) -> None:  # fmt: skip
+        from ..value_model import ValueModel
+
+        if dist is None:
+            raise ValueError("critic.engine=megatron needs the rendezvous: start with launch()")
+        value_model = ValueModel(model, tokenizer, seed=seed)
+        self.megatron = MegatronCritic(
+            value_model.backbone.config,
+            value_model.state_dict(),
+            [n for n, _ in value_model.named_parameters()],
+            rank,
+            world_size,
+            dist,
+            device,
+            tensor_parallel,
+            optim,
+        )
+        self.trainer = self.megatron.trainer
+
+    def load_backbone(self, lm_state: dict[str, torch.Tensor]) -> None:
+        """Every rank gets the whole policy and keeps its shard of the trunk."""
+        self.megatron.load(lm_to_critic(lm_state), head=False)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        from ...weight_change import snapshot
+
+        return snapshot(self.trainer.model.parameters())
+
+    def update_norm(self, before: list[torch.Tensor]) -> float:
+        return self.megatron.change_norm(before)
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        return self.megatron.gather()
+
+    def checkpoint_state(self) -> tuple[dict, dict] | None:
+        """Gathered on rank 0 (a collective); ``None`` on the other ranks."""
+        model, optimizer = self.megatron.gather(), self.megatron.gather_optimizer()
+        return None if model is None else (model, optimizer)
+
+    def load_checkpoint_state(self, model: dict, optimizer: dict) -> None:
+        self.megatron.load(model)
+        self.megatron.load_optimizer(optimizer)
+
+    def offload(self) -> None:
+        self.trainer.offload()
+
+    def onload(self) -> None:
+        self.trainer.onload()

@@ -1,7 +1,7 @@
-"""Training a :class:`~m2flow.workers.critic.model.ValueModel`: the critic's clipped value
+"""Training a :class:`~m2flow.workers.engines.value_model.ValueModel`: the critic's clipped value
 regression and the reward model's fit to verifier labels.
 
-Reuses :class:`~m2flow.workers.actor.trainer.PolicyTrainer` for what is not policy-specific:
+Reuses :class:`~m2flow.workers.engines.trainer.PolicyTrainer` for what is not policy-specific:
 AdamW, gradient clipping, and offload/onload of parameters and optimizer state. Sizes count
 responses (samples), as in the policy trainer.
 """
@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import parallel
-from ..actor.trainer import RESPONSE_KEYS, PolicyTrainer
 from ..algos.ppo import clipped_value_loss
 from ..batch import row_index, row_order, split_rows
-from .model import ValueModel, response_values, sequence_scores
+from .trainer import RESPONSE_KEYS, PolicyTrainer
+from .value_model import ValueModel, response_values, sequence_scores
 
 _METRICS = ("vf_loss", "vf_clip_frac", "value_mean")
 
