@@ -1,5 +1,5 @@
 """DistRS at cluster scale: six GRPO tenants sharing one reward service while their rollouts run
-on the emulated engine, against each tenant with a service of its own (docs/spot_cluster.md,
+on the emulated engine, against each tenant with a service of its own (docs/results/spot_cluster.md,
 "DistRS at cluster scale"; DistRS = shared/papers/004_202a8381d4119568.txt).
 
 A simulation, deterministic by seed: no Ray, no sleeping, nothing interleaved with other runs.

@@ -2,8 +2,8 @@
 cluster of ``benchmarks/spot_cluster_sim.py``: emulated time, deterministic given ``--seed``.
 
 One command runs every experiment; each writes its part of
-``benchmarks/results/spot_cluster.json`` and prints its table (docs/spot_cluster.md puts them
-next to the paper's numbers; ``fig10``, ``fig13_17`` are also plotted in ``spot_cluster.png``):
+``benchmarks/results/spot_cluster.json`` and prints its table (docs/results/spot_cluster.md puts
+them next to the paper's numbers; ``fig10``, ``fig13_17`` are also plotted in ``spot_cluster.png``):
 
 - ``fig10``: veRL, veRL.2x, Disagg.BAL and RLBoost on segments A/B/C (whole 2 h each), 8B /
   14B / 32B; extra rows, ours: the baselines as this project first ran them (through RLBoost's

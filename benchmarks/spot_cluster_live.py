@@ -1,6 +1,6 @@
 """RLBoost at cluster scale on one machine, driving the REAL rollout manager in real time
 (time-compressed): the cross-check of the emulation that ``benchmarks/spot_cluster.py`` runs
-for every figure (docs/spot_cluster.md). Its rows are ours, not the paper's baselines: its
+for every figure (docs/results/spot_cluster.md). Its rows are ours, not the paper's baselines: its
 "veRL" is RLBoost's own colocated fallback (JSQ, Θ, migration) and its "Disagg.BAL" is
 RLBoost's pool with seeding off; real time on a shared machine is noisy (never one run's ratio).
 
@@ -80,7 +80,7 @@ RESERVED_GPU_PER_H = RESERVED_NODE_PER_H / 8
 
 PROMPTS, SAMPLES = 128, 8  # paper:301 (global batch 128 prompts, GRPO group 8)
 LENGTHS = ResponseLengths(3000.0, 1.0, 14336)  # cap: paper:301 (14K); median, sigma: chosen
-PROMPT_TOKENS = 200  # modelled prompt length (OpenR1-Math prompts; docs/emulation.md)
+PROMPT_TOKENS = 200  # modelled prompt length (OpenR1-Math prompts; docs/results/emulation.md)
 EOS, FILL = 1, 2
 
 

@@ -42,7 +42,7 @@ def resolve_workflow(spec: str | Path) -> Path:
     if path.is_file():
         return path.resolve()
     # The built-in programs are package data of m2flow.workflows, located, not imported: the
-    # runtime sits below the workflows (docs/design.md, "Layers").
+    # runtime sits below the workflows (docs/concepts/design.md, "Layers").
     candidate = importlib.resources.files("m2flow.workflows") / f"{path.stem}.py"
     if candidate.is_file() and path.suffix in ("", ".py"):
         return Path(str(candidate))

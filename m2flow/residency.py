@@ -102,8 +102,8 @@ class Residency:
         asking later, gets them at once, but when nobody does (a cycle member whose device
         another group uses only at other times of the step) taking them back costs no round
         trip to the lock service. Without it every wait for data cost two round trips: 33 per
-        step for an embodied env on the actor's device (docs/planning.md, "Cycles split across
-        devices")."""
+        step for an embodied env on the actor's device (docs/results/planning.md, "Cycles split
+        across devices")."""
         if not self._m2flow_holding:
             yield
             return

@@ -14,7 +14,7 @@ Transports (``transport=``, default ``M2FLOW_WEIGHT_TRANSPORT`` or ``"object_sto
   source's ``broadcast``).
 - ``"collective"``: a gloo (CPU) or NCCL (CUDA) broadcast in bucketed buffers over a process
   group of the source and the receivers, built once per pair and cached
-  (:mod:`m2flow.weight_transport`; measured in docs/weight_sync.md).
+  (:mod:`m2flow.weight_transport`; measured in docs/results/weight_sync.md).
 - ``"cuda_ipc"``: source and receivers on one GPU: the receivers map the source's packed
   device buffers (CUDA IPC handles through the object store) and copy from them
   (:mod:`m2flow.weight_ipc`; GPU only, untested here).

@@ -7,7 +7,7 @@
 - :mod:`.spot_trace` -- Appendix C: availability traces (:func:`load_trace`,
   :func:`generate_segment` with Table 5's statistics, :func:`time_scale`, ...).
 
-Readings of the paper and deviations are in each module's docstring and in docs/spot.md.
+Readings of the paper and deviations are in each module's docstring and in docs/results/spot.md.
 Pure Python + numpy/scipy: no Ray, no torch; the same code runs live and in trace replay.
 """
 

@@ -24,7 +24,7 @@ the rollout component's remote option and prices both. Its model of one step (se
   groups that wait for them (a group trains once all its samples are in): a third term
   ``tail_s + f t_train``. :func:`tail_term` derives both from the times each group's last
   sample ends. The throughput lines alone put the step 32-40 % under the emulated cluster's
-  (docs/spot_cluster.md), as most of its step is this tail.
+  (docs/results/spot_cluster.md), as most of its step is this tail.
 
 The step is the max of a rising and a falling line in ``T``, so the best window is their
 crossing ``T* = (sync + B / (n r) - t_train) / (1 + B / (R n r))`` (in this model both

@@ -16,7 +16,7 @@ and ``N_prem``, the most remote instances the rollout manager may hold:
 - lines 11-14: memory ``M[n_hat] = T_seed`` when the instance count did not change during the
   step (``n_bar == n_hat``), and ``T_seed = M[n_hat]`` when the coming step's count was seen.
 
-Readings of the extracted text (also in docs/spot.md):
+Readings of the extracted text (also in docs/results/spot.md):
 
 - ``t_remote_wait`` is a per-instance mean (seconds), not a sum over instances: line 9 weighs
   it against the training cluster's single wall-clock idle time, so a sum would make the step

@@ -18,8 +18,9 @@ and prints the command that trains from them with no warm start (the model is "p
     m2flow run workflows/grpo.py model.path=OUT_DIR/model data.train_files=OUT_DIR/train.jsonl
         data.val_files=OUT_DIR/val.jsonl reward.function=OUT_DIR/reward.py:compute_score
 
-A real model works the same way (docs/own_model.md): a downloaded directory for ``model.path``,
-Parquet or JSONL files for the data, a reward file or a built-in (``math``, ``exact``).
+A real model works the same way (docs/how-to/own-model.md): a downloaded directory for
+``model.path``, Parquet or JSONL files for the data, a reward file or a built-in (``math``,
+``exact``).
 """
 
 from __future__ import annotations

@@ -173,9 +173,9 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_layers_import_only_downwards():
-    """docs/design.md's layering: the runtime (m2flow/) imports no workers (the reward service's CLI
-    joins through an entry point); the planner (scheduler/) imports neither the runtime nor
-    Ray nor torch."""
+    """docs/concepts/design.md's layering: the runtime (m2flow/) imports no workers (the reward
+    service's CLI joins through an entry point); the planner (scheduler/) imports neither the
+    runtime nor Ray nor torch."""
     for f in sorted((ROOT / "m2flow").glob("*.py")):
         bad = [n for n in _imports(f) if "workers" in n.split(".")]
         assert not bad, f"{f.name} imports {bad}"

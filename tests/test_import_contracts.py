@@ -1,5 +1,5 @@
-"""The import contracts of pyproject.toml's ``[tool.importlinter]`` (docs/design.md, "Layers"):
-kept by this checkout, and each broken by an import planted in a copy of it.
+"""The import contracts of pyproject.toml's ``[tool.importlinter]`` (docs/concepts/design.md,
+"Layers"): kept by this checkout, and each broken by an import planted in a copy of it.
 
 ``scripts/lint_imports.py`` runs import-linter on the tree as it installs (workers/, scheduler/
 and workflows/ inside m2flow/); CI runs it too (.ci/run). A run takes well under a second.

@@ -1,7 +1,7 @@
 """Megatron-core actor backend: checkpoint conversion and parity with the torch (HF) engine.
 
 CPU, fp32, gloo. Skipped as a whole without the ``megatron`` extra (``megatron-core==0.16.1``).
-Tolerances (measured on this 2-core CPU box, see docs/megatron.md):
+Tolerances (measured on this 2-core CPU box, see docs/results/megatron.md):
 
 - conversion HF -> Megatron -> HF: bit-exact (``torch.equal``), tp = 1, 2, 4 shards;
 - per-token logprobs and loss, Megatron (TP=1 in-process; TP=2, PP=2, TP=2 x DP=2 over gloo) vs the

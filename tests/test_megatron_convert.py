@@ -12,7 +12,7 @@ perturbed away from HF's 1/0 initialisation (a mislaid norm or bias then shows),
 - ``llama-tied``: Llama 2 style multi-head (4 KV heads), tied, ``rope_type="linear"`` (factor 2);
 - ``mistral``: no sliding window, ``head_dim=8`` set explicitly, untied.
 
-Checks (tolerances as tests/test_megatron.py; measured values in docs/megatron.md):
+Checks (tolerances as tests/test_megatron.py; measured values in docs/results/megatron.md):
 
 - HF -> Megatron TP shards (tp = 1, 2; tp = 2 x pp = 2 stages) -> HF: every weight
   ``torch.equal``, exactly the original's keys, loads with ``strict=True`` into the original

@@ -1,7 +1,7 @@
 """``critic.engine=megatron``: the PPO critic on Megatron-core vs the torch critic.
 
 CPU, fp32, gloo; skipped without the ``megatron`` extra and on a CUDA host (the CPU/gloo path is
-what this covers). Tolerances as docs/megatron.md's table (measured values there):
+what this covers). Tolerances as docs/results/megatron.md's table (measured values there):
 
 - conversion torch critic -> Megatron shards -> torch critic (weights and AdamW moments):
   bit-exact, tp = 1, 2;

@@ -11,7 +11,7 @@ for the k3 KL term); on each one's live groups:
 - the two steps' updates equal the torch engine's on the same training data from the same
   weights (replayed here, AdamW state carried over; with KL the reference is the warm start):
   losses within ``LOSS_ATOL``, weights within ``WEIGHT_ATOL`` (fp32 rounding; measured values
-  in docs/megatron.md);
+  in docs/results/megatron.md);
 - the HF-layout checkpoint (plus one optimizer file per rank) restores shards and optimizer,
   and the reference shard (= the warm-started weights) with KL on.
 """

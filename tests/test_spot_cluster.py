@@ -41,7 +41,7 @@ def test_step_tokens_are_the_emulated_lengths(sc):
 def test_offline_rollout_and_plan(sc):
     r4 = sc.offline_rollout_s("qwen3-8b", 4, 0, 0, 512, 256)
     r8 = sc.offline_rollout_s("qwen3-8b", 8, 0, 0, 512, 256)
-    assert 150 < r4 < 400 and r8 < r4  # docs/emulation.md: 236-280 s on four TP-2 engines
+    assert 150 < r4 < 400 and r8 < r4  # docs/results/emulation.md: 236-280 s on four TP-2 engines
     p = sc.plan_for("qwen3-8b", "A", 0, 1, 512, 256, range(0, 1))
     best = p["plan"]["best"]
     assert best["mode"] in ("seeded", "spot") and best["step_s"] < p["R"] + p["t_train"]

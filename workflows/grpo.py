@@ -4,7 +4,7 @@ reward -> actor.
     m2flow run workflows/grpo.py trainer.steps=50 rollout.temperature=0.8
     m2flow run workflows/grpo.py plan=auto cluster.devices_per_node=2
     m2flow run workflows/grpo.py data.train_files=train.jsonl data.val_files=val.jsonl \
-        reward.function=my_reward.py:compute_score      # docs/data_and_rewards.md
+        reward.function=my_reward.py:compute_score      # docs/how-to/data-and-rewards.md
 
 The runner below is the whole algorithm; it holds no placement logic. Where each group runs and
 how finely the rollout streams to its consumers is the runtime's plan (``plan=temporal``, the
@@ -61,14 +61,14 @@ class ActorConfig(OptimConfig):
     recompute_old_logprobs: bool = False
     shared_prefix: bool = True  # forward each group's prompt once (same math, ~3x fewer tokens)
     data_parallel: bool = False  # one rank per device, gradients all-reduced (gloo/NCCL)
-    engine: str = "torch"  # or "megatron": Megatron-core, one rank per device (docs/megatron.md)
+    engine: str = "torch"  # or "megatron": one rank per device (docs/results/megatron.md)
     tensor_parallel: int = 1  # megatron: TP size (divides the heads)
     pipeline_parallel: int = 1  # megatron: PP size (divides the layers); DP = devices / (TP*PP)
 
 
 @dataclass
 class GRPORolloutConfig(RolloutConfig):
-    engine: str = "hf"  # or "vllm": vLLM's CPU build in process (the vllm extra; docs/vllm.md)
+    engine: str = "hf"  # or "vllm": vLLM's CPU build in process (vllm extra; docs/results/vllm.md)
 
 
 @dataclass

@@ -75,7 +75,7 @@ class ActorConfig(OptimConfig):
     mini_batch_size: int = 128  # responses per optimizer step; 0 = the whole batch
     whiten_advantages: bool = True
     recompute_old_logprobs: bool = False  # the rollout's logprobs are the same weights'
-    engine: str = "torch"  # or "megatron": Megatron-core, one rank per device (docs/megatron.md)
+    engine: str = "torch"  # or "megatron": one rank per device (docs/results/megatron.md)
     tensor_parallel: int = 1  # megatron: TP size; DP = the actor's devices / TP
 
 
@@ -83,7 +83,7 @@ class ActorConfig(OptimConfig):
 class CriticConfig(OptimConfig):
     lr: float = 5e-4  # the head starts at 0: the critic must catch up fast
     mini_batch_size: int = 128
-    engine: str = "torch"  # or "megatron": Megatron-core, one rank per device (docs/megatron.md)
+    engine: str = "torch"  # or "megatron": one rank per device (docs/results/megatron.md)
     tensor_parallel: int = 1  # megatron: TP size; DP = the critic's devices / TP
 
 

@@ -32,8 +32,8 @@ class ActorWorker(Worker):
     Torch engine: one rank by default (given several devices by a plan it uses them as one,
     ``data_parallel = False``); with ``data_parallel=True`` one rank per device, each reading
     its share of the step's chunks, one gradient all-reduce per step. Megatron engine
-    (docs/megatron.md): one rank per device in TP x PP x DP groups, every rank training on the
-    whole step. The warm start runs on rank 0's Hugging Face model and reaches the other ranks
+    (docs/results/megatron.md): one rank per device in TP x PP x DP groups, every rank training on
+    the whole step. The warm start runs on rank 0's Hugging Face model and reaches the other ranks
     through :meth:`TrainEngine.publish`; rank 0 is the weight source and writes the
     checkpoints (every rank loads them).
 

@@ -2,7 +2,8 @@
 costs the time a GPU engine would take (a throughput model) and that time is slept, not
 computed. So the spot pool's manager, policies and Ray actors run unchanged at cluster scale
 (RLBoost section 6: Qwen3-8B/14B/32B, responses capped at 14K = 14,336 tokens, 128 prompts x 8
-per step) with many instances sharing one CPU. Model, calibration and limits: ``docs/emulation.md``.
+per step) with many instances sharing one CPU. Model, calibration and limits:
+``docs/results/emulation.md``.
 
 Three small pieces, each usable alone:
 
@@ -76,7 +77,7 @@ class ModelShape:
 QWEN3_8B = ModelShape("Qwen3-8B", 36, 4096, 12288, 32, 8, 128, 151936)
 QWEN3_14B = ModelShape("Qwen3-14B", 40, 5120, 17408, 40, 8, 128, 151936)
 QWEN3_32B = ModelShape("Qwen3-32B", 64, 5120, 25600, 64, 8, 128, 151936)
-# The models of the published throughput table the model is calibrated on (docs/emulation.md).
+# The models of the published throughput table it is calibrated on (docs/results/emulation.md).
 LLAMA31_8B = ModelShape("Llama-3.1-8B", 32, 4096, 14336, 32, 8, 128, 128256)
 LLAMA33_70B = ModelShape("Llama-3.3-70B", 80, 8192, 28672, 64, 8, 128, 128256)
 
@@ -106,8 +107,9 @@ class ThroughputModel:
     are large); several prefills in one call share the weight read. Weight transfer:
     ``latency_s + bytes / (net_bytes_per_s * net_eff)``.
 
-    The efficiencies and TP costs are fitted to published H100 throughput (docs/emulation.md:
-    within 4 % (rms) of TensorRT-LLM's Llama-3.1-8B table, 9 % of its Llama-3.3-70B TP-2 one).
+    The efficiencies and TP costs are fitted to published H100 throughput
+    (docs/results/emulation.md: within 4 % (rms) of TensorRT-LLM's Llama-3.1-8B table, 9 % of
+    its Llama-3.3-70B TP-2 one).
 
     Attributes (beyond the formula's): ``weight_bytes_per_param``/``kv_bytes_per_elem`` (2:
     BF16; 1: FP8, which also doubles ``F``); ``mem_util``: share of the engine's HBM for
@@ -227,7 +229,7 @@ class ThroughputModel:
 
 
 #: One engine per spot instance (2 x H100, TP 2: RLBoost section 6.1 and its released launch
-#: scripts), BF16 weights and KV cache. docs/emulation.md gives the sources of every number.
+#: scripts), BF16 weights and KV cache. docs/results/emulation.md gives the sources of every number.
 PRESETS: dict[str, ThroughputModel] = {
     "qwen3-8b": ThroughputModel(QWEN3_8B),
     "qwen3-14b": ThroughputModel(QWEN3_14B),
@@ -257,7 +259,7 @@ _LENGTH_SALT = 0x1E46_7115  # a 4th key column: the length draw never equals a t
 class ResponseLengths:
     """Response lengths in tokens: ``min(max(round(exp(N(ln median, sigma^2))), low), cap)``.
 
-    Defaults (median 3000, sigma 1.0, cap 16384): a choice, not a fit (docs/emulation.md):
+    Defaults (median 3000, sigma 1.0, cap 16384): a choice, not a fit (docs/results/emulation.md):
     mean ~4.5K tokens, p90 ~10.8K, ~4.5 % of responses cut at the 16K cap, the long tail
     of reasoning RL on OpenR1-Math-like prompts.
 

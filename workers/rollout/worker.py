@@ -41,14 +41,14 @@ class RolloutWorker(Worker):
             (:func:`.generation.prefill_shared`) instead of once per sample.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
         spot: :class:`~m2flow.workers.rollout.spot.config.SpotPoolConfig` fields: with ``enabled``,
-            each step's rollout goes through the spot rollout pool (RLBoost; docs/spot.md):
+            each step's rollout goes through the spot rollout pool (RLBoost; docs/results/spot.md):
             this rank seeds for ``T_seed`` seconds, spot instances continue.
         seed: the run seed: token ``t`` of sample ``j`` of prompt ``p`` in step ``s`` is drawn
             from a counter keyed by ``(seed, s, p, j, t)`` (:mod:`.sampling`), so responses do
             not depend on the rank, chunk or plan that generated them.
         engine: ``"hf"`` (transformers ``generate``, the default) or ``"vllm"``
-            (:class:`~.vllm_engine.VllmEngine`, in-process vLLM CPU; docs/vllm.md): it samples
-            and takes weight updates; ``self.model`` still holds the weights for
+            (:class:`~.vllm_engine.VllmEngine`, in-process vLLM CPU; docs/results/vllm.md): it
+            samples and takes weight updates; ``self.model`` still holds the weights for
             :meth:`evaluate`. With ``spot`` the pool runs vLLM too: block-wise continuation
             (:meth:`~.vllm_engine.VllmEngine.step`) on this rank and on every spot instance
             (not with ``spot.engine="emulated"``, which models the engine instead).
@@ -126,7 +126,8 @@ class RolloutWorker(Worker):
         n_samples]``, ``entries`` by group, ``weight_version``, ``step``, ``step_samples``) put
         with weight = its token count; ``step_samples = num_prompts * n_samples`` is the number
         of responses the whole step will have (all ranks): a consumer may announce it before
-        the step's last chunk (the reward service's batch-size hint, docs/reward_service.md).
+        the step's last chunk (the reward service's batch-size hint,
+        docs/results/reward_service.md).
 
         Returns:
             ``samples``, ``tokens`` (prompt + response), ``response_length`` (mean tokens).

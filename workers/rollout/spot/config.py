@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class EmulatedEngineConfig:
     """``rollout.spot.emulated``: the emulated engine (``rollout.spot.engine=emulated``;
-    :mod:`m2flow.workers.rollout.emulated`, docs/emulation.md)."""
+    :mod:`m2flow.workers.rollout.emulated`, docs/results/emulation.md)."""
 
     model: str = "qwen3-8b"  # throughput preset: qwen3-8b | qwen3-14b | qwen3-32b (TP 2, H100)
     time_scale: float = 1.0  # emulated seconds per real second (as cluster.spot.time_scale)
@@ -21,7 +21,7 @@ class EmulatedEngineConfig:
 
 @dataclass
 class SpotPoolConfig:
-    """The spot rollout pool (RLBoost; docs/spot.md). Off unless ``enabled``.
+    """The spot rollout pool (RLBoost; docs/results/spot.md). Off unless ``enabled``.
 
     Times in seconds; counts of requests (responses) unless said otherwise.
     """
@@ -39,7 +39,7 @@ class SpotPoolConfig:
     rebalance: bool = True  # Algorithm 2's continuous rebalancing (ablation: False)
     block_tokens: int = 4  # tokens per report: a preemption loses at most one block
     max_batch: int = 64  # requests an instance executes at once
-    batch_rows: int = 32  # rows of every engine forward (fixed: exact tokens; docs/spot.md)
+    batch_rows: int = 32  # rows of every engine forward (fixed: exact tokens; docs/results/spot.md)
     micro_batch_prompts: int = 4  # m_b: GRPO groups per chunk streamed to training
     threads: int = 1  # torch threads of a spot instance
     migration: str = "tokens"  # "tokens": keep the partial response; "recompute" (ablation)

@@ -542,7 +542,7 @@ class RolloutManager:
         self._changed()
 
     def _end_step(self) -> None:
-        """Algorithm 1 after a step (definitions in docs/spot.md)."""
+        """Algorithm 1 after a step (definitions in docs/results/spot.md)."""
         now = self._integrate()  # n_bar's integral up to the step's end, at its clock
         c = self.cur
         elapsed = max(now - c.start, 1e-9)

@@ -47,12 +47,12 @@ class ReservedSeeder:
             "eos_id": worker.tokenizer.eos_token_id, "filler_id": len(worker.tokenizer) - 1,
         }  # fmt: skip
         self.manager = get_manager(asdict(self.cfg), worker.world_size, args)
-        if self.cfg.engine == "emulated":  # same loop, modelled time (docs/emulation.md)
+        if self.cfg.engine == "emulated":  # same loop, modelled time (docs/results/emulation.md)
             self.engine = EmulatedEngine.from_config(
                 args["emulated"], args["eos_id"], args["filler_id"], worker.seed,
                 self.cfg.min_new_tokens,
             )  # fmt: skip
-        elif worker.vllm is not None:  # rollout.engine=vllm: block-wise vLLM (docs/spot.md)
+        elif worker.vllm is not None:  # rollout.engine=vllm: block-wise vLLM (docs/results/spot.md)
             self.engine = worker.vllm
         else:
             self.engine = ExactEngine(
