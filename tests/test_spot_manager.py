@@ -1,8 +1,8 @@
 """The spot pool's rollout manager driven directly (RLBoost section 4.1 Algorithm 1, section
 4.2.1 Algorithm 2; docs/results/spot.md): the real :class:`RolloutManager` with its background
 loops, in this process's event loop, the test playing the reserved rank, the spot instances
-(register, lease, report, as :mod:`~m2flow.workers.rollout.spot.instance` does) and the trainer. No spot
-node is needed: the Ray session only answers the pool loop's node listing.
+(register, lease, report, as :mod:`~m2flow.workers.rollout.spot.instance` does) and the trainer.
+No spot node is needed: the Ray session only answers the pool loop's node listing.
 
 Each test checks what Algorithm 1 or 2 does with the numbers the manager measures itself, not
 the policy fed by hand: the scheduler memory firing, rebalanced requests reaching the idle
