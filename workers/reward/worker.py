@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import deque
+from contextlib import nullcontext
 
 import torch
 from m2flow.scheduler.balance import all_queued
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, events
 
 from ..batch import num_tokens
 from ..chunk import RolloutChunk
@@ -140,7 +141,10 @@ class RewardWorker(Worker):
             ready = []
             while pending and (pending[0][2].done() or (wait and not ready)):
                 chunk, ids, fut = pending.popleft()
-                got = fut.result(timeout=self.service["timeout_s"] + _GRACE_S)
+                # a wait for the service shows in the run's trace (trace.json)
+                waiting = nullcontext() if fut.done() else events.span("reward_service", "rewards")
+                with waiting:
+                    got = fut.result(timeout=self.service["timeout_s"] + _GRACE_S)
                 rewards = [got[i] for i in ids]
                 chunk.batch["rewards"] = torch.tensor(rewards, dtype=torch.float32)
                 rewards_all += rewards

@@ -17,7 +17,7 @@ from dataclasses import asdict
 import ray
 import torch
 
-from m2flow import Channel
+from m2flow import Channel, events
 from m2flow.work import Work
 
 from ...batch import num_tokens, to_batch
@@ -89,7 +89,8 @@ class ReservedSeeder:
         got, deadline = 0, time.monotonic() + c.timeout_s
         while got < len(items):
             ref = mgr.collect.remote(w.rank, c.micro_batch_prompts, _COLLECT_POLL_S)
-            groups = Work(ref, yields=True).wait(_COLLECT_POLL_S + 30)  # devices free meanwhile
+            with events.span("spot", "collect"):  # devices free meanwhile
+                groups = Work(ref, yields=True).wait(_COLLECT_POLL_S + 30)
             if not groups:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
