@@ -11,7 +11,7 @@ import torch
 
 from .. import parallel as dp
 from ..llm import load_model
-from .trainer import PolicyTrainer
+from .trainer import PolicyTrainer, TrainerSteps
 
 
 def load_pretrained_weights(model: torch.nn.Module, src: Path) -> None:
@@ -31,7 +31,7 @@ def load_pretrained_weights(model: torch.nn.Module, src: Path) -> None:
     model.tie_weights()
 
 
-class TorchEngine:
+class TorchEngine(TrainerSteps):
     """The policy as one Hugging Face model per rank (see :class:`~.train.TrainEngine`).
 
     With ``kl_coef > 0`` (in ``optim``) a frozen copy of the policy, in the compute dtype, is
@@ -77,17 +77,6 @@ class TorchEngine:
         self.kl_coef = optim.get("kl_coef", 0.0)
         self.ref_model: torch.nn.Module | None = None
         self.freeze_reference()
-
-    @property
-    def steps(self) -> int:
-        return self.trainer.steps
-
-    @steps.setter
-    def steps(self, value: int) -> None:
-        self.trainer.steps = value
-
-    def set_lr(self, lr: float) -> None:
-        self.trainer.set_lr(lr)
 
     def freeze_reference(self) -> None:
         """The reference := a frozen copy of the policy now (KL on only)."""

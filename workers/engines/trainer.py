@@ -420,3 +420,21 @@ class PolicyTrainer:
             self.optimizer.state[p] = {
                 k: next(tensors) if v is _PACKED else v for k, v in st.items()
             }
+
+
+class TrainerSteps:
+    """``steps`` and ``set_lr`` of an engine whose optimizer lives in ``self.trainer`` (a
+    :class:`PolicyTrainer`)."""
+
+    trainer: PolicyTrainer
+
+    @property
+    def steps(self) -> int:
+        return self.trainer.steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.trainer.steps = value
+
+    def set_lr(self, lr: float) -> None:
+        self.trainer.set_lr(lr)

@@ -21,7 +21,23 @@ from .generation import generate, stop_token_ids
 ROLLOUT_ENGINES = Registry("rollout", {})
 
 
-class HfEngine:
+class _OnHostModel:
+    """An engine sampling from the host's Hugging Face model (``self.model``): a weight load is
+    a state-dict load, and there is nothing to sleep."""
+
+    model: torch.nn.Module
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        self.model.load_state_dict(weights)
+
+    def sleep(self) -> bool:
+        return False
+
+    def wake_up(self) -> bool:
+        return False
+
+
+class HfEngine(_OnHostModel):
     """Whole GRPO groups from the Hugging Face model (:func:`~.generation.generate`); the
     host's model, so the host's weight loads are the engine's."""
 
@@ -37,27 +53,9 @@ class HfEngine:
             shared_prefix=self.shared_prefix, sample_keys=sample_keys, seed=self.seed,
         )  # fmt: skip
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        self.model.load_state_dict(weights)
 
-    def sleep(self) -> bool:
-        return False
-
-    def wake_up(self) -> bool:
-        return False
-
-
-class HostExactEngine(ExactEngine):
+class HostExactEngine(_OnHostModel, ExactEngine):
     """:class:`~.exact.ExactEngine` on the host's model, taking weight loads into it."""
-
-    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        self.model.load_state_dict(weights)
-
-    def sleep(self) -> bool:
-        return False
-
-    def wake_up(self) -> bool:
-        return False
 
 
 class PulledEmulatedEngine(EmulatedEngine):

@@ -11,10 +11,10 @@ import torch
 from ...batch import row_order
 from ...llm import load_model
 from ..torch_engine import load_pretrained_weights
-from ..trainer import PolicyTrainer
+from ..trainer import PolicyTrainer, TrainerSteps
 
 
-class MegatronPolicyEngine:
+class MegatronPolicyEngine(TrainerSteps):
     """The policy as Megatron ``GPTModel`` shards, one rank per device (TP x PP x DP; see
     :mod:`.engine`).
 
@@ -64,17 +64,6 @@ class MegatronPolicyEngine:
         self.trainer = self.megatron.trainer
         if rank != 0:  # only rank 0 keeps a Hugging Face copy (the weight source)
             self.model = self.sft_trainer = None
-
-    @property
-    def steps(self) -> int:
-        return self.trainer.steps
-
-    @steps.setter
-    def steps(self, value: int) -> None:
-        self.trainer.steps = value
-
-    def set_lr(self, lr: float) -> None:
-        self.trainer.set_lr(lr)
 
     # -- training ---------------------------------------------------------------------------
 
