@@ -43,3 +43,7 @@ def test_grpo_scores_through_the_reward_service(cluster, tmp_path):
     # Every response of both steps went through the service: 2 steps x 4 prompts x 4 samples.
     assert served["requests_done"] == 2 * 4 * 4
     assert served["tasks"]["grpo"]["batches"] >= 2
+    # the reward ranks' waits for the service are spans of the run's trace
+    trace = json.loads((run_dir / "trace.json").read_text())
+    waits = [e for e in trace if e.get("cat") == "reward_service"]
+    assert waits and all(e["dur"] >= 0 and e["name"] == "rewards" for e in waits)
