@@ -22,9 +22,8 @@ from m2flow.work import Work
 
 from ...batch import num_tokens, to_batch
 from ...chunk import RolloutChunk
-from ..emulated import EmulatedEngine
-from ..exact import ExactEngine, GenRequest, to_generation_output
-from ..generation import stop_token_ids
+from ..engines import ROLLOUT_ENGINES
+from ..exact import GenRequest, to_generation_output
 from .config import SpotPoolConfig
 from .manager import get_manager
 
@@ -47,20 +46,11 @@ class ReservedSeeder:
             "eos_id": worker.tokenizer.eos_token_id, "filler_id": len(worker.tokenizer) - 1,
         }  # fmt: skip
         self.manager = get_manager(asdict(self.cfg), worker.world_size, args)
-        if self.cfg.engine == "emulated":  # same loop, modelled time (docs/results/emulation.md)
-            self.engine = EmulatedEngine.from_config(
-                args["emulated"], args["eos_id"], args["filler_id"], worker.seed,
-                self.cfg.min_new_tokens,
-            )  # fmt: skip
-        elif worker.vllm is not None:  # rollout.engine=vllm: block-wise vLLM (docs/results/spot.md)
+        if worker.vllm is not None:  # rollout.engine=vllm: block-wise on the role's own engine
             self.engine = worker.vllm
-        else:
-            self.engine = ExactEngine(
-                worker.model,
-                stop_token_ids(worker.tokenizer, worker.model.generation_config),
-                worker.temperature, worker.top_p,
-                worker.seed, self.cfg.batch_rows, self.cfg.min_new_tokens,
-            )  # fmt: skip
+        else:  # the spot instances' chain (exact, or emulated: same loop, modelled time)
+            build = ROLLOUT_ENGINES.get(self.cfg.engine, "rollout.spot")
+            self.engine = build(args, worker.model, worker.tokenizer)
 
     def stage(self, weights: dict, version: int) -> None:
         """Stage new weights once for every spot instance to pull (RLBoost 4.3)."""
