@@ -59,8 +59,8 @@ class TrainerConfig:
     steps: int = 100  # training steps (updates)
     eval_every: int = 25  # held-out evaluation every this many steps (and at the last)
     save_every: int = 25  # checkpoint every this many steps (and at the last)
-    seed: int = 0
-    run_dir: str = "runs/run"
+    seed: int = 0  # seeds the model, sampling and data order: same seed, same run
+    run_dir: str = "runs/run"  # metrics, checkpoints, trace.json and the plan report
     # metric sinks (m2flow.loggers): console, jsonl, tensorboard, wandb, mlflow (offline; the
     # last three are extras of the same names)
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])

@@ -33,11 +33,11 @@ class TaskConfig:  # the reasoning-gym source: used without data.train_files
     # the generator's keyword arguments, over data.reasoning_gym.TASK_DEFAULTS[name] (any
     # key, e.g. task.config.max_digits=3; see task_config)
     config: dict[str, Any] = field(default_factory=dict)
-    train_seed: int = 1
-    train_size: int = 20000
+    train_seed: int = 1  # generator seed of the training split
+    train_size: int = 20000  # prompts in the training split
     val_seed: int = 2  # warm start stops on this split, never on the held-out one
-    val_size: int = 300
-    heldout_seed: int = 3
+    val_size: int = 300  # prompts in the warm start's validation split
+    heldout_seed: int = 3  # generator seed of the held-out split (evaluation)
     heldout_size: int = 500  # greedy accuracy = share of items with score == 1
     # Chat-template tokenizers (model.tokenizer=qwen2): the system turn; a reasoning-gym
     # SYSTEM_PROMPTS name (default, direct, simple, ...), "" for none, or the text itself.
@@ -59,19 +59,19 @@ class WarmStartConfig:
     enabled: Optional[bool] = None
     steps: int = 2000  # supervised steps at most
     batch_size: int = 256  # samples per step
-    lr: float = 3e-3
+    lr: float = 3e-3  # AdamW learning rate of the supervised steps
     # Stop early on purpose: an uncertain policy gives GRPO groups with mixed rewards.
     target_accuracy: Optional[float] = 0.15  # greedy accuracy on the val split
-    eval_every: int = 10
-    time_budget_s: Optional[float] = 360.0
+    eval_every: int = 10  # supervised steps between validation checks
+    time_budget_s: Optional[float] = 360.0  # stop after this many seconds; None: no limit
 
 
 @dataclass
 class RolloutConfig:
     n_samples: int = 16  # GRPO group size (responses per prompt)
-    max_new_tokens: int = 6
+    max_new_tokens: int = 6  # response cap in tokens (EOS included)
     temperature: float = 0.7  # 1.0 samples too far from the greedy policy to learn from
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling: smallest token set of this probability; 1 = off
     shared_prefix: bool = True  # prefill each prompt once per group, not once per sample
     threads: int = 0  # torch threads; 0 = the rank's share of its node's CPUs
     # the RLBoost spot rollout pool (docs/how-to/spot.md)
@@ -82,10 +82,10 @@ class RolloutConfig:
 class OptimConfig:
     """What every trained model's optimiser shares (AdamW, clipping, batch split)."""
 
-    lr: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    lr: float = 1e-4  # AdamW learning rate
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW (beta1, beta2)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    grad_clip: float = 1.0  # global gradient-norm clip per optimizer step
     mini_batch_size: int = 0  # responses per optimizer step; 0 = the whole global batch
     micro_batch_size: int = 0  # responses per forward/backward; 0 = the whole mini-batch
     threads: int = 0  # torch threads; 0 = the CPUs of the model's devices

@@ -35,13 +35,13 @@ class EnvConfig:
     id: str = "CartPole-v1"  # Gymnasium id: flat Box observations, Discrete actions
     num_envs: int = 64  # simulators per environment rank (one vectorised env)
     steps: int = 32  # environment steps per simulator per PPO update (rollout length T)
-    threads: int = 1
+    threads: int = 1  # torch threads of an environment rank
 
 
 @dataclass
 class PolicyConfig:
     hidden: int = 64  # width of the two tanh layers (policy and value MLPs)
-    threads: int = 1
+    threads: int = 1  # torch threads of a policy (inference) rank
 
 
 @dataclass
@@ -51,11 +51,11 @@ class AlgorithmConfig:
     lam: float = 0.8  # GAE lambda (RL Zoo CartPole)
     clip_eps: float = 0.2  # PPO ratio clip: [1 - eps, 1 + eps]
     value_clip: float = 0.2  # value clip around the old values (0: none)
-    vf_coef: float = 0.5
-    ent_coef: float = 0.0
+    vf_coef: float = 0.5  # weight of the value loss
+    ent_coef: float = 0.0  # weight of the entropy bonus
     epochs: int = 10  # passes over each batch
     mini_batch_size: int = 256  # environment steps per optimizer step
-    grad_clip: float = 0.5
+    grad_clip: float = 0.5  # global gradient-norm clip
     threads: int = 0  # actor's torch threads; 0 = the CPUs of its devices
 
 

@@ -54,11 +54,11 @@ RENAMED = {"task.max_prompt_tokens": "data.max_prompt_tokens"}
 @dataclass
 class ActorConfig(OptimConfig):
     lr: float = 1e-4  # 1e-3 collapsed the policy in our runs
-    clip_eps_low: float = 0.2
+    clip_eps_low: float = 0.2  # ratio clip [1 - low, 1 + high] of the policy loss
     clip_eps_high: float = 0.28  # DAPO's clip-higher
     kl_coef: float = 0.0  # k3 KL to the warm-started policy; 0 = no reference
     drop_flat_groups: bool = True  # groups with one reward for all samples: no signal
-    recompute_old_logprobs: bool = False
+    recompute_old_logprobs: bool = False  # recompute behaviour logprobs, not the rollout's
     shared_prefix: bool = True  # forward each group's prompt once (same math, ~3x fewer tokens)
     data_parallel: bool = False  # one rank per device, gradients all-reduced (gloo/NCCL)
     engine: str = "torch"  # or "megatron": one rank per device (docs/results/megatron.md)

@@ -73,7 +73,7 @@ class AlgorithmConfig:
 @dataclass
 class ActorConfig(OptimConfig):
     mini_batch_size: int = 128  # responses per optimizer step; 0 = the whole batch
-    whiten_advantages: bool = True
+    whiten_advantages: bool = True  # advantages to mean 0, std 1 over the batch's tokens
     recompute_old_logprobs: bool = False  # the rollout's logprobs are the same weights'
     engine: str = "torch"  # or "megatron": one rank per device (docs/results/megatron.md)
     tensor_parallel: int = 1  # megatron: TP size; DP = the actor's devices / TP
@@ -90,7 +90,7 @@ class CriticConfig(OptimConfig):
 @dataclass
 class ReferenceConfig:
     micro_batch_size: int = 0  # responses per forward; 0 = a whole chunk
-    threads: int = 0
+    threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
 
 
 @dataclass
@@ -102,10 +102,10 @@ class RewardModelConfig:
     # the verifier is the run's reward function (reward.function)
     verifier_weight: float = 0.5  # reward = w * verifier + (1 - w) * reward model
     lr: float = 1e-3  # reward-model fit
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # global gradient-norm clip of the fit
     batch_size: int = 64  # samples per fit step
-    micro_batch_size: int = 0
-    threads: int = 0
+    micro_batch_size: int = 0  # samples per forward/backward; 0 = the whole batch
+    threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
 
 
 @dataclass

@@ -23,8 +23,8 @@ class DataConfig:
     # Columns (veRL's names by default); dotted paths reach into nested columns.
     prompt_key: str = "prompt"  # a string, or chat messages [{"role", "content"}]
     answer_key: str = "reward_model.ground_truth"  # this default falls back to "answer"
-    data_source_key: str = "data_source"
-    extra_info_key: str = "extra_info"
+    data_source_key: str = "data_source"  # column naming each row's source (reward routing)
+    extra_info_key: str = "extra_info"  # column passed to the reward function as extra_info
     # Longest prompt in tokens (both sources). 0: model.max_position_embeddings -
     # rollout.max_new_tokens.
     max_prompt_tokens: int = 0

@@ -32,18 +32,18 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     # "sdpa" measured ~5% faster than "eager" for [256, 16] batches on 2 CPU cores.
     attn_implementation: str = "sdpa"
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 64
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
-    vocab_size: Optional[int] = None
-    pad_token_id: Optional[int] = None
-    eos_token_id: Optional[int] = None
-    bos_token_id: Optional[int] = None
+    hidden_size: int = 128  # the built model's shape (Qwen2 config names), without path
+    intermediate_size: int = 384  # MLP width
+    num_hidden_layers: int = 4  # transformer layers
+    num_attention_heads: int = 4  # query heads (divides hidden_size)
+    num_key_value_heads: int = 2  # key/value heads, grouped-query attention (divides the above)
+    max_position_embeddings: int = 64  # longest prompt + response, in tokens
+    rope_theta: float = 10000.0  # rotary position embedding base
+    tie_word_embeddings: bool = True  # output layer shares the input embedding's weights
+    vocab_size: Optional[int] = None  # None: the tokenizer's
+    pad_token_id: Optional[int] = None  # None: the tokenizer's (its eos where it has none)
+    eos_token_id: Optional[int] = None  # None: the tokenizer's
+    bos_token_id: Optional[int] = None  # None: the tokenizer's
 
 
 #: The fields that say how to load or run a model rather than its shape.

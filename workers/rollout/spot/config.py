@@ -26,7 +26,7 @@ class SpotPoolConfig:
     Times in seconds; counts of requests (responses) unless said otherwise.
     """
 
-    enabled: bool = False
+    enabled: bool = False  # on: rollout also runs on spot instances (or a plan turns it on)
     t_seed_init: float = 1.0  # Algorithm 1's T_init: the reserved ranks' first seeding window
     eta: float = 3.0  # Algorithm 1's adaptation rate (T_seed moves by wait difference / eta)
     memory: bool = True  # Algorithm 1's scheduler memory M (ablation: False)
