@@ -207,30 +207,40 @@ def f(x):
 
 
 class HostDisk:
-    """Peak bytes under a host directory, sampled every 50 ms."""
+    """Peak bytes (allocated: ``st_blocks``) and files under a host directory, sampled every
+    50 ms while it runs (``with HostDisk(root) as disk:``, or ``stop()``)."""
 
     def __init__(self, root: str) -> None:
-        self.root, self.peak = root, 0
+        self.root, self.peak_bytes, self.peak_files = root, 0, 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            size = 0
+            size = files = 0
             for d, _, names in os.walk(self.root):
                 for n in names:
                     try:
                         size += os.lstat(os.path.join(d, n)).st_blocks * 512
+                        files += 1
                     except OSError:
                         pass
-            self.peak = max(self.peak, size)
+            self.peak_bytes = max(self.peak_bytes, size)
+            self.peak_files = max(self.peak_files, files)
             self._stop.wait(0.05)
 
     def stop(self) -> int:
+        """Stop sampling; returns the peak bytes."""
         self._stop.set()
         self._t.join(timeout=10)
-        return self.peak
+        return self.peak_bytes
+
+    def __enter__(self) -> HostDisk:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 async def disk_fill(c, tag, go, ctx):

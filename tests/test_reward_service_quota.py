@@ -5,15 +5,18 @@ never fit) and the disk a sandbox may fill (a size- and file-count-limited /scra
 from __future__ import annotations
 
 import json
-import os
-import threading
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from m2flow.workers.reward.service.app import BackgroundServer
 from m2flow.workers.reward.service.client import RewardClient
 from test_reward_service_hardening import SQUARE, TESTS, TOKENS, _config, namespaces
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from reward_service_attack_input import FILL, INODES, HostDisk  # noqa: E402
 
 PER_TENANT = 2 * 2**20
 TOTAL = 3 * 2**20
@@ -98,62 +101,7 @@ def test_queued_bytes_are_capped_per_tenant_and_in_total(server):
     assert _queued(url, "alice") == {"tenant": 0, "total": 0}
 
 
-# ---- item 4: a sandbox's disk ---------------------------------------------------------------
-FILL = """
-n = 0
-try:
-    for i in range(300):
-        with open('big-%d' % i, 'wb') as fh:
-            fh.write(b'x' * 2**20)
-        n += 1
-except OSError:
-    pass
-def f(x):
-    return n
-"""
-INODES = """
-import time
-n, end = 0, time.time() + 2.0
-try:
-    while time.time() < end:
-        open('e%d' % n, 'w').close()
-        n += 1
-except OSError:
-    pass
-def f(x):
-    return n
-"""
-
-
-class HostDisk:
-    """Samples the bytes and files under a host directory every 50 ms (peak)."""
-
-    def __init__(self, root: str) -> None:
-        self.root, self.peak_bytes, self.peak_files = root, 0, 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            size = files = 0
-            for d, _, names in os.walk(self.root):
-                for n in names:
-                    try:
-                        size += os.lstat(os.path.join(d, n)).st_size
-                        files += 1
-                    except OSError:
-                        pass
-            self.peak_bytes = max(self.peak_bytes, size)
-            self.peak_files = max(self.peak_files, files)
-            self._stop.wait(0.05)
-
-    def __enter__(self) -> HostDisk:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._t.join(timeout=10)
+# ---- item 4: a sandbox's disk (payloads and the host-side probe are the attack benchmark's)
 
 
 @namespaces
