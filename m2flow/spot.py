@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from ._context import here  # noqa: F401 (public path: m2flow.spot.here)
+from .reaper import Reaper, kill_tree
 
 SPOT_RESOURCE = "m2flow_spot"
 LOOPBACK = "127.0.0.2"  # as the embedded cluster's: Ray maps 127.0.0.1 to a routable address
@@ -77,14 +78,18 @@ class LocalSpotCluster:
             port = sock.getsockname()[1]
         self.address = f"{LOOPBACK}:{port}"
         self.spot_cpus = spot_cpus
+        # ends the nodes if this process is SIGKILLed (nothing of ours runs then)
+        self._reaper = Reaper()
         self._head = _ray_start(
             ["--head", f"--port={port}", f"--num-cpus={num_cpus:g}",
              f"--resources={json.dumps(resources)}", "--include-dashboard=false"]
         )  # fmt: skip
+        self._reaper.watch(self._head.pid)
         try:
             ray.init(address=self.address, _node_ip_address=LOOPBACK, namespace="m2flow")
         except BaseException:
-            _kill_tree(self._head.pid)
+            kill_tree(self._head.pid)
+            self._reaper.close()
             raise
         self._spot: list[_SpotNode] = []  # live spot nodes, oldest first
         self._guard = threading.Lock()
@@ -94,7 +99,8 @@ class LocalSpotCluster:
         self.preemptions = self.joins = 0
         # Its nodes run in sessions of their own (a terminal's signals miss them): they end
         # with this process on a normal exit or an error (atexit) and on SIGTERM (raised as
-        # SystemExit, so the run's cleanup runs as for Ctrl-C's KeyboardInterrupt).
+        # SystemExit, so the run's cleanup runs as for Ctrl-C's KeyboardInterrupt); on SIGKILL
+        # the reaper ends them.
         atexit.register(self._at_exit)
         self._sigterm = None
         if threading.current_thread() is threading.main_thread():
@@ -124,6 +130,7 @@ class LocalSpotCluster:
                     [f"--address={self.address}", f"--num-cpus={self.spot_cpus:g}",
                      f"--resources={res}"]
                 )  # fmt: skip
+                self._reaper.watch(proc.pid)
                 try:
                     deadline = time.monotonic() + timeout
                     while True:
@@ -137,8 +144,9 @@ class LocalSpotCluster:
                             raise TimeoutError(f"spot node {tag} did not join in {timeout:.0f} s")
                         time.sleep(0.1)
                 except BaseException:  # Ray gone (shutdown began), a timeout, a signal
-                    _kill_tree(proc.pid)
+                    kill_tree(proc.pid)
                     proc.wait(timeout=30)
+                    self._reaper.forget(proc.pid)
                     raise
                 self._spot.append(_SpotNode(proc, ids[0]))
                 self.joins += 1
@@ -165,8 +173,9 @@ class LocalSpotCluster:
         raise ValueError(f"no live spot node {node_id}")
 
     def _kill(self, node: _SpotNode) -> None:
-        _kill_tree(node.proc.pid)
+        kill_tree(node.proc.pid)
         node.proc.wait(timeout=30)
+        self._reaper.forget(node.proc.pid)
         self.preemptions += 1
 
     def replay(self, trace: list[tuple[float, int]], time_scale: float = 1.0, seed: int = 0,
@@ -212,11 +221,12 @@ class LocalSpotCluster:
             self._thread.join(timeout=60)
         with self._guard:
             for node in self._spot:
-                _kill_tree(node.proc.pid)
+                kill_tree(node.proc.pid)
                 node.proc.wait(timeout=30)
             self._spot.clear()
-        _kill_tree(self._head.pid)
+        kill_tree(self._head.pid)
         self._head.wait(timeout=30)
+        self._reaper.close()
         atexit.unregister(self._at_exit)
         if self._sigterm is not None and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
             signal.signal(signal.SIGTERM, self._sigterm)
@@ -236,27 +246,3 @@ def _ray_start(args: list[str]) -> subprocess.Popen:
         # With "0" (our CI default) Ray keeps every node single-node: this cluster is not.
         env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"},
     )  # fmt: skip
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process descending from it (read from ``/proc``): Ray's
-    workers leave the node's process group, so a group kill would miss them."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    todo, tree = [pid], []
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo += children.get(p, [])
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass

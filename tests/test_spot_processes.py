@@ -1,7 +1,8 @@
 """Every process a local spot cluster starts (``m2flow.spot.LocalSpotCluster``: the head and
 spot nodes run as ``ray start`` in sessions of their own, so a terminal's signals miss them)
-ends with the driver: on a normal exit without ``shutdown``, on an error, on SIGINT and on
-SIGTERM, while a trace flaps a node every 0.3 s (a node may be starting at that moment).
+ends with the driver: on a normal exit without ``shutdown``, on an error, on SIGINT, on
+SIGTERM and on SIGKILL (when nothing of the driver runs: ``m2flow.reaper``), while a trace
+flaps a node every 0.3 s (a node may be starting at that moment).
 
 Processes are counted by a marker in their environment, which every process the driver
 starts (and theirs) inherits: other Ray sessions on the machine do not count.
@@ -54,7 +55,7 @@ def marked(mark: str) -> list[int]:
 
 # "error" and SIGINT (KeyboardInterrupt) end the interpreter by the same atexit path as "exit"
 # (pass them here to check them too; each case starts a cluster, ~5 s on an idle machine).
-@pytest.mark.parametrize("end", ["exit", "SIGTERM"])
+@pytest.mark.parametrize("end", ["exit", "SIGTERM", "SIGKILL"])
 def test_spot_cluster_processes_end_with_the_driver(end, tmp_path):
     mark = f"m2flow-leak-{uuid.uuid4().hex}"
     env = {**os.environ, "M2FLOW_LEAK_MARK": mark, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -83,5 +84,11 @@ def test_spot_cluster_processes_end_with_the_driver(end, tmp_path):
     assert left == [], (end, code, [open(f"/proc/{p}/cmdline").read()[:200] for p in left])
     if end in ("exit", "SIGTERM"):  # no thread died (the trace replay's included)
         assert "Traceback" not in stderr, stderr[-3000:]
-    expected = {"exit": (0,), "error": (1,), "SIGINT": (1, -2, 130), "SIGTERM": (15, 143)}[end]
+    expected = {
+        "exit": (0,),
+        "error": (1,),
+        "SIGINT": (1, -2, 130),
+        "SIGTERM": (15, 143),
+        "SIGKILL": (-9,),
+    }[end]
     assert code in expected, (code, stderr[-2000:])
