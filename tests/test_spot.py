@@ -9,6 +9,7 @@ for bit the uninterrupted one" is one equality.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -136,24 +137,35 @@ def run_step(rollout, mgr, step: int, prompts: int = 16, during=None) -> tuple:
     return res, got, versions, items
 
 
-def test_preempted_instance_migrates_and_responses_stay_exact(pool):
+def test_trace_preempts_an_instance_holding_requests_and_responses_stay_exact(pool):
+    """A trace (``LocalSpotCluster.replay``, what ``cluster.spot.trace`` runs) drops the two
+    spot nodes to one while both instances hold partial responses. The trace's clock starts
+    when the manager shows that (a real run's starts at its first step), so whichever node the
+    trace takes, the manager's records say what it held; the moved responses continue on the
+    other instance or the reserved rank, and every response arrives once, bit for bit the
+    uninterrupted one, logprobs included."""
     cluster, local, actor, rollout, mgr = pool
-    wait_until(lambda: spot_ready(mgr) >= 1, 240, "a spot instance on the current weights")
-    killed = []
+    ray.get(mgr.set_config.remote(n_prem_init=2), timeout=60)  # an instance on each node
+    wait_until(lambda: spot_ready(mgr) == 2, 240, "two spot instances on the current weights")
+    start = threading.Event()
+    local.replay([(0.0, 1)], start=start)  # at t=0 of its clock: one of the two nodes goes
+    held = []
 
-    def preempt_one(m):
-        busy = [
-            v["node"] for v in m["instances"].values() if v["kind"] == "spot" and v["executing"]
-        ]
-        if busy and m["partial"] and not killed:
-            local.remove_node_id(busy[0])  # a node that holds partial responses
-            killed.append(busy[0])
+    def start_trace(m):
+        spot = [v for v in m["instances"].values() if v["kind"] == "spot"]
+        if not start.is_set() and len(spot) == 2 and all(v["partial"] for v in spot):
+            held.append(spot)
+            start.set()
 
-    res, got, versions, items = run_step(rollout, mgr, step=1, during=preempt_one)
-    assert killed, "the step ended before a spot instance held a partial response"
+    res, got, versions, items = run_step(rollout, mgr, step=1, during=start_trace)
+    assert held, "the step ended before both spot instances held partial responses"
+    wait_until(lambda: local.preemptions == 1, 30, "the trace's preemption")
     spot = res["spot"]
-    assert spot["preemptions"] == 1 and spot["migrated_samples"] >= 1, spot
-    assert spot["migrated_tokens"] >= spot["migrated_samples"]  # partial responses kept
+    assert spot["preemptions"] == 1, spot
+    # what the preempted instance held, from the manager's records: requests with tokens
+    assert spot["preempted_requests"] >= 1 and spot["preempted_tokens"] >= 1, spot
+    assert spot["migrated_samples"] >= 1 and spot["migrated_tokens"] >= spot["preempted_tokens"]
+    assert spot["spot_tokens"] > 0
     # every sample once, all from the current weights, bit for bit the uninterrupted ones
     expected = reference(actor, items)
     assert set(got) == set(expected) and versions == {0} and res["weight_versions"] == [0]
@@ -175,7 +187,11 @@ def test_zero_spot_instances_finish_on_the_reserved_devices(pool):
 def test_node_joining_mid_step_pulls_weights_and_takes_work(pool):
     """No spot node at the start: the reserved rank generates (one request at a time, so the
     step lasts); a node joins, its instance pulls the weights of the current version and takes
-    over part of the step."""
+    over part of the step.
+
+    A race on a loaded machine: the new instance's cold start (a worker process on the new
+    node, torch and the model built: its ``__init__`` alone took 21 s at load ~18) can outlast
+    the step (~25 s there), and then the reserved rank finishes it alone."""
     cluster, local, actor, rollout, mgr = pool
     assert local.spot_nodes == 0
     sync_weights(actor, rollout)  # a new step of the manager (same weights, version 0)

@@ -77,6 +77,7 @@ def build_exact(args: dict, model, tokenizer) -> HostExactEngine:
     return HostExactEngine(
         model, stop_token_ids(tokenizer, model.generation_config), args["temperature"],
         args["top_p"], args["seed"], args["batch_rows"], args.get("min_new_tokens", 0),
+        args.get("decode_delay_s", 0.0),
     )  # fmt: skip
 
 

@@ -21,6 +21,7 @@ behind the same interface migrates correctly but not bit for bit.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -78,6 +79,8 @@ class ExactEngine:
         batch_rows: rows of every forward (fixed: part of what makes tokens exact).
         min_new_tokens: EOS is masked out before this many response tokens (vLLM's
             ``min_tokens``; fixed-length responses for measurements).
+        delay_s: seconds slept after each decode iteration (one token for every live
+            request): a slower device's pace for a tiny model; the tokens do not change.
     """
 
     def __init__(
@@ -89,8 +92,10 @@ class ExactEngine:
         seed: int = 0,
         batch_rows: int = 16,
         min_new_tokens: int = 0,
+        delay_s: float = 0.0,
     ) -> None:
         self.model = model.eval()
+        self.delay_s = delay_s
         self.min_new_tokens = min_new_tokens
         self.stop_ids = [eos_id] if isinstance(eos_id, int) else sorted(eos_id)
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
@@ -113,6 +118,8 @@ class ExactEngine:
                 for i in range(0, len(group), self.batch_rows):
                     self._advance(group[i : i + self.batch_rows], version, label)
                     made += len(group[i : i + self.batch_rows])
+            if self.delay_s:
+                time.sleep(self.delay_s)
         return made
 
     def _advance(self, rows: list[GenRequest], version: int, label: str) -> None:

@@ -44,6 +44,9 @@ class SpotPoolConfig:
     threads: int = 1  # torch threads of a spot instance
     migration: str = "tokens"  # "tokens": keep the partial response; "recompute" (ablation)
     min_new_tokens: int = 0  # EOS is not sampled before this many tokens (vLLM's min_tokens)
+    # exact engine: seconds added to each decode iteration (one token for every executing
+    # request), a slower device's pace on a tiny model; tokens and logprobs do not change
+    decode_delay_s: float = 0.0
     timeout_s: float = 1800.0  # longest wait for a step's responses
     engine: str = "exact"  # "exact" (ExactEngine) or "emulated" (sleeps by a throughput model)
     emulated: EmulatedEngineConfig = field(default_factory=EmulatedEngineConfig)
@@ -67,6 +70,7 @@ class SpotPoolConfig:
             (self.n_prem_init >= 0, "rollout.spot.n_prem_init must be >= 0"),
             (self.migration in ("tokens", "recompute"), "rollout.spot.migration: tokens|recompute"),
             (self.min_new_tokens >= 0, "rollout.spot.min_new_tokens must be >= 0"),
+            (0 <= self.decode_delay_s < 60, "rollout.spot.decode_delay_s must be in [0, 60)"),
             (self.engine in ("exact", "emulated"), "rollout.spot.engine: exact|emulated"),
         ]
         e = self.emulated

@@ -33,7 +33,9 @@ policies in :mod:`m2flow.scheduler.spot`; the manager applies them:
   version.
 
 Times are ``time.monotonic()`` seconds. Metrics per step: tokens by reserved vs spot engines,
-preemptions, migrated samples and tokens, ``T_seed``, ``N_prem``.
+preemptions and the requests and tokens the preempted instances held, migrated samples and
+tokens, ``T_seed``, ``N_prem``. The records it keeps (instances, the step's clock, Algorithm
+1's inputs) are in :mod:`.records`.
 """
 
 from __future__ import annotations
@@ -42,56 +44,17 @@ import asyncio
 import math
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
 
 import ray
-from m2flow.scheduler.spot import (
-    SeedingPolicy,
-    StepStats,
-    ThroughputProfile,
-    rebalance,
-    seconds_outside,
-    select_instance,
-)
+from m2flow.scheduler.spot import SeedingPolicy, ThroughputProfile, rebalance, select_instance
 
 from ..exact import GenRequest
 from .config import SpotPoolConfig
 from .instance import SpotInstance
 from .names import MANAGER_NAME
+from .records import InstanceRecord, StepRecord
 
 _POLL_S = 0.05
-
-
-@dataclass
-class _Instance:
-    id: str
-    kind: str  # "spot" or "reserved"
-    handle: object = None  # the SpotInstance actor (spot only)
-    node: str = ""
-    version: int = -1
-    pending: deque = field(default_factory=deque)  # request ids assigned, not leased yet
-    executing: set = field(default_factory=set)  # request ids leased
-    revoke: dict = field(default_factory=dict)  # executing id -> instance it moves to
-    accepting: bool = True  # False: leaving (a reserved rank after seeding)
-    busy_s: float = 0.0  # engine seconds this step
-    last_done: float | None = None  # when it last finished a response this step
-    since: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Step:
-    step: int = -1
-    start: float = 0.0
-    seed_end: float | None = None
-    owners: dict[int, int] = field(default_factory=dict)  # rank -> prompts it will collect
-    # waits of a trainer that collects itself (collect's caller trains between calls)
-    train_wait: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    # the trainer's reported waits for micro-batches: rank -> [(t0, t1)] wall-clock seconds
-    trainer_waits: dict[int, list] = field(default_factory=dict)
-    seed_end_wall: float | None = None  # time.time() when the seeding window ended
-    reserved_spans: list = field(default_factory=list)  # [id, t0, t1]: reserved generation (wall)
-    n_integral: float = 0.0  # spot instance-seconds, for n_bar
-    n_since: float = 0.0
 
 
 class RolloutManager:
@@ -116,17 +79,23 @@ class RolloutManager:
         self.plateau: int | None = None
         self.version: int = -1
         self.weights: list = []  # [ObjectRef] of the staged weights
-        self.instances: dict[str, _Instance] = {}
+        self.instances: dict[str, InstanceRecord] = {}
         self.requests: dict[str, GenRequest] = {}
         self.queue: deque[str] = deque()
         self.groups_left: dict[tuple[int, int], int] = {}  # (owner, prompt) -> unfinished
         self.ready: dict[int, list[list[GenRequest]]] = defaultdict(list)  # owner -> groups
-        self.cur = _Step()
+        self.cur = StepRecord()
         self.changed = asyncio.Event()
         self.stats: dict = self._fresh_stats()
         self.history: list[dict] = []  # one record per finished step
         self._rr = 0
         self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        """Start the background loops now: spot instances start on the nodes there are and
+        are ready when the first weights are staged (the pool's creator calls it; any other
+        call starts them too)."""
+        self._start()
 
     def _start(self) -> None:
         """The background loops, started by the first call (an actor's __init__ has no event
@@ -182,7 +151,7 @@ class RolloutManager:
         if step != self.cur.step:
             if self.cur.step >= 0:  # the last step ended without new weights: close it anyway
                 self._end_step()
-            self.cur = _Step(step=step, start=now, n_since=now)
+            self.cur = StepRecord(step=step, start=now, n_since=now)
             for inst in self.instances.values():
                 inst.busy_s, inst.last_done = 0.0, None
         self.cur.owners[owner] = self.cur.owners.get(owner, 0) + len({r.key[1] for r in requests})
@@ -201,7 +170,7 @@ class RolloutManager:
         """A reserved rank starts seeding (spot instances are registered by the pool loop)."""
         if kind == "spot":
             self._integrate()  # the count changes: n_bar's integral up to now
-        self.instances[instance_id] = _Instance(instance_id, kind, version=self.version)
+        self.instances[instance_id] = InstanceRecord(instance_id, kind, version=self.version)
         if kind == "reserved":  # the reserved devices generate from now until it leaves
             self.cur.reserved_spans.append([instance_id, time.time(), None])
         self._changed()
@@ -286,7 +255,9 @@ class RolloutManager:
     async def spot_ready(self) -> int:
         """Spot instances alive on the current weights."""
         return sum(
-            1 for i in self.instances.values() if i.kind == "spot" and i.version == self.version
+            1
+            for i in self.instances.values()
+            if i.kind == "spot" and i.version == self.version >= 0
         )
 
     async def collect(self, owner: int, min_groups: int, timeout: float) -> list[list[GenRequest]]:
@@ -344,6 +315,10 @@ class RolloutManager:
                     "version": i.version,
                     "pending": len(i.pending),
                     "executing": len(i.executing),
+                    # executing requests with reported tokens: partial responses it holds
+                    "partial": sum(
+                        1 for r in i.executing if r in self.requests and self.requests[r].tokens
+                    ),
                     "node": i.node,
                 }
                 for i in self.instances.values()
@@ -366,6 +341,8 @@ class RolloutManager:
             "reserved_tokens": 0,
             "spot_tokens": 0,
             "preemptions": 0,
+            "preempted_requests": 0,  # requests the preempted instances held (moved on)
+            "preempted_tokens": 0,  # their response tokens, kept (migration)
             "migrated_samples": 0,
             "migrated_tokens": 0,
             "rebalanced_samples": 0,
@@ -397,7 +374,7 @@ class RolloutManager:
                 del self.requests[q.id]
             del self.groups_left[key]
 
-    def _requeue(self, rid: str, migrated: bool, to: _Instance | None = None) -> None:
+    def _requeue(self, rid: str, migrated: bool, to: InstanceRecord | None = None) -> None:
         """Back to the queue's head, or to the head of ``to``'s pending requests (a
         rebalancing move's destination, while it can still take work)."""
         r = self.requests[rid]
@@ -412,7 +389,7 @@ class RolloutManager:
         else:
             self.queue.appendleft(rid)  # continued first: it has the most work done
 
-    def _eligible(self) -> list[_Instance]:
+    def _eligible(self) -> list[InstanceRecord]:
         return [
             i
             for i in self.instances.values()
@@ -493,23 +470,17 @@ class RolloutManager:
                     ),
                 ).remote(iid, self.cfg.block_tokens, self.cfg.max_batch, self.instance_args)
                 self._integrate()
-                inst = self.instances[iid] = _Instance(iid, "spot", handle, node)
+                inst = self.instances[iid] = InstanceRecord(iid, "spot", handle, node)
                 spot.append(inst)
                 asyncio.get_event_loop().create_task(self._watch(inst, handle.run.remote()))
             await asyncio.sleep(0.5)
 
     def _integrate(self) -> float:
-        """Advance the step's spot instance-seconds (``n_bar``'s integral) to now, at the
-        count held since the last call: called before every change of the count and at the
-        step's end, so a count held constant integrates exactly. Returns now (monotonic)."""
-        now = time.monotonic()
-        c = self.cur
-        held = sum(1 for i in self.instances.values() if i.kind == "spot")
-        c.n_integral += held * max(now - c.n_since, 0.0)
-        c.n_since = now
-        return now
+        """``n_bar``'s integral up to now at the spot count held (:meth:`StepRecord.
+        integrate`). Returns now (monotonic)."""
+        return self.cur.integrate(sum(1 for i in self.instances.values() if i.kind == "spot"))
 
-    async def _watch(self, inst: _Instance, run) -> None:
+    async def _watch(self, inst: InstanceRecord, run) -> None:
         """Until the instance's process dies (its watch call fails) or its loop ends (``run``
         raised: an error, not a preemption; the instance is killed), then requeue its work."""
         calls = [asyncio.wrap_future(inst.handle.watch.remote().future()),
@@ -534,6 +505,11 @@ class RolloutManager:
             self.stats["instance_errors"] += 1
         elif inst.version >= 0:
             self.stats["preemptions"] += 1
+            held = [
+                self.requests[r] for r in (*inst.pending, *inst.executing) if r in self.requests
+            ]
+            self.stats["preempted_requests"] += len(held)
+            self.stats["preempted_tokens"] += sum(len(r.tokens) for r in held)
         else:  # died before it pulled weights (e.g. its node was already gone)
             self.stats["failed_starts"] += 1
         for rid in [*inst.pending, *inst.executing]:
@@ -545,21 +521,7 @@ class RolloutManager:
         """Algorithm 1 after a step (definitions in docs/results/spot.md)."""
         now = self._integrate()  # n_bar's integral up to the step's end, at its clock
         c = self.cur
-        elapsed = max(now - c.start, 1e-9)
-        spot = [i for i in self.instances.values() if i.kind == "spot"]
-        seed_end = c.seed_end if c.seed_end is not None else now
-        train_wait = self._train_wait(time.time())
-        worked = [i for i in spot if i.last_done is not None]
-        n_bar = c.n_integral / elapsed
-        stats = StepStats(
-            n_bar=n_bar,
-            n_hat=len(spot),
-            t_train_wait=train_wait,
-            t_remote_wait=sum(now - i.last_done for i in worked) / max(len(worked), 1),
-            t_train=max(now - seed_end - train_wait, 1e-6),
-            # per instance: the pool's busy instance-seconds over n_bar (scheduler.spot)
-            t_remote=sum(i.busy_s for i in spot) / n_bar if n_bar > 0 else 0.0,
-        )
+        stats = c.stats(now, [i for i in self.instances.values() if i.kind == "spot"])
         t_seed, n_prem = self.policy.t_seed, self.policy.n_prem
         if self.cfg.seeding:
             self.policy.update(stats)
@@ -571,26 +533,11 @@ class RolloutManager:
             {**self.stats, "step": c.step, "t_seed": t_seed, "n_prem": n_prem,
              "n_bar": stats.n_bar, "n_hat": stats.n_hat, "t_train_wait": stats.t_train_wait,
              "t_remote_wait": stats.t_remote_wait, "t_train": stats.t_train,
-             "t_remote": stats.t_remote, "step_s": elapsed}
+             "t_remote": stats.t_remote, "step_s": max(now - c.start, 1e-9)}
         )  # fmt: skip
         self.history = self.history[-100:]
         self.stats = self._fresh_stats()
         self.cur.step = -1
-
-    def _train_wait(self, end: float) -> float:
-        """``t_train^wait`` of the step ending at ``end`` (wall clock): the mean over trainer
-        ranks of their reported waits after the seeding window, less the reserved ranks'
-        generation (the devices roll out then, they are not idle); without reports, the mean
-        collect wait of a trainer that collects itself."""
-        c = self.cur
-        if not c.trainer_waits:
-            return sum(c.train_wait.values()) / max(len(c.train_wait), 1)
-        lo = c.seed_end_wall if c.seed_end_wall is not None else end
-        busy = [(a, b if b is not None else end) for _, a, b in c.reserved_spans]
-        total = 0.0
-        for spans in c.trainer_waits.values():
-            total += sum(seconds_outside(a, b, lo, end, busy) for a, b in spans)
-        return total / len(c.trainer_waits)
 
 
 def get_manager(cfg: dict, n_reserved: int, instance_args: dict):

@@ -41,11 +41,14 @@ class ReservedSeeder:
             "model": model, "tokenizer": tokenizer, "temperature": worker.temperature,
             "top_p": worker.top_p, "seed": worker.seed, "batch_rows": self.cfg.batch_rows,
             "threads": self.cfg.threads, "min_new_tokens": self.cfg.min_new_tokens,
+            "decode_delay_s": self.cfg.decode_delay_s,
             "engine": "vllm" if worker.vllm is not None else self.cfg.engine,
             "emulated": asdict(self.cfg.emulated),
             "eos_id": worker.tokenizer.eos_token_id, "filler_id": len(worker.tokenizer) - 1,
         }  # fmt: skip
         self.manager = get_manager(asdict(self.cfg), worker.world_size, args)
+        # instances start now (during a warm start): ready when the first weights are staged
+        ray.get(self.manager.start.remote(), timeout=120)
         if worker.vllm is not None:  # rollout.engine=vllm: block-wise on the role's own engine
             self.engine = worker.vllm
         else:  # the spot instances' chain (exact, or emulated: same loop, modelled time)
@@ -111,9 +114,9 @@ class ReservedSeeder:
                 tokens += n_tok
                 resp_tokens += int(batch["response_mask"].sum())
         pool = ray.get(mgr.metrics.remote(), timeout=120)
-        keep = ("reserved_tokens", "spot_tokens", "preemptions", "migrated_samples",
-                "migrated_tokens", "rebalanced_samples", "released", "t_seed",
-                "n_prem")  # fmt: skip
+        keep = ("reserved_tokens", "spot_tokens", "preemptions", "preempted_requests",
+                "preempted_tokens", "migrated_samples", "migrated_tokens", "rebalanced_samples",
+                "released", "t_seed", "n_prem")  # fmt: skip
         return {
             "samples": samples,
             "tokens": tokens,
