@@ -1,0 +1,38 @@
+"""What the roles compose, without Ray: the actor's typed options, the step's batch in a fixed
+order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from m2flow.workers.actor.config import ActorOptions
+from m2flow.workers.chunk import RolloutChunk, step_batch, timed
+from m2flow.workers.engines.trainer import PolicyTrainer
+from tensordict import TensorDict
+
+
+def test_actor_options_typed_and_checked():
+    opt = ActorOptions.from_kwargs({"lr": 3e-4, "betas": [0.9, 0.95], "mini_batch_size": 8})
+    assert opt.betas == (0.9, 0.95) and opt.mini == 8 and opt.micro is None
+    optim = opt.optim(torch.bfloat16)
+    assert optim["lr"] == 3e-4 and optim["compute_dtype"] is torch.bfloat16
+    PolicyTrainer(torch.nn.Linear(2, 2), **optim)  # every key is a trainer argument
+    with pytest.raises(ValueError, match="has no option lrr, mini_batch: its options are"):
+        ActorOptions.from_kwargs({"lrr": 1.0, "mini_batch": 2})
+
+
+def _chunk(gid: int, version: int, rows: int = 2) -> RolloutChunk:
+    batch = TensorDict(
+        {"group_index": torch.full((rows,), gid), "prompt_ids": torch.ones(rows, gid % 3 + 1)},
+        batch_size=[rows],
+    )
+    return RolloutChunk(batch, entries={gid: {}}, weight_version=version)
+
+
+def test_step_batch_orders_by_key_and_counts_stale():
+    batch, stale = step_batch([_chunk(9, 2), _chunk(4, 3, rows=3)], pad_token_id=0, version=3)
+    assert batch["group_index"].tolist() == [4, 4, 4, 9, 9]  # by key, not by arrival
+    assert stale == 2 and batch["prompt_ids"].shape == (5, 2)  # left padded to the longest
+    waits: list = []
+    assert list(timed(iter("ab"), waits)) == ["a", "b"]
+    assert len(waits) == 3 and all(t1 >= t0 for t0, t1 in waits)  # the end of stream too
