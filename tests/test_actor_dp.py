@@ -9,7 +9,7 @@ from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.batch import to_batch
 from m2flow.workers.chunk import RolloutChunk
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
-from m2flow.workers.rollout.generation import generate
+from m2flow.workers.llm.generation import generate
 from test_workflow import ALPHABET, TINY_MODEL, TOKENIZER
 
 from m2flow import Channel, Worker

@@ -30,8 +30,8 @@ from m2flow.workers.engines.trainer import PolicyTrainer
 from m2flow.workers.engines.value_model import ValueModel
 from m2flow.workers.engines.value_trainer import ValueTrainer
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
-from m2flow.workers.rollout.generation import generate
-from m2flow.workers.rollout.sampling import sample_tokens
+from m2flow.workers.llm.generation import generate
+from m2flow.workers.llm.sampling import sample_tokens
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 

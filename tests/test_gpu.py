@@ -204,7 +204,7 @@ def test_grpo_step_on_cuda(tmp_path):
     from m2flow.workers.algos.grpo import grpo_advantages
     from m2flow.workers.engines.trainer import PolicyTrainer
     from m2flow.workers.llm import build_tokenizer, load_model, tokenizer_spec
-    from m2flow.workers.rollout.generation import generate
+    from m2flow.workers.llm.generation import generate
 
     path = _tiny_llama_dir(tmp_path / "llama")
     tok = build_tokenizer(tokenizer_spec({"path": path}))

@@ -87,6 +87,11 @@ PLANTS = {
         "from m2flow.workers.actor import losses  # noqa",
         "m2flow.workers.engines is not allowed to import m2flow.workers.actor",
     ),
+    "a role imports another role": (
+        "workers/actor/sft.py",
+        "def f():\n    from m2flow.workers.rollout import engines  # noqa",
+        "m2flow.workers.actor is not allowed to import m2flow.workers.rollout",
+    ),
     "a package cycle in workers": (
         "workers/llm/config.py",
         "def f():\n    from m2flow.workers.data import item  # noqa",

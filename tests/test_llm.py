@@ -26,10 +26,10 @@ from m2flow.workers.llm import (
     load_checkpoint,
     save_checkpoint,
 )
+from m2flow.workers.llm.generation import eos_mask, generate, left_pad
 from m2flow.workers.llm.tokenizer import decode_responses
-from m2flow.workers.reward.functions import RewardFunction
-from m2flow.workers.rollout.evaluation import evaluate
-from m2flow.workers.rollout.generation import eos_mask, generate, left_pad
+from m2flow.workers.scoring.evaluation import evaluate
+from m2flow.workers.scoring.functions import RewardFunction
 from m2flow.workers.tasks import TaskDataset, TaskItem, accuracy, compact_prompt, score
 
 TINY = dict(

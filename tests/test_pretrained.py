@@ -27,9 +27,9 @@ from m2flow.workers.llm import (
     load_model,
     tokenizer_spec,
 )
+from m2flow.workers.llm.generation import generate, stop_token_ids
 from m2flow.workers.llm.model import checkpointing
 from m2flow.workers.recipe import ModelConfig, validate_model
-from m2flow.workers.rollout.generation import generate, stop_token_ids
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from m2flow.config import ConfigError, load_config

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from m2flow.workers.data.reasoning_gym import task_items
 from m2flow.workers.llm import build_char_tokenizer
-from m2flow.workers.reward.builtins import dispatch, exact_reward, math_answer, math_reward
 from m2flow.workers.reward.config import check_reward, reward_spec
-from m2flow.workers.reward.functions import (
+from m2flow.workers.scoring.builtins import dispatch, exact_reward, math_answer, math_reward
+from m2flow.workers.scoring.functions import (
     RewardFunction,
     RewardFunctionError,
     merge_reward_metrics,

@@ -30,7 +30,7 @@ from m2flow.workers.algos.grpo import grpo_advantages, grpo_loss
 from m2flow.workers.algos.logprobs import sequence_logprobs, shared_prefix_logprobs
 from m2flow.workers.engines.trainer import PolicyTrainer
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
-from m2flow.workers.rollout.generation import generate, left_pad, prefill_shared
+from m2flow.workers.llm.generation import generate, left_pad, prefill_shared
 
 TINY = dict(
     hidden_size=32,

@@ -283,7 +283,7 @@ def test_a_model_directory_loads_and_matches_the_actor(tmp_path, arch):
         load_model,
         tokenizer_spec,
     )
-    from m2flow.workers.rollout.generation import generate
+    from m2flow.workers.llm.generation import generate
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     base = build_qwen2_tokenizer() if arch == "qwen2" else build_char_tokenizer(ALPHABET)

@@ -14,9 +14,9 @@ import torch
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import build_char_tokenizer
 from m2flow.workers.llm.tokenizer import decode_responses
-from m2flow.workers.reward.functions import RewardFunction
 from m2flow.workers.reward.worker import RewardWorker
 from m2flow.workers.rollout.worker import RolloutWorker
+from m2flow.workers.scoring.functions import RewardFunction
 from m2flow.workers.tasks import TaskDataset
 from prompts import task_prompts
 from safetensors.torch import load_file

@@ -1,7 +1,7 @@
 """Rollout batches as TensorDicts, and joining chunks of different padded widths.
 
 A rollout batch of ``B`` responses (samples) holds, per row (see
-:mod:`m2flow.workers.rollout.generation`):
+:mod:`m2flow.workers.llm.generation`):
 
 - ``prompt_ids`` / ``prompt_mask`` ``[B, P]``, left padded;
 - ``response_ids`` / ``response_mask`` / ``logprobs`` ``[B, R]``, right padded;

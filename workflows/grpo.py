@@ -156,10 +156,10 @@ def main(cfg) -> dict:
     from m2flow.workers.data.splits import run_data
     from m2flow.workers.llm import build_tokenizer, tokenizer_spec
     from m2flow.workers.reward.config import reward_spec
-    from m2flow.workers.reward.functions import merge_reward_metrics
     from m2flow.workers.reward.worker import RewardWorker
     from m2flow.workers.rollout.spot.pool import trainer_waits
     from m2flow.workers.rollout.worker import RolloutWorker
+    from m2flow.workers.scoring.functions import merge_reward_metrics
 
     from m2flow import Channel, sync_weights
     from m2flow.runlog import RunLog

@@ -19,9 +19,9 @@ from transformers import PreTrainedTokenizerBase
 from ..data.item import PromptItem
 from ..data.reasoning_gym import task_split
 from ..engines.trainer import PolicyTrainer
-from ..reward.functions import RewardFunction
-from ..rollout.evaluation import evaluate
-from ..rollout.generation import left_pad
+from ..llm.generation import left_pad
+from ..scoring.evaluation import evaluate
+from ..scoring.functions import RewardFunction
 
 
 def sft_batch(
@@ -119,7 +119,7 @@ def warm_start(
     ones mislead RL). ``task=None`` (data files: no targets) or ``steps=0``: no step.
 
     Args:
-        reward: :class:`~..reward.functions.RewardFunction` arguments (default ``auto``).
+        reward: :class:`~..scoring.functions.RewardFunction` arguments (default ``auto``).
         **kwargs: :func:`run_sft`'s ``batch_size``, ``seed``, ``target_accuracy``,
             ``eval_every``, ``time_budget_s``.
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 
 class Registry:
-    """Engine classes of one kind (``train`` or ``rollout``) by name.
+    """Engine classes of one kind (``train``, ``value``, ``logprob`` or ``rollout``) by name.
 
     Args:
         kind: what the engines do, for messages (``"train"``).
@@ -93,4 +93,10 @@ VALUE_ENGINES = Registry(
         "torch": "m2flow.workers.engines.torch_engine:TorchValueEngine",
         "megatron": "m2flow.workers.engines.megatron.critic:MegatronValueEngine",
     },
+)
+
+#: :class:`~.logprob.LogprobEngine` kinds (the reference's: a frozen model that only scores)
+LOGPROB_ENGINES = Registry(
+    "logprob",
+    {"torch": "m2flow.workers.engines.logprob:TorchLogprobEngine"},
 )

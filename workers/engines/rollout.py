@@ -3,7 +3,7 @@ ask of the engine that samples responses.
 
 Kinds (``rollout.engine``, ``rollout.spot.engine``), chosen by name from
 :data:`~m2flow.workers.rollout.engines.ROLLOUT_ENGINES`: ``hf`` (the decode loop of
-:mod:`~m2flow.workers.rollout.generation`), ``vllm`` (in-process vLLM), ``exact`` (block-wise
+:mod:`~m2flow.workers.llm.generation`), ``vllm`` (in-process vLLM), ``exact`` (block-wise
 continuation with the same tokens as ``hf``), ``emulated`` (modelled time, no model).
 """
 
@@ -34,7 +34,7 @@ class RolloutEngine(Protocol):
         self, prompt_ids: list[list[int]], n_samples: int, max_new_tokens: int,
         sample_keys: list[tuple[int, int]],
     ) -> dict[str, torch.Tensor]:  # fmt: skip
-        """``n_samples`` responses per prompt, as :func:`~m2flow.workers.rollout.generation.
+        """``n_samples`` responses per prompt, as :func:`~m2flow.workers.llm.generation.
         generate` returns them (``[num_prompts * n_samples, ...]``)."""
 
     def step(self, requests: list, tokens: int, version: int, label: str = "") -> int:

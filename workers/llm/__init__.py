@@ -1,5 +1,6 @@
-"""Local LLM building blocks: tokenizers (character, Qwen2 BPE, a model directory's) and the
-policy model (loaded from a Hugging Face directory, or a tiny Qwen2 built from a config).
+"""Local LLM building blocks: tokenizers (character, Qwen2 BPE, a model directory's), the
+policy model (loaded from a Hugging Face directory, or a tiny Qwen2 built from a config), and
+Hugging Face generation with counter-based sampling (:mod:`.generation`, :mod:`.sampling`).
 
 Exports are lazy: ``m2flow.workers.llm.config`` (the model shape) imports no torch.
 """

@@ -212,7 +212,7 @@ def build_model(
     if seed is not None:
         torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    # The stop tokens are read from the generation config (rollout.generation.stop_token_ids).
+    # The stop tokens are read from the generation config (:func:`.generation.stop_token_ids`).
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.bos_token_id = config.bos_token_id

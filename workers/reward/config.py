@@ -9,8 +9,8 @@ from pathlib import Path
 from m2flow.config import ConfigError
 from m2flow.recipe import require
 
-from .builtins import BUILTINS, dispatch
-from .functions import ON_ERROR, is_file_function, load_file_function, split_function
+from ..scoring.builtins import BUILTINS, dispatch
+from ..scoring.functions import ON_ERROR, is_file_function, load_file_function, split_function
 
 
 @dataclass

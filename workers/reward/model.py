@@ -26,8 +26,8 @@ from ..engines.registry import VALUE_ENGINES
 from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads, torch_device
 from ..llm.tokenizer import decode_responses
+from ..scoring.functions import RewardFunction, RewardResult, result_metrics
 from ..tasks import accuracy
-from .functions import RewardFunction, RewardResult, result_metrics
 
 
 def check_reward_model(path: str, tokenizer: dict) -> None:

@@ -18,8 +18,8 @@ from ..chunk import RolloutChunk
 from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads
 from ..llm.tokenizer import decode_responses
+from ..scoring.functions import RewardFunction, RewardResult, result_metrics
 from ..tasks import accuracy
-from .functions import RewardFunction, RewardResult, result_metrics
 
 log = logging.getLogger(__name__)
 

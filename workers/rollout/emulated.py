@@ -264,7 +264,7 @@ class ResponseLengths:
     of reasoning RL on OpenR1-Math-like prompts.
 
     A length is a function of ``(seed, step, prompt, sample)`` alone (a counter, like the
-    sampling of :mod:`.sampling`), so it is decided before the first token and survives
+    sampling of :mod:`~..llm.sampling`), so it is decided before the first token and survives
     migration.
     """
 
@@ -275,7 +275,7 @@ class ResponseLengths:
 
     def lengths(self, seed: int, keys) -> np.ndarray:
         """Lengths for ``keys`` ``[B, 3]`` (step, prompt, sample) -> ``[B]`` int64."""
-        from .sampling import counter_uniforms_at  # here: that module imports torch
+        from ..llm.sampling import counter_uniforms_at  # here: that module imports torch
 
         k = np.asarray(keys, dtype=np.int64).reshape(-1, 3)
         salted = np.concatenate([k, np.full((len(k), 1), _LENGTH_SALT, dtype=np.int64)], axis=1)

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 import torch
 
 from ..engines.registry import Registry
+from ..llm.generation import generate, stop_token_ids
 from .emulated import EmulatedEngine
 from .exact import ExactEngine
-from .generation import generate, stop_token_ids
 
 ROLLOUT_ENGINES = Registry("rollout", {})
 
@@ -38,7 +38,7 @@ class _OnHostModel:
 
 
 class HfEngine(_OnHostModel):
-    """Whole GRPO groups from the Hugging Face model (:func:`~.generation.generate`); the
+    """Whole GRPO groups from the Hugging Face model (:func:`~..llm.generation.generate`); the
     host's model, so the host's weight loads are the engine's."""
 
     def __init__(self, model, tokenizer, args: dict) -> None:

@@ -5,7 +5,7 @@ tokens at a time, any request can leave with its partial response (prompt + toke
 logprobs) and continue on another engine, and a request's tokens and logprobs come out the
 same, bit for bit, whichever engine generated which block, in whatever batch:
 
-- sampling is counter-based (:mod:`.sampling`): token ``t`` of sample ``j`` of prompt ``p`` in
+- sampling is counter-based (:mod:`~..llm.sampling`): token ``t`` of sample ``j`` of prompt ``p`` in
   step ``s`` is drawn with ``u = U(seed, s, p, j, t)``;
 - the logits are computed the same way for every token: a full forward over the request's
   whole sequence (no KV cache, so a continuation's "prefill" is the same computation as an
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .generation import left_pad
-from .sampling import counter_uniforms_at, sample_tokens
+from ..llm.generation import left_pad
+from ..llm.sampling import counter_uniforms_at, sample_tokens
 
 
 @dataclass
@@ -72,7 +72,7 @@ class ExactEngine:
     Args:
         model: a causal LM (eval mode is set); its device is used.
         eos_id: the end-of-sequence token, or the stop tokens
-            (:func:`~.generation.stop_token_ids`); EOS masking (``min_new_tokens``) takes them
+            (:func:`~..llm.generation.stop_token_ids`); EOS masking (``min_new_tokens``) takes them
             all.
         temperature, top_p: sampling parameters (logprobs under ``logits / temperature``).
         seed: the run seed of the sampling counter.

@@ -9,7 +9,7 @@ What differs from the HF path:
 
 - Sampling: vLLM draws each request with its own ``torch.Generator`` seeded from
   ``(run seed, step, prompt, sample)`` (:func:`request_seeds`), not with the counter-based
-  inverse CDF of :mod:`.sampling`. A run is reproducible, but its tokens differ from the HF
+  inverse CDF of :mod:`~..llm.sampling`. A run is reproducible, but its tokens differ from the HF
   engine's, and the spot pool's bit-exact migration (:mod:`.exact`) does not apply.
 - Logprobs are vLLM's ``processed_logprobs``: ``log_softmax(logits / T)`` after top-k/top-p,
   which equals what the actor recomputes (:func:`workers.algos.logprobs.sequence_logprobs`) when
@@ -42,8 +42,8 @@ import numpy as np
 import torch
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from .generation import left_pad, stop_token_ids
-from .sampling import counter_uniforms, counter_uniforms_at
+from ..llm.generation import left_pad, stop_token_ids
+from ..llm.sampling import counter_uniforms, counter_uniforms_at
 
 INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM's CPU build: "

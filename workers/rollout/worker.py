@@ -17,9 +17,9 @@ from ..llm.placement import (
     split_evenly,
     torch_device,
 )
-from ..reward.functions import RewardFunction
+from ..scoring.evaluation import greedy_scores
+from ..scoring.functions import RewardFunction
 from .engines import ROLLOUT_ENGINES
-from .evaluation import greedy_scores
 
 
 class RolloutWorker(Worker):
@@ -35,7 +35,7 @@ class RolloutWorker(Worker):
         max_new_tokens: response cap in tokens (EOS included).
         temperature, top_p: sampling parameters.
         heldout: the held-out prompts :meth:`evaluate` decodes (ranks take shards).
-        reward: :class:`~..reward.functions.RewardFunction` arguments: how :meth:`evaluate`
+        reward: :class:`~..scoring.functions.RewardFunction` arguments: how :meth:`evaluate`
             scores (default: ``auto``).
         shared_prefix: prefill each prompt once for its ``n_samples`` samples
             (:func:`.generation.prefill_shared`) instead of once per sample.
@@ -44,7 +44,7 @@ class RolloutWorker(Worker):
             each step's rollout goes through the spot rollout pool (RLBoost; docs/results/spot.md):
             this rank seeds for ``T_seed`` seconds, spot instances continue.
         seed: the run seed: token ``t`` of sample ``j`` of prompt ``p`` in step ``s`` is drawn
-            from a counter keyed by ``(seed, s, p, j, t)`` (:mod:`.sampling`), so responses do
+            from a counter keyed by ``(seed, s, p, j, t)`` (:mod:`~..llm.sampling`), so responses do
             not depend on the rank, chunk or plan that generated them.
         engine: ``"hf"`` (transformers ``generate``, the default) or ``"vllm"``
             (:class:`~.vllm_engine.VllmEngine`, in-process vLLM CPU; docs/results/vllm.md): it

@@ -1,5 +1,5 @@
 """Greedy held-out evaluation of a policy on prompt items, scored by the run's reward
-function (:class:`~m2flow.workers.reward.functions.RewardFunction`)."""
+function (:class:`~m2flow.workers.scoring.functions.RewardFunction`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..data.item import PromptItem
+from ..llm.generation import generate
 from ..llm.tokenizer import decode_responses
-from ..reward.functions import RewardFunction, RewardResult
 from ..tasks import accuracy
-from .generation import generate
+from .functions import RewardFunction, RewardResult
 
 
 def greedy_responses(

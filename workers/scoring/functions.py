@@ -9,7 +9,7 @@ signature ``fn(data_source, solution_str, ground_truth, extra_info) -> float | d
 - ``math``, ``exact``, ``reasoning_gym``: that built-in (:mod:`.builtins`);
 - ``path/to/file.py:fn`` (``path/to/file.py`` alone: ``compute_score``, veRL's default
   name): your function. The runner resolves the path to an absolute one before workers start
-  (:func:`~.config.reward_spec`); each process imports the file once.
+  (:func:`~m2flow.workers.reward.config.reward_spec`); each process imports the file once.
 
 A dict return carries ``score`` plus extra metrics: numeric ones (bool, int, float) are
 averaged per step and logged as ``reward/<name>``; others are not logged.

@@ -1,0 +1,69 @@
+"""What the roles compose, without Ray: the actor's typed options, the step's batch in a fixed
+order, the reference's logprob-only engine (the actor's logprob function, micro-batched)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from m2flow.workers.actor.config import ActorOptions
+from m2flow.workers.algos.logprobs import sequence_logprobs
+from m2flow.workers.chunk import RolloutChunk, step_batch, timed
+from m2flow.workers.engines.registry import LOGPROB_ENGINES
+from m2flow.workers.engines.trainer import PolicyTrainer
+from m2flow.workers.llm import build_char_tokenizer, build_model
+from m2flow.workers.llm.generation import generate
+from tensordict import TensorDict
+
+TINY = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64,
+)  # fmt: skip
+
+
+def test_actor_options_typed_and_checked():
+    opt = ActorOptions.from_kwargs({"lr": 3e-4, "betas": [0.9, 0.95], "mini_batch_size": 8})
+    assert opt.betas == (0.9, 0.95) and opt.mini == 8 and opt.micro is None
+    optim = opt.optim(torch.bfloat16)
+    assert optim["lr"] == 3e-4 and optim["compute_dtype"] is torch.bfloat16
+    PolicyTrainer(torch.nn.Linear(2, 2), **optim)  # every key is a trainer argument
+    with pytest.raises(ValueError, match="has no option lrr, mini_batch: its options are"):
+        ActorOptions.from_kwargs({"lrr": 1.0, "mini_batch": 2})
+
+
+def _chunk(gid: int, version: int, rows: int = 2) -> RolloutChunk:
+    batch = TensorDict(
+        {"group_index": torch.full((rows,), gid), "prompt_ids": torch.ones(rows, gid % 3 + 1)},
+        batch_size=[rows],
+    )
+    return RolloutChunk(batch, entries={gid: {}}, weight_version=version)
+
+
+def test_step_batch_orders_by_key_and_counts_stale():
+    batch, stale = step_batch([_chunk(9, 2), _chunk(4, 3, rows=3)], pad_token_id=0, version=3)
+    assert batch["group_index"].tolist() == [4, 4, 4, 9, 9]  # by key, not by arrival
+    assert stale == 2 and batch["prompt_ids"].shape == (5, 2)  # left padded to the longest
+    waits: list = []
+    assert list(timed(iter("ab"), waits)) == ["a", "b"]
+    assert len(waits) == 3 and all(t1 >= t0 for t0, t1 in waits)  # the end of stream too
+
+
+def test_logprob_engine_is_the_actors_function(tmp_path):
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = build_model(TINY, tok, seed=1)
+    prompts = [tok(p).input_ids for p in ["12+3=", "1-1=", "99+1-5="]]
+    out = generate(model, tok, prompts, n_samples=2, max_new_tokens=4, seed=3)
+    engine = LOGPROB_ENGINES.get("torch", "reference")(
+        TINY, tok, device=torch.device("cpu"), temperature=0.7, micro_batch_size=4
+    )
+    engine.load_state_dict(model.state_dict())
+    keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+    batch = TensorDict({k: out[k] for k in keys}, batch_size=[len(out["response_ids"])])
+    got = engine.logprobs(batch)
+    with torch.no_grad():
+        want = sequence_logprobs(model, *(out[k] for k in keys), temperature=0.7)
+    assert got.shape == want.shape == out["response_ids"].shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert not any(p.requires_grad for p in engine.model.parameters())  # frozen
+    with pytest.raises(ValueError, match="reference.engine='fsdp'"):
+        LOGPROB_ENGINES.get("fsdp", "reference")

@@ -1,0 +1,101 @@
+"""The actor's options: what the workflow's ``actor`` section (plus the rollout's temperature and
+the run's seed) gives :class:`~.worker.ActorWorker`, typed and checked in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ActorOptions:
+    """The GRPO (and PPO) actor's optimiser, loss, batch split and engine.
+
+    Fields:
+        lr, betas, weight_decay, grad_clip: AdamW (``grad_clip``: global L2 norm; 0: none).
+        temperature: the rollout's sampling temperature (logprobs are recomputed under it).
+        clip_eps_low, clip_eps_high: PPO ratio clip range ``[1 - low, 1 + high]``.
+        kl_coef: k3 KL weight to the reference (the warm-started policy, frozen); 0 = off.
+        mini_batch_size, micro_batch_size: responses per optimizer step / per forward
+            (0: the whole global batch, streamed as it arrives / the whole mini-batch).
+        recompute_old_logprobs: recompute behaviour logprobs instead of using the rollout's.
+        drop_flat_groups: leave out groups whose samples all got the same reward (advantage 0;
+            DAPO's dynamic-sampling filter without resampling).
+        shared_prefix: forward each GRPO group's prompt once
+            (:func:`~m2flow.workers.algos.logprobs.shared_prefix_logprobs`; same math).
+        threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
+        seed: model init seed.
+        data_parallel: one rank per device and a gradient all-reduce (streaming updates only).
+        engine: a :data:`~..engines.registry.TRAIN_ENGINES` name or ``"module:Class"``.
+        tensor_parallel, pipeline_parallel: the Megatron engine's TP and PP sizes.
+    """
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    kl_coef: float = 0.0
+    mini_batch_size: int = 0
+    micro_batch_size: int = 0
+    recompute_old_logprobs: bool = False
+    drop_flat_groups: bool = True
+    shared_prefix: bool = True
+    threads: int = 0
+    seed: int = 0
+    data_parallel: bool = False
+    engine: str = "torch"
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict, role: str = "actor") -> ActorOptions:
+        """The options in ``kwargs``, the rest at their defaults.
+
+        Raises:
+            ValueError: a key that is no option (named, with the options there are).
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(
+                f"the {role} has no option {', '.join(unknown)}: its options are "
+                f"{', '.join(sorted(names))} (m2flow.workers.actor.config.ActorOptions)"
+            )
+        return cls(**{**kwargs, "betas": tuple(kwargs.get("betas", cls.betas))})
+
+    @property
+    def mini(self) -> int | None:
+        """Responses per optimizer step; ``None``: the whole step (streamed)."""
+        return self.mini_batch_size or None
+
+    @property
+    def micro(self) -> int | None:
+        """Responses per forward; ``None``: the whole mini-batch."""
+        return self.micro_batch_size or None
+
+    @property
+    def parallel(self) -> dict[str, int]:
+        """The engine's model-parallel sizes."""
+        return {
+            "tensor_parallel": self.tensor_parallel,
+            "pipeline_parallel": self.pipeline_parallel,
+        }
+
+    def engine_check(self, dist: dict | None, model: dict) -> dict:
+        """What the engine's ``check`` reads (``data_parallel`` counts once launched with a
+        process group)."""
+        return {
+            "data_parallel": self.data_parallel and dist, "mini_batch_size": self.mini_batch_size,
+            "engine": self.engine, "model": model, "kl_coef": self.kl_coef, **self.parallel,
+        }  # fmt: skip
+
+    def optim(self, compute_dtype: torch.dtype) -> dict:
+        """The engine's ``optim`` (:class:`~..engines.trainer.PolicyTrainer`'s arguments)."""
+        keys = ("lr", "betas", "weight_decay", "grad_clip", "temperature", "clip_eps_low",
+                "clip_eps_high", "kl_coef", "shared_prefix")  # fmt: skip
+        return {k: getattr(self, k) for k in keys} | {"compute_dtype": compute_dtype}

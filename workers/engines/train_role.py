@@ -1,0 +1,98 @@
+"""What a role on a train engine gets from the engine alone: its ranks and their process group
+at launch, its weights, checkpoints and memory.
+
+:class:`OnTrainEngine` is a mixin for a :class:`m2flow.Worker` whose ``engine`` argument names a
+:data:`~.registry.TRAIN_ENGINES` kind (the GRPO and PPO actors): the role keeps the algorithm,
+this keeps the plumbing every such role shares, written once against
+:class:`~.train.TrainEngine`.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from .. import parallel as dp
+from .train import TrainEngine, train_engine
+
+
+class OnTrainEngine:
+    """Mixin (before :class:`m2flow.Worker`) for a role on a train engine.
+
+    The role sets ``self.engine`` (its :class:`~.train.TrainEngine`), ``self.tokenizer`` and
+    ``self.weight_version``; ``role`` names it in the engine's errors (``"actor"``:
+    ``actor.tensor_parallel ...``) and its checkpoint file (``actor_state.pt``).
+    """
+
+    role = "actor"
+    engine: TrainEngine
+    weight_version: int
+
+    @classmethod
+    def launch(cls, cluster, placement=None, **kwargs):
+        """:meth:`Worker.launch`; one rank per device of the placement (default: where the plan
+        puts the group) and their process group's rendezvous with ``data_parallel=True`` or an
+        engine that runs one rank per device.
+
+        Raises:
+            ValueError: an unknown ``engine``, or a setting it cannot run (its ``check``),
+                before any process starts.
+        """
+        from m2flow.group import normalize_placement
+
+        per_device = train_engine(kwargs.get("engine", "torch"), cls.role).one_rank_per_device
+        if (kwargs.get("data_parallel") or per_device) and placement is None:
+            placement = cluster.devices_for(kwargs.get("name") or cls.__name__)
+        if placement is not None:
+            ranks = normalize_placement(placement, cluster)
+            cls._check(len(ranks), kwargs)
+            if len(ranks) > 1 or per_device:
+                kwargs["dist"] = dp.rendezvous(cluster, ranks)
+        return super().launch(cluster, placement, **kwargs)
+
+    @classmethod
+    def _check(cls, world_size: int, kwargs: dict) -> None:
+        """The engine's ``check`` of ``kwargs`` (the role's arguments) for ``world_size`` ranks."""
+        train_engine(kwargs.get("engine", "torch"), cls.role).check(world_size, kwargs, cls.role)
+
+    # -- weights, checkpoints, memory -------------------------------------------------------
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights, on CPU (copies), in Hugging Face layout: the source of
+        ``m2flow.sync_weights(actor, ...)``. ``RuntimeError`` on a rank holding none (Megatron:
+        rank 0 holds them)."""
+        return self.engine.get_weights()
+
+    def save_checkpoint(self, path: str) -> str:
+        """Model, tokenizer, optimizer state, version and RNG state under ``path`` (the
+        engine's files; rank 0 writes ``<role>_state.pt``; a collective of all ranks)."""
+        out = Path(path)
+        state = self.engine.save(out)
+        if state is None:
+            return str(path)
+        self.tokenizer.save_pretrained(out)
+        state |= {"weight_version": self.weight_version, "torch_rng": torch.get_rng_state(),
+                  "py_rng": random.getstate()}  # fmt: skip
+        torch.save(state, out / f"{self.role}_state.pt")
+        return str(out)
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore what :meth:`save_checkpoint` wrote. Returns the weight version."""
+        src = Path(path)
+        state = torch.load(src / f"{self.role}_state.pt", weights_only=False)
+        self.engine.load(src, state)
+        self.weight_version = state["weight_version"]
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["py_rng"])
+        return self.weight_version
+
+    def offload(self) -> None:
+        """Release parameters and optimizer state (another worker takes the device): on CUDA
+        to pinned host memory; on a virtual device packed into one buffer, restored
+        bit-exactly by :meth:`onload`."""
+        self.engine.offload()
+
+    def onload(self) -> None:
+        self.engine.onload()
