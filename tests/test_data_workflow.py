@@ -19,6 +19,7 @@ from m2flow.workers.llm import build_char_tokenizer
 from m2flow.workers.llm.tokenizer import decode_responses
 from m2flow.workers.reward.worker import RewardWorker
 from m2flow.workers.rollout.worker import RolloutWorker
+from run_dirs import stopped_copy
 from test_workflow import ALPHABET, COMPARED, ROUNDED, TINY_MODEL, TINY_RUN, TOKENIZER, _records
 
 from m2flow import Channel, Fanout
@@ -204,7 +205,8 @@ def test_grpo_on_files_with_own_reward_resumes_mid_epoch(cluster, tmp_path):
     assert len(rest_of_epoch0) == 2 and rest_of_epoch0 <= steps[1]
     assert (steps[1] - rest_of_epoch0) | steps[2] == set(range(6))
 
-    run("parts", 2)
+    # Stopped after step 2: the uninterrupted run's directory cut back to that step.
+    stopped_copy(tmp_path / "whole", tmp_path / "parts", step=2)
     state = json.loads((tmp_path / "parts/checkpoints/step_000002/runner.json").read_text())
     assert state["data"] == {"epoch": 1, "offset": 2, "size": 6}
     _, parts_log = run("parts", 3, resume=True, log_name="resumed")

@@ -11,6 +11,7 @@ import pytest
 import torch
 from m2flow.workers.algos.ppo import clipped_value_loss, gae, token_rewards
 from m2flow.workers.llm import build_char_tokenizer, build_model
+from run_dirs import stopped_copy
 
 from m2flow.placement import Placement
 from m2flow.trace import workflow_graph
@@ -142,16 +143,16 @@ def test_resumed_run_matches_an_uninterrupted_one(cluster, tmp_path):
     """Temporal on one device (the five groups take turns under its lock). A run stopped
     after step 1 and resumed to step 2 logs the same step-2 metrics as an uninterrupted run:
     every trained group (actor, critic, reward model, reference) and its RNGs are in the
-    checkpoint."""
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    checkpoint. The stopped run is the uninterrupted run's directory cut back to step 1."""
+    whole = tmp_path / "whole"
     one_device = Placement(mode="temporal", default_devices=[0])
     base = TINY_RUN + ["warm_start.steps=2", "trainer.save_every=1"]
     session = run_workflow(PPO, base + ["trainer.steps=2", f"trainer.run_dir={whole}"],
                            plan=one_device)  # fmt: skip
     assert session.groups == {g: [[0]] for g in SPATIAL.groups}
-    run_workflow(PPO, base + ["trainer.steps=1", f"trainer.run_dir={parts}"], plan=one_device)
     for g in ("actor", "critic", "reward", "reference"):
-        assert (parts / "checkpoints" / "step_000001" / g).is_dir(), g
+        assert (whole / "checkpoints" / "step_000001" / g).is_dir(), g
+    parts = stopped_copy(whole, tmp_path / "parts", step=1)
     run_workflow(PPO, base + ["trainer.steps=2", f"trainer.run_dir={parts}", "resume=true"],
                  plan=one_device)  # fmt: skip
     resumed, uninterrupted = _records(parts), _records(whole)

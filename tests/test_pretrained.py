@@ -33,6 +33,7 @@ from m2flow.workers.recipe import ModelConfig, validate_model
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from m2flow.config import ConfigError, load_config
+from m2flow.placement import Placement
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "workflows" / "grpo.py"
@@ -323,7 +324,8 @@ def test_reward_model_path_is_checked_before_start(tmp_path, llama_dir):
 def test_ppo_from_directories_with_your_reward_model(cluster, llama_dir, tmp_path):
     """PPO with actor, reference, critic trunk and rollout from ``model.path`` and the reward
     model from ``reward_model.path``: no warm start, no reward-model fit, the reward model's
-    weights untouched by the steps."""
+    weights untouched by the steps. On one device: one rank per group, each loading its
+    directory (the GRPO test above loads on two ranks)."""
     from m2flow.workflow import run_workflow
 
     tok = build_char_tokenizer()
@@ -337,7 +339,8 @@ def test_ppo_from_directories_with_your_reward_model(cluster, llama_dir, tmp_pat
         "algorithm.epochs=1", "rollout.threads=1", "actor.threads=1", "critic.threads=1",
         "reference.threads=1", "reward_model.threads=1",
     ]  # fmt: skip
-    run_workflow(ROOT / "workflows" / "ppo.py", overrides)
+    one_device = Placement(mode="temporal", default_devices=[0])
+    run_workflow(ROOT / "workflows" / "ppo.py", overrides, plan=one_device)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["phase"] == "start" and not any(k.startswith("rm_") for k in records[0])
     assert all(0 < r["rm_mean"] < 1 for r in records[1:])

@@ -19,6 +19,7 @@ from m2flow.workers.tasks import TaskDataset, extract_answer, task_dataset
 from transformers import PreTrainedTokenizerFast
 
 from m2flow.config import ConfigError
+from m2flow.placement import Placement
 from m2flow.workflow import prepare, run_workflow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,8 +176,11 @@ QWEN_TINY = [
 @pytest.mark.e2e
 def test_grpo_runs_with_qwen2_tokenizer(cluster, tmp_path):
     """Warm start, 2 GRPO steps and held-out evaluation on leg_counting with Qwen2's tokenizer
-    and chat prompts (default engines); the checkpoint carries that tokenizer."""
-    run = run_workflow(GRPO, QWEN_TINY + ["trainer.steps=2", f"trainer.run_dir={tmp_path}"])
+    and chat prompts (default engines); the checkpoint carries that tokenizer. One device:
+    one rank per group (each rank's process builds the 151k-token tokenizer)."""
+    one_device = Placement(mode="temporal", default_devices=[0])
+    run = run_workflow(GRPO, QWEN_TINY + ["trainer.steps=2", f"trainer.run_dir={tmp_path}"],
+                       plan=one_device)  # fmt: skip
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     assert records[0]["phase"] == "warm_start" and records[0]["val_accuracy"] is not None

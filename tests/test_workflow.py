@@ -19,6 +19,7 @@ from m2flow.workers.rollout.worker import RolloutWorker
 from m2flow.workers.scoring.functions import RewardFunction
 from m2flow.workers.tasks import TaskDataset
 from prompts import task_prompts
+from run_dirs import stopped_copy
 from safetensors.torch import load_file
 
 from m2flow import Channel, Fanout, sync_weights
@@ -177,21 +178,26 @@ ROUNDED = ("loss", "grad_norm")
 def test_workflow_trains_checkpoints_and_resumes_identically(cluster, tmp_path):
     """A run stopped after step 2 and resumed to step 3 logs the same step-3 metrics as an
     uninterrupted 3-step run (same seed): checkpoints hold every state the run needs, and
-    sampling depends only on (seed, step, prompt, sample, position)."""
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    run_workflow(GRPO, TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={whole}"])
-    first = run_workflow(GRPO, TINY_RUN + ["trainer.steps=2", f"trainer.run_dir={parts}"])
-    records = _records(parts)
-    assert [r["step"] for r in records] == [0, 1, 2]
+    sampling depends only on (seed, step, prompt, sample, position). The stopped run is the
+    uninterrupted run's directory cut back to step 2 (one warm start, not two). Two of the
+    three devices: two rollout ranks race for prompts, in 5 worker processes instead of 7."""
+    whole, two = tmp_path / "whole", Placement(mode="temporal", default_devices=[0, 1])
+    first = run_workflow(GRPO, TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={whole}"], plan=two)
+    assert first.groups["rollout"] == [[0], [1]]
+    records = _records(whole)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert records[0]["phase"] == "warm_start" and "heldout_accuracy" in records[0]
-    assert first.result["final_accuracy"] == records[2]["heldout_accuracy"]
-    assert (parts / "checkpoints" / "step_000002" / "actor" / "actor_state.pt").is_file()
-    assert not list((parts / "checkpoints").glob("*.partial"))
+    assert first.result["final_accuracy"] == records[3]["heldout_accuracy"]
+    assert (whole / "checkpoints" / "step_000002" / "actor" / "actor_state.pt").is_file()
+    assert not list((whole / "checkpoints").glob("*.partial"))
+    parts = stopped_copy(whole, tmp_path / "parts", step=2)
 
     # A fresh start into a run dir with checkpoints is refused before anything starts.
     with pytest.raises(ConfigError, match="--resume"):
         prepare(str(GRPO), TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={parts}"])
-    run_workflow(GRPO, TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={parts}", "resume=true"])
+    run_workflow(
+        GRPO, TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={parts}", "resume=true"], plan=two
+    )
     resumed, uninterrupted = _records(parts), _records(whole)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # no second warm start
     for key in COMPARED:
