@@ -20,9 +20,9 @@ RAY_STARTED = "[a Ray session was started]"
 
 def m2flow(*args: str, cwd: Path | None = None, timeout: float = 120) -> tuple[int, str, float]:
     """Run ``m2flow ARGS``; ``(exit code, stderr, seconds)``. The command gets a temporary
-    directory of its own; if Ray started, its session directory is there (m2flow's Ray temp dir
-    lives under the temporary directory, or in a run dir under it), and :data:`RAY_STARTED` is
-    appended to the output."""
+    directory of its own; if Ray started, its session directory is there or in the run
+    directory's ``ray/`` (``trainer.run_dir=``), and :data:`RAY_STARTED` is appended to the
+    output."""
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="m2flow-cli-test-") as tmp:
         proc = subprocess.run(
@@ -33,7 +33,8 @@ def m2flow(*args: str, cwd: Path | None = None, timeout: float = 120) -> tuple[i
             cwd=cwd,
             env={**os.environ, "TMPDIR": tmp},
         )
-        sessions = list(Path(tmp).rglob("session_*"))
+        run_dirs = [Path(a.split("=", 1)[1]) for a in args if a.startswith("trainer.run_dir=")]
+        sessions = [s for d in [Path(tmp), *run_dirs] for s in d.rglob("session_*")]
     out = proc.stderr + proc.stdout
     started = sessions or "node 0 (head)" in out  # the workflows print the cluster once up
     return proc.returncode, out + (f"\n{RAY_STARTED}" if started else ""), time.monotonic() - t0
