@@ -129,10 +129,8 @@ class Cluster:
         self._ray_link = None  # a short link to the run's Ray temp dir (deep run dirs)
         if not ray.is_initialized():
             if address is None:
-                if run_dir:
-                    temp_dir, self._ray_link = ray_temp_dir(run_dir)
-                else:
-                    temp_dir = str(Path(tempfile.gettempdir()) / "m2flow" / "ray")
+                root = run_dir or Path(tempfile.gettempdir()) / "m2flow"
+                temp_dir, self._ray_link = ray_temp_dir(root)
                 ray.init(
                     num_cpus=num_cpus,
                     resources={VIRTUAL_DEVICE_RESOURCE: virtual_devices_per_node},
