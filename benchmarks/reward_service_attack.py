@@ -13,6 +13,11 @@ tenants at once; one row floods a service of its own with idle connections, no t
 sandbox still running: SIGTERM of the CLI process, then an in-process BackgroundServer
 leaving its context (the app's lifespan shutdown).
 
+A row of its own holds slow bodies (one tenant's connections with complete headers and a body
+that trickles in, a byte every 5 s, more of them than the service's connection cap) while the
+other tenant's requests and ``/healthz`` are timed (``reward_service_attack_slowbody.py``;
+``--only slow-body`` runs it alone and puts it into the results file).
+
 Per row: contained? (the attack's own check -- see each attack's function -- the other
 tenant intact, nothing left behind; for the huge announcement alone, the other tenant's batch
 within 5 s and every scaling decision under 1 s, under 2 s with every attack at once), the
@@ -54,6 +59,7 @@ from reward_service_attack_measure import (
     wait_for_sandbox,
     workers,
 )
+from reward_service_attack_slowbody import slow_body_row
 
 TOKENS = {"alice": "alice-attack-bench", "bob": "bob-attack-bench"}
 SANDBOX = {"wall_s": 4.0, "cpu_s": 2, "memory_bytes": 256 * 2**20}
@@ -407,7 +413,24 @@ def lifespan_row(scratch: str) -> dict:
     return _stop_row(name, procs, dirs, left, None, time.monotonic() - t0, note)
 
 
+def only_slow_body() -> None:
+    """``--only slow-body``: run that row alone and put it into the results file in place of
+    the row of the same attack (the other rows as they were)."""
+    scratch = tempfile.mkdtemp(prefix="reward-attack-")
+    row = slow_body_row(scratch, config, TOKENS, correct_batch)
+    out = json.loads(OUT.read_text())
+    rows = [r for r in out["rows"] if r["attack"] != row["attack"]]
+    at = next((i for i, r in enumerate(rows) if r["attack"].startswith("lifespan")), len(rows))
+    rows.insert(at, row)
+    out.update(rows=rows, all_contained=all(r["contained"] for r in rows))
+    OUT.write_text(json.dumps(out, indent=1))
+    print_table([row])
+    sys.exit(0 if row["contained"] else 1)
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--only", "slow-body"]:
+        return only_slow_body()
     scratch = tempfile.mkdtemp(prefix="reward-attack-")
     rows: list[dict] = []
     t0 = time.monotonic()
@@ -425,6 +448,8 @@ def main() -> None:
         rows.append(sigterm_row(svc))
         rows.append(flood_row(scratch, config, TOKENS, correct_batch))
         print(f"  idle-connection flood: done ({rows[-1]['seconds']:.1f} s)", flush=True)
+        rows.append(slow_body_row(scratch, config, TOKENS, correct_batch))
+        print(f"  slow bodies: done ({rows[-1]['seconds']:.1f} s)", flush=True)
     finally:
         if svc.proc.poll() is None:
             svc.proc.kill()

@@ -72,9 +72,6 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="continue from the last checkpoint"),
 ) -> None:
     """Run a workflow: m2flow run workflows/grpo.py trainer.steps=50 plan=auto"""
-    from .group import WorkerError
-    from .planning import report
-
     overrides = list(overrides or []) + (["resume=true"] if resume else [])
     try:
         plan_spec, overrides = split_plan(overrides)
@@ -89,12 +86,14 @@ def run(
             profile=profile_file,
             log=err.print,
         )
+        from .planning import report
+
         report(session, err.print)
     except ConfigError as e:
         err.print(f"[bold red]config error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
     except Exception as e:  # noqa: BLE001 (worker and Ray failures: one paragraph, exit 1)
-        if isinstance(e, WorkerError) or _is_ray_error(e):
+        if _is_worker_error(e) or _is_ray_error(e):
             fail_run(e)
         raise
 
@@ -115,10 +114,10 @@ def profile(
     chunks: int = typer.Option(4, "--chunks", help="chunks per batch in the overhead run"),
 ) -> None:
     """Measure a workflow for the planner: m2flow profile workflows/grpo.py -o profile.yaml"""
-    from .group import WorkerError
-    from .planning import profile_to_file
+    from .planning import check_profile_output, profile_to_file
 
     try:
+        check_profile_output(output)  # before the workflow is even imported
         _, rest = split_plan(list(overrides or []))
         if steps < 1 or warmup < 0 or chunks < 1:
             raise ConfigError(
@@ -137,9 +136,16 @@ def profile(
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
     except Exception as e:  # noqa: BLE001 (worker and Ray failures: one paragraph, exit 1)
-        if isinstance(e, WorkerError) or _is_ray_error(e):
+        if _is_worker_error(e) or _is_ray_error(e):
             fail_run(e)
         raise
+
+
+def _is_worker_error(e: BaseException) -> bool:
+    # m2flow.group imports Ray (seconds): not before a bad value is refused; a WorkerError
+    # exists only once it is imported
+    group = sys.modules.get("m2flow.group")
+    return group is not None and isinstance(e, group.WorkerError)
 
 
 def _is_ray_error(e: BaseException) -> bool:

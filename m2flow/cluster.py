@@ -22,7 +22,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from ._context import NAMESPACE, current_session, wait_name_free  # noqa: F401 (public)
-from ._env import apply_ray_env_defaults, wait_timeout
+from ._env import apply_ray_env_defaults, ray_temp_dir, release_ray_temp_dir, wait_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,9 @@ class Cluster:
         virtual_devices_per_node: virtual devices on a node that has no GPU and declares no
             ``m2flow_virtual_device`` resource.
         device_memory_gb: declared capacity of each virtual device, in GiB.
-        run_dir: directory for Ray's temp files (embedded mode only).
+        run_dir: the run's directory: the embedded Ray keeps its session in
+            ``<run_dir>/ray`` (:func:`m2flow._env.ray_temp_dir`; without one, in the
+            system temp dir's ``m2flow/ray``).
         spot: a :class:`~m2flow.spot.LocalSpotCluster` to run on (its head node is the reserved
             cluster; its spot nodes are preemptible): the Cluster owns it and stops it on
             shutdown.
@@ -124,18 +126,18 @@ class Cluster:
         self.run_dir = Path(run_dir) if run_dir else None
         self._owns_ray = spot is not None  # the local spot cluster's driver is this process
         self.spot = spot  # a m2flow.spot.LocalSpotCluster this cluster runs on, if any
+        self._ray_link = None  # a short link to the run's Ray temp dir (deep run dirs)
         if not ray.is_initialized():
             if address is None:
-                default_root = Path(tempfile.gettempdir()) / "m2flow"
-                temp_root = Path(run_dir).resolve() if run_dir else default_root
-                temp_dir = _short_temp_dir(temp_root)
+                root = run_dir or Path(tempfile.gettempdir()) / "m2flow"
+                temp_dir, self._ray_link = ray_temp_dir(root)
                 ray.init(
                     num_cpus=num_cpus,
                     resources={VIRTUAL_DEVICE_RESOURCE: virtual_devices_per_node},
                     include_dashboard=False,
                     namespace=NAMESPACE,
                     _node_ip_address=_LOOPBACK,
-                    _temp_dir=str(temp_dir),
+                    _temp_dir=temp_dir,
                     log_to_driver=True,
                     configure_logging=False,
                 )
@@ -274,6 +276,7 @@ class Cluster:
             if self.spot is not None:
                 self.spot.shutdown()
                 self.spot = None
+            release_ray_temp_dir(self._ray_link)
         elif ray.is_initialized():
             for group in self.groups:
                 group.shutdown()
@@ -288,14 +291,6 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def _short_temp_dir(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    if len(str(root)) <= 40:
-        return root / "ray"
-    # Ray's unix socket paths must stay under 107 bytes: deep run dirs get a short temp dir.
-    return Path(tempfile.mkdtemp(prefix="m2flow-ray-"))
 
 
 def _gpu_memory_bytes() -> int:

@@ -33,7 +33,7 @@ def load_config(
 
     Raises:
         ConfigError: an override without ``=``, an unknown key, a value of the wrong type, or
-            a missing/invalid YAML file.
+            a missing/invalid YAML file (or a directory given as one).
     """
     if not (dataclasses.is_dataclass(schema)):
         raise TypeError(f"config schema must be a dataclass, got {type(schema).__name__}")
@@ -42,6 +42,10 @@ def load_config(
     _free_form_dicts(cfg)
     for f in files or []:
         path = Path(f)
+        if path.is_dir():
+            raise ConfigError(
+                f"config file {str(path)!r} is a directory: give a YAML file (-c {path}/x.yaml)"
+            )
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:

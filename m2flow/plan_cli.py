@@ -91,6 +91,7 @@ def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, s
     bad input."""
     from .config import ConfigError
     from .planning import plan_with_remote, profile_to_file
+    from .program import resolve_workflow
     from .scheduler.planner import MAX_DEVICES, MODES
     from .scheduler.profile import ProfileError, load_profile
     from .scheduler.spot_plan import OBJECTIVES, expected_instances
@@ -119,7 +120,15 @@ def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, s
     if memory_gb is not None and not memory_gb > 0:
         raise ConfigError(f"--memory-gb {memory_gb}: give a positive capacity (GiB per device)")
     path = Path(target)
+    expected = "a workflow (.py file or built-in name, profiled first) or a profile file " \
+        "(.yaml, .yml, .json)"  # fmt: skip
+    if path.is_dir():
+        raise ConfigError(f"{target} is a directory: m2flow plan takes {expected}")
     if _is_workflow(target):
+        try:
+            resolve_workflow(target)
+        except ConfigError:
+            raise ConfigError(f"{target!r} is not a file: m2flow plan takes {expected}") from None
         path = Path(f"m2flow-profile-{Path(target).stem}.yaml")
         err.print(f"profiling {target} first (saved to {path}; plan it again from there)")
         profile_to_file(target, overrides, [], path, log=err.print)

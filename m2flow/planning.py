@@ -33,12 +33,17 @@ def profile_to_file(
 ):
     """Profile ``workflow`` (see :mod:`m2flow.profiler`) and write the profile YAML, rewritten
     after every measured run (an interrupted profile keeps what it measured); returns the
-    :class:`~m2flow.scheduler.profile.Profile`."""
+    :class:`~m2flow.scheduler.profile.Profile`.
+
+    Raises:
+        ConfigError: ``output`` cannot be written (a directory, or its parent is not an
+            existing directory: a typo would otherwise make a tree), before anything runs.
+    """
+    output = Path(output)
+    check_profile_output(output)
     from .profiler import profile
     from .scheduler.profile import save_profile
 
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     kept = []
 
     def save(prof) -> None:
@@ -56,6 +61,18 @@ def profile_to_file(
     save_profile(prof, output)
     log(f"profile written to {output}")
     return prof
+
+
+def check_profile_output(output: Path) -> None:
+    """Raises ConfigError when the profile cannot be written to ``output``: a directory, or a
+    parent that is not an existing directory (a typo would otherwise make a tree)."""
+    if output.is_dir():
+        raise ConfigError(f"cannot write the profile to {output}: it is a directory")
+    if not output.parent.is_dir():
+        raise ConfigError(
+            f"cannot write the profile to {output}: {output.parent} is not a directory "
+            "(create it first)"
+        )
 
 
 def load_profile(path: str | Path):

@@ -46,6 +46,11 @@ def resolve_workflow(spec: str | Path) -> Path:
     candidate = importlib.resources.files("m2flow.workflows") / f"{path.stem}.py"
     if candidate.is_file() and path.suffix in ("", ".py"):
         return Path(str(candidate))
+    if path.is_dir():
+        raise ConfigError(
+            f"workflow {str(spec)!r} is a directory: give a workflow's .py file (e.g. "
+            "workflows/grpo.py) or a built-in workflow's name (grpo)"
+        )
     raise ConfigError(f"workflow {str(spec)!r} is neither a file nor a built-in workflow name")
 
 
@@ -57,8 +62,8 @@ def resolve_preset(spec: str | Path) -> Path:
         ConfigError: neither a file nor a built-in preset name (the names are listed).
     """
     path = Path(spec)
-    if path.is_file() or path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
-        return path  # load_config names a missing file
+    if path.exists() or path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
+        return path  # load_config names a missing file, or a directory
     presets = importlib.resources.files("m2flow.workflows") / "presets"
     candidate = presets / f"{path.name}.yaml"
     if candidate.is_file():
@@ -115,17 +120,59 @@ def prepare(
     Raises:
         ConfigError: a bad workflow, key or value.
     """
-    module = load_workflow(resolve_workflow(workflow))
+    path = resolve_workflow(workflow)
+    files = [resolve_preset(f) for f in config_files]
+    check_cluster_early(overrides, files)  # before the workflow's imports (seconds)
+    module = load_workflow(path)
     renamed = {**RENAMED, **getattr(module, "RENAMED", {})}
     for o in overrides:
         key = o.split("=", 1)[0]
         if key in renamed:
             raise ConfigError(f"{key} is now {renamed[key]}: write {renamed[key]}=...")
-    files = [resolve_preset(f) for f in config_files]
     cfg = load_config(module.Config, list(overrides), files)
     if validate and hasattr(module, "validate"):
         module.validate(cfg)
     return module, cfg
+
+
+def check_cluster_early(overrides: Sequence[str], files: Sequence[str | Path]) -> None:
+    """The runtime's ``cluster`` section (:class:`m2flow.recipe.ClusterConfig`) as the
+    ``cluster.*`` overrides and the config files' ``cluster:`` mappings set it, checked by
+    :func:`m2flow.recipe.validate_cluster` before the workflow is imported: importing a
+    workflow (torch, transformers, Ray, its tasks) takes 6-8 s on a quiet machine and 30-40 s
+    on a loaded one, and an impossible cluster (``cluster.devices_per_node=100000000``) is
+    refused at once. Keys or values this section does not know are left to the workflow's
+    own schema (:func:`prepare` reports them).
+
+    Raises:
+        ConfigError: a cluster value :func:`~m2flow.recipe.validate_cluster` refuses.
+    """
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .recipe import ClusterConfig, validate_cluster
+
+    dotlist = [o[len("cluster.") :] for o in overrides if o.startswith("cluster.") and "=" in o]
+    sections = []
+    for f in files:
+        try:
+            data = yaml.safe_load(Path(f).read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            return  # load_config names the file and what is wrong with it
+        if isinstance(data, dict) and isinstance(data.get("cluster"), dict):
+            sections.append(data["cluster"])
+    if not dotlist and not sections:
+        return
+    try:
+        cfg = OmegaConf.structured(ClusterConfig)
+        OmegaConf.set_struct(cfg, True)
+        for section in sections:
+            cfg = OmegaConf.merge(cfg, section)
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
+    except OmegaConfBaseException:
+        return
+    validate_cluster(cfg)
 
 
 def split_plan(overrides: Sequence[str]) -> tuple[str, list[str]]:

@@ -13,6 +13,7 @@ their own and outlive a killed driver otherwise.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +61,11 @@ class Reaper:
         """Kill the tree of ``pid`` if this process dies before :meth:`forget` or :meth:`close`."""
         self._send(f"+{pid}")
 
+    def remove(self, path: str) -> None:
+        """Remove ``path`` (a link or file; a directory with what it holds) if this process
+        dies before :meth:`close`: scratch that would otherwise outlive it."""
+        self._send(f"r{path}")
+
     def forget(self, pid: int) -> None:
         """Stop watching ``pid`` (its owner ended it: its number may be reused)."""
         self._send(f"-{pid}")
@@ -86,17 +92,25 @@ class Reaper:
 
 
 def main() -> None:
-    """The watchdog: read ``+PID`` / ``-PID`` / ``exit`` lines until end-of-file."""
+    """The watchdog: read ``+PID`` / ``-PID`` / ``rPATH`` / ``exit`` lines until end-of-file."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watched: set[int] = set()
+    paths: list[str] = []
     for line in sys.stdin:
-        line = line.strip()
+        line = line.rstrip("\n")
         if line == "exit":
             return
         if line[:1] in "+-" and line[1:].isdigit():
             (watched.add if line[0] == "+" else watched.discard)(int(line[1:]))
+        elif line[:1] == "r" and len(line) > 1:
+            paths.append(line[1:])
     for pid in watched:  # end-of-file without "exit": the owner died
         kill_tree(pid)
+    for path in paths:  # after the processes that write there
+        if os.path.islink(path) or os.path.isfile(path):
+            os.unlink(path)
+        elif os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 if __name__ == "__main__":

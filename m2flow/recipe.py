@@ -200,6 +200,7 @@ def start_cluster(c: ClusterConfig, run_dir: str | Path):
             c.num_cpus or os.cpu_count() or 1,
             {VIRTUAL_DEVICE_RESOURCE: c.devices_per_node},
             spot_cpus=c.spot.cpus_per_node,
+            temp_root=run_dir,  # Ray's session in <run_dir>/ray, as the plain cluster's
         )
         try:
             trace = load_trace(c.spot.trace) if c.spot.trace else []

@@ -19,15 +19,18 @@ import atexit
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
 from ._context import here  # noqa: F401 (public path: m2flow.spot.here)
+from ._env import ray_temp_dir, release_ray_temp_dir
 from .reaper import Reaper, kill_tree
 
 SPOT_RESOURCE = "m2flow_spot"
@@ -60,17 +63,31 @@ class LocalSpotCluster:
     Removing a spot node kills its whole process tree at once (raylet, object store, workers;
     Linux ``/proc``), as a preemption does.
 
+    Every node keeps its Ray session under ``temp_root``'s ``ray/`` (the run's directory:
+    :func:`m2flow._env.ray_temp_dir`), where ``ray start --head`` also writes its
+    current-cluster pointer: nothing goes to Ray's machine-wide temp dir, and the machine's
+    pointer (``/tmp/ray/ray_current_cluster``, which any ``ray.init(address="auto")`` on the
+    machine reads) is left as it was. Without ``temp_root``, a temporary directory of its own,
+    removed at :meth:`shutdown`.
+
     Args:
         num_cpus: CPUs of the head node (logical).
         resources: extra head resources (e.g. virtual devices).
         spot_cpus: logical CPUs of each spot node.
+        temp_root: the run's directory (Ray's session goes to ``temp_root/ray``).
 
     Attributes:
         address: to ``ray.init(address=...)``.
         preemptions, joins: counts so far.
     """
 
-    def __init__(self, num_cpus: int, resources: dict[str, float], spot_cpus: float = 1.0) -> None:
+    def __init__(
+        self,
+        num_cpus: int,
+        resources: dict[str, float],
+        spot_cpus: float = 1.0,
+        temp_root: str | os.PathLike | None = None,
+    ) -> None:
         import ray
 
         with socket.socket() as sock:
@@ -78,11 +95,17 @@ class LocalSpotCluster:
             port = sock.getsockname()[1]
         self.address = f"{LOOPBACK}:{port}"
         self.spot_cpus = spot_cpus
+        self._own_root = None if temp_root else tempfile.mkdtemp(prefix="m2flow-spot-")
+        self.temp_dir, self._link = ray_temp_dir(temp_root or self._own_root)
         # ends the nodes if this process is SIGKILLed (nothing of ours runs then)
         self._reaper = Reaper()
+        for scratch in (self._link, self._own_root):  # and what it made outside the run
+            if scratch is not None:
+                self._reaper.remove(scratch)
         self._head = _ray_start(
             ["--head", f"--port={port}", f"--num-cpus={num_cpus:g}",
-             f"--resources={json.dumps(resources)}", "--include-dashboard=false"]
+             f"--resources={json.dumps(resources)}", "--include-dashboard=false"],
+            self.temp_dir,
         )  # fmt: skip
         self._reaper.watch(self._head.pid)
         try:
@@ -90,6 +113,7 @@ class LocalSpotCluster:
         except BaseException:
             kill_tree(self._head.pid)
             self._reaper.close()
+            self._release_temp()
             raise
         self._spot: list[_SpotNode] = []  # live spot nodes, oldest first
         self._guard = threading.Lock()
@@ -128,7 +152,8 @@ class LocalSpotCluster:
                 res = json.dumps({SPOT_RESOURCE: 1, tag: 1})
                 proc = _ray_start(
                     [f"--address={self.address}", f"--num-cpus={self.spot_cpus:g}",
-                     f"--resources={res}"]
+                     f"--resources={res}"],
+                    self.temp_dir,
                 )  # fmt: skip
                 self._reaper.watch(proc.pid)
                 try:
@@ -227,21 +252,30 @@ class LocalSpotCluster:
         kill_tree(self._head.pid)
         self._head.wait(timeout=30)
         self._reaper.close()
+        self._release_temp()
         atexit.unregister(self._at_exit)
         if self._sigterm is not None and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
             signal.signal(signal.SIGTERM, self._sigterm)
             self._sigterm = None
+
+    def _release_temp(self) -> None:
+        release_ray_temp_dir(self._link)
+        if self._own_root is not None:  # no run directory: the session goes with the cluster
+            shutil.rmtree(self._own_root, ignore_errors=True)
+            self._own_root = None
 
 
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _ray_start(args: list[str]) -> subprocess.Popen:
-    """``ray start --block`` with ``args`` on :data:`LOOPBACK`, its own session."""
+def _ray_start(args: list[str], temp_dir: str) -> subprocess.Popen:
+    """``ray start --block`` with ``args`` on :data:`LOOPBACK`, its own session, its files
+    (and the current-cluster pointer ``ray start`` writes) under ``temp_dir``."""
     return subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
-         f"--node-ip-address={LOOPBACK}", "--disable-usage-stats", *args],
+         f"--node-ip-address={LOOPBACK}", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+         *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         # With "0" (our CI default) Ray keeps every node single-node: this cluster is not.
         # A removed node refuses the GCS's health checks at once: checked every 0.5 s (not 3 s)

@@ -13,13 +13,19 @@ predicted step (one row per device range of the plan) above the measured one (on
 group rank; calls in the group's colour, lock waits, hand-offs, channel waits and
 offload/onload over them). ``--json`` prints the figures as one JSON document.
 
-Bad input (no such run directory, no trace, a step the trace does not hold, an unwritable
-``-o``) prints one line on stderr and exits 2.
+``-o DIR`` (an existing directory) writes ``DIR/timeline_step<N>.png``.
+
+Bad input prints one line on stderr and exits 2: no such run directory, no trace, a step the
+trace does not hold, an unwritable ``-o``, and a trace or plan report that is not what a run
+writes -- truncated or not JSON, an array of non-events, an event missing a key or with a
+value of the wrong type, a negative or non-finite duration or time (refused, never printed as
+a number), a report that is not an object or whose plan the planner cannot read.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -73,9 +79,47 @@ def load_run(run_dir: Path):
     if rp.is_file():
         try:
             report = json.loads(rp.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{rp} is not valid JSON: {e}") from None
+        problem = _report_problem(report)
+        if problem:
+            raise ValueError(f"{rp} {problem}: not a report m2flow writes (damaged or edited?)")
     return read_trace(path), report
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "text", bool: "a boolean"}
+
+
+def _json_type(v) -> str:
+    return _JSON_TYPES.get(type(v), "a number" if isinstance(v, int | float) else "null")
+
+
+def _seconds(v) -> bool:
+    """A finite number of seconds >= 0."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _report_problem(report) -> str | None:
+    """What makes a plan report unusable (None: nothing): it is an object whose ``plan`` and
+    ``unpriced`` are objects, whose ``warnings`` are a list of text, and whose times
+    (``*_step_s``, ``predicted_busy_s``) are finite seconds >= 0."""
+    if not isinstance(report, dict):
+        return f"is {_json_type(report)}, not an object"
+    for key in ("plan", "unpriced", "predicted_busy_s"):
+        v = report.get(key)
+        if v is not None and not isinstance(v, dict):
+            return f"has {key} that is {_json_type(v)}, not an object"
+    warnings = report.get("warnings", [])
+    if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
+        return "has warnings that are not a list of text"
+    times = {k: report.get(k) for k in ("predicted_step_s", "measured_step_s")}
+    times.update(
+        (f"predicted_busy_s.{g}", t) for g, t in (report.get("predicted_busy_s") or {}).items()
+    )
+    for key, v in times.items():
+        if v is not None and not _seconds(v):
+            return f"has {key} {v!r}: not a finite number of seconds >= 0"
+    return None
 
 
 def default_step(trace: list[dict]) -> int:
@@ -91,7 +135,9 @@ def default_step(trace: list[dict]) -> int:
     ones = [s for s in held if s >= 1]
     if ones or held:
         return max(ones or held)
-    raise ValueError("the trace holds no step with events (did the run log a step?)")
+    raise ValueError(
+        "the trace holds no step with events (the run logged no step, or the file is cut short)"
+    )
 
 
 def timeline_doc(run_dir: Path, step: int | None) -> tuple[dict, object, object]:
@@ -107,7 +153,19 @@ def timeline_doc(run_dir: Path, step: int | None) -> tuple[dict, object, object]
     pred = None
     plan = report.get("plan") or {}
     if plan.get("tree"):
-        pred = predicted_step(plan, report.get("predicted_busy_s"))
+        where = run_dir / "plan_report.json"
+        try:
+            pred = predicted_step(plan, report.get("predicted_busy_s"))
+        except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
+            raise ValueError(f"{where}: its plan is not one the planner writes: {e}") from None
+        every = [(g, t) for g, x in pred[1].items() for t in (x.busy, x.start, x.end)]
+        bad = [(g, t) for g, t in every if t is not None and not _seconds(t)]
+        if bad or not _seconds(pred[0].end):
+            g, t = bad[0] if bad else ("the step", pred[0].end)
+            raise ValueError(
+                f"{where}: its plan predicts {t!r} s for {g}: times are finite and >= 0 (a "
+                "damaged or edited report)"
+            )
     doc = {
         "run": str(run_dir),
         "step": step,
@@ -216,8 +274,7 @@ def timeline(
     try:
         doc, measured, pred = timeline_doc(run_dir, step)
         if output is not None:
-            if not output.parent.is_dir():
-                raise ValueError(f"cannot write {output}: {output.parent} is not a directory")
+            output = chart_path(output, doc["step"])
             draw(output, doc, measured, pred)
     except (ValueError, OSError) as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
@@ -228,6 +285,21 @@ def timeline(
     print_doc(doc)
     if output is not None:
         out.print(f"timeline: {output}", highlight=False)
+
+
+def chart_path(output: Path, step: int) -> Path:
+    """Where ``-o output`` draws step ``step``: into an existing directory as
+    ``timeline_step<step>.png``; a path without a suffix gets ``.png`` (matplotlib's
+    default format, said here so that the path printed is the one written).
+
+    Raises:
+        ValueError: the parent directory does not exist (a typo would make a tree).
+    """
+    if output.is_dir():
+        return output / f"timeline_step{step}.png"
+    if not output.parent.is_dir():
+        raise ValueError(f"cannot write {output}: {output.parent} is not a directory")
+    return output if output.suffix else output.with_name(output.name + ".png")
 
 
 def register(app: typer.Typer) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import os
 import threading
 import time
@@ -37,6 +38,8 @@ from . import events
 
 DEFAULT_MAX_MB = 64.0
 DRIVER_PID = 0
+#: largest time (microseconds, ~31 years) a trace event may hold: beyond, sums overflow
+MAX_US = 1e15
 
 
 def max_bytes_from_env() -> int:
@@ -239,9 +242,15 @@ def read_trace(path: str | Path) -> list[dict]:
     left without its closing bracket.
 
     Raises:
-        ValueError: the file is not a trace (the message names it).
+        ValueError: the file is not a trace (the message names it), or an event is not one
+            of the layout above (the message names the event and what is wrong: a key
+            missing, a value of the wrong type, a duration that is negative or not finite).
+        OSError: the file cannot be read.
     """
-    text = Path(path).read_text().rstrip()
+    try:
+        text = Path(path).read_text().rstrip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a Chrome trace: not UTF-8 text") from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
@@ -261,7 +270,53 @@ def read_trace(path: str | Path) -> list[dict]:
         doc = doc.get("traceEvents", [])
     if not isinstance(doc, list):
         raise ValueError(f"{path} is not a Chrome trace (JSON array of events)")
+    for i, event in enumerate(doc, 1):
+        problem = _event_problem(event)
+        if problem:
+            raise ValueError(
+                f"{path}: event {i} {problem}: not a trace m2flow writes (damaged or edited?)"
+            )
     return doc
+
+
+def _number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _event_problem(e) -> str | None:
+    """What makes ``e`` unusable as an event of the layout above (None: nothing): a slice
+    (``ph: X``) needs a ``name`` and ``cat`` (text), ``pid`` and ``tid`` (integers), a finite
+    ``ts`` and a finite ``dur >= 0`` (microseconds) and ``args`` with an integer ``step``;
+    metadata (``ph: M``) a ``name``, an integer ``pid`` and ``args`` (an object)."""
+    if not isinstance(e, dict):
+        return f"is {type(e).__name__} {json.dumps(e, default=str)[:40]}, not an object"
+    ph = e.get("ph")
+    if ph not in ("X", "M"):
+        return None if ph is None or isinstance(ph, str) else f"has ph {ph!r}, not text"
+    need = {"name": str, "pid": int, "args": dict}
+    if ph == "X":
+        need.update(cat=str, tid=int, ts=float, dur=float)
+    for key, kind in need.items():
+        if key not in e:
+            return f"(ph {ph}) has no {key!r}"
+        v = e[key]
+        if kind is float:
+            if not _number(v) or not math.isfinite(v) or abs(v) > MAX_US:
+                return f"has {key} {v!r}: not a finite number of microseconds (|x| <= 1e15)"
+        elif not isinstance(v, kind) or isinstance(v, bool):
+            what = {str: "text", int: "an integer", dict: "an object"}[kind]
+            return f"has {key} {json.dumps(v, default=str)[:40]}: not {what}"
+    if ph == "X":
+        if e["dur"] < 0:
+            return f"has dur {e['dur']!r}: a duration is >= 0"
+        step = e["args"].get("step")
+        if step is None and e["cat"] == "step":
+            return "(a step slice) has no args.step"
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+            return f"has args.step {json.dumps(step, default=str)[:40]}: not an integer"
+    if e["name"] == "process_name" and not isinstance(e["args"].get("name"), str):
+        return "(process_name) has no args.name text"
+    return None
 
 
 def drain_groups(writer: TraceWriter, groups, timeout: float = 10.0) -> None:

@@ -62,11 +62,11 @@ def run_workflow(
         ConfigError: bad workflow, overrides, plan or profile (nothing has started).
         WorkerError: a worker failed or died during the run.
     """
-    from .planning import placement_for  # here: the planner's imports cost 0.2 s
-
     if any(o.startswith("plan=") for o in overrides):
         plan, overrides = split_plan(overrides)
     module, cfg = prepare(workflow, overrides, config_files)
+    from .planning import placement_for  # after: the planner's imports cost 0.2-2 s
+
     if isinstance(plan, str):
         plan = placement_for(plan, str(workflow), list(overrides), list(config_files), profile, log)
     if isinstance(plan, Placement):

@@ -20,9 +20,9 @@ RAY_STARTED = "[a Ray session was started]"
 
 def m2flow(*args: str, cwd: Path | None = None, timeout: float = 120) -> tuple[int, str, float]:
     """Run ``m2flow ARGS``; ``(exit code, stderr, seconds)``. The command gets a temporary
-    directory of its own; if Ray started, its session directory is there (m2flow's Ray temp dir
-    lives under the temporary directory, or in a run dir under it), and :data:`RAY_STARTED` is
-    appended to the output."""
+    directory of its own; if Ray started, its session directory is there or in the run
+    directory's ``ray/`` (``trainer.run_dir=``), and :data:`RAY_STARTED` is appended to the
+    output."""
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="m2flow-cli-test-") as tmp:
         proc = subprocess.run(
@@ -33,7 +33,8 @@ def m2flow(*args: str, cwd: Path | None = None, timeout: float = 120) -> tuple[i
             cwd=cwd,
             env={**os.environ, "TMPDIR": tmp},
         )
-        sessions = list(Path(tmp).rglob("session_*"))
+        run_dirs = [Path(a.split("=", 1)[1]) for a in args if a.startswith("trainer.run_dir=")]
+        sessions = [s for d in [Path(tmp), *run_dirs] for s in d.rglob("session_*")]
     out = proc.stderr + proc.stdout
     started = sessions or "node 0 (head)" in out  # the workflows print the cluster once up
     return proc.returncode, out + (f"\n{RAY_STARTED}" if started else ""), time.monotonic() - t0
@@ -265,3 +266,86 @@ def test_a_preset_by_name_and_an_unknown_one(tmp_path):
     assert "run_dir: runs/smoke" in out and "time_budget_s: 15" in out
     code, out, _ = m2flow("run", str(GRPO), "-c", "smok", f"trainer.run_dir={tmp_path / 'r'}")
     assert_one_line_exit_2(code, out, "neither a file nor a built-in preset (presets: ")
+
+
+def test_a_directory_given_as_a_file_says_so(tmp_path):
+    """``-c DIR`` and a workflow that is a directory: it is a directory, not "does not
+    exist"; ``profile -o DIR`` is refused too."""
+    code, out, _ = m2flow("run", str(GRPO), "-c", str(tmp_path), f"trainer.run_dir={tmp_path}")
+    assert_one_line_exit_2(code, out, f"config file '{tmp_path}' is a directory")
+    code, out, _ = m2flow("run", str(tmp_path))
+    assert_one_line_exit_2(code, out, f"workflow '{tmp_path}' is a directory")
+    code, out, _ = m2flow("profile", str(GRPO), "-o", str(tmp_path))
+    assert_one_line_exit_2(code, out, "it is a directory")
+
+
+def test_profile_into_a_missing_directory_is_refused_before_profiling(tmp_path):
+    """As ``plan --save``: a typo must not profile for a minute and then make a tree."""
+    out_file = tmp_path / "missing" / "dir" / "p.yaml"
+    code, out, _ = m2flow("profile", str(GRPO), "-o", str(out_file))
+    assert_one_line_exit_2(code, out, f"{out_file.parent} is not a directory (create it first)")
+    assert not (tmp_path / "missing").exists()
+
+
+#: a workflow that says when it is imported (its imports are what takes seconds)
+MARKED = """
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from m2flow.recipe import ClusterConfig, validate_cluster
+
+Path(os.environ["M2FLOW_TEST_MARK"]).write_text("imported")
+
+
+@dataclass
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+def validate(cfg):
+    validate_cluster(cfg.cluster)
+
+
+def main(cfg):
+    pass
+"""
+
+CHECK = """
+import sys
+from m2flow.cli import app
+try:
+    app(sys.argv[1:])
+except SystemExit as e:
+    print("exit", e.code, "ray" in sys.modules, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("how", ["override", "config file"])
+def test_an_impossible_cluster_is_refused_before_the_workflow_is_imported(tmp_path, how):
+    """``cluster.devices_per_node=100000000`` took 33-41 s on a loaded machine: the workflow's
+    imports (Ray, torch, its tasks) ran before its ``validate``. The runtime's cluster section
+    is checked first: the workflow is not imported, nor Ray or torch."""
+    wf = tmp_path / "marked.py"
+    wf.write_text(MARKED)
+    mark = tmp_path / "imported"
+    args = ["run", str(wf)]
+    if how == "override":
+        args.append("cluster.devices_per_node=100000000")
+    else:
+        (tmp_path / "c.yaml").write_text("cluster:\n  devices_per_node: 100000000\n")
+        args += ["-c", str(tmp_path / "c.yaml")]
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK, *args], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "M2FLOW_TEST_MARK": str(mark)},
+    )  # fmt: skip
+    assert "at most 1024 virtual devices a node" in proc.stderr, proc.stderr
+    assert proc.stdout.split() == ["exit", "2", "False", "False"], (proc.stdout, proc.stderr)
+    assert not mark.exists()
+    mark_ok = subprocess.run(  # a possible value: the workflow is imported and runs
+        [sys.executable, "-c", CHECK, "run", str(wf), "cluster.devices_per_node=2",
+         "--show-config"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "M2FLOW_TEST_MARK": str(mark)},
+    )  # fmt: skip
+    assert "devices_per_node: 2" in mark_ok.stdout and mark.exists(), mark_ok.stderr

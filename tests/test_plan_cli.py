@@ -171,6 +171,9 @@ def _profile(tmp_path, edit):
             "needs at least 16 devices",
         ),
         (lambda tp: [CHAIN, "-n", "8", "--nodes", "3"], "split evenly over --nodes 3"),
+        # a directory, or a name that is neither: what plan expected, not "profiling ... first"
+        (lambda tp: [str(tp), "-n", "8"], "is a directory: m2flow plan takes a workflow"),
+        (lambda tp: ["no_such_flow", "-n", "8"], "is not a file: m2flow plan takes a workflow"),
         (lambda tp: [CHAIN, "-n", "2", "--mode", "spatial"], "at least 3 devices"),
         (lambda tp: [CHAIN, "-n", "8", "--mode", "fast"], "choose one of"),
         (lambda tp: [CHAIN, "-n", "0"], "at least 1 device"),

@@ -60,6 +60,9 @@ BAD = {
     "bool for bytes": ("max_body_bytes", True, "max_body_bytes"),
     "scratch_dir under a file": ("scratch_dir", "FILE/sub", "scratch_dir"),
     "state_dir is a file": ("state_dir", "FILE", "state_dir"),
+    "no tenants": ("tenants", {}, "tenants is empty"),  # a service nobody can use
+    "no pipelines": ("pipelines", {}, "pipelines is empty"),
+    "shares over the connections": ("max_requests_per_tenant", 10**6, "is over max_connections"),
 }
 
 

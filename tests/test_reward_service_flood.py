@@ -210,3 +210,66 @@ def test_large_bodies_take_turns_and_one_tenant_cannot_take_them_all(tmp_path):
         assert _answer(holder).startswith(b"HTTP/1.1 408")  # the trickle ran out of time
         for c in clients.values():
             c.close()
+
+
+def _answered(s: socket.socket) -> bytes | None:
+    """The start of an answer waiting on ``s`` (b"" if the peer closed), or None."""
+    s.setblocking(False)
+    try:
+        return s.recv(4096)
+    except BlockingIOError:
+        return None
+    except OSError:  # reset after a refusal: closed too
+        return b""
+    finally:
+        s.setblocking(True)
+
+
+def test_one_tenants_slow_bodies_take_only_its_share_of_the_connections(tmp_path):
+    """``max_connections=40``, 4 for requests without a token: each tenant's share is 18
+    requests in flight. Mallory opens 30 connections that send complete headers and one byte
+    of a 1000-byte body (then nothing, as one byte every 5 s would): 18 are held, 12 get 429
+    at once, their bodies unread. Alice still gets her whole share (17 slow bodies of her own,
+    none refused, and a request that is answered), ``/healthz`` answers, and Mallory's next
+    request is refused at once."""
+    from helpers import wait_until
+
+    cfg = _config(str(tmp_path), max_connections=40, max_anonymous_requests=4,
+                  body_timeout_s=600.0)  # fmt: skip
+    with BackgroundServer(cfg) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with RewardClient(url, TOKENS["alice"]) as alice:
+            alice.register("shared", "code")
+            alice.announce("shared", 8, batch="b")
+
+        def slow_body(tenant: str) -> socket.socket:
+            return _raw(port, (
+                "POST /v1/tasks/shared/batches/b/requests HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: Bearer {TOKENS[tenant]}\r\nContent-Type: application/json\r\n"
+                "Content-Length: 1000\r\n\r\n{"
+            ).encode())  # fmt: skip
+
+        def refused(socks: list[socket.socket], answers: dict) -> int:
+            for s in socks:
+                if s not in answers:
+                    got = _answered(s)
+                    if got is not None:
+                        answers[s] = got
+            return sum(a.startswith(b"HTTP/1.1 429") for a in answers.values())
+
+        mallory = [slow_body("mallory") for _ in range(30)]
+        answers: dict = {}
+        wait_until(lambda: refused(mallory, answers) == 12, timeout=60,
+                   what="12 of Mallory's 30 slow bodies refused (18 held, her share)")  # fmt: skip
+        assert len(answers) == 12, answers  # the other 18 are held, unanswered
+        assert all(b"max_requests_per_tenant" in a for a in answers.values())
+        own = [slow_body("alice") for _ in range(17)]  # her whole share, next to Mallory's
+        with RewardClient(url, TOKENS["alice"], retry_s=0) as alice:
+            assert alice.register("still", "code")["task"] == "still"  # her 18th
+        assert httpx.get(f"{url}/healthz", timeout=30).json() == {"ok": True}
+        late = slow_body("mallory")
+        assert _answer(late).startswith(b"HTTP/1.1 429")
+        alice_answers: dict = {}
+        assert refused(own, alice_answers) == 0 and not alice_answers  # none refused
+        for s in mallory + own + [late]:
+            s.close()

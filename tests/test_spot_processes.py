@@ -92,3 +92,63 @@ def test_spot_cluster_processes_end_with_the_driver(end, tmp_path):
         "SIGKILL": (-9,),
     }[end]
     assert code in expected, (code, stderr[-2000:])
+
+
+HANDOFF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workflows", "handoff.py")
+
+
+def _tree(root: str) -> dict[str, str]:
+    """Every path under ``root`` -> what it holds (a file's text, a link's target, "dir")."""
+    out = {}
+    for base, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(base, name)
+            rel = os.path.relpath(path, root)
+            if os.path.islink(path):
+                out[rel] = "-> " + os.readlink(path)
+            elif os.path.isdir(path):
+                out[rel] = "dir"
+            else:
+                with open(path, errors="replace") as f:
+                    out[rel] = f.read()
+    return out
+
+
+@pytest.mark.parametrize("depth", ["short", "deep"])
+def test_a_spot_run_touches_nothing_outside_its_run_directory(tmp_path, depth):
+    """A spot run (``cluster.spot.nodes=1``, one step) keeps its Ray session in
+    ``<run_dir>/ray`` and leaves the machine's Ray temp dir as it was: the current-cluster
+    pointer there (which ``ray.init(address="auto")`` reads) still names what it named. The
+    run's ``TMPDIR`` (so Ray's machine-wide temp dir is ``$TMPDIR/ray``) is a directory of the
+    test's own. A deep run directory (Ray's socket paths must stay under 107 bytes) gets a
+    short link to its ``ray/`` while the run lasts; the link is gone after it."""
+    import shutil
+    import tempfile
+
+    machine = tempfile.mkdtemp(prefix="m2t-")  # short: the link fits in it
+    short = tempfile.mkdtemp(prefix="m2r-")
+    try:
+        pointer = os.path.join(machine, "ray", "ray_current_cluster")
+        os.makedirs(os.path.dirname(pointer))
+        with open(pointer, "w") as f:
+            f.write("127.0.0.1:6379")  # another Ray user's cluster on this machine
+        before = _tree(machine)
+        run_dir = os.path.join(short, "r") if depth == "short" else str(tmp_path / ("d" * 60))
+        env = {**os.environ, "TMPDIR": machine, "RAY_USAGE_STATS_ENABLED": "0"}
+        env.pop("RAY_TMPDIR", None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "m2flow.cli", "run", HANDOFF, "cluster.spot.nodes=1",
+             "trainer.steps=1", f"trainer.run_dir={run_dir}"],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert _tree(machine) == before  # nothing created, the pointer unchanged
+        ray_dir = os.path.join(run_dir, "ray")
+        sessions = [d for d in os.listdir(ray_dir) if d.startswith("session_2")]
+        assert len(sessions) == 1, os.listdir(ray_dir)
+        with open(os.path.join(ray_dir, "ray_current_cluster")) as f:
+            assert f.read().startswith("127.0.0.2:")  # ray start's pointer, in the run dir
+        assert os.path.isdir(os.path.join(ray_dir, sessions[0], "logs"))
+    finally:
+        shutil.rmtree(machine, ignore_errors=True)
+        shutil.rmtree(short, ignore_errors=True)

@@ -7,6 +7,7 @@ writer and the report's checks also on their own, on hand-made events."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -205,3 +206,123 @@ def test_profile_keeps_where_it_was_measured(tmp_path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
     with pytest.raises(ProfileError, match="measured_on: give a mapping"):
         load_profile(tmp_path / "bad.yaml")
+
+
+def _run_dir(tmp_path: Path, name: str = "run") -> Path:
+    """A run directory with a trace of one step: an ``actor`` rank's three calls."""
+    run_dir = tmp_path / name
+    w = TraceWriter(run_dir / "trace.json", max_bytes=10**6)
+    try:
+        t = time.time()
+        w.add("actor", 0, _shipped(t, 3))
+        w.mark(1, t + 1.0)
+    finally:
+        w.close()
+        events.enable(False)
+    return run_dir
+
+
+def _events_set(key: str, value, cat: str = "call"):
+    def edit(evs: list) -> None:
+        for e in evs:
+            if e.get("ph") == "X" and e.get("cat") == cat:
+                e[key] = value
+
+    return edit
+
+
+def _drop(key: str):
+    def edit(evs: list) -> None:
+        for e in evs:
+            if e.get("ph") == "X":
+                e.pop(key, None)
+
+    return edit
+
+
+# case -> (edit of the trace's events, or a whole file's text; what the one line names)
+BAD_TRACES = {
+    "truncated": ("CUT", "no step with events"),
+    "not json": ("this is not JSON", "not a Chrome trace"),
+    "a list of numbers": ("[1, 2, 3]", "event 1 is int 1, not an object"),
+    "a list of lists": ("[[1], [2]]", "event 1 is list [1], not an object"),
+    "no ts": (_drop("ts"), "has no 'ts'"),
+    "no dur": (_drop("dur"), "has no 'dur'"),
+    "no args": (_drop("args"), "has no 'args'"),
+    "no pid": (_drop("pid"), "has no 'pid'"),
+    "negative duration": (_events_set("dur", -5.0), "has dur -5.0: a duration is >= 0"),
+    "NaN duration": (_events_set("dur", math.nan), "has dur nan: not a finite number"),
+    "infinite duration": (_events_set("dur", math.inf), "has dur inf: not a finite number"),
+    "negative step": (_events_set("dur", -5e6, "step"), "has dur -5000000.0"),
+    "NaN step": (_events_set("dur", math.nan, "step"), "has dur nan"),
+    "text ts": (_events_set("ts", "x"), "has ts 'x'"),
+    "text step number": (
+        lambda evs: [e["args"].update(step="1") for e in evs if e.get("cat") == "call"],
+        'args.step "1"',
+    ),  # fmt: skip
+}
+BAD_REPORTS = {
+    "truncated": ('{"plan": {', "plan_report.json is not valid JSON"),
+    "a list": ("[1]", "plan_report.json is an array, not an object"),
+    "plan a list": ('{"plan": [1]}', "has plan that is an array"),
+    "plan tree of the wrong shape": ('{"plan": {"tree": {"x": 1}}}', "its plan is not one"),
+    "prediction as text": ('{"predicted_step_s": "fast"}', "has predicted_step_s 'fast'"),
+    "negative prediction": ('{"predicted_step_s": -1.0}', "has predicted_step_s -1.0"),
+    "NaN prediction": ('{"predicted_step_s": NaN}', "has predicted_step_s nan"),
+    "NaN busy": ('{"predicted_busy_s": {"actor": NaN}}', "has predicted_busy_s.actor nan"),
+    "warnings of numbers": ('{"warnings": [1, 2]}', "warnings that are not a list of text"),
+}
+
+
+def _timeline(*args: str):
+    return CliRunner().invoke(app, ["timeline", *args])
+
+
+def _one_line_exit_2(res, named: str) -> None:
+    assert res.exit_code == 2, (res.exit_code, res.output)
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and named in lines[0], res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TRACES))
+def test_a_malformed_trace_is_one_line_and_exit_2(tmp_path, case):
+    """What a damaged or edited trace holds is refused by name: never a traceback, never a
+    negative or NaN duration printed as a number."""
+    edit, named = BAD_TRACES[case]
+    run_dir = _run_dir(tmp_path)
+    path = run_dir / "trace.json"
+    text = path.read_text()
+    if edit == "CUT":
+        path.write_text(text[: len(text) // 3])
+    elif isinstance(edit, str):
+        path.write_text(edit)
+    else:
+        evs = json.loads(text)
+        edit(evs)
+        path.write_text(json.dumps(evs))
+    _one_line_exit_2(_timeline(str(run_dir)), named)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REPORTS))
+def test_a_malformed_plan_report_is_one_line_and_exit_2(tmp_path, case):
+    text, named = BAD_REPORTS[case]
+    run_dir = _run_dir(tmp_path)
+    (run_dir / "plan_report.json").write_text(text)
+    _one_line_exit_2(_timeline(str(run_dir)), named)
+
+
+def test_output_into_a_directory_writes_into_it(tmp_path):
+    """``-o DIR`` (an existing directory) draws into it, never ``DIR.png`` beside it; a path
+    without a suffix is the PNG it says it wrote."""
+    run_dir = _run_dir(tmp_path)
+    charts = tmp_path / "charts"
+    charts.mkdir()
+    res = _timeline(str(run_dir), "-o", str(charts))
+    assert res.exit_code == 0, res.output
+    png = charts / "timeline_step1.png"
+    assert png.read_bytes()[:4] == b"\x89PNG" and f"timeline: {png}" in res.output
+    assert not (tmp_path / "charts.png").exists()
+    res = _timeline(str(run_dir), "-o", str(tmp_path / "plain"))
+    assert res.exit_code == 0 and f"timeline: {tmp_path / 'plain.png'}" in res.output
+    assert (tmp_path / "plain.png").is_file()

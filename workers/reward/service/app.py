@@ -27,9 +27,10 @@ from pydantic import BaseModel, Field, field_validator
 
 from . import safejson
 from .bodylimit import BodyLimit
-from .connections import uvicorn_config
+from .connections import max_connections, uvicorn_config
 from .core import RewardService, ServiceError, payload_sizes
 from .schemas import AnnounceBatch, RegisterTask, ServiceConfig, SubmitMany, SubmitRequest, _utf8
+from .shares import Shares, bearer, shares
 
 #: longest a results long-poll may wait (seconds)
 MAX_WAIT_S = 300.0
@@ -80,15 +81,6 @@ UNAUTHORIZED = (
 )
 
 
-def _bearer(value: str | bytes | None) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header value, or None."""
-    if isinstance(value, bytes):
-        value = value.decode("latin-1")
-    if value and value[:7].lower() == "bearer ":
-        return value[7:].strip()
-    return None
-
-
 class AuthGate:
     """ASGI middleware: a request to ``/v1/`` without a known bearer token gets 401 at once,
     its body unread and its connection closed, so a stranger cannot hold the service busy
@@ -101,7 +93,7 @@ class AuthGate:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
         auth = next((v for k, v in scope.get("headers") or [] if k == b"authorization"), None)
-        if _bearer(auth) in self.tokens:
+        if bearer(auth) in self.tokens:
             return await self.app(scope, receive, send)
         body = safejson.dumps({"detail": UNAUTHORIZED}).encode()
         await send(
@@ -120,7 +112,13 @@ class AuthGate:
 
 
 def create_app(config: ServiceConfig) -> FastAPI:
-    """The FastAPI app serving ``config``; the engine is ``app.state.service``."""
+    """The FastAPI app serving ``config``; the engine is ``app.state.service``.
+
+    Raises:
+        ConfigError: the connection shares do not fit (:func:`.shares.shares`), or the
+            service cannot start (:class:`~.core.RewardService`).
+    """
+    per_tenant, anonymous = shares(config, max_connections(config))  # before any scratch
     service = RewardService(config)
 
     @asynccontextmanager
@@ -143,6 +141,8 @@ def create_app(config: ServiceConfig) -> FastAPI:
         max_large=config.max_large_bodies,
     )
     app.add_middleware(AuthGate, tokens=set(service.tokens))
+    tenants = {t.token: name for name, t in config.tenants.items()}
+    app.add_middleware(Shares, tenants=tenants, per_tenant=per_tenant, anonymous=anonymous)
     app.add_middleware(Instance, instance=service.instance)  # outermost: 413s carry it too
 
     @app.exception_handler(ServiceError)
@@ -155,7 +155,7 @@ def create_app(config: ServiceConfig) -> FastAPI:
         )
 
     def tenant(authorization: str | None = Header(None)) -> str:
-        token = _bearer(authorization)
+        token = bearer(authorization)
         try:
             return service.tenant_of(token)
         except ServiceError as e:

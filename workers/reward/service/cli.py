@@ -44,9 +44,10 @@ def serve(
     from .app import create_app
     from .connections import max_connections, uvicorn_config
     from .sandbox import isolation
+    from .shares import shares
 
     try:  # too few descriptors, an unusable scratch_dir/state_dir, a state_dir in use
-        max_connections(cfg)  # before create_app makes the scratch root
+        shares(cfg, max_connections(cfg))  # before create_app makes the scratch root
         app = create_app(cfg)
         # SIGTERM/SIGINT: uvicorn stops accepting, gives open requests (long polls) a few
         # seconds, then the app's lifespan stops every worker and sandbox and removes the

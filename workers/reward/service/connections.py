@@ -23,7 +23,9 @@ app with :class:`GuardedH11Protocol`:
   then one line saying how many it dropped.
 
 Bodies are bounded in size and time by :mod:`.bodylimit`; requests without a known token are
-refused before their body is read (:class:`.app.AuthGate`).
+refused before their body is read (:class:`.app.AuthGate`). A connection with a request in
+flight is never evicted: :mod:`.shares` bounds those per tenant, so that one tenant's slow
+bodies cannot take every slot.
 """
 
 from __future__ import annotations

@@ -83,6 +83,10 @@ class ServiceConfig(BaseModel):
     is closed after ``keep_alive_s``, and a body must arrive within ``body_timeout_s`` (408).
     Bodies over 1 MiB are read and handled ``max_large_bodies`` at a time, at most half of
     them per tenant (the others wait their turn, up to half of ``body_timeout_s``, then 429).
+    Each tenant may have ``max_requests_per_tenant`` requests in flight (its share of the
+    connections and so of the bodies in flight), requests without a known token
+    ``max_anonymous_requests`` together; one over its share gets 429 at once
+    (:mod:`.shares`). A service needs at least one tenant and one pipeline.
     ``scratch_dir``: where the service's scratch root goes (default: the system temp dir).
     ``state_dir``: where the results journal is kept (:mod:`.journal`), so that a restarted
     service scores no request twice (default: none, results live in memory only).
@@ -105,8 +109,29 @@ class ServiceConfig(BaseModel):
     keep_alive_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False)
     body_timeout_s: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False)
     max_large_bodies: int = Field(8, ge=1)
+    max_requests_per_tenant: int | None = Field(
+        None,
+        ge=1,
+        description="requests one tenant may have in flight (default: an equal "
+        "share of max_connections after the anonymous share)",
+    )
+    max_anonymous_requests: int | None = Field(
+        None,
+        ge=1,
+        description="requests without a known token in flight, together "
+        "(default: max_connections / 16, at most 32)",
+    )
     scratch_dir: str | None = None
     state_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _usable(self) -> ServiceConfig:
+        for key, what in (("tenants", "a tenant with a token"), ("pipelines", "a pipeline")):
+            if not getattr(self, key):
+                raise ValueError(
+                    f"{key} is empty: nobody could use this service; add {what} to the config"
+                )
+        return self
 
     @model_validator(mode="after")
     def _queue_caps(self) -> ServiceConfig:
@@ -160,6 +185,8 @@ def _problem(err: dict) -> str:
     """One validation error as ``key.path: problem`` (an unknown key with the known key it
     most likely meant)."""
     loc = ".".join(map(str, err["loc"])) or "config"
+    if err["type"] == "value_error":  # our validators' messages, without pydantic's prefix
+        return f"{loc}: {err.get('ctx', {}).get('error', err['msg'])}"
     if err["type"] != "extra_forbidden":
         return f"{loc}: {err['msg']}"
     known = {n for m in (ServiceConfig, PipelineConfig, StageConfig, TenantConfig)
