@@ -211,9 +211,13 @@ def weight_shapes(files: list[Path], where: str) -> dict[str, list[int]]:
     return shapes
 
 
-def check_weights(path: str, config: Any, key: str = "model.path") -> None:
+def check_weights(path: str, config: Any, key: str = "model.path", causal_lm: bool = True) -> None:
     """The weight files of ``path`` are complete safetensors files whose shapes agree with
     ``config`` (a transformers config; its text config for a multimodal one).
+
+    Args:
+        causal_lm: the weights are a causal LM's, so an untied one has ``lm_head.weight``
+            (``False`` for a sequence classifier, whose head is ``score``).
 
     Raises:
         FileNotFoundError: no weights (:func:`weight_files`).
@@ -241,7 +245,8 @@ def check_weights(path: str, config: Any, key: str = "model.path") -> None:
     _check_layers(shapes, text, where)
     tied = getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", True))
     heads = {n: s for n, s in shapes.items() if n.endswith("lm_head.weight")}
-    if not tied and not heads and any(n.endswith("embed_tokens.weight") for n in shapes):
+    llama_like = any(n.endswith("embed_tokens.weight") for n in shapes)
+    if causal_lm and not tied and not heads and llama_like:
         raise ValueError(
             f"{where}: config.json says tie_word_embeddings=false, but the weights have no "
             "lm_head.weight (it would start random): use the config the weights were saved "
