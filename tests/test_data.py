@@ -7,6 +7,7 @@ Qwen2's (with its chat template, built offline), real ``Checkpoints`` files. No 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -202,6 +203,10 @@ def test_text_checks_and_the_character_bound(tmp_path, char, qwen):
     surrogate is refused); a prompt of more characters than the limit's tokens can hold
     (limit x the tokenizer's longest token) is refused, or with drop left out and counted,
     before the tokenizer sees it."""
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)  # reading it would wait for a writer forever
+    with pytest.raises(ConfigError, match=r"fifo.jsonl' is not a regular file"):
+        load_items(str(fifo), char)
     ok = tmp_path / "ok.jsonl"
     ok.write_text('{"prompt": "1+2=", "answer": "3", "extra_info": {"note": '
                   '"\\ud83d\\ude00 \\\\ud800"}}\n')  # fmt: skip

@@ -57,6 +57,8 @@ def file_list(files: Any, key: str) -> list[str]:
                 f"{key}: {str(p)!r} is not a data file this reads: use "
                 f"{', '.join(FORMATS)} (JSON lines, a JSON list of rows, or Parquet)"
             )
+        if path.exists() and not path.is_file():  # a FIFO or a device: never read it
+            raise ConfigError(f"{key}: {str(p)!r} is not a regular file: give a data file")
         if not path.is_file():
             raise ConfigError(
                 f"{key}: {str(p)!r} does not exist (relative paths are from the directory "
