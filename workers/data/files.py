@@ -17,9 +17,12 @@ nested columns (``reward_model.ground_truth``):
 
 Each file is read on its own (``datasets.load_dataset("json"|"parquet", data_files=...)``) and
 the rows of a list of files are concatenated in order; a row's ``index`` counts from 0 over
-them all. Rows are checked as they are built: a missing prompt or ground truth, a prompt of
-another type, message prompts without a chat template, characters the tokenizer cannot
-encode: each a :class:`~m2flow.config.ConfigError` naming the file, the row and the fix.
+them all. A JSON/JSONL file is first read as text (UTF-8, no lone surrogate:
+:func:`check_json_text`). Rows are checked as they are built: a missing prompt or ground
+truth, a prompt of another type, an empty prompt, message prompts without a chat template, a
+prompt too long to fit in characters (before tokenizing: :func:`char_limit`), characters the
+tokenizer cannot encode: each a :class:`~m2flow.config.ConfigError` naming the file, the row
+and the fix.
 """
 
 from __future__ import annotations
