@@ -9,7 +9,8 @@ would run. Commands of other packages join through the ``m2flow.commands`` entry
 
 Exit codes: 0 done; 2 a user mistake (bad path, key, value, plan or profile: one line on
 stderr, before anything starts); 1 a worker failed or died during the run (one paragraph: which
-group, rank, node and why; the run's checkpoints are intact, ``--resume`` continues).
+group, rank, node and why; the run's checkpoints are intact, and when there is one the
+paragraph names it: ``--resume`` continues).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ app = typer.Typer(
 err = Console(stderr=True, soft_wrap=True)
 
 
-def fail_run(e) -> None:
+def fail_run(e, resume: str = "") -> None:
     """Print a run failure as one paragraph and exit 1: a
     :class:`~m2flow.group.WorkerError`, or a Ray error of the runtime's own actors (the lock
-    service or a channel died)."""
+    service or a channel died). ``resume``: the paragraph's last line, what a rerun does
+    (:func:`_resume_line`); ``""``: none (a profiling run has no checkpoints to continue)."""
     from .group import WorkerError
 
     if isinstance(e, WorkerError):
@@ -52,8 +54,26 @@ def fail_run(e) -> None:
             f"died: {escape(death_cause(e))}",
             highlight=False,
         )
-    err.print("Checkpoints written so far are intact: continue with --resume.", highlight=False)
+    if resume:
+        err.print(resume, highlight=False)
     raise typer.Exit(1)
+
+
+def _resume_line(workflow: str, overrides: list[str], config: list[str]) -> str:
+    """After a failed run: "continue with --resume" naming the newest checkpoint when the
+    run directory (``trainer.run_dir``) has one, else that a rerun starts over (a workflow
+    without a run directory: nothing)."""
+    from .recipe import Checkpoints
+
+    try:  # the config as the run had it (no value checks, nothing touched)
+        cfg = prepare(workflow, overrides, config, validate=False)[1]
+        run_dir = cfg.trainer.run_dir
+    except Exception:  # noqa: BLE001 (a workflow of another shape: no advice beats wrong advice)
+        return ""
+    latest = Checkpoints(run_dir).latest()
+    if latest is None:
+        return f"No checkpoint was written under {run_dir}: run it again to start over."
+    return f"The checkpoint of step {latest[0]} ({latest[1]}) is intact: continue with --resume."
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -94,7 +114,7 @@ def run(
         raise typer.Exit(2) from None
     except Exception as e:  # noqa: BLE001 (worker and Ray failures: one paragraph, exit 1)
         if _is_worker_error(e) or _is_ray_error(e):
-            fail_run(e)
+            fail_run(e, _resume_line(workflow, overrides, config or []))
         raise
 
 

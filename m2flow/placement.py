@@ -19,6 +19,7 @@ plain temporal default (every group on every device, every edge coalesced).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -168,7 +169,9 @@ class Placement:
         """Read a placement YAML file.
 
         Raises:
-            PlacementError: missing, empty or unparsable file, not a mapping, or unknown keys.
+            PlacementError: missing, empty or unparsable file, not a mapping, unknown keys,
+                or a value of another type than :data:`FIELD_TYPES` says (one line naming
+                the key and the entry).
         """
         import yaml
 
@@ -192,7 +195,56 @@ class Placement:
             raise PlacementError(
                 f"plan file {str(p)!r}: unknown keys {unknown}; known: {sorted(known)}"
             )
+        for key, value in data.items():
+            _check_field(key, value, f"plan file {str(p)!r}")
         return cls(**data)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(d) for d in v)
+
+
+#: a plan file's key -> (is the value right, is each entry right (mappings), what it should be)
+FIELD_TYPES: dict[str, tuple[Callable, Callable | None, str]] = {
+    "mode": (lambda v: isinstance(v, str), None, "a name (temporal, spatial, hybrid, manual)"),
+    "groups": (dict, _is_ids, "group -> a list of device ids ({actor: [0, 1]})"),
+    "granularity": (dict, _is_int, "'src->dst' -> items per chunk ({rollout->actor: 4})"),
+    "default_devices": (lambda v: v is None or _is_ids(v), None, "a list of device ids"),
+    "default_granularity": (lambda v: v is None or _is_int(v), None, "items per chunk"),
+    "predicted_step_s": (
+        lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)),
+        None,
+        "seconds",
+    ),
+    "predicted": (dict, lambda v: isinstance(v, (int, float)), "group -> seconds"),
+    "tree": (lambda v: isinstance(v, str), None, "text"),
+    "sub_batches": (dict, lambda v: v is None or _is_int(v), "group -> items per sub-batch"),
+    "options": (dict, lambda v: isinstance(v, dict), "group -> {keyword: value}"),
+    "remote": (dict, None, "a mapping"),
+    "plan": (dict, None, "a mapping"),
+}
+
+
+def _check_field(key: str, value: Any, where: str) -> None:
+    """Raises :class:`PlacementError` naming ``key`` (and the entry) when ``value`` is not
+    of the :data:`FIELD_TYPES` form: checked when a file is read, not deep in a run."""
+    whole, entry, form = FIELD_TYPES[key]
+    ok = isinstance(value, dict) if whole is dict else whole(value)
+    if not ok:
+        raise PlacementError(f"{where}: {key} must be {form}, not {_brief(value)}")
+    if whole is dict and entry is not None:
+        for name, v in value.items():
+            if not isinstance(name, str) or not entry(v):
+                raise PlacementError(f"{where}: {key}.{name} is {_brief(v)}; {key} must be {form}")
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def merge_options(kwargs: dict, options: dict | None) -> dict:

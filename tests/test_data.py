@@ -7,11 +7,12 @@ Qwen2's (with its chat template, built offline), real ``Checkpoints`` files. No 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from m2flow.workers.data.files import load_items
+from m2flow.workers.data.files import char_limit, load_items
 from m2flow.workers.data.item import PromptItem, limit_prompts, prompt_items
 from m2flow.workers.data.reasoning_gym import task_items
 from m2flow.workers.data.sampler import PromptSampler, load_sampler
@@ -195,6 +196,32 @@ def test_overlong_prompts_error_or_drop(tmp_path, char):
     assert len(data.train) == 3 and data.heldout == [] and data.source == "files"
     assert any("dropped 1 of 4 prompts of data.train_files" in n for n in data.notes)
     assert any("no held-out evaluation" in n for n in data.notes)
+
+
+def test_text_checks_and_the_character_bound(tmp_path, char, qwen):
+    """A surrogate pair and an escaped backslash before "ud800" are text (only a lone
+    surrogate is refused); a prompt of more characters than the limit's tokens can hold
+    (limit x the tokenizer's longest token) is refused, or with drop left out and counted,
+    before the tokenizer sees it."""
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)  # reading it would wait for a writer forever
+    with pytest.raises(ConfigError, match=r"fifo.jsonl' is not a regular file"):
+        load_items(str(fifo), char)
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"prompt": "1+2=", "answer": "3", "extra_info": {"note": '
+                  '"\\ud83d\\ude00 \\\\ud800"}}\n')  # fmt: skip
+    items, _ = load_items(str(ok), char)
+    assert items[0].extra_info["note"] == "\U0001f600 \\ud800"
+    assert char_limit(char, 8) == 8 * len("<pad>") and char_limit(char, 0) == 0
+    assert char_limit(qwen, 10) == 10 * 128  # Qwen2's longest token: 128 spaces
+    rows = verl_rows(3)
+    rows[1]["prompt"] = "1+" * 20 + "1="  # 42 characters > 8 x 5
+    f = write_jsonl(tmp_path / "long.jsonl", rows)
+    with pytest.raises(ConfigError, match=r"long.jsonl row 1: the prompt is 42 characters, more "
+                       r"than data.max_prompt_tokens=8 tokens can hold \(40: "):  # fmt: skip
+        load_items(str(f), char, max_prompt_tokens=8)
+    items, dropped = load_items(str(f), char, max_prompt_tokens=8, overlong_prompts="drop")
+    assert dropped == 1 and [it.index for it in items] == [0, 2]
 
 
 def _run(tmp_path: Path, *overrides: str) -> list[str]:

@@ -194,6 +194,24 @@ def test_cli_killed_actor_one_paragraph_exit_1_and_resume(tmp_path):
     assert max(_steps(run_dir)) == last + 2
 
 
+def test_cli_failure_says_resume_only_when_a_checkpoint_exists(tmp_path):
+    """A worker that raises before the first checkpoint: the paragraph says a rerun starts
+    over (not "continue with --resume"); one that raises at step 3 names the checkpoint of
+    step 2, which --resume continues from."""
+    run_dir = tmp_path / "fails"
+    cmd = [sys.executable, "-m", "m2flow.cli", "run", str(MEMHOG), f"trainer.run_dir={run_dir}"]
+    early = subprocess.run([*cmd, "fail_at_step=1"], capture_output=True, text=True, timeout=300)
+    out = early.stdout + early.stderr
+    assert early.returncode == 1 and "counter-broke-at-step-1" in out, out
+    assert f"No checkpoint was written under {run_dir}: run it again" in out, out
+    assert "--resume" not in out, out
+    late = subprocess.run([*cmd, "fail_at_step=3"], capture_output=True, text=True, timeout=300)
+    out = late.stdout + late.stderr
+    assert late.returncode == 1 and "counter-broke-at-step-3" in out, out
+    step_2 = run_dir / "checkpoints" / "step_000002"
+    assert f"The checkpoint of step 2 ({step_2}) is intact: continue with --resume." in out, out
+
+
 def test_cli_out_of_memory_one_paragraph_exit_1_and_resume(tmp_path):
     """Ray's memory monitor kills the worker that allocates past its threshold (set ~1.5 GiB
     above what this machine uses now): the run ends with one paragraph naming the group and

@@ -318,6 +318,16 @@ def test_reward_model_path_is_checked_before_start(tmp_path, llama_dir):
         prepare(str(ROOT / "workflows" / "ppo.py"), [*base, f"reward_model.path={other}"])
     with pytest.raises(ConfigError, match="not a causal LM|no sequence classifier|no such"):
         prepare(str(ROOT / "workflows" / "ppo.py"), [*base, f"reward_model.path={tmp_path}/x"])
+    # the model directory's checks: sizes in bounds and agreeing with the weights' headers
+    deep = _save_classifier(tmp_path / "deep", tok)
+    config = json.loads((deep / "config.json").read_text())
+    (deep / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(ConfigError, match=r"reward_model.path=.*deep: config.json says "
+                       r"num_hidden_layers=3, but the weights hold 2 layers"):  # fmt: skip
+        prepare(str(ROOT / "workflows" / "ppo.py"), [*base, f"reward_model.path={deep}"])
+    (deep / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**6}))
+    with pytest.raises(ConfigError, match=r"num_hidden_layers=1000000: a size must be"):
+        prepare(str(ROOT / "workflows" / "ppo.py"), [*base, f"reward_model.path={deep}"])
 
 
 @pytest.mark.e2e

@@ -129,8 +129,9 @@ def warm_start_args(cfg, source: str) -> tuple[dict, str]:
 
 def validate_model(m) -> None:
     """The ``model`` section before anything starts: ``model.path`` is a Hugging Face causal-LM
-    directory with tokenizer files (unless another tokenizer is named), ``model.dtype`` is
-    known.
+    directory whose config sizes are sane and agree with its weights' headers
+    (:func:`~.llm.model_dir.check_model_directory`), with tokenizer files that load (unless
+    another tokenizer is named); ``model.dtype`` is known.
 
     Raises:
         ConfigError: the first problem, named with its fix.
@@ -155,7 +156,7 @@ def validate_model(m) -> None:
             ]
         )  # fmt: skip
         return
-    from .llm.model import check_model_directory
+    from .llm.model_dir import check_model_directory
 
     try:
         check_model_directory(m.path)
@@ -166,7 +167,7 @@ def validate_model(m) -> None:
 
         try:
             build_pretrained_tokenizer(m.path)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:
             raise ConfigError(str(e)) from None
 
 

@@ -1,6 +1,6 @@
 """A tiny workflow for the out-of-memory test: a counter "trained" one step at a time,
 checkpointed every step, whose worker allocates memory without bound at ``hog_at_step`` (until
-Ray's memory monitor kills it)."""
+Ray's memory monitor kills it), or raises at ``fail_at_step``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ class Counter(Worker):
     def __init__(self) -> None:
         self.value = 0
 
-    def step(self, hog: bool) -> int:
+    def step(self, hog: bool, fail: bool = False) -> int:
+        if fail:
+            raise ValueError(f"counter-broke-at-step-{self.value + 1}")
         if hog:
             blocks = []
             for _ in range(64):  # 16 GiB at most: the memory monitor acts well before
@@ -50,6 +52,7 @@ class Config:
         default_factory=lambda: TrainerConfig(steps=4, save_every=1, run_dir="runs/memhog")
     )
     hog_at_step: int = 0  # 0: never
+    fail_at_step: int = 0  # 0: never
     resume: bool = False
 
 
@@ -67,7 +70,7 @@ def main(cfg) -> dict:
     start = checkpoints.restore({"counter": counter})[0] if cfg.resume else 0
     with RunLog(tr.run_dir, tr.steps) as log:
         for step in range(start + 1, tr.steps + 1):
-            value = counter.step(step == cfg.hog_at_step).wait()[0]
+            value = counter.step(step == cfg.hog_at_step, step == cfg.fail_at_step).wait()[0]
             checkpoints.save(step, {"counter": counter})
             log.log(step, {"value": value})
     cluster.shutdown()

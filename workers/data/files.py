@@ -17,14 +17,18 @@ nested columns (``reward_model.ground_truth``):
 
 Each file is read on its own (``datasets.load_dataset("json"|"parquet", data_files=...)``) and
 the rows of a list of files are concatenated in order; a row's ``index`` counts from 0 over
-them all. Rows are checked as they are built: a missing prompt or ground truth, a prompt of
-another type, message prompts without a chat template, characters the tokenizer cannot
-encode: each a :class:`~m2flow.config.ConfigError` naming the file, the row and the fix.
+them all. A JSON/JSONL file is first read as text (UTF-8, no lone surrogate:
+:func:`check_json_text`). Rows are checked as they are built: a missing prompt or ground
+truth, a prompt of another type, an empty prompt, message prompts without a chat template, a
+prompt too long to fit in characters (before tokenizing: :func:`char_limit`), characters the
+tokenizer cannot encode: each a :class:`~m2flow.config.ConfigError` naming the file, the row
+and the fix.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -56,6 +60,8 @@ def file_list(files: Any, key: str) -> list[str]:
                 f"{key}: {str(p)!r} is not a data file this reads: use "
                 f"{', '.join(FORMATS)} (JSON lines, a JSON list of rows, or Parquet)"
             )
+        if path.exists() and not path.is_file():  # a FIFO or a device: never read it
+            raise ConfigError(f"{key}: {str(p)!r} is not a regular file: give a data file")
         if not path.is_file():
             raise ConfigError(
                 f"{key}: {str(p)!r} does not exist (relative paths are from the directory "
@@ -79,30 +85,96 @@ def get_path(row: dict, key: str) -> Any:
 def read_rows(path: str, columns: Sequence[str] = ()) -> tuple[list[dict], list[str]]:
     """The rows of one local data file as dicts (``datasets``; offline), and the file's
     column names. ``columns``: the top-level columns to keep (those present; ``()``: all).
+    A JSON/JSONL file is checked first (:func:`check_json_text`); one with nothing but
+    whitespace has no rows (``([], [])``).
 
     Raises:
-        ConfigError: the file does not parse (names the file and the reader's error).
+        ConfigError: the file does not parse, is not UTF-8 or holds a lone surrogate (names
+            the file, the line where known, and the reader's error).
     """
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import datasets
 
+    fmt = FORMATS[Path(path).suffix.lower()]
+    if fmt == "json" and not check_json_text(path):
+        return [], []
     datasets.config.HF_DATASETS_OFFLINE = True  # an earlier import read the environment
     datasets.disable_progress_bars()
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its error log is a 2nd line
     try:
-        ds = datasets.load_dataset(
-            FORMATS[Path(path).suffix.lower()], data_files=[path], split="train"
-        )
-    except Exception as e:  # the reader's errors are many (arrow, json, schema)
-        raise ConfigError(
-            f"{path}: cannot read it as {FORMATS[Path(path).suffix.lower()]}: "
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        ) from None
-    names = list(ds.column_names)
-    keep = [c for c in columns if c in names]
-    if columns and keep:  # (no column at all would give no rows: keep all for the errors)
-        ds = ds.select_columns(keep)
-    return ds.to_list(), names
+        ds = datasets.load_dataset(fmt, data_files=[path], split="train")
+        names = list(ds.column_names)
+        keep = [c for c in columns if c in names]
+        if columns and keep:  # (no column at all would give no rows: keep all for the errors)
+            ds = ds.select_columns(keep)
+        # Arrow hands out strings unchecked: invalid UTF-8 (Parquet) fails here
+        return ds.to_list(), names
+    except Exception as e:  # the reader's errors are many (arrow, json, schema, decoding)
+        while e.__cause__ is not None:  # DatasetGenerationError wraps what went wrong
+            e = e.__cause__
+        why = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(f"{path}: cannot read it as {fmt}: {type(e).__name__}: {why}") from None
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
+#: a \\uD800-\\uDFFF escape: UTF-16 surrogates, valid in JSON only as a high-low pair
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+#: one JSON escape: \\uXXXX (group 1: the hex digits) or \\ and one character
+_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|.)")
+
+
+def check_json_text(path: str) -> bool:
+    """A JSON or JSONL file is UTF-8 text without lone surrogate escapes (``"\\ud800"``), which
+    Arrow's reader turns into a crash when the rows are read out (``UnicodeDecodeError``), or
+    drops without a word, or misreads as a missing column. Read line by line (a JSON string
+    never spans lines, so neither does a surrogate pair).
+
+    Returns:
+        whether the file has any non-blank line.
+
+    Raises:
+        ConfigError: the first line with bytes that are not UTF-8 or a lone surrogate (names
+            the file, the line and the fix).
+    """
+    text = False
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(
+                    f"{path} line {n}: byte 0x{raw[e.start]:02x} (column {e.start + 1}) is not "
+                    "UTF-8: save the file as UTF-8"
+                ) from None
+            text = text or not line.isspace()
+            code = _SURROGATE.search(line) and _lone_surrogate(line)
+            if code:
+                raise ConfigError(
+                    f"{path} line {n}: a lone surrogate \\u{code:04x} (half of a UTF-16 pair, "
+                    "not a character): fix the text, or drop the row"
+                )
+    return text
+
+
+def _lone_surrogate(line: str) -> int:
+    """The first surrogate escape of a JSON ``line`` that is not half of a high-low pair
+    (its code), else 0."""
+    high, end = 0, -1  # a high surrogate awaiting its low half, and where its escape ends
+    for m in _ESCAPE.finditer(line):
+        code = int(m.group(1), 16) if m.group(1) else -1
+        if high:
+            if 0xDC00 <= code <= 0xDFFF and m.start() == end:
+                high = 0
+                continue
+            return high
+        if 0xD800 <= code <= 0xDBFF:
+            high, end = code, m.end()
+        elif 0xDC00 <= code <= 0xDFFF:
+            return code
+    return high
 
 
 def _prompt_text(prompt: Any, tokenizer, where: str) -> tuple[str, bool]:
@@ -149,17 +221,20 @@ def load_items(
         prompt_key, answer_key, data_source_key, extra_info_key: dotted paths of the columns
             (module docstring); ``answer_key="reward_model.ground_truth"`` falls back to a
             top-level ``answer``.
-        max_prompt_tokens: the longest prompt in tokens (0: no limit).
+        max_prompt_tokens: the longest prompt in tokens (0: no limit). A prompt of more
+            characters than :func:`char_limit` cannot fit and is never tokenized (a 50 MB
+            prompt would take the tokenizer's memory, then the driver).
         overlong_prompts: ``"error"`` or ``"drop"`` (prompts over the limit).
 
     Returns:
         ``(items, dropped)``: one item per row kept, ``index`` = the row's position over
-        all files (counted before drops); ``dropped``: rows over the limit.
+        all files (counted before drops); ``dropped``: rows over the limit (in characters
+        or tokens).
 
     Raises:
         ConfigError: a missing file, an unreadable file, no rows, a bad row (module
-            docstring), or (``"error"``) a prompt over the limit, each naming the file and
-            the row.
+            docstring), an empty prompt or one of no tokens, or (``"error"``) a prompt over
+            the limit, each naming the file and the row.
     """
     paths = file_list(files, key)
     keys = (prompt_key, answer_key, data_source_key, extra_info_key, "answer")
@@ -167,11 +242,15 @@ def load_items(
     out: list[PromptItem] = []
     dropped, total = 0, 0
     unk = tokenizer.unk_token_id
+    chars = char_limit(tokenizer, max_prompt_tokens)
     for path in paths:
-        rows, names = read_rows(path, columns)
+        try:
+            rows, names = read_rows(path, columns)
+        except ConfigError as e:
+            raise ConfigError(f"{key}: {e}") from None
         if not rows:
             raise ConfigError(f"{key}: {path} has no rows")
-        texts, chat, items = [], [], []
+        texts, chat, items, too_long = [], [], [], 0
         for r, row in enumerate(rows):
             where = f"{key}: {path} row {r}"
             prompt = get_path(row, prompt_key)
@@ -200,6 +279,18 @@ def load_items(
                     "fix the row, or set data.extra_info_key"
                 )
             text, is_chat = _prompt_text(prompt, tokenizer, where)
+            if not text:  # Qwen2's tokenizer makes it 0 tokens: the rollout fails on it
+                raise ConfigError(f"{where}: the prompt is empty: fill it in, or drop the row")
+            if chars and len(text) > chars:
+                if overlong_prompts == "drop":
+                    too_long += 1
+                    continue
+                raise ConfigError(
+                    f"{where}: the prompt is {len(text):,} characters, more than "
+                    f"data.max_prompt_tokens={max_prompt_tokens} tokens can hold ({chars:,}: "
+                    "each token is at most the tokenizer's longest token): shorten it, or set "
+                    "data.overlong_prompts=drop to leave such prompts out"
+                )
             texts.append(text)
             chat.append(is_chat)
             items.append(
@@ -216,10 +307,16 @@ def load_items(
             ids = tokenizer([texts[i] for i in idx], add_special_tokens=not is_chat).input_ids
             for i, p in zip(idx, ids):
                 items[i].prompt_ids = p
+                row = items[i].index - total
+                if not p:
+                    raise ConfigError(
+                        f"{key}: {path} row {row}'s prompt {texts[i][:60]!r} encodes to no "
+                        "tokens: fix the row, or drop it"
+                    )
                 if unk is not None and unk in p:
                     bad = sorted({c for c in texts[i] if tokenizer.convert_tokens_to_ids(c) == unk})
                     raise ConfigError(
-                        f"{key}: {path} row {i}'s prompt has characters the tokenizer cannot "
+                        f"{key}: {path} row {row}'s prompt has characters the tokenizer cannot "
                         f"encode ({''.join(bad)[:40]!r}; prompt {texts[i][:60]!r}): add them to "
                         "model.alphabet, or use model.tokenizer=qwen2"
                     )
@@ -227,5 +324,21 @@ def load_items(
             items, max_prompt_tokens, overlong_prompts, f"{key}: {path}", first_row=total
         )
         out += kept
-        dropped, total = dropped + n, total + len(rows)
+        dropped, total = dropped + n + too_long, total + len(rows)
     return out, dropped
+
+
+def char_limit(tokenizer, max_prompt_tokens: int) -> int:
+    """The most characters a prompt of ``max_prompt_tokens`` tokens can have:
+    ``max_prompt_tokens`` x the tokenizer's longest token, in characters of its vocabulary
+    entry (added tokens included; a byte-level entry has a character per byte, so it is never
+    shorter than the text it stands for). 0 when ``max_prompt_tokens`` is 0 (no limit).
+
+    Characters are counted before the tokenizer's normalizer: one that deletes characters
+    (accent stripping) or composes several into one (NFC, Qwen2's: at most ~3 into one) could
+    in theory fit a prompt over the bound; in practice the longest token (Qwen2's: 128
+    characters, a run of spaces) is far longer than the tokens such text makes.
+    """
+    if max_prompt_tokens <= 0:
+        return 0
+    return max_prompt_tokens * max((len(t) for t in tokenizer.get_vocab()), default=1)

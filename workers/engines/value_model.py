@@ -86,19 +86,18 @@ def check_classifier(path: str) -> None:
     model's score), loadable without custom code.
 
     Raises:
-        FileNotFoundError: no directory or ``config.json``.
-        ValueError: custom code, another kind of model, or ``num_labels != 1``.
+        FileNotFoundError: no directory, ``config.json`` or weights.
+        ValueError: custom code, another kind of model, ``num_labels != 1``, or a config and
+            weights that are damaged or disagree (the checks of ``model.path``:
+            :mod:`~..llm.model_dir`).
     """
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
     )
 
-    from ..llm.config import hf_config
+    from ..llm.model_dir import check_weights, read_config
 
-    if hf_config(path).get("auto_map"):
-        raise ValueError(f"reward_model.path={path}: custom code (auto_map) is not run")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = read_config(path, "reward_model.path")
     if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
         raise ValueError(
             f"reward_model.path={path}: model_type {config.model_type!r} has no sequence "
@@ -109,6 +108,7 @@ def check_classifier(path: str) -> None:
             f"reward_model.path={path}: {config.num_labels} labels; a reward model scores "
             "with one (num_labels=1)"
         )
+    check_weights(path, config, "reward_model.path", causal_lm=False)
 
 
 def _forward(model: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask):

@@ -50,22 +50,60 @@ class ModelConfig:
 LOADING_FIELDS = ("path", "dtype", "gradient_checkpointing", "attn_implementation")
 
 
-def hf_config(path: str | Path) -> dict:
+def read_json_object(file: str | Path, where: str) -> dict:
+    """The JSON object in ``file`` (a model directory's ``config.json``, tokenizer files),
+    with every way it can be wrong as one line naming the file.
+
+    Args:
+        where: what the message starts with (``"model.path=/models/x"``).
+
+    Raises:
+        ValueError: not UTF-8, not JSON (with the line and column), or JSON other than an
+            object (a list, a number).
+    """
+    f = Path(file)
+    try:
+        data = json.loads(f.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{where}: {f.name} is not text (byte {e.start} is not UTF-8): save it again, or "
+            "replace it with the original"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{where}: {f.name} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}): "
+            "save it again, or replace it with the original"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{where}: {f.name} holds a JSON {type(data).__name__}, not an object "
+            '({"key": value, ...}): replace it with the original'
+        )
+    return data
+
+
+def hf_config(path: str | Path, key: str = "model.path") -> dict:
     """``config.json`` of the model directory ``path`` as a dict.
+
+    Args:
+        key: the config key ``path`` came from (messages name it).
 
     Raises:
         FileNotFoundError: no such directory, or no ``config.json`` in it.
+        ValueError: a ``config.json`` that is not a JSON object (:func:`read_json_object`).
     """
     d = Path(path).expanduser()
     if not d.is_dir():
-        raise FileNotFoundError(f"model.path={path}: no such directory")
+        raise FileNotFoundError(f"{key}={path}: no such directory")
     f = d / "config.json"
+    if f.exists() and not f.is_file():  # a FIFO would block the read
+        raise ValueError(f"{key}={path}: config.json is not a regular file")
     if not f.is_file():
         raise FileNotFoundError(
-            f"model.path={path}: no config.json: give a Hugging Face model directory (what "
+            f"{key}={path}: no config.json: give a Hugging Face model directory (what "
             "save_pretrained writes, or a downloaded snapshot)"
         )
-    return json.loads(f.read_text())
+    return read_json_object(f, f"{key}={path}")
 
 
 def max_positions(model: dict) -> int:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from transformers import (
-    AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     PreTrainedModel,
@@ -26,6 +25,7 @@ from transformers import (
 )
 
 from .config import DTYPES, LOADING_FIELDS, ModelConfig
+from .model_dir import check_model_directory
 
 # transformers >= 5.2x renames the forward's past_key_values to cache, warning on every call
 # (once per step per worker in a run's log); the old name is what 5.17-5.19 (vLLM, the GPU
@@ -85,7 +85,8 @@ def load_model(
     Raises:
         FileNotFoundError: ``cfg.path`` is not a model directory.
         ValueError: a bad ``dtype``; a directory whose model transformers cannot load as a
-            causal LM (the message names its ``model_type``).
+            causal LM, or whose config and weights are damaged or disagree
+            (:func:`~.model_dir.check_model_directory`).
     """
     cfg = model_config(cfg)
     dtype = torch.float32 if trainable else compute_dtype(cfg.dtype, device)
@@ -131,42 +132,6 @@ def load_backbone(
         attn_implementation=cfg.attn_implementation,
         local_files_only=True,
     )
-
-
-def check_model_directory(path: str) -> None:
-    """Everything about ``path`` that :func:`load_model` would otherwise fail on deep inside
-    transformers, as one-line errors: a directory with ``config.json`` (no custom code) of a
-    causal LM transformers ships, with weights.
-
-    Raises:
-        FileNotFoundError: no directory, ``config.json`` or weight files.
-        ValueError: custom code (``auto_map``), an unreadable config, or not a causal LM.
-    """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from .config import hf_config
-
-    raw = hf_config(path)  # FileNotFoundError names the fix
-    path = str(Path(path).expanduser())
-    if raw.get("auto_map"):
-        raise ValueError(
-            f"model.path={path}: the model needs custom code (auto_map in config.json); "
-            "m2flow does not run remote code: use an architecture transformers ships"
-        )
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
-        raise ValueError(f"model.path={path}: transformers cannot read its config: {e}") from None
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(
-            f"model.path={path}: model_type {config.model_type!r} is not a causal LM "
-            "transformers loads (AutoModelForCausalLM)"
-        )
-    if not any(p.suffix in (".safetensors", ".bin") for p in Path(path).iterdir()):
-        raise FileNotFoundError(
-            f"model.path={path}: no weights (*.safetensors): save the model there with "
-            "save_pretrained"
-        )
 
 
 def shape_config(

