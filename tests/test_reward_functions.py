@@ -239,6 +239,8 @@ def hang(data_source, solution_str, ground_truth, extra_info):
         time.sleep(3600)
     if solution_str == "slow":
         time.sleep(1.5)
+    if solution_str == "nap":
+        time.sleep(0.4)
     return _ok()
 
 
@@ -295,7 +297,8 @@ def test_hanging_function_is_killed_named_and_replaced(bad, caplog):
     assert f"reward function '{name}' failed on sample index 6 (data_source 'hang/src'): " in msg
     assert "timed out after 2 s" in msg, msg
     notes = [r.getMessage() for r in caplog.records]
-    assert any(f"'{name}' is slow: 1 of 3 samples of this chunk scored in" in n for n in notes)
+    assert any(f"'{name}' is slow: " in n and "this chunk: 1 of 3 samples scored in" in n
+               for n in notes), notes  # fmt: skip
 
     fn = RewardFunction(name, on_error="penalty", penalty=-1.0, timeout_s=2)
     res = fn(["a", "hang", "b"], batch)
@@ -308,13 +311,22 @@ def test_hanging_function_is_killed_named_and_replaced(bad, caplog):
 
 
 def test_slow_function_says_so_and_finishes(bad, caplog):
-    """A slow call within reward.timeout_s is scored; the wait is said on the way."""
+    """A slow call within reward.timeout_s is scored; the wait is said on the way, also when
+    it is spread over calls shorter than the note's period."""
     fn = RewardFunction(f"{bad}:hang", timeout_s=60, note_every_s=0.5)
     with caplog.at_level(logging.WARNING, logger="m2flow.workers.scoring.isolated"):
         res = fn(["slow", "a"], [entry("1", 0), entry("1", 1)])
     assert res.scores == [0.5, 0.5] and res.errors == 0
     notes = [r.getMessage() for r in caplog.records]
-    assert any("is slow: 0 of 2 samples of this chunk scored in" in n for n in notes), notes
+    assert any("is slow: " in n and "this chunk: 0 of 2 samples scored in" in n for n in notes)
+    fn = RewardFunction(f"{bad}:hang", timeout_s=60, note_every_s=1.0)
+    fn(["a"], [entry("1", 0)])  # the process starts: not counted below
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="m2flow.workers.scoring.isolated"):
+        for _ in range(3):  # 3 x 0.4 s of scoring, each call shorter than 1 s
+            assert fn(["nap"], [entry("1", 0)]).scores == [0.5]
+    note = r"is slow: \d+ s spent scoring since (its start|the last such note); this chunk: 0 of 1"
+    assert any(re.search(note, r.getMessage()) for r in caplog.records)
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,9 @@ once in it), samples sent to it, one result back per sample.
   worker's goes to the driver's console and the run's logs), capped: the first
   :data:`CALL_OUTPUT_BYTES` of each call and :data:`PROCESS_OUTPUT_BYTES` in all per process;
   the cut is said once.
-- While a chunk waits long on its samples, a note every ``note_every_s`` says which function,
-  how many samples are done and how long it has taken (logged as a warning).
+- Every ``note_every_s`` spent scoring (counted across calls, so that many short chunks count
+  too), a note says which function, how many samples of the current chunk are done and how
+  long it has taken (a warning on this process's log: a Ray worker's reaches the console).
 
 The child is a plain ``python -m`` subprocess, not a ``multiprocessing`` spawn or forkserver
 child: those re-run the parent's ``__main__`` in the child, in a Ray worker Ray's
@@ -173,7 +174,7 @@ class IsolatedFunction:
         function: ``/abs/path/file.py:fn``.
         timeout_s: the longest one sample's call may take, in seconds.
         import_timeout_s: the longest the file's import may take, in seconds.
-        note_every_s: seconds between notes while a batch waits on its samples.
+        note_every_s: seconds spent scoring (across calls) between notes.
         forward_output: forward the function's output (capped) to this process's stderr;
             False: drop it.
 
@@ -195,6 +196,8 @@ class IsolatedFunction:
         self._conn: Connection | None = None
         self._pump: _OutputPump | None = None
         self._finalizer = None
+        self._unnoted = 0.0  # seconds spent in map() since the last note
+        self._noted = False
 
     @property
     def pid(self) -> int | None:
@@ -290,7 +293,7 @@ class IsolatedFunction:
         """
         i, done = 0, False
         t0 = time.monotonic()
-        next_note = t0 + self.note_every_s
+        mark = t0 - self._unnoted  # busy time counts across calls until a note says it
         try:
             while i < len(samples):
                 self.start()
@@ -306,10 +309,11 @@ class IsolatedFunction:
                         now = time.monotonic()
                         if now >= deadline:
                             break
-                        reply = self._wait(min(deadline, next_note) - now)
-                        if reply is None and time.monotonic() >= next_note:
-                            self._note(i, len(samples), time.monotonic() - t0)
-                            next_note += self.note_every_s
+                        reply = self._wait(min(deadline, mark + self.note_every_s) - now)
+                        now = time.monotonic()
+                        if reply is None and now >= mark + self.note_every_s:
+                            self._note(now - mark, i, len(samples), now - t0)
+                            mark = now
                     if reply is None:
                         self.close()
                         reply = ("error", f"timed out after {self.timeout_s:g} s "
@@ -323,12 +327,15 @@ class IsolatedFunction:
                         break  # a new child takes the rest
             done = True
         finally:
+            self._unnoted = time.monotonic() - mark
             if not done:
                 self.close()
 
-    def _note(self, done: int, total: int, seconds: float) -> None:
+    def _note(self, busy: float, done: int, total: int, seconds: float) -> None:
         log.warning(
-            "reward function %r is slow: %d of %d samples of this chunk scored in %.0f s "
-            "(reward.timeout_s=%g per sample)", self.function, done, total, seconds,
+            "reward function %r is slow: %.0f s spent scoring since %s; this chunk: %d of %d "
+            "samples scored in %.0f s (reward.timeout_s=%g per sample)", self.function, busy,
+            "the last such note" if self._noted else "its start", done, total, seconds,
             self.timeout_s,
         )  # fmt: skip
+        self._noted = True
