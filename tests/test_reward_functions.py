@@ -335,7 +335,7 @@ def test_slow_function_says_so_and_finishes(bad, caplog):
         ("exit", r"its process exited with code 3$"),
         ("segv", r"its process exited with code -11 \(SIGSEGV\)$"),
         ("sysexit", r"SystemExit: 0 \(sys.exit was called\)$"),
-        ("interrupt", r"KeyboardInterrupt: $"),
+        ("interrupt", r"\): KeyboardInterrupt$"),
     ],
 )
 def test_dying_or_exiting_function_is_a_named_error(bad, response, why):

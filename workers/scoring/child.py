@@ -35,9 +35,10 @@ def describe(err: BaseException) -> str:
     if isinstance(err, SystemExit):
         return f"SystemExit: {err.code!r} (sys.exit was called)"
     try:
-        return f"{type(err).__name__}: {err}"
+        text = str(err)
     except Exception:  # an exception whose str() raises
-        return type(err).__name__
+        text = ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _watch_parent(parent_pid: int) -> None:
