@@ -239,7 +239,10 @@ class IsolatedFunction:
         self._finalizer = weakref.finalize(self, _kill, proc)
         self._pump = _OutputPump(read_fd, marker, self.forward_output, self.function)
         self._pump.start()
-        self._conn.send({"function": self.function, "marker": marker, "sys_path": sys.path})
+        try:
+            self._conn.send({"function": self.function, "marker": marker, "sys_path": sys.path})
+        except OSError:  # a child dead at start: its exit shows in the wait below
+            pass
         reply = self._wait(self.import_timeout_s)
         if reply is None or reply[0] != "ready":
             self.close()
