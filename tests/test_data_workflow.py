@@ -20,10 +20,12 @@ from m2flow.workers.llm.tokenizer import decode_responses
 from m2flow.workers.reward.worker import RewardWorker
 from m2flow.workers.rollout.worker import RolloutWorker
 from run_dirs import stopped_copy
+from safetensors.torch import load_file
 from test_workflow import ALPHABET, COMPARED, ROUNDED, TINY_MODEL, TINY_RUN, TOKENIZER, _records
 
 from m2flow import Channel, Fanout
 from m2flow.group import WorkerError
+from m2flow.recipe import Checkpoints
 from m2flow.workflow import run_workflow
 
 pytestmark = pytest.mark.e2e
@@ -35,6 +37,7 @@ GRPO = ROOT / "workflows" / "grpo.py"
 # from random weights. Every call is appended to LOG: the test recomputes each reward.
 REWARD = """
 import json
+import time
 
 LOG = {log!r}
 
@@ -44,6 +47,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
     score = 1.0 if got == gold else (0.5 if got[:1] == gold[:1] else 0.0)
     if extra_info.get("explode"):
         raise ValueError("the row broke the scorer")
+    if extra_info.get("hang"):
+        time.sleep(3600)
     with open(LOG, "a") as f:
         f.write(json.dumps({{"split": extra_info["split"], "index": extra_info["index"],
                             "source": data_source, "solution": solution_str, "gold": gold,
@@ -95,7 +100,8 @@ def logged(log: Path) -> list[dict]:
 def test_reward_worker_scores_with_the_file_function(cluster, tmp_path):
     """Rollout -> reward with reward.function=<file>:compute_score: each reward is the
     function's on the decoded response; its extra metric comes back as [sum, count]; a
-    function that raises fails the step with its name, the index and the data_source."""
+    function that raises, or hangs past reward.timeout_s, fails the step with its name, the
+    index and the data_source."""
     fn, log = reward_file(tmp_path, "rw")
     tok = build_char_tokenizer(ALPHABET)
     items, _ = load_items(str(write(tmp_path, "t.jsonl", verl_rows(4, "train"))), tok)
@@ -103,7 +109,7 @@ def test_reward_worker_scores_with_the_file_function(cluster, tmp_path):
         cluster, [0], name="f_rollout", model=TINY_MODEL, tokenizer=TOKENIZER, n_samples=4,
         max_new_tokens=4, temperature=1.0, threads=1,
     )  # fmt: skip
-    spec = {"function": f"{fn}:compute_score", "on_error": "raise", "penalty": 0.0}
+    spec = {"function": f"{fn}:compute_score", "on_error": "raise", "penalty": 0.0, "timeout_s": 3}
     reward = RewardWorker.launch(cluster, [0], name="f_reward", tokenizer=TOKENIZER, reward=spec)
     try:
         prompts, rollouts, scored, copy = (Channel.create(f"f_{n}") for n in "prsc")
@@ -137,6 +143,20 @@ def test_reward_worker_scores_with_the_file_function(cluster, tmp_path):
             match=r"compute_score' failed on sample index 1 "
             r"\(data_source 'chain_sum/train'\): ValueError: "
             r"the row broke the scorer",
+        ):
+            call.wait()  # fmt: skip
+
+        # A row the function hangs on: its process is killed after reward.timeout_s.
+        (stuck,) = prompt_items(items, [3], step=3)
+        stuck["entry"]["extra_info"] = {**stuck["entry"]["extra_info"], "hang": True}
+        prompts.put_many([stuck])
+        gen = rollout.generate(prompts, rollouts, 1)
+        call = reward.score(rollouts, scored)
+        gen.wait()
+        with pytest.raises(
+            WorkerError,
+            match=r"compute_score' failed on sample index 3 "
+            r"\(data_source 'chain_sum/train'\): timed out after 3 s",
         ):
             call.wait()  # fmt: skip
     finally:
@@ -218,3 +238,46 @@ def test_grpo_on_files_with_own_reward_resumes_mid_epoch(cluster, tmp_path):
         assert resumed[3][key] == records[3][key], key
     for key in ROUNDED:
         assert resumed[3][key] == pytest.approx(records[3][key], rel=1e-5, abs=1e-7), key
+
+
+# Rewards of 1e308 once the run has written its step-1 checkpoint (in step 2): finite, but
+# their mean overflows float32 and would turn every weight into NaN.
+HUGE = """
+import os
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    if os.path.isdir({after!r}):
+        return 1e308
+    return 1.0 if solution_str.strip() == str(ground_truth) else 0.0
+"""
+
+
+def test_huge_reward_stops_the_run_and_keeps_the_last_good_checkpoint(cluster, tmp_path):
+    """A reward beyond reward.max_abs (1e308, from step 2 on) stops the run with an error
+    naming the function; the step-1 checkpoint stays the latest, and its weights are
+    finite (before: the run exited 0 with every tensor of its checkpoint NaN)."""
+    run_dir = tmp_path / "huge"
+    fn = tmp_path / "huge.py"
+    fn.write_text(HUGE.format(after=str(run_dir / "checkpoints" / "step_000001")))
+    train = write(tmp_path, "train.jsonl", verl_rows(6, "train"))
+    val = write(tmp_path, "val.jsonl", verl_rows(4, "val"))
+    over = [
+        *FILES_RUN,
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        f"reward.function={fn}:compute_score",
+        "trainer.steps=3",
+        f"trainer.run_dir={run_dir}",
+    ]
+    with pytest.raises(
+        WorkerError,
+        match=rf"reward function '{fn}:compute_score' failed on sample index \d+ \(data_source "
+        r"'chain_sum/train'\): returned 1e\+308, beyond reward.max_abs=1e\+06",
+    ):
+        run_workflow(GRPO, over)
+    step, path = Checkpoints(run_dir).latest()
+    assert step == 1
+    assert [r["step"] for r in _records(run_dir)] == [0, 1]
+    weights = load_file(path / "actor" / "model.safetensors")
+    assert weights and all(t.isfinite().all() for t in weights.values())

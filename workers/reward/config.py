@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +11,15 @@ from m2flow.config import ConfigError
 from m2flow.recipe import require
 
 from ..scoring.builtins import BUILTINS, dispatch
-from ..scoring.functions import ON_ERROR, is_file_function, load_file_function, split_function
+from ..scoring.functions import (
+    IMPORT_TIMEOUT_S,
+    MAX_ABS,
+    ON_ERROR,
+    TIMEOUT_S,
+    is_file_function,
+    split_function,
+)
+from ..scoring.isolated import IsolatedFunction, LoadError
 
 
 @dataclass
@@ -21,21 +30,41 @@ class RewardConfig:
     function: str = "auto"
     on_error: str = "raise"  # a failing function stops the run; "penalty": reward.penalty
     penalty: float = 0.0  # the reward of a failed sample with on_error=penalty (counted)
+    # seconds one sample's call of a file function may take: then its process is killed and
+    # the sample is an error (on_error); > 0
+    timeout_s: float = TIMEOUT_S
+    # seconds a file function's import may take (before the run and in each worker); > 0
+    import_timeout_s: float = IMPORT_TIMEOUT_S
+    # the largest |reward| accepted: a larger (finite) reward is an error like NaN (on_error);
+    # far above any scorer's scale, far below what float32 statistics overflow on
+    max_abs: float = MAX_ABS
 
 
 def check_reward(section) -> None:
-    """Config-time checks: ``on_error`` and ``penalty`` are valid, and a file function's
-    file exists and defines the function (the file is imported here once).
+    """Config-time checks: ``on_error``, ``penalty`` and the bounds are valid, and a file
+    function's file exists, imports and defines the function. The file is imported in a child
+    process (:mod:`~m2flow.workers.scoring.isolated`) within ``import_timeout_s``: an import
+    that exits (``sys.exit``, ``os._exit``), raises or blocks is one line, never this
+    process's exit or hang.
 
     Raises:
         ConfigError: one line naming the problem and the fix.
     """
-    import math
-
     require(
         [
             (section.on_error in ON_ERROR, "reward.on_error must be raise or penalty"),
             (math.isfinite(section.penalty), "reward.penalty must be a finite number"),
+            (_positive(section.timeout_s), "reward.timeout_s must be a finite number > 0"),
+            (
+                _positive(section.import_timeout_s),
+                "reward.import_timeout_s must be a finite number > 0",
+            ),
+            (_positive(section.max_abs), "reward.max_abs must be a finite number > 0"),
+            (
+                not _positive(section.max_abs) or abs(section.penalty) <= section.max_abs,
+                f"reward.penalty={section.penalty:g} is beyond reward.max_abs="
+                f"{section.max_abs:g}: raise reward.max_abs or lower the penalty",
+            ),
             (bool(section.function.strip()), "reward.function must not be empty (auto)"),
         ]
     )
@@ -53,17 +82,27 @@ def check_reward(section) -> None:
             f"reward.function={function!r}: {path} does not exist (relative paths are from the "
             f"directory m2flow runs in, here {Path.cwd()})"
         )
+    probe = IsolatedFunction(_absolute(function), import_timeout_s=section.import_timeout_s,
+                             forward_output=False)  # fmt: skip
     try:
-        load_file_function(_absolute(function))
-    except AttributeError:
-        raise ConfigError(
-            f"reward.function={function!r}: {path} defines no function {name!r}: name the "
-            "function after the colon (path/to/file.py:fn)"
-        ) from None
-    except Exception as e:
-        raise ConfigError(
-            f"reward.function={function!r}: importing {path} raised {type(e).__name__}: {e}"
-        ) from None
+        probe.start()
+    except LoadError as e:
+        hint = {
+            "missing": f"{path} defines no function {name!r}: name the function after the "
+            "colon (path/to/file.py:fn)",
+            "raised": f"importing {path} raised {e.detail}",
+            "exited": f"importing {path} ended its process ({e.detail}): a reward file must "
+            "define the function and return",
+            "timeout": f"importing {path} did not finish within {e.detail} s: does it wait "
+            "for input or a lock? (reward.import_timeout_s raises the bound)",
+        }[e.kind]
+        raise ConfigError(f"reward.function={function!r}: {hint}") from None
+    finally:
+        probe.close()
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
 def _absolute(function: str) -> str:
@@ -91,4 +130,5 @@ def reward_spec(section, data_sources: Iterable[str] = ()) -> dict:
                 "reward.function=math|exact or path/to/file.py:fn (veRL's signature), or use "
                 "data_source names it knows (openai/gsm8k, lighteval/MATH, ...)"
             )
-    return {"function": function, "on_error": section.on_error, "penalty": section.penalty}
+    keys = ("on_error", "penalty", "timeout_s", "import_timeout_s", "max_abs")
+    return {"function": function, **{k: getattr(section, k) for k in keys}}

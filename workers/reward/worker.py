@@ -57,7 +57,9 @@ class RewardWorker(Worker):
             Each request's payload is ``{"response", "answer"}``, the answer being the prompt's
             ground truth.
         reward: :class:`~.functions.RewardFunction` arguments (``function``, ``on_error``,
-            ``penalty``) for scoring in process (default: ``auto``); not with ``service``.
+            ``penalty``, ``timeout_s``, ``import_timeout_s``, ``max_abs``) for scoring here
+            (default: ``auto``; a file function runs in a child process of this rank); not
+            with ``service``.
 
     Raises:
         RewardServiceError: the service refused the token or the task (at launch).
