@@ -25,6 +25,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from ..checkpoint import unpickling_refused
 from .config import DTYPES, LOADING_FIELDS, ModelConfig
 
 # transformers >= 5.2x renames the forward's past_key_values to cache, warning on every call
@@ -85,18 +86,20 @@ def load_model(
     Raises:
         FileNotFoundError: ``cfg.path`` is not a model directory.
         ValueError: a bad ``dtype``; a directory whose model transformers cannot load as a
-            causal LM (the message names its ``model_type``).
+            causal LM (the message names its ``model_type``); a pickled weights file holding
+            objects besides tensors (refused unloaded).
     """
     cfg = model_config(cfg)
     dtype = torch.float32 if trainable else compute_dtype(cfg.dtype, device)
     if cfg.path:
         check_model_directory(cfg.path)
-        model = AutoModelForCausalLM.from_pretrained(
-            Path(cfg.path).expanduser(),
-            dtype=dtype,
-            attn_implementation=cfg.attn_implementation,
-            local_files_only=True,
-        )
+        with unpickling_refused(f"model.path={cfg.path}"):
+            model = AutoModelForCausalLM.from_pretrained(
+                Path(cfg.path).expanduser(),
+                dtype=dtype,
+                attn_implementation=cfg.attn_implementation,
+                local_files_only=True,
+            )
     else:
         model = build_model(cfg, tokenizer, seed=seed).to(dtype)
     if trainable and cfg.gradient_checkpointing:
@@ -125,12 +128,13 @@ def load_backbone(
     if not cfg.path:
         return build_model(cfg, tokenizer, seed=seed).model
     check_model_directory(cfg.path)
-    return AutoModel.from_pretrained(
-        Path(cfg.path).expanduser(),
-        dtype=torch.float32,
-        attn_implementation=cfg.attn_implementation,
-        local_files_only=True,
-    )
+    with unpickling_refused(f"model.path={cfg.path}"):
+        return AutoModel.from_pretrained(
+            Path(cfg.path).expanduser(),
+            dtype=torch.float32,
+            attn_implementation=cfg.attn_implementation,
+            local_files_only=True,
+        )
 
 
 def check_model_directory(path: str) -> None:
