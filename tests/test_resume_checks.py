@@ -79,7 +79,10 @@ def finished(tmp_path_factory) -> Path:
 
 
 def _copy(finished: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(finished, tmp_path / "run"))
+    """The run directory without its Ray session (which may hold sockets: not copyable)."""
+    skip = shutil.ignore_patterns("ray")
+    return Path(shutil.copytree(finished, tmp_path / "run", ignore=lambda d, names: skip(d, names)
+                                if Path(d) == finished else []))  # fmt: skip
 
 
 def _resume(run_dir: Path, steps: int = 2) -> str:
