@@ -11,7 +11,8 @@ one); it is emptied on release.
 The descriptor is close-on-exec and closed in forked children (``os.register_at_fork``), so
 only the run's own process holds the lock: the Ray processes it starts do not. The lock is
 re-entrant within one process (the planner's profiling runs and the run itself nest).
-Advisory, like every ``flock``: it orders m2flow runs, not other programs.
+Advisory, like every ``flock``: it orders m2flow runs, not other programs. On a filesystem
+without ``flock`` (some network or FUSE mounts) the run goes on with a warning, unlocked.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,6 +85,8 @@ def check_free(run_dir: str | Path, key: str = "trainer.run_dir") -> None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         raise _busy(Path(run_dir), fd, key) from None
+    except OSError:
+        pass  # a filesystem without flock: hold_run_dir says so
     finally:
         os.close(fd)  # releases the probe's shared lock, if taken
 
@@ -111,6 +115,12 @@ def hold_run_dir(run_dir: str | Path, key: str = "trainer.run_dir") -> Iterator[
                 err = _busy(directory, fd, key)
                 os.close(fd)
                 raise err from None
+            except OSError as e:  # a filesystem without flock (some network/FUSE mounts)
+                warnings.warn(
+                    f"{key}={run_dir}: cannot lock it ({e.strerror}); another run on the same "
+                    "directory would not be refused",
+                    stacklevel=3,
+                )
             record = {"pid": os.getpid(), "command": " ".join(_command())}
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
