@@ -20,12 +20,14 @@ import importlib.resources
 import importlib.util
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from .config import ConfigError, load_config
 from .placement import Placement
+from .runlock import hold_run_dir
 from .session import Session, StopRun
 
 #: keys of the runtime's sections that earlier versions had -> their names now
@@ -210,9 +212,11 @@ def run_prepared(
         ``max_steps``).
 
     Raises:
+        RunDirBusy: another live run holds the run directory (``trainer.run_dir``), which
+            this run holds until it returns (:mod:`m2flow.runlock`).
         WorkerError: a worker failed or died during the run.
     """
-    with Session(placement=placement, max_steps=max_steps) as session:
+    with hold_run_dir_of(cfg), Session(placement=placement, max_steps=max_steps) as session:
         try:
             session.result = module.main(cfg)
         except StopRun:
@@ -221,3 +225,14 @@ def run_prepared(
             if not keep_cluster and session.cluster is not None:
                 session.cluster.shutdown()
     return session
+
+
+def hold_run_dir_of(cfg: Any) -> AbstractContextManager:
+    """The run directory's lock (:func:`m2flow.runlock.hold_run_dir`) for ``cfg``'s
+    ``trainer.run_dir``; nothing to hold for a workflow without one.
+
+    Raises:
+        RunDirBusy: another live run holds it.
+    """
+    run_dir = getattr(getattr(cfg, "trainer", None), "run_dir", None)
+    return hold_run_dir(run_dir) if run_dir else nullcontext()

@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -117,15 +119,29 @@ def validate_cluster(c: ClusterConfig) -> None:
             raise ConfigError(f"cluster.spot.trace: {e}") from None
 
 
-def validate_trainer(tr: TrainerConfig, resume: bool) -> None:
+#: a group's checkpoint content check (``path`` -> ``None``), as the workers' layer provides
+#: them (``m2flow.workers.checkpoint``): raises ``ValueError``/``OSError`` naming the problem
+GroupCheck = Callable[[Path], None]
+
+
+def validate_trainer(
+    tr: TrainerConfig, resume: bool, groups: Mapping[str, GroupCheck] | None = None
+) -> None:
     """Value checks of the trainer section and the run directory, before anything starts.
+
+    Args:
+        groups: with ``resume``, the checkpoint's groups and the content check of each (their
+            files load without running code, headers match sizes): see
+            :meth:`Checkpoints.check_resume`. ``None``: the groups are not checked.
 
     Raises:
         ConfigError: non-positive ``eval_every``/``save_every``/``log_every``, an unknown
             ``logger`` or one whose extra is missing, negative ``steps``, a
             ``run_dir`` that is a file or cannot be created (no writable directory above
-            it), ``--resume`` without a checkpoint, or a fresh run over an earlier run's
-            checkpoints (nothing would be lost, but nothing is mixed).
+            it), ``--resume`` without a checkpoint or with a damaged one or one beyond
+            ``steps``, or a fresh run over an earlier run's checkpoints (nothing would be
+            lost, but nothing is mixed).
+        RunDirBusy: another live run holds ``run_dir`` (:mod:`m2flow.runlock`).
     """
     require(
         [
@@ -151,7 +167,12 @@ def validate_trainer(tr: TrainerConfig, resume: bool) -> None:
             f"trainer.run_dir={tr.run_dir!r} cannot be created ({base} is not a writable "
             "directory): pick a path under one"
         )
+    from .runlock import check_free
+
+    check_free(run_dir)  # before the checkpoint checks: a live run is still writing them
     latest = Checkpoints(run_dir).latest()
+    if resume and latest is not None:
+        Checkpoints(run_dir).check_resume(tr.steps, groups or {})
     if resume and latest is None:
         raise ConfigError(
             f"--resume: no checkpoint under {run_dir / 'checkpoints'}; run without --resume "
@@ -243,10 +264,45 @@ class Checkpoints:
     def __init__(self, run_dir: str | Path) -> None:
         self.dir = Path(run_dir) / "checkpoints"
 
+    def complete(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of every complete checkpoint, oldest first (``step_N`` directories;
+        ``step_N.partial`` and any other name, e.g. one moved aside, are not checkpoints)."""
+        found = [(int(m.group(1)), p) for p in self.dir.glob("step_*")
+                 if (m := re.fullmatch(r"step_(\d+)", p.name)) and p.is_dir()]  # fmt: skip
+        return sorted(found)
+
     def latest(self) -> tuple[int, Path] | None:
         """``(step, path)`` of the newest complete checkpoint, or ``None``."""
-        done = sorted(p for p in self.dir.glob("step_*") if p.is_dir() and "." not in p.name)
-        return (int(done[-1].name.split("_")[1]), done[-1]) if done else None
+        done = self.complete()
+        return done[-1] if done else None
+
+    def check_resume(self, steps: int, groups: Mapping[str, GroupCheck]) -> tuple[int, Path]:
+        """Check the checkpoint ``--resume`` would load, before anything starts: its
+        ``runner.json`` (a JSON object whose ``step`` is the directory's), a directory per
+        group of ``groups``, each passing its content check, and a step within ``steps``.
+
+        Returns:
+            ``(step, path)`` of that checkpoint.
+
+        Raises:
+            ConfigError: no checkpoint; a damaged one (one line naming it, what is wrong, and
+                the previous sound checkpoint with how to resume from it, if there is one); or
+                one numbered beyond ``steps`` (``trainer.steps``: nothing would train).
+        """
+        done = self.complete()
+        if not done:
+            raise ConfigError(f"--resume: no checkpoint under {self.dir}")
+        step, path = done[-1]
+        problem = _checkpoint_problem(step, path, groups)
+        if problem is not None:
+            raise ConfigError(f"--resume: checkpoint {path} is damaged ({problem}); "
+                              + _fallback(done, groups))  # fmt: skip
+        if step > steps:
+            raise ConfigError(
+                f"--resume: checkpoint {path} is step {step}, beyond trainer.steps={steps}: "
+                f"the run would train nothing; set trainer.steps above {step} to continue it"
+            )
+        return step, path
 
     def save(self, step: int, groups: dict[str, Any], state: dict | None = None) -> Path:
         """Save every group (its ranks' ``save_checkpoint(path)``) and the runner ``state``.
@@ -286,3 +342,42 @@ class Checkpoints:
             call.wait()
         state = json.loads((path / "runner.json").read_text())
         return step, state
+
+
+def _checkpoint_problem(step: int, path: Path, groups: Mapping[str, GroupCheck]) -> str | None:
+    """What is wrong with checkpoint ``path`` of ``step`` (one line), or ``None``."""
+    runner = path / "runner.json"
+    if not runner.is_file():
+        return "no runner.json"
+    try:
+        state = json.loads(runner.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"runner.json is not JSON: {e}"
+    if not isinstance(state, dict) or state.get("step") != step:
+        return f"runner.json does not record step {step}"
+    for name, check in groups.items():
+        if not (path / name).is_dir():
+            return f"no {name}/ directory"
+        try:
+            check(path / name)
+        except (ValueError, OSError) as e:
+            return " ".join(str(e).split()) or type(e).__name__
+    return None
+
+
+def _fallback(done: list[tuple[int, Path]], groups: Mapping[str, GroupCheck]) -> str:
+    """How to resume without the newest checkpoint: from the newest sound earlier one."""
+    for i in range(len(done) - 2, -1, -1):
+        step, path = done[i]
+        if _checkpoint_problem(step, path, groups) is None:
+            later = [p.name for _, p in done[i + 1 :]]
+            each = "it" if len(later) == 1 else "each"
+            return (
+                f"the previous good checkpoint is {path.name} (step {step}): move "
+                f"{', '.join(later)} aside (rename {each} to <name>.damaged) and --resume "
+                f"continues from step {step}"
+            )
+    return (
+        "no earlier checkpoint is sound: restore the damaged files, or set trainer.run_dir to "
+        "start a new run"
+    )

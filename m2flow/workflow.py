@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .placement import Placement
 from .program import (  # noqa: F401 (public paths: m2flow.workflow.prepare, ...)
+    hold_run_dir_of,
     load_workflow,
     prepare,
     resolve_workflow,
@@ -59,7 +60,8 @@ def run_workflow(
         ``max_steps``), step and call records, the placement and the cluster.
 
     Raises:
-        ConfigError: bad workflow, overrides, plan or profile (nothing has started).
+        ConfigError: bad workflow, overrides, plan or profile (nothing has started); or
+            ``RunDirBusy``: another live run holds ``trainer.run_dir``.
         WorkerError: a worker failed or died during the run.
     """
     if any(o.startswith("plan=") for o in overrides):
@@ -67,11 +69,14 @@ def run_workflow(
     module, cfg = prepare(workflow, overrides, config_files)
     from .planning import placement_for  # after: the planner's imports cost 0.2-2 s
 
-    if isinstance(plan, str):
-        plan = placement_for(plan, str(workflow), list(overrides), list(config_files), profile, log)
-    if isinstance(plan, Placement):
-        _check_devices(plan, cfg)
-    return run_prepared(module, cfg, plan, max_steps=max_steps, keep_cluster=keep_cluster)
+    with hold_run_dir_of(cfg):  # before profiling for a plan: a second run is refused at once
+        if isinstance(plan, str):
+            plan = placement_for(
+                plan, str(workflow), list(overrides), list(config_files), profile, log
+            )
+        if isinstance(plan, Placement):
+            _check_devices(plan, cfg)
+        return run_prepared(module, cfg, plan, max_steps=max_steps, keep_cluster=keep_cluster)
 
 
 def _check_devices(plan: Placement, cfg) -> None:

@@ -75,9 +75,11 @@ class Config:
 
 def validate(cfg) -> None:
     """Value checks the types cannot express, before anything starts. Raises ConfigError."""
+    from m2flow.workers.checkpoint import RANK_STATE
+
     a = cfg.algorithm
     validate_cluster(cfg.cluster)
-    validate_trainer(cfg.trainer, cfg.resume)
+    validate_trainer(cfg.trainer, cfg.resume, dict.fromkeys(("env", "policy", "actor"), RANK_STATE))
     require(
         [
             (cfg.env.num_envs >= 1 and cfg.env.steps >= 1, "env.num_envs, env.steps: >= 1"),

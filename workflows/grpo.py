@@ -101,8 +101,10 @@ class Config:
 
 def validate(cfg) -> None:
     """Value checks the types cannot express, before anything starts. Raises ConfigError."""
+    from m2flow.workers.checkpoint import TRAIN_ROLE
+
     validate_cluster(cfg.cluster)
-    validate_trainer(cfg.trainer, cfg.resume)
+    validate_trainer(cfg.trainer, cfg.resume, {"actor": TRAIN_ROLE})
     validate_llm(cfg, min_samples=2)
     validate_optim(cfg.actor, "actor")
     a = cfg.actor

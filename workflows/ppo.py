@@ -151,9 +151,13 @@ def _engine_checks(name: str, section, engines) -> list[tuple[bool, str]]:
 
 def validate(cfg) -> None:
     """Value checks the types cannot express, before anything starts. Raises ConfigError."""
+    from m2flow.workers.checkpoint import PPO_ACTOR, RANK_STATE
+
     a, f = cfg.algorithm, cfg.reward_fit
     validate_cluster(cfg.cluster)
-    validate_trainer(cfg.trainer, cfg.resume)
+    groups = {"actor": PPO_ACTOR, "critic": RANK_STATE, "reward": RANK_STATE,
+              "reference": RANK_STATE}  # fmt: skip
+    validate_trainer(cfg.trainer, cfg.resume, groups)
     validate_llm(cfg)
     validate_optim(cfg.actor, "actor")
     validate_optim(cfg.critic, "critic")

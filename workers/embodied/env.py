@@ -15,18 +15,17 @@ simulator's steps are the same as when stepped together (same-step autoreset, pe
 
 from __future__ import annotations
 
-import pickle
 import time
 from collections import deque
 
 import numpy as np
 import torch
-from ray import cloudpickle
 
 from m2flow import Channel, Worker
 
-from ..checkpoint import load_state, save_state
+from ..checkpoint import from_plain, load_state, save_state, to_plain
 from ..llm.placement import set_torch_threads
+from .env_state import restore_vector_env, vector_env_state
 
 
 class EnvWorker(Worker):
@@ -40,7 +39,8 @@ class EnvWorker(Worker):
         threads: torch threads (the env itself is numpy on one thread).
 
     Raises:
-        ValueError: an environment whose spaces the MLP policy cannot handle.
+        ValueError: an environment whose spaces the MLP policy cannot handle, or whose state
+            a checkpoint cannot hold as plain values (:func:`.env_state.vector_env_state`).
     """
 
     def __init__(self, env_id: str, num_envs: int = 16, seed: int = 0, threads: int = 1) -> None:
@@ -66,29 +66,37 @@ class EnvWorker(Worker):
         self.ep_return = np.zeros(num_envs)
         self.ep_length = np.zeros(num_envs, dtype=np.int64)
         self.recent: deque[float] = deque(maxlen=100)  # returns of the last 100 episodes
+        vector_env_state(self.envs)  # an env no checkpoint can hold fails here, not at a save
 
     def save_checkpoint(self, path: str) -> str:
-        """The simulators mid-episode (the vector env pickled with its RNGs), the current
-        observations and the episode statistics under ``path``."""
+        """The simulators mid-episode (the values of the vector env, its wrappers and envs,
+        RNGs included: :func:`.env_state.vector_env_state`), the current observations and the
+        episode statistics under ``path``, as tensors and plain values."""
         return save_state(
             path,
             self.rank,
             {
-                # cloudpickle: the vector env keeps its constructors as local functions
-                "envs": cloudpickle.dumps(self.envs),
+                "envs": vector_env_state(self.envs),
                 "obs": self.obs,
-                "ep_return": self.ep_return,
-                "ep_length": self.ep_length,
+                "ep_return": to_plain(self.ep_return),
+                "ep_length": to_plain(self.ep_length),
                 "recent": list(self.recent),
             },
         )
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote."""
+        """Restore what :meth:`save_checkpoint` wrote into this rank's env, built from the
+        config as on a fresh start.
+
+        Raises:
+            ValueError: the checkpoint's env is another (``env.id``/``env.num_envs`` changed).
+            StateFileError: a damaged state file, or one holding other objects (not loaded).
+        """
         state = load_state(path, self.rank)
-        self.envs.close()
-        self.envs, self.obs = pickle.loads(state["envs"]), state["obs"]
-        self.ep_return, self.ep_length = state["ep_return"], state["ep_length"]
+        restore_vector_env(self.envs, state["envs"])
+        self.obs = state["obs"]
+        self.ep_return = from_plain(state["ep_return"])
+        self.ep_length = from_plain(state["ep_length"])
         self.recent = deque(state["recent"], maxlen=100)
 
     def spec(self) -> dict:

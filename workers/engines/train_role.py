@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .. import parallel as dp
+from ..checkpoint import load_file, save_file
 from .train import TrainEngine, train_engine
 
 
@@ -75,13 +76,17 @@ class OnTrainEngine:
         self.tokenizer.save_pretrained(out)
         state |= {"weight_version": self.weight_version, "torch_rng": torch.get_rng_state(),
                   "py_rng": random.getstate()}  # fmt: skip
-        torch.save(state, out / f"{self.role}_state.pt")
+        save_file(out / f"{self.role}_state.pt", state)  # tensors and plain values only
         return str(out)
 
     def load_checkpoint(self, path: str) -> int:
-        """Restore what :meth:`save_checkpoint` wrote. Returns the weight version."""
+        """Restore what :meth:`save_checkpoint` wrote. Returns the weight version.
+
+        Raises:
+            StateFileError: a damaged state file, or one holding other objects (not loaded).
+        """
         src = Path(path)
-        state = torch.load(src / f"{self.role}_state.pt", weights_only=False)
+        state = load_file(src / f"{self.role}_state.pt")  # weights_only: runs no code
         self.engine.load(src, state)
         self.weight_version = state["weight_version"]
         torch.set_rng_state(state["torch_rng"])

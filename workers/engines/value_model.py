@@ -47,11 +47,14 @@ class ValueModel(nn.Module):
         """
         from transformers import AutoModelForSequenceClassification
 
+        from ..checkpoint import unpickling_refused
+
         check_classifier(path)
-        clf = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=torch.float32, attn_implementation=attn_implementation,
-            local_files_only=True,
-        )  # fmt: skip
+        with unpickling_refused(str(path)):
+            clf = AutoModelForSequenceClassification.from_pretrained(
+                path, dtype=torch.float32, attn_implementation=attn_implementation,
+                local_files_only=True,
+            )  # fmt: skip
         model = cls.__new__(cls)
         nn.Module.__init__(model)
         model.backbone = getattr(clf, clf.base_model_prefix)

@@ -24,6 +24,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from ..checkpoint import unpickling_refused
 from .config import DTYPES, LOADING_FIELDS, ModelConfig
 from .model_dir import check_model_directory
 
@@ -86,18 +87,20 @@ def load_model(
         FileNotFoundError: ``cfg.path`` is not a model directory.
         ValueError: a bad ``dtype``; a directory whose model transformers cannot load as a
             causal LM, or whose config and weights are damaged or disagree
-            (:func:`~.model_dir.check_model_directory`).
+            (:func:`~.model_dir.check_model_directory`); a pickled weights file holding
+            objects besides tensors (refused unloaded).
     """
     cfg = model_config(cfg)
     dtype = torch.float32 if trainable else compute_dtype(cfg.dtype, device)
     if cfg.path:
         check_model_directory(cfg.path)
-        model = AutoModelForCausalLM.from_pretrained(
-            Path(cfg.path).expanduser(),
-            dtype=dtype,
-            attn_implementation=cfg.attn_implementation,
-            local_files_only=True,
-        )
+        with unpickling_refused(f"model.path={cfg.path}"):
+            model = AutoModelForCausalLM.from_pretrained(
+                Path(cfg.path).expanduser(),
+                dtype=dtype,
+                attn_implementation=cfg.attn_implementation,
+                local_files_only=True,
+            )
     else:
         model = build_model(cfg, tokenizer, seed=seed).to(dtype)
     if trainable and cfg.gradient_checkpointing:
@@ -126,12 +129,13 @@ def load_backbone(
     if not cfg.path:
         return build_model(cfg, tokenizer, seed=seed).model
     check_model_directory(cfg.path)
-    return AutoModel.from_pretrained(
-        Path(cfg.path).expanduser(),
-        dtype=torch.float32,
-        attn_implementation=cfg.attn_implementation,
-        local_files_only=True,
-    )
+    with unpickling_refused(f"model.path={cfg.path}"):
+        return AutoModel.from_pretrained(
+            Path(cfg.path).expanduser(),
+            dtype=torch.float32,
+            attn_implementation=cfg.attn_implementation,
+            local_files_only=True,
+        )
 
 
 def shape_config(

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ... import parallel as dp
 from ...batch import row_index, split_rows
+from ...checkpoint import load_file
 from ..trainer import PolicyTrainer
 
 ENGINES = ("torch", "megatron")
@@ -494,10 +495,11 @@ class MegatronEngine:
         Raises:
             ValueError: the checkpoint was written with another TP/PP/DP layout (its weights, in
                 HF layout, load anywhere; its optimizer shards do not).
+            StateFileError: a damaged file, or one holding other objects (not loaded).
         """
         f = self._optimizer_file(path)
         layout = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
-        state = torch.load(f, weights_only=False) if f.is_file() else None
+        state = load_file(f) if f.is_file() else None  # weights_only: runs no code
         if state is not None:  # files written before PP existed hold no "pp": one stage
             state["layout"] = {"pp": 1, **state["layout"]}
         if state is None or state["layout"] != layout:
