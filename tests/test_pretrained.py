@@ -29,7 +29,7 @@ from m2flow.workers.llm import (
     tokenizer_spec,
 )
 from m2flow.workers.llm.generation import generate, stop_token_ids
-from m2flow.workers.llm.model import checkpointing
+from m2flow.workers.llm.model import checkpointing, load_backbone
 from m2flow.workers.recipe import ModelConfig, validate_model
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -106,6 +106,15 @@ def test_weights_and_tokenizer_come_back_as_saved(model_dir):
     assert tok.chat_template == original.chat_template
     # The model's stop tokens: the tokenizer's EOS (and the generation config's).
     assert stop_token_ids(tok, got.generation_config) == [original.eos_token_id]
+
+
+def test_loading_a_directory_prints_no_progress_bar(llama_dir, capsys):
+    """transformers' "Loading weights" bar, once per worker process on the run's console, is
+    off where m2flow loads a directory (the switch is per process, as in a worker)."""
+    load_model({"path": str(llama_dir)}, None)
+    load_backbone({"path": str(llama_dir)}, None)
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "it/s" not in err, err[-500:]
 
 
 def test_bf16_for_inference_float32_for_training(llama_dir):
