@@ -212,7 +212,7 @@ def test_node_joining_mid_step_pulls_weights_and_takes_work(pool):
         os.kill(pid, signal.SIGSTOP)
         try:
             held.append(metrics(mgr))  # the step's state while the reserved rank is held
-            local.add_spot(1)
+            local.add_spot(1, timeout=300)
             what = "the joined instance to generate while the reserved rank is held"
             wait_until(lambda: metrics(mgr)["spot_tokens"] > 0, 300, what)
         finally:
@@ -242,7 +242,7 @@ def test_n_prem_caps_the_pool_below_the_nodes_offered(pool):
     idle one beyond the cap is released), the other node left unused."""
     cluster, local, actor, rollout, mgr = pool
     if local.spot_nodes < 2:
-        local.add_spot(2 - local.spot_nodes)
+        local.add_spot(2 - local.spot_nodes, timeout=300)  # a raylet starts in minutes at load 25
     sync_weights(actor, rollout)  # ends an earlier test's step (its Algorithm 1 update)
     run_step(rollout, mgr, step=10, prompts=8)
     sync_weights(actor, rollout)  # no training: line 10 asks for every instance it may hold
