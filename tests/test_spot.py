@@ -59,7 +59,7 @@ def pool():
     if ray.is_initialized():
         ray.shutdown()
     local = LocalSpotCluster(2, {VIRTUAL_DEVICE_RESOURCE: 1}, spot_cpus=1)
-    local.add_spot(2)
+    local.add_spot(2, timeout=300)  # a raylet starts in minutes at load 25
     cluster = Cluster(virtual_devices_per_node=1, offload="never", spot=local)
     # The runner's rollout has the pool off; the plan turns it on (Placement.options, what a
     # spot plan of m2flow plan / plan=auto sets), as a plan does without the runner changing.
