@@ -5,6 +5,7 @@ one progress bar per phase (its name, elapsed time and ETA) and a metrics line e
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -90,9 +91,10 @@ class RunLog:
         self._last: dict[str, float] = {}  # phase -> seconds it took last time (its ETA)
 
     def log(self, step: int, metrics: dict[str, Any], echo: bool | None = None) -> None:
-        """Write ``{"step", "time", **metrics}`` to every sink; print it on the console at step
-        0, every ``log_every`` steps, at the last step, or when ``echo`` is True (False:
-        never)."""
+        """Write ``{"step", "time", **metrics}`` to every sink as it is (None and NaN too:
+        ``null`` and ``NaN`` in ``metrics.jsonl``); print it on the console at step 0, every
+        ``log_every`` steps, at the last step, or when ``echo`` is True (False: never), without
+        the metrics that have no value (None, NaN: e.g. a skipped warm start's loss)."""
         now = time.time()
         record = {"step": step, "time": round(now - self._t0, 3), **metrics}
         for sink in self._sinks:
@@ -100,7 +102,7 @@ class RunLog:
         if echo is None:
             echo = step == 0 or step % self.log_every == 0 or step == self.total_steps
         if echo:
-            shown = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+            shown = " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items() if _has_value(v))
             self.progress.console.print(f"step {step}: {shown}", highlight=False)
         from .spot import first_step
 
@@ -165,6 +167,10 @@ class RunLog:
             self.progress.stop()
         for sink in self._sinks:
             sink.close()
+
+
+def _has_value(v: Any) -> bool:
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
 
 
 def _fmt(v: Any) -> str:

@@ -67,14 +67,17 @@ class CheckoutGuard:
 
     Args:
         checkout: the checkout's root (absolute, resolved).
-        allowed: directories inside the checkout that tests may write to (a ``--basetemp``
-            there, a ``TMPDIR`` there).
+        allowed: directories tests may write to (the ``--basetemp``, the ``TMPDIR``); only
+            those inside the checkout count: one that holds the checkout (a clone under
+            ``/tmp``) exempts nothing, or every write into that checkout would pass.
     """
 
     def __init__(self, checkout: Path = CHECKOUT, allowed: tuple[Path, ...] = ()) -> None:
         self.checkout = str(checkout)
         self.runs = str(checkout / "runs")
-        self.allowed = tuple(str(a) for a in allowed)
+        self.allowed = tuple(
+            str(a) for a in allowed if _under(str(a), self.checkout) and str(a) != self.checkout
+        )
         self.active = False
         self.events: list[tuple[str, str]] = []  # (audit event, absolute path)
 

@@ -6,6 +6,7 @@ and private, and device reservations that never break mutual exclusion."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -24,9 +25,15 @@ class Producer(Worker):
             ch.put(i, key=key)
         return n
 
-    def put_then_sleep(self, ch: Channel, seconds: float):
-        ch.put("early")  # no other channel operation follows for a while
-        time.sleep(seconds)
+    def put_then_wait(self, ch: Channel, release: str, timeout: float = 120.0):
+        """Put one item, then no other channel operation until the file ``release`` exists
+        (a channel get would flush the gathered put itself). False: never released."""
+        ch.put("early")
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(release):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
         return True
 
     def put_bounded(self, ch: Channel, n: int):
@@ -88,13 +95,18 @@ def test_producer_call_returns_with_its_puts_applied_and_stream_ends_after_them(
     ch.close()
 
 
-def test_gathered_put_goes_out_while_the_producer_computes(workers):
+def test_gathered_put_goes_out_while_the_producer_computes(workers, tmp_path):
+    """The put arrives while the producer's call still runs: the call cannot end before the
+    test releases it, after the get (a put held until the call's end times the get out)."""
     prod, _ = workers
     ch = Channel.create("sp-linger")
-    call = prod.put_then_sleep(ch, 3.0)
-    t0 = time.monotonic()
-    assert ch.get(timeout=10) == "early"
-    assert time.monotonic() - t0 < 2.5 and not call.done()  # not held until the call's end
+    release = tmp_path / "release"
+    call = prod.put_then_wait(ch, str(release))
+    try:
+        assert ch.get(timeout=60) == "early"
+        assert not call.done()
+    finally:
+        release.write_text("go")
     assert call.wait(timeout=60) == [True]
     ch.close()
 

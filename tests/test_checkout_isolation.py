@@ -9,11 +9,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
-from checkout_guard import CHECKOUT, CHECKOUT_RUNS
+from checkout_guard import CHECKOUT, CHECKOUT_RUNS, CheckoutGuard
 
 from m2flow.recipe import Checkpoints
 from m2flow.workflow import prepare
@@ -63,6 +64,31 @@ def test_the_guard_records_a_touch_of_the_checkouts_runs(checkout_guard):
     assert recorded[0][1] == str(missing / "checkpoints")
     assert recorded[1][1] == str(missing / "metrics.jsonl")
     assert recorded[2][1].startswith(str(CHECKOUT / "no-such-dir-"))
+
+
+def test_the_guard_holds_for_a_checkout_under_the_temp_dir(tmp_path):
+    """A clone under ``/tmp`` (CI's): the temp dir that ``conftest.py`` allows holds the
+    checkout, and yet a write into the checkout and a touch of its ``runs/`` are recorded; a
+    ``--basetemp`` inside the checkout stays allowed. (Before, the temp dir exempted the whole
+    checkout: nothing was recorded.)"""
+    clone = tmp_path / "clone"
+    basetemp = clone / ".basetemp"
+    guard = CheckoutGuard(clone, allowed=(Path(tempfile.gettempdir()).resolve(), basetemp))
+    guard.install()  # a second hook of this process, recording only while active
+    guard.active = True
+    try:
+        with pytest.raises(FileNotFoundError):
+            (clone / "src" / "out.txt").write_text("x")
+        with pytest.raises(FileNotFoundError):
+            os.scandir(clone / "runs" / "grpo")
+        with pytest.raises(FileNotFoundError):
+            (basetemp / "t" / "out.txt").write_text("x")
+    finally:
+        guard.active = False
+    assert guard.take() == [
+        ("open", str(clone / "src" / "out.txt")),
+        ("os.scandir", str(clone / "runs" / "grpo")),
+    ]
 
 
 def _plant_checkpoints(clone: Path) -> dict[str, float]:

@@ -11,6 +11,7 @@ errors, and a GRPO run from a directory saves checkpoints ``from_pretrained`` lo
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from m2flow.workers.llm import (
     tokenizer_spec,
 )
 from m2flow.workers.llm.generation import generate, stop_token_ids
-from m2flow.workers.llm.model import checkpointing
+from m2flow.workers.llm.model import checkpointing, load_backbone
 from m2flow.workers.recipe import ModelConfig, validate_model
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -105,6 +106,15 @@ def test_weights_and_tokenizer_come_back_as_saved(model_dir):
     assert tok.chat_template == original.chat_template
     # The model's stop tokens: the tokenizer's EOS (and the generation config's).
     assert stop_token_ids(tok, got.generation_config) == [original.eos_token_id]
+
+
+def test_loading_a_directory_prints_no_progress_bar(llama_dir, capsys):
+    """transformers' "Loading weights" bar, once per worker process on the run's console, is
+    off where m2flow loads a directory (the switch is per process, as in a worker)."""
+    load_model({"path": str(llama_dir)}, None)
+    load_backbone({"path": str(llama_dir)}, None)
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "it/s" not in err, err[-500:]
 
 
 def test_bf16_for_inference_float32_for_training(llama_dir):
@@ -233,8 +243,46 @@ class ModelOnly:
     model: ModelConfig = field(default_factory=ModelConfig)
 
 
+@pytest.mark.parametrize("workflow", ["grpo", "ppo"])
+def test_an_unset_generation_length_comes_from_the_model(tmp_path, llama_dir, workflow):
+    """``rollout.max_new_tokens`` unset: 6 for the built-in model on its task, silently; with
+    ``model.path``, the directory's generation_config.json ``max_new_tokens``, else half its
+    context, and a note says which; with data files, the built-in 6 and a note. A value the
+    user sets is kept without a note, and the prompt limit follows the value taken."""
+    from m2flow.workers.data.config import prompt_limit
+    from m2flow.workers.recipe import rollout_section
+
+    from m2flow.workflow import prepare
+
+    def section(*over):
+        cfg = prepare(ROOT / "workflows" / f"{workflow}.py",
+                      [f"trainer.run_dir={tmp_path / 'run'}", *over])[1]  # fmt: skip
+        assert cfg.rollout.max_new_tokens is None or over  # unset stays None in the config
+        args, note = rollout_section(cfg)
+        return args["max_new_tokens"], note, prompt_limit(cfg)
+
+    assert section() == (6, "", 64 - 6)  # the main job's: unchanged, nothing printed
+    n, note, limit = section(f"model.path={llama_dir}")
+    assert (n, limit) == (32, 64 - 32)  # SHAPE's 64 positions
+    assert note.startswith("rollout.max_new_tokens: 32 (half the model's context of 64 tokens")
+    assert "rollout.max_new_tokens=N" in note
+    own = tmp_path / "own"
+    shutil.copytree(llama_dir, own)
+    gen = json.loads((own / "generation_config.json").read_text())
+    (own / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 20}))
+    n, note, limit = section(f"model.path={own}")
+    assert (n, limit) == (20, 64 - 20) and "generation_config.json" in note, note
+    assert section(f"model.path={own}", "rollout.max_new_tokens=9") == (9, "", 64 - 9)
+    rows = tmp_path / "train.jsonl"
+    rows.write_text(json.dumps({"prompt": "1+2=", "reward_model": {"ground_truth": "3"}}) + "\n")
+    n, note, _ = section(f"data.train_files={rows}")
+    assert n == 6 and "the built-in model's default" in note, note
+
+
 @pytest.mark.e2e
-def test_grpo_from_a_model_directory_saves_loadable_checkpoints(cluster, llama_dir, tmp_path):
+def test_grpo_from_a_model_directory_saves_loadable_checkpoints(
+    cluster, llama_dir, tmp_path, capsys
+):
     """The runner with ``model.path``: no warm start (a pretrained model starts from its
     weights), held-out accuracy at step 0, two GRPO steps, and a checkpoint that
     ``AutoModelForCausalLM.from_pretrained`` loads as the directory's architecture."""
@@ -255,8 +303,15 @@ def test_grpo_from_a_model_directory_saves_loadable_checkpoints(cluster, llama_d
         "task.heldout_size=16",
     ]
     run_workflow(GRPO, overrides)
+    out = capsys.readouterr().out
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["step"] == 0 and records[0]["phase"] == "start"
+    # rollout.max_new_tokens unset: half the directory's 64 positions, said on the console;
+    # the random weights rarely stop early, so responses run past the built-in model's 6
+    assert "rollout.max_new_tokens: 32 (half the model's context of 64 tokens" in out
+    assert max(r["response_length"] for r in records[1:]) > 6, records[1:]
+    step0 = next(line for line in out.splitlines() if line.startswith("step 0:"))
+    assert "nan" not in step0 and "None" not in step0, step0  # a skipped warm start's loss
     assert "heldout_accuracy" in records[0] and records[-1]["step"] == 2
     saved = run_dir / "checkpoints" / "step_000002" / "actor"
     model = AutoModelForCausalLM.from_pretrained(saved)

@@ -196,9 +196,9 @@ def test_a_huge_announced_batch_is_decided_in_bounded_time():
 
     huge = BatchView("huge", 0.0, 1_000_000, [R(0.0, (0.1, 0.2))], 1.0)
     small = BatchView("small", 0.0, 4, [R(0.0, (0.1, 0.2))] * 4, 1.0)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU: other jobs on the machine do not count
     dec = DistRSPolicy([5.0, 5.0], caps=[8, 8], max_jobs=2048).decide([huge, small], 0.0)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.process_time() - t0 < 1.0
     assert dec.workers == [8, 8]  # a million requests at once: every worker there is
     with pytest.raises(ValueError, match="max_jobs"):
         DistRSPolicy([5.0], max_jobs=0)

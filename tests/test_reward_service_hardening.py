@@ -369,9 +369,13 @@ def _wait_until(cond, timeout_s: float) -> bool:
 
 
 def _roots(scratch: str) -> list[str]:
+    """The service's scratch root (the test's own) and the sandbox directories a service
+    without one makes in the temp dir (``m2flow-sbx-*``): never the rest of the shared temp
+    dir (another checkout's ``runs/`` may lie there)."""
+    import glob
     import tempfile
 
-    return [scratch, tempfile.gettempdir()]
+    return [scratch, *glob.glob(os.path.join(tempfile.gettempdir(), "m2flow-sbx-*"))]
 
 
 def test_a_sandbox_killed_by_the_stage_timeout_leaves_nothing(mallory, scratch):

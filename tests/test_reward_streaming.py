@@ -9,7 +9,6 @@ chunk's responses finished."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from types import SimpleNamespace
 
@@ -122,12 +121,24 @@ def _start_step(rig, name: str, step: int):
     return next_chunk, put_at, gen, rew, scored
 
 
+def _the_batch(server: BackgroundServer):
+    """The step's batch at ``server`` (``None`` until the reward worker announced it)."""
+    task = server.service.tasks.get(("alice", "stream"))
+    return next(iter(task.batches.values()), None) if task else None
+
+
 def test_requests_arrive_as_the_rollout_streams_and_scaling_follows(rig):
+    """Request-in, batch-out by order, not by a clock: the test puts a chunk's prompts only
+    once the previous chunk's requests have reached the service and been scored, so a reward
+    worker that held responses until the rollout's end, or a service that scored only whole
+    batches, would time out here."""
     srv = rig.server
     next_chunk, put_at, gen, rew, out = _start_step(rig, "s1", step=7)
-    for _ in range(CHUNKS):  # the rollout finishes a chunk every 0.5 s
+    for k in range(CHUNKS):
         next_chunk()
-        time.sleep(0.5)
+        b = _wait(lambda: _the_batch(srv), 60, "the step's batch")
+        _wait(lambda: b.submitted == (k + 1) * CHUNK, 60, f"chunk {k}'s requests")  # noqa: B023
+        _wait(lambda: len(b.results) >= (k + 1) * CHUNK, 60, f"chunk {k}'s rewards")  # noqa: B023
     gen.wait(60)
     (stats,) = rew.wait(60)
     scored = [out.get(timeout=30) for _ in range(CHUNKS)]
@@ -141,18 +152,15 @@ def test_requests_arrive_as_the_rollout_streams_and_scaling_follows(rig):
     (b,) = service.tasks[("alice", "stream")].batches.values()
     assert b.size == STEP and b.done and len(b.results) == STEP
     assert put_at[0] < b.start < put_at[1]
-    # Each chunk's requests reach the service soon after the chunk's prompts were put (the
-    # tiny model generates in ms): typically well under the 0.5 s between chunks. One chunk
-    # may lag on a loaded machine (0.83 s seen in CI while the service's workers started), so
-    # the bound is on the median; the max only rules out a chunk held for the whole rollout.
+    # Each chunk's requests arrived after its prompts were put and before the next chunk's
+    # (one clock: the service runs in this process).
     arrivals = sorted(b.start + r.offset_s for r in b.records)
-    lags = [arrivals[(k + 1) * CHUNK - 1] - put_at[k] for k in range(CHUNKS)]
-    assert statistics.median(lags) < 0.3 and max(lags) < 2.0, lags
-    rollout_s, spread = put_at[-1] - put_at[0], arrivals[-1] - arrivals[0]
-    assert spread >= 0.8 * rollout_s, (spread, rollout_s)
+    for k in range(CHUNKS):
+        got = arrivals[k * CHUNK : (k + 1) * CHUNK]
+        assert put_at[k] < got[0] and (k + 1 == CHUNKS or got[-1] < put_at[k + 1]), (k, got)
     # The service scaled on the hint before the second chunk's requests came, kept its
-    # workers through the step (one batch: no scale-down between chunks), and scaled down
-    # once the batch was out.
+    # workers through the step (one batch: no scale-down, no cold start between chunks), and
+    # scaled down once the batch was out.
     t0 = service.t0
     assert [d["why"] for d in decisions] == ["announce", "complete"], decisions
     assert min(decisions[0]["workers"]) >= 1 and t0 + decisions[0]["t_s"] < arrivals[CHUNK]
@@ -161,17 +169,9 @@ def test_requests_arrive_as_the_rollout_streams_and_scaling_follows(rig):
     for pool in service.pools["math"]:
         during = [n for t, n in pool.timeline if b.start - t0 <= t < decisions[1]["t_s"]]
         assert during and min(during) >= 1, pool.timeline
-    # Once its workers were up, every later request was scored at once (no cold start per
-    # chunk): the arrivals were served as they came.
-    first_done = min(done_at)
-    late = [res["latency_s"] for r, res in zip(b.records, b.results)
-            if b.start + r.offset_s > first_done]  # fmt: skip
-    assert max(late, default=0.0) < 1.0, late
     print(
-        f"rollout {rollout_s:.2f} s, arrivals spread {spread:.2f} s, lag per chunk "
-        f"{[round(x, 3) for x in lags]} s, first reward {first_done - b.start:.2f} s after "
-        f"the announcement, scored during the rollout {sum(t < arrivals[-1] for t in done_at)}"
-        f"/{STEP}, later requests' latency <= {max(late, default=0):.3f} s, decisions "
+        f"rollout {put_at[-1] - put_at[0]:.2f} s, first reward {min(done_at) - b.start:.2f} s "
+        f"after the announcement, decisions "
         f"{[(d['why'], d['workers'], round(t0 + d['t_s'] - b.start, 2)) for d in decisions]}"
     )
 

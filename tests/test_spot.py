@@ -9,6 +9,8 @@ for bit the uninterrupted one" is one equality.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -57,7 +59,7 @@ def pool():
     if ray.is_initialized():
         ray.shutdown()
     local = LocalSpotCluster(2, {VIRTUAL_DEVICE_RESOURCE: 1}, spot_cpus=1)
-    local.add_spot(2)
+    local.add_spot(2, timeout=300)  # a raylet starts in minutes at load 25
     cluster = Cluster(virtual_devices_per_node=1, offload="never", spot=local)
     # The runner's rollout has the pool off; the plan turns it on (Placement.options, what a
     # spot plan of m2flow plan / plan=auto sets), as a plan does without the runner changing.
@@ -185,31 +187,49 @@ def test_zero_spot_instances_finish_on_the_reserved_devices(pool):
 
 
 def test_node_joining_mid_step_pulls_weights_and_takes_work(pool):
-    """No spot node at the start: the reserved rank generates (one request at a time, so the
-    step lasts); a node joins, its instance pulls the weights of the current version and takes
-    over part of the step.
+    """No spot node at the start: the reserved rank generates (one request at a time); a node
+    joins, its instance pulls the weights of the current version and takes over part of the
+    step.
 
-    A race on a loaded machine: the new instance's cold start (a worker process on the new
-    node, torch and the model built: its ``__init__`` alone took 21 s at load ~18) can outlast
-    the step (~25 s there), and then the reserved rank finishes it alone."""
+    Ordered, not raced against the instance's cold start (a worker process on the new node,
+    torch and the model built: 21 s at load ~18 once, longer than the whole step): once the
+    reserved rank has generated, its process is held (SIGSTOP) until the new instance has
+    generated tokens of this step, then let go. Ray finds an object through the process that
+    put it, so the driver stages the same version-0 weights first (the held rank staged the
+    copy the instance would otherwise pull)."""
     cluster, local, actor, rollout, mgr = pool
     assert local.spot_nodes == 0
     sync_weights(actor, rollout)  # a new step of the manager (same weights, version 0)
+    weights = actor.get_weights().wait(timeout=60)[0]
+    ray.get(mgr.stage.remote(0, [ray.put(weights)]), timeout=60)
     ray.get(mgr.set_config.remote(max_batch=1), timeout=60)
-    joined = []
+    pid = ray.get(rollout.actors[0].__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    held = []
 
-    def join_once(m):
-        if not joined and m["reserved_tokens"] > 0:
-            local.add_spot(1)
-            joined.append(time.monotonic())
+    def join_while_held(m):
+        if held or m["reserved_tokens"] == 0:
+            return
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            held.append(metrics(mgr))  # the step's state while the reserved rank is held
+            local.add_spot(1, timeout=300)
+            what = "the joined instance to generate while the reserved rank is held"
+            wait_until(lambda: metrics(mgr)["spot_tokens"] > 0, 300, what)
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     try:
-        res, got, versions, items = run_step(rollout, mgr, step=3, prompts=128,
-                                             during=join_once)  # fmt: skip
+        res, got, versions, items = run_step(rollout, mgr, step=3, prompts=32,
+                                             during=join_while_held)  # fmt: skip
     finally:
+        os.kill(pid, signal.SIGCONT)
         ray.get(mgr.set_config.remote(max_batch=SPOT["max_batch"]), timeout=60)
-    assert joined
-    assert res["spot"]["spot_tokens"] > 0, res["spot"]  # the new instance generated
+    assert held, "the step ended before the reserved rank generated"
+    at_hold = held[0]
+    # held mid-step: the reserved rank had generated, most of the step was still to do
+    assert at_hold["reserved_tokens"] > 0 and at_hold["queue"] > 0, at_hold
+    assert not [i for i in at_hold["instances"].values() if i["kind"] == "spot"]
+    assert res["spot"]["spot_tokens"] > 0 and res["spot"]["reserved_tokens"] > 0, res["spot"]
     assert versions == {0}
     expected = reference(actor, items)
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in expected.items()}
@@ -222,14 +242,20 @@ def test_n_prem_caps_the_pool_below_the_nodes_offered(pool):
     idle one beyond the cap is released), the other node left unused."""
     cluster, local, actor, rollout, mgr = pool
     if local.spot_nodes < 2:
-        local.add_spot(2 - local.spot_nodes)
+        local.add_spot(2 - local.spot_nodes, timeout=300)  # a raylet starts in minutes at load 25
     sync_weights(actor, rollout)  # ends an earlier test's step (its Algorithm 1 update)
     run_step(rollout, mgr, step=10, prompts=8)
     sync_weights(actor, rollout)  # no training: line 10 asks for every instance it may hold
     assert metrics(mgr)["n_prem"] == 2
     wait_until(lambda: spot_ready(mgr) == 2, 240, "two spot instances on the current weights")
+    t0 = time.monotonic()
     run_step(rollout, mgr, step=11, prompts=4)
-    time.sleep(3.0)  # the trainer trains for 3 s
+    rollout_s, t_seed = time.monotonic() - t0, metrics(mgr)["t_seed"]
+    # The trainer trains for longer than all the step's rollout work on one instance: line
+    # 10's instance-seconds (two instances' busy time, at most 2 x the rollout's wall time,
+    # plus T_seed, which this step's waits raise by at most rollout_s / eta) over t_train.
+    # Measured, not a fixed 3 s: under load the same work takes more seconds.
+    time.sleep(3 * rollout_s + t_seed + 1.0)
     sync_weights(actor, rollout)  # the step ends: Algorithm 1
     m = metrics(mgr)
     rec = m["steps"][-1]

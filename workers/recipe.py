@@ -18,7 +18,7 @@ from m2flow.recipe import TrainerConfig, finite_positive, plain, require
 
 from .data.config import check_data, from_files, prompt_limit
 from .data.reasoning_gym import task_config
-from .llm.config import DTYPES
+from .llm.config import DTYPES, default_max_new_tokens
 from .llm.config import ModelConfig as LMShape
 from .llm.tokenizer import tokenizer_spec
 from .reward.config import check_reward
@@ -69,7 +69,10 @@ class WarmStartConfig:
 @dataclass
 class RolloutConfig:
     n_samples: int = 16  # GRPO group size (responses per prompt)
-    max_new_tokens: int = 6  # response cap in tokens (EOS included)
+    # Response cap in tokens (EOS included). None: 6 for the built-in model; with model.path
+    # the max_new_tokens of its generation_config.json, else half its context (at most 1024),
+    # said on the console.
+    max_new_tokens: Optional[int] = None
     temperature: float = 0.7  # 1.0 samples too far from the greedy policy to learn from
     top_p: float = 1.0  # nucleus sampling: smallest token set of this probability; 1 = off
     shared_prefix: bool = True  # prefill each prompt once per group, not once per sample
@@ -103,6 +106,23 @@ def model_section(cfg) -> dict:
     if model.get("path"):
         model["path"] = os.path.abspath(os.path.expanduser(model["path"]))
     return model
+
+
+def rollout_section(cfg) -> tuple[dict, str]:
+    """``plain(cfg.rollout)`` with ``max_new_tokens`` resolved
+    (:func:`~.llm.config.default_max_new_tokens` when unset), and a console note saying where
+    an unset one came from when the run brings its own model (``model.path``) or data files;
+    ``""`` otherwise (set by the user, or the built-in model on its own task)."""
+    args = plain(cfg.rollout)
+    if args["max_new_tokens"] is not None:
+        return args, ""
+    args["max_new_tokens"], why = default_max_new_tokens(plain(cfg.model))
+    if not (cfg.model.path or from_files(cfg)):
+        return args, ""
+    return args, (
+        f"rollout.max_new_tokens: {args['max_new_tokens']} ({why}); set "
+        "rollout.max_new_tokens=N to change it"
+    )
 
 
 def warm_start_args(cfg, source: str) -> tuple[dict, str]:
@@ -186,7 +206,10 @@ def validate_llm(cfg, min_samples: int = 1) -> None:
             (r.n_samples >= min_samples, f"rollout.n_samples must be >= {min_samples}{why}"),
             (finite_positive(r.temperature), "rollout.temperature must be a finite number > 0"),
             (0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]"),
-            (r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
+            (
+                r.max_new_tokens is None or r.max_new_tokens >= 1,
+                "rollout.max_new_tokens must be >= 1 (or unset: from the model)",
+            ),
             (finite_positive(w.lr), "warm_start.lr must be a finite number > 0"),
             (w.steps >= 0 and w.batch_size >= 1, "warm_start.steps >= 0, batch_size >= 1"),
             (w.eval_every >= 1, "warm_start.eval_every must be >= 1"),

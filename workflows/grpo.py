@@ -30,6 +30,7 @@ from m2flow.workers.recipe import (
     WarmStartConfig,
     model_section,
     response_length,
+    rollout_section,
     validate_llm,
     validate_optim,
     warm_start_args,
@@ -175,8 +176,9 @@ def main(cfg) -> dict:
     sampler = PromptSampler(len(data.train), tr.seed, cfg.data.shuffle)
     cluster = start_cluster(cfg.cluster, tr.run_dir)
     lm = {"model": model, "tokenizer": spec, "seed": tr.seed}
+    rollout_args, length_note = rollout_section(cfg)  # max_new_tokens resolved
     rollout = RolloutWorker.launch(
-        cluster, name="rollout", heldout=data.heldout, reward=rewards, **lm, **plain(cfg.rollout)
+        cluster, name="rollout", heldout=data.heldout, reward=rewards, **lm, **rollout_args
     )
     service = plain(cfg.reward_service) if cfg.reward_service.url else None
     reward = RewardWorker.launch(
@@ -209,7 +211,7 @@ def main(cfg) -> dict:
         tr.run_dir, tr.steps, tr.logger, resumed, tr.log_every, plain(cfg), "GRPO steps"
     ) as log:
         log.print(cluster.describe())
-        for note in data.notes:
+        for note in filter(None, [*data.notes, length_note]):
             log.print(note)
         if start == 0:
             ws_args, skipped = warm_start_args(cfg, data.source)

@@ -35,6 +35,7 @@ from m2flow.workers.recipe import (
     WarmStartConfig,
     model_section,
     response_length,
+    rollout_section,
     validate_llm,
     validate_optim,
     warm_start_args,
@@ -210,9 +211,10 @@ def main(cfg) -> dict:
     sampler = PromptSampler(len(data.train), tr.seed, cfg.data.shuffle)
     cluster = start_cluster(cfg.cluster, tr.run_dir)
     temp = cfg.rollout.temperature
+    rollout_args, length_note = rollout_section(cfg)  # max_new_tokens resolved
     rollout = RolloutWorker.launch(
         cluster, name="rollout", **lm, heldout=data.heldout, reward=rewards, seed=tr.seed,
-        **plain(cfg.rollout),
+        **rollout_args,
     )  # fmt: skip
     rm = plain(cfg.reward_model)
     if rm["path"]:  # workers load it from their own working directory
@@ -258,7 +260,7 @@ def main(cfg) -> dict:
         tr.run_dir, tr.steps, tr.logger, resumed, tr.log_every, plain(cfg), "PPO steps"
     ) as log:
         log.print(cluster.describe())
-        for note in data.notes:
+        for note in filter(None, [*data.notes, length_note]):
             log.print(note)
         if start == 0:
             ws_args, skipped = warm_start_args(cfg, data.source)

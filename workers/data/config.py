@@ -8,7 +8,7 @@ from typing import Any
 from m2flow.config import ConfigError
 from m2flow.recipe import plain, require
 
-from ..llm.config import max_positions
+from ..llm.config import max_positions, resolved_max_new_tokens
 from .item import OVERLONG
 
 
@@ -36,8 +36,9 @@ def prompt_limit(cfg) -> int:
     """Longest prompt in tokens: ``data.max_prompt_tokens``, or (0) what the position
     embeddings leave after the response: ``model.max_position_embeddings -
     rollout.max_new_tokens``."""
+    model = plain(cfg.model)
     return cfg.data.max_prompt_tokens or (
-        max_positions(plain(cfg.model)) - cfg.rollout.max_new_tokens
+        max_positions(model) - resolved_max_new_tokens(model, cfg.rollout.max_new_tokens)
     )
 
 
@@ -66,16 +67,17 @@ def check_data(cfg) -> None:
     """
     from .files import file_list
 
-    d, r = cfg.data, cfg.rollout
-    limit, positions = prompt_limit(cfg), max_positions(plain(cfg.model))
+    d, model = cfg.data, plain(cfg.model)
+    limit, positions = prompt_limit(cfg), max_positions(model)
+    new_tokens = resolved_max_new_tokens(model, cfg.rollout.max_new_tokens)
     require(
         [
             (d.overlong_prompts in OVERLONG, "data.overlong_prompts must be error or drop"),
             (d.max_prompt_tokens >= 0, "data.max_prompt_tokens must be >= 0 (0: derived)"),
             (
-                limit >= 1 and limit + r.max_new_tokens <= positions,
+                limit >= 1 and limit + new_tokens <= positions,
                 f"data.max_prompt_tokens ({limit}) + rollout.max_new_tokens "
-                f"({r.max_new_tokens}) must fit the model's max_position_embeddings "
+                f"({new_tokens}) must fit the model's max_position_embeddings "
                 f"({positions}): lower them, or raise model.max_position_embeddings (a "
                 "built model)",
             ),

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from ..llm import ModelConfig, load_backbone
-from ..llm.model import model_config
+from ..llm.model import model_config, quiet_loading
 
 
 class ValueModel(nn.Module):
@@ -50,6 +50,7 @@ class ValueModel(nn.Module):
         from ..checkpoint import unpickling_refused
 
         check_classifier(path)
+        quiet_loading()
         with unpickling_refused(str(path)):
             clf = AutoModelForSequenceClassification.from_pretrained(
                 path, dtype=torch.float32, attn_implementation=attn_implementation,

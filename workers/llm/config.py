@@ -118,3 +118,50 @@ def max_positions(model: dict) -> int:
         if cfg.get(key):
             return int(cfg[key])
     raise ValueError(f"model.path={model['path']}: config.json names no maximum length")
+
+
+#: ``rollout.max_new_tokens`` unset, a model built from the shape: its answers are a few tokens
+BUILT_MAX_NEW_TOKENS = 6
+#: ``rollout.max_new_tokens`` unset with ``model.path`` and no ``max_new_tokens`` in its
+#: generation_config.json: half the context, at most this (each step holds a KV cache and
+#: logits per response token; 32k-token answers from a 64k context would not run on a CPU)
+PRETRAINED_MAX_NEW_TOKENS_CAP = 1024
+
+
+def default_max_new_tokens(model: dict) -> tuple[int, str]:
+    """``rollout.max_new_tokens`` when the user left it unset (None), and where it came from
+    (words for the console).
+
+    A built model (no ``path``): :data:`BUILT_MAX_NEW_TOKENS`. With ``path``: the directory's
+    ``generation_config.json`` ``max_new_tokens``; else half the context (``max_positions``,
+    or the generation config's ``max_length`` when smaller: prompt plus response), at most
+    :data:`PRETRAINED_MAX_NEW_TOKENS_CAP`. An unreadable generation config counts as none.
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`max_positions`.
+    """
+    if not model.get("path"):
+        return BUILT_MAX_NEW_TOKENS, "the built-in model's default"
+    gen_file = Path(model["path"]).expanduser() / "generation_config.json"
+    try:
+        gen = json.loads(gen_file.read_text())
+    except (OSError, ValueError):
+        gen = {}
+    gen = gen if isinstance(gen, dict) else {}
+
+    def count(key: str) -> int | None:
+        v = gen.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+    if count("max_new_tokens"):
+        return count("max_new_tokens"), f"max_new_tokens of {gen_file}"
+    context = min(max_positions(model), count("max_length") or 2**62)
+    n = max(1, min(context // 2, PRETRAINED_MAX_NEW_TOKENS_CAP))
+    capped = f", at most {PRETRAINED_MAX_NEW_TOKENS_CAP}" if n < context // 2 else ""
+    return n, f"half the model's context of {context} tokens{capped}"
+
+
+def resolved_max_new_tokens(model: dict, value: int | None) -> int:
+    """``rollout.max_new_tokens`` as the run uses it: ``value``, or (None)
+    :func:`default_max_new_tokens`'s."""
+    return value if value is not None else default_max_new_tokens(model)[0]

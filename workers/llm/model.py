@@ -35,6 +35,16 @@ warnings.filterwarnings(
     "ignore", message=r"`past_key_values` is deprecated", category=FutureWarning
 )
 
+
+def quiet_loading() -> None:
+    """Turn off transformers' progress bars in this process (``from_pretrained``'s "Loading
+    weights", one per worker process, would land between the run's console lines; the run
+    shows its own phases). Called where a model is loaded from a directory."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -94,6 +104,7 @@ def load_model(
     dtype = torch.float32 if trainable else compute_dtype(cfg.dtype, device)
     if cfg.path:
         check_model_directory(cfg.path)
+        quiet_loading()
         with unpickling_refused(f"model.path={cfg.path}"):
             model = AutoModelForCausalLM.from_pretrained(
                 Path(cfg.path).expanduser(),
@@ -129,6 +140,7 @@ def load_backbone(
     if not cfg.path:
         return build_model(cfg, tokenizer, seed=seed).model
     check_model_directory(cfg.path)
+    quiet_loading()
     with unpickling_refused(f"model.path={cfg.path}"):
         return AutoModel.from_pretrained(
             Path(cfg.path).expanduser(),
