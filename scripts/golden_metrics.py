@@ -153,14 +153,21 @@ def run_case(name: str, scratch: Path) -> list[dict]:
     from m2flow.workflow import run_workflow
 
     workflow, files, overrides = CASES[name]
-    run_dir = scratch / name
-    run_workflow(
-        WORKFLOWS / workflow,
-        [*overrides, f"trainer.run_dir={run_dir}"],
-        plan="temporal",
-        config_files=files,
-    )
-    return records(run_dir)
+    for attempt in range(3):  # a loaded machine can time Ray's start-up out: start again
+        run_dir = scratch / f"{name}-{attempt}"
+        try:
+            run_workflow(
+                WORKFLOWS / workflow,
+                [*overrides, f"trainer.run_dir={run_dir}"],
+                plan="temporal",
+                config_files=files,
+            )
+            return records(run_dir)
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
+            print(f"Ray did not start ({e}); again", flush=True)
+    raise AssertionError("unreachable")
 
 
 def compare(a: dict, b: dict) -> list[str]:

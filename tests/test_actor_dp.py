@@ -103,12 +103,27 @@ def test_several_ranks_need_data_parallel_and_streaming(cluster):
 
 
 def test_a_new_train_engine_is_one_file(cluster):
-    """tests/sgd_engine.py (plain SGD, registered by import path) runs the actor role unchanged:
-    its step is the SGD step on the GRPO loss of the sorted, concatenated chunks."""
-    from m2flow.workers.algos.grpo import grpo_advantages
+    """tests/sgd_engine.py (plain SGD, registered by import path, no loss of its own) runs the
+    actor role unchanged: its step is the SGD step on the GRPO loss the role hands it, over the
+    sorted, concatenated chunks."""
+    from m2flow.workers.algos.grpo import grpo_advantages, grpo_loss
+    from m2flow.workers.algos.logprobs import sequence_logprobs
     from m2flow.workers.batch import concat
     from m2flow.workers.engines.registry import TRAIN_ENGINES
-    from sgd_engine import KEYS, SgdEngine, sgd_update
+    from sgd_engine import KEYS, SgdEngine
+
+    def sgd_update(model, data: dict, lr: float, temperature: float) -> dict:
+        """One SGD step of ``model`` on the token-mean GRPO loss (the actor's default clip
+        range) of the whole batch."""
+        lp = sequence_logprobs(model, *(data[k] for k in KEYS), temperature=temperature)
+        loss, _ = grpo_loss(lp, data["old_logprobs"], data["advantages"],
+                            data["response_mask"], 0.2, 0.28)  # fmt: skip
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+        return {"loss": loss.item()}
 
     assert TRAIN_ENGINES.get("sgd_engine:SgdEngine") is SgdEngine
     TRAIN_ENGINES.register("sgd", SgdEngine)  # in this process; workers resolve the path
