@@ -160,3 +160,42 @@ def test_a_new_train_engine_is_one_file(cluster):
     assert max(float((after[n] - before[n]).abs().max()) for n in after) > 1e-4
     for n, w in model.state_dict().items():
         torch.testing.assert_close(after[n], w, rtol=0, atol=1e-6)
+
+
+def test_nonfinite_advantage_stops_or_skips_the_step(cluster):
+    """Issue 35: a chunk whose reward is infinite gives non-finite advantages. By default the
+    actor stops with the training step and the cause (no update); with ``nonfinite="skip"``
+    the step's update is dropped (weights unchanged) and counted, and the next step trains.
+    Data parallel too: the ranks skip together (a rank that got only finite chunks must not
+    step alone)."""
+    from m2flow.group import WorkerError
+
+    chunks = _chunks()
+    bad = [chunks[0], *chunks[1:]]
+    poisoned = chunks[1].batch.clone()
+    poisoned["rewards"][2] = float("inf")
+    bad[1] = RolloutChunk(poisoned, entries={}, weight_version=0)
+    kw = dict(model=TINY_MODEL, tokenizer=TOKENIZER, lr=1e-2, threads=1, seed=0)
+    stop = ActorWorker.launch(cluster, [0], name="actor_stop", **kw)
+    try:
+        before = stop.get_weights().wait(60)[0]
+        with pytest.raises(WorkerError, match=r"actor, training step 1: non-finite advantages "
+                           r"for 4 of 8 samples \(non-finite rewards: \[inf\]\)"):  # fmt: skip
+            _step(cluster, stop, bad, "stop")
+    finally:
+        stop.shutdown()
+    skip = ActorWorker.launch(cluster, [0, 1], name="actor_skip", data_parallel=True,
+                              nonfinite="skip", **kw)  # fmt: skip
+    try:
+        assert skip.get_weights().wait(60)[0].keys() == before.keys()
+        out = _step(cluster, skip, bad, "skip")
+        assert [r["nonfinite_skips"] for r in out] == [1, 1] and out[0]["grad_norm"] == 0.0
+        after = skip.get_weights().wait(60)
+        for n, w in before.items():  # no rank moved
+            assert torch.equal(after[0][n], w) and torch.equal(after[1][n], w), n
+        out = _step(cluster, skip, chunks, "skip_then_train")  # the next step trains
+        assert all("nonfinite_skips" not in r for r in out) and out[0]["grad_norm"] > 0
+        assert max(float((skip.get_weights().wait(60)[0][n] - w).abs().max())
+                   for n, w in before.items()) > 1e-4  # fmt: skip
+    finally:
+        skip.shutdown()

@@ -247,8 +247,8 @@ def test_trainer_shared_prefix_switch(tok, exact_norm):
         moved = max(moved, (p_full - dict(model.named_parameters())[n]).abs().max().item())
     assert moved > 1e-3  # the update did something
     torch.testing.assert_close(
-        t_shared.compute_logprobs(batch, micro_batch_size=7),
-        t_full.compute_logprobs(batch, micro_batch_size=7),
+        t_shared.infer(batch, micro_batch_size=7),
+        t_full.infer(batch, micro_batch_size=7),
         rtol=0,
         atol=1e-12,
     )

@@ -89,9 +89,7 @@ class OptimConfig:
     mini_batch_size: int = 0  # responses per optimizer step; 0 = the whole global batch
     micro_batch_size: int = 0  # responses per forward/backward; 0 = the whole mini-batch
     threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
-    # A NaN/inf advantage, loss or gradient norm before an optimizer step: stop the run naming
-    # the step and the cause, or skip (that update dropped, counted as nonfinite_skips)
-    nonfinite: str = "stop"
+    nonfinite: str = "stop"  # NaN/inf advantage, loss or grad norm: stop the run, or skip the step
 
 
 @dataclass

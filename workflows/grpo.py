@@ -55,9 +55,7 @@ RENAMED = {"task.max_prompt_tokens": "data.max_prompt_tokens"}
 @dataclass
 class ActorConfig(OptimConfig):
     lr: float = 1e-4  # 1e-3 collapsed the policy in our runs
-    # policy loss (m2flow.workers.algos.losses): grpo (token-level clipped ratio) or gspo
-    # (GSPO's sequence-level ratio; its paper clips at 3e-4/4e-4), or module:function
-    loss: str = "grpo"
+    loss: str = "grpo"  # policy loss: grpo (token ratio), gspo (sequence ratio), or module:function
     clip_eps_low: float = 0.2  # ratio clip [1 - low, 1 + high] of the policy loss
     clip_eps_high: float = 0.28  # DAPO's clip-higher
     kl_coef: float = 0.0  # k3 KL to the warm-started policy; 0 = no reference

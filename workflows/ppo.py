@@ -73,9 +73,7 @@ class AlgorithmConfig:
 
 @dataclass
 class ActorConfig(OptimConfig):
-    # policy loss (m2flow.workers.algos.losses): grpo (the token-level clipped ratio, PPO's)
-    # or gspo (GSPO-token: sequence-level ratio, per-token advantages), or module:function
-    loss: str = "grpo"
+    loss: str = "grpo"  # policy loss: grpo (token ratio), gspo (sequence ratio), or module:function
     mini_batch_size: int = 128  # responses per optimizer step; 0 = the whole batch
     whiten_advantages: bool = True  # advantages to mean 0, std 1 over the batch's tokens
     recompute_old_logprobs: bool = False  # the rollout's logprobs are the same weights'

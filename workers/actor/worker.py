@@ -200,10 +200,10 @@ class ActorWorker(OnTrainEngine, Worker):
             bad = bad.any(dim=1)
         if not bool(bad.any()):
             return
-        cause = (
-            f"non-finite advantages for {int(bad.sum())} of {len(bad)} samples (their rewards: "
-            f"{sorted(set(rewards[bad].tolist()), key=str)[:4]})"
-        )
+        odd = rewards[bad][~torch.isfinite(rewards[bad])]
+        named = (f"non-finite rewards: {sorted(set(odd.tolist()), key=str)}" if len(odd)
+                 else f"rewards up to {float(rewards[bad].abs().max()):.3g}")  # fmt: skip
+        cause = f"non-finite advantages for {int(bad.sum())} of {len(bad)} samples ({named})"
         if self.options.nonfinite == "stop":
             raise NonFiniteError(
                 f"{self.role}, training step {self.weight_version + 1}: {cause}; the weights are "

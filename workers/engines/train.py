@@ -108,6 +108,10 @@ class TrainEngine(Protocol):
         """CPU copies of the weights in Hugging Face layout. ``RuntimeError`` on a rank that
         holds none."""
 
+    def load_weights(self, weights: dict[str, torch.Tensor] | None) -> None:
+        """Hugging Face layout weights into the model (rank 0's, ``None`` on the others of an
+        engine whose weights live on rank 0; a collective there)."""
+
     def save(self, path: Path) -> dict | None:
         """Write the model (rank 0) and per-rank state under ``path``; rank 0 returns the
         entries of the role's state file (``optimizer``, ``trainer_steps``, ``reference``),
@@ -118,9 +122,9 @@ class TrainEngine(Protocol):
         """Restore what :meth:`save` wrote (``state``: the role's state file)."""
 
     def offload(self) -> None:
-        """Release parameters, gradients and optimizer state (and the reference) from the
-        device: kept as they are in :meth:`to`'s place (veRL's ``to(device, model=,
-        optimizer=, grad=)``: here all of them at once, the device lock's context switch)."""
+        """Release parameters, gradients (dropped) and optimizer state (and the reference)
+        from the device, all at once: the device lock's context switch (veRL's ``to("cpu",
+        model=, optimizer=, grad=)`` with every flag on; :meth:`onload` is ``to(device)``)."""
 
     def onload(self) -> None: ...
 

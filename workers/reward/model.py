@@ -24,6 +24,7 @@ from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
 from ..chunk import RolloutChunk
 from ..engines.registry import VALUE_ENGINES
+from ..engines.torch_engine import refuse_nonfinite
 from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads, torch_device
 from ..llm.tokenizer import decode_responses
@@ -229,8 +230,7 @@ class RewardModelWorker(Worker):
 
     def save_checkpoint(self, path: str) -> str:
         """The fitted reward model and the shuffling RNG under ``path``."""
-        if not self.engine.finite_weights():
-            raise ValueError(f"{path}: the reward model's weights are not finite; not saved")
+        refuse_nonfinite(self.engine, "reward model")
         return save_state(
             path,
             self.rank,

@@ -130,6 +130,13 @@ class MegatronPolicyEngine:
             )
         return self.hf.get_weights()
 
+    def load_weights(self, weights: dict[str, torch.Tensor] | None) -> None:
+        """Hugging Face layout weights (rank 0's; the others pass ``None``) into rank 0's copy
+        and every rank's shard. A collective of all ranks."""
+        if self.hf is not None:
+            self.hf.load_weights(weights)
+        self.megatron.load_hf(weights if self.hf is not None else None)
+
     def save(self, path: Path) -> dict | None:
         """Each rank's optimizer shard in its own file; the reference shard gathered to Hugging
         Face layout (a collective of all ranks); rank 0 the model in Hugging Face layout."""
