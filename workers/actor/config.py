@@ -11,10 +11,8 @@ import torch
 
 @dataclass(frozen=True)
 class ActorOptions:
-    """The GRPO (and PPO) actor's optimiser, loss, batch split and engine.
-
-    Raises (:meth:`from_kwargs`):
-        ValueError: an unknown option, loss or ``nonfinite`` value.
+    """The GRPO (and PPO) actor's optimiser, loss, batch split and engine (an unknown option
+    or ``nonfinite`` value: ``ValueError`` from :meth:`from_kwargs`).
 
     Fields:
         lr, betas, weight_decay, grad_clip: AdamW (``grad_clip``: global L2 norm; 0: none).

@@ -218,6 +218,10 @@ class ModelEngine:
         """
         if self._synced():
             dp.all_reduce_grads(self.model, self.dp_group)
+            if self.nonfinite == "skip":  # every rank of the world skips if one does
+                bad = dp.all_reduce_sums({"bad": float(self._cause is not None)}, ("bad",))
+                if bad["bad"] and self._cause is None:
+                    self._cause = "loss on another rank"
         if normalizer is not None:
             for p in self.model.parameters():
                 if p.grad is not None:

@@ -89,7 +89,7 @@ class StreamedStep:
     def add(self, data: dict) -> int:
         """Forward/backward of one part; returns its responses."""
         for r in self.engine.forward_backward(data, self.loss, self.micro):
-            self.sums["tokens"] += r["weight"]
+            self.sums["units"] += r["weight"]
             self.sums["loss"] += r["loss"]
             for k, v in _metrics(r).items():
                 self.sums[k] += v * r["weight"]
@@ -103,17 +103,17 @@ class StreamedStep:
             ``loss`` and the loss's metrics (means over the accumulated units), ``grad_norm``
             (pre-clip), ``steps`` (1; 0 if nothing was accumulated), ``nonfinite_skips``.
         """
-        keys = ("tokens", "loss", *self.loss.metrics)
+        keys = ("units", "loss", *self.loss.metrics)
         sums, self.sums = self.sums, defaultdict(float)
         if self.engine.data_parallel:  # every rank skips if one does
             sums["skip"] = float(skip)
             keys += ("skip",)
         acc = self.engine.reduce_metrics(sums, keys)
         skip = acc.pop("skip", 0.0) > 0 or skip
-        if skip or not acc or acc["tokens"] <= 0:
+        if skip or not acc or acc["units"] <= 0:
             self.engine.zero_grad()
             return {"steps": 0, "nonfinite_skips": int(skip)}
-        total = acc.pop("tokens")
+        total = acc.pop("units")
         metrics = {k: v / total for k, v in acc.items()}
         step = self.engine.optimizer_step(normalizer=total)
         metrics["grad_norm"] = step["grad_norm"]
