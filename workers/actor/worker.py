@@ -152,9 +152,10 @@ class ActorWorker(OnTrainEngine, Worker):
         try:
             yield
         except NonFiniteError as e:
-            raise NonFiniteError(
-                f"{self.role}, training step {self.weight_version + 1}: {e}"
-            ) from None
+            named = f"{self.role}, training step {self.weight_version + 1}"
+            if str(e).startswith(named):  # the advantages' check names it already
+                raise
+            raise NonFiniteError(f"{named}: {e}") from None
 
     def _train_streaming(self, parts) -> dict:
         """One optimizer step over the whole batch, training on chunks as they arrive
