@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     from m2flow.workers.actor.sft import run_sft
     from m2flow.workers.data.reasoning_gym import task_section, task_split
-    from m2flow.workers.engines.trainer import PolicyTrainer
+    from m2flow.workers.engines.torch_engine import TorchEngine
     from m2flow.workers.llm import build_model, build_tokenizer, save_checkpoint, tokenizer_spec
     from m2flow.workers.recipe import rollout_section, warm_start_args
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> Path:
     t0 = time.time()
     model = build_model(model_cfg, tokenizer, seed=cfg.trainer.seed)
     ws, _ = warm_start_args(cfg, "reasoning_gym")
-    trainer = PolicyTrainer(model, lr=ws["lr"])
+    trainer = TorchEngine.from_module(model, lr=ws["lr"])
     res = run_sft(
         trainer, tokenizer, train, steps=ws["steps"], batch_size=ws["batch_size"],
         seed=cfg.trainer.seed, val=val, target_accuracy=ws["target_accuracy"],

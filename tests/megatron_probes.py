@@ -31,7 +31,7 @@ class ShardedActor(ActorWorker):
         return e.tp_rank, e.pp_rank, e.dp_rank, megatron_state(model)
 
     def optimizer_state(self) -> dict:
-        return self.engine.trainer.optimizer.state_dict()
+        return self.engine.megatron.optimizer.state_dict()
 
     def scramble(self) -> None:
         """Weights (and the reference's) to 0 and a fresh optimizer: what a checkpoint load
@@ -40,7 +40,7 @@ class ShardedActor(ActorWorker):
         with torch.no_grad():
             for p in (p for m in models if m is not None for p in m.parameters()):
                 p.zero_()
-        self.engine.trainer.optimizer.state.clear()
+        self.engine.megatron.reset_optimizer()
 
 
 class ProbedRollout(RolloutWorker):

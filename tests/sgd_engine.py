@@ -1,4 +1,5 @@
-"""A new train engine in one file: plain SGD on the GRPO loss, one rank, no reference.
+"""A new train engine in one file: plain SGD, one rank, whole steps, no reference, and no loss:
+the role hands it the loss (:mod:`m2flow.workers.algos.losses`), as it does every engine.
 
 tests/test_actor_dp.py runs the actor role on it (``engine="sgd_engine:SgdEngine"``, the import
 path a Ray worker resolves itself: the tests directory is on its ``PYTHONPATH``) without
@@ -7,36 +8,23 @@ editing any role.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
-from m2flow.workers.algos.grpo import grpo_loss
 from m2flow.workers.algos.logprobs import sequence_logprobs
-from m2flow.workers.engines.trainer import PolicyTrainer
 from m2flow.workers.llm import load_model
 
 KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
-def sgd_update(model, data: dict, lr: float, temperature: float, clip=(0.2, 0.28)) -> dict:
-    """One SGD step of ``model`` on the token-mean GRPO loss of the whole batch."""
-    lp = sequence_logprobs(model, *(data[k] for k in KEYS), temperature=temperature)
-    loss, metrics = grpo_loss(lp, data["old_logprobs"], data["advantages"],
-                              data["response_mask"], *clip)  # fmt: skip
-    model.zero_grad(set_to_none=True)
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= lr * p.grad
-    return {**metrics, "loss": loss.item(), "steps": 1}
-
-
 class SgdEngine:
-    """:class:`~m2flow.workers.engines.train.TrainEngine` with plain SGD (whole steps only)."""
+    """:class:`~m2flow.workers.engines.train.TrainEngine` with plain SGD (whole steps only, one
+    forward per call: no micro-batches)."""
 
     one_rank_per_device = False
     whole_step = True
+    data_parallel = False
 
     @classmethod
     def check(cls, world_size: int, kwargs: dict, role: str = "actor") -> None:
@@ -45,31 +33,64 @@ class SgdEngine:
 
     def __init__(self, model, tokenizer, *, device, optim, seed=0, **_) -> None:
         self.model = load_model(model, tokenizer, device, trainable=True, seed=seed)
-        self.sft_trainer = PolicyTrainer(self.model, **optim)  # the warm start: AdamW
         self.lr, self.temperature = optim["lr"], optim["temperature"]
-        self.clip = (optim["clip_eps_low"], optim["clip_eps_high"])
         self.steps = 0
+
+    def _logprobs(self, batch: dict, temperature: float | None = None) -> torch.Tensor:
+        t = self.temperature if temperature is None else temperature
+        return sequence_logprobs(self.model, *(batch[k] for k in KEYS), temperature=t)
+
+    # -- mechanics ----------------------------------------------------------------------------
+
+    def forward_backward(self, batch, loss, micro_batch_size=None, normalizer=None) -> list:
+        self.model.train()
+        mb = {k: batch[k] for k in (*KEYS, *loss.keys) if k in batch}
+        value, metrics = loss(self._logprobs(mb, loss.temperature), mb, normalizer or 1.0)
+        value.backward()
+        return [{"loss": value.item(), "weight": loss.units(mb), **metrics}]
+
+    def optimizer_step(self, normalizer: float | None = None) -> dict:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = float(torch.stack([g.norm() for g in grads]).norm()) if grads else 0.0
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p -= self.lr * (p.grad / (normalizer or 1.0))
+        self.zero_grad()
+        self.steps += 1
+        return {"grad_norm": norm, "skipped": 0}
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def reduce_metrics(self, sums: dict, keys) -> dict:
+        return sums
+
+    @torch.no_grad()
+    def infer(self, batch, fn=None, micro_batch_size=None, reference=False) -> torch.Tensor:
+        if reference:
+            raise ValueError("the SGD engine keeps no reference")
+        mb = {k: batch[k] for k in KEYS}
+        out = self._logprobs(mb)
+        return (out if fn is None else fn(out, mb)).cpu()
+
+    @contextlib.contextmanager
+    def solo(self):
+        yield self
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr
+
+    def reset_optimizer(self) -> None:
+        pass
+
+    # -- steps, weights, checkpoints, memory ----------------------------------------------------
 
     def read_step(self, parts) -> list:
         return [item for part in parts for item in part]
 
     def publish(self) -> None:
         pass
-
-    def train(self, data, mini_batch_size, micro_batch_size, epochs=1, generator=None) -> dict:
-        if not len(data["response_ids"]):
-            return {}
-        self.steps += 1
-        return sgd_update(self.model, data, self.lr, self.temperature, self.clip)
-
-    def accumulate(self, data, micro_batch_size) -> int:
-        raise NotImplementedError
-
-    def finish_accumulation(self) -> dict:
-        raise NotImplementedError
 
     def get_weights(self) -> dict:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

@@ -103,12 +103,27 @@ def test_several_ranks_need_data_parallel_and_streaming(cluster):
 
 
 def test_a_new_train_engine_is_one_file(cluster):
-    """tests/sgd_engine.py (plain SGD, registered by import path) runs the actor role unchanged:
-    its step is the SGD step on the GRPO loss of the sorted, concatenated chunks."""
-    from m2flow.workers.algos.grpo import grpo_advantages
+    """tests/sgd_engine.py (plain SGD, registered by import path, no loss of its own) runs the
+    actor role unchanged: its step is the SGD step on the GRPO loss the role hands it, over the
+    sorted, concatenated chunks."""
+    from m2flow.workers.algos.grpo import grpo_advantages, grpo_loss
+    from m2flow.workers.algos.logprobs import sequence_logprobs
     from m2flow.workers.batch import concat
     from m2flow.workers.engines.registry import TRAIN_ENGINES
-    from sgd_engine import KEYS, SgdEngine, sgd_update
+    from sgd_engine import KEYS, SgdEngine
+
+    def sgd_update(model, data: dict, lr: float, temperature: float) -> dict:
+        """One SGD step of ``model`` on the token-mean GRPO loss (the actor's default clip
+        range) of the whole batch."""
+        lp = sequence_logprobs(model, *(data[k] for k in KEYS), temperature=temperature)
+        loss, _ = grpo_loss(lp, data["old_logprobs"], data["advantages"],
+                            data["response_mask"], 0.2, 0.28)  # fmt: skip
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+        return {"loss": loss.item()}
 
     assert TRAIN_ENGINES.get("sgd_engine:SgdEngine") is SgdEngine
     TRAIN_ENGINES.register("sgd", SgdEngine)  # in this process; workers resolve the path
@@ -145,3 +160,44 @@ def test_a_new_train_engine_is_one_file(cluster):
     assert max(float((after[n] - before[n]).abs().max()) for n in after) > 1e-4
     for n, w in model.state_dict().items():
         torch.testing.assert_close(after[n], w, rtol=0, atol=1e-6)
+
+
+def test_nonfinite_advantage_stops_or_skips_the_step(cluster):
+    """Issue 35: a chunk whose reward is infinite gives non-finite advantages. By default the
+    actor stops with the training step and the cause (no update); with ``nonfinite="skip"``
+    the step's update is dropped (weights unchanged) and counted, and the next step trains.
+    Data parallel too: the ranks skip together (a rank that got only finite chunks must not
+    step alone)."""
+    from m2flow.group import WorkerError
+
+    chunks = _chunks()
+    bad = [chunks[0], *chunks[1:]]
+    poisoned = chunks[1].batch.clone()
+    poisoned["rewards"][2] = float("inf")
+    bad[1] = RolloutChunk(poisoned, entries={}, weight_version=0)
+    kw = dict(model=TINY_MODEL, tokenizer=TOKENIZER, lr=1e-2, threads=1, seed=0)
+    stop = ActorWorker.launch(cluster, [0], name="actor_stop", **kw)
+    try:
+        before = stop.get_weights().wait(60)[0]
+        # 4 of the samples trained on together (chunks queued together are one part)
+        with pytest.raises(WorkerError, match=r"NonFiniteError: actor, training step 1: "
+                           r"non-finite advantages for 4 of \d+ samples \(non-finite "
+                           r"rewards: \[inf\]\); the weights are those"):  # fmt: skip
+            _step(cluster, stop, bad, "stop")
+    finally:
+        stop.shutdown()
+    skip = ActorWorker.launch(cluster, [0, 1], name="actor_skip", data_parallel=True,
+                              nonfinite="skip", **kw)  # fmt: skip
+    try:
+        assert skip.get_weights().wait(60)[0].keys() == before.keys()
+        out = _step(cluster, skip, bad, "skip")
+        assert [r["nonfinite_skips"] for r in out] == [1, 1] and out[0]["grad_norm"] == 0.0
+        after = skip.get_weights().wait(60)
+        for n, w in before.items():  # no rank moved
+            assert torch.equal(after[0][n], w) and torch.equal(after[1][n], w), n
+        out = _step(cluster, skip, chunks, "skip_then_train")  # the next step trains
+        assert all("nonfinite_skips" not in r for r in out) and out[0]["grad_norm"] > 0
+        assert max(float((skip.get_weights().wait(60)[0][n] - w).abs().max())
+                   for n, w in before.items()) > 1e-4  # fmt: skip
+    finally:
+        skip.shutdown()

@@ -24,11 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 from m2flow.workers.algos.grpo import grpo_advantages
+from m2flow.workers.algos.losses import make_loss, response_values
 from m2flow.workers.algos.ppo import gae
 from m2flow.workers.batch import concat, to_batch
-from m2flow.workers.engines.trainer import PolicyTrainer
+from m2flow.workers.engines.torch_engine import TorchEngine, TorchValueEngine
+from m2flow.workers.engines.update import StreamedStep, minibatch_update, value_update
 from m2flow.workers.engines.value_model import ValueModel
-from m2flow.workers.engines.value_trainer import ValueTrainer
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
 from m2flow.workers.llm.generation import generate
 from m2flow.workers.llm.sampling import sample_tokens
@@ -104,20 +105,24 @@ def _actor_step(model, out) -> tuple[dict, dict]:
     data = {k: out[k] for k in KEYS}
     data["advantages"] = grpo_advantages(out["rewards"], out["group_index"])
     data["old_logprobs"] = out["logprobs"]
-    trainer = PolicyTrainer(model, lr=1e-3, temperature=1.0)
-    mini = trainer.train_on_batch(data, mini_batch_size=6, micro_batch_size=4)
-    trainer.accumulate(data, micro_batch_size=5)
-    streamed = trainer.finish_accumulation()
+    engine = TorchEngine.from_module(model, lr=1e-3, temperature=1.0)
+    loss = make_loss("grpo", "policy")
+    mini = minibatch_update(engine, data, loss, 6, 4)
+    step = StreamedStep(engine, loss, micro_batch_size=5)
+    step.add(data)
+    streamed = step.finish()
     return mini, streamed
 
 
 def _critic_step(tok, out) -> dict:
-    critic = ValueTrainer(ValueModel(TINY, tok, seed=0), lr=1e-3)
+    critic = TorchValueEngine.__new__(TorchValueEngine)
+    critic._setup(ValueModel(TINY, tok, seed=0), lr=1e-3)
     batch = dict(out)
-    batch["old_values"] = critic.values(batch, micro_batch_size=5)
+    batch["old_values"] = critic.infer(batch, response_values, micro_batch_size=5)
     batch["returns"] = out["rewards"][:, None].expand_as(batch["old_values"]).clone()
     gen = torch.Generator().manual_seed(0)
-    return critic.train_values(batch, 0.2, mini_batch_size=6, epochs=2, generator=gen)
+    loss = make_loss("value", "value", value_clip=0.2)
+    return value_update(critic, batch, loss, 6, None, epochs=2, generator=gen)
 
 
 @pytest.mark.parametrize("shared_prefix", [True, False])

@@ -202,7 +202,9 @@ def test_grpo_step_on_cuda(tmp_path):
     step over float32 master weights; and in fp32 the rollout's logprobs equal the actor's."""
     import torch
     from m2flow.workers.algos.grpo import grpo_advantages
-    from m2flow.workers.engines.trainer import PolicyTrainer
+    from m2flow.workers.algos.losses import make_loss
+    from m2flow.workers.engines.torch_engine import TorchEngine
+    from m2flow.workers.engines.update import minibatch_update
     from m2flow.workers.llm import build_tokenizer, load_model, tokenizer_spec
     from m2flow.workers.llm.generation import generate
 
@@ -220,12 +222,13 @@ def test_grpo_step_on_cuda(tmp_path):
         assert all(v.device.type == "cpu" for v in out.values())
         actor = load_model({"path": path, "dtype": dtype}, tok, "cuda", trainable=True)
         compute = torch.bfloat16 if dtype == "auto" else torch.float32
-        trainer = PolicyTrainer(actor, temperature=1.0, compute_dtype=compute)
+        trainer = TorchEngine.from_module(actor, temperature=1.0, compute_dtype=compute)
         if dtype == "float32":
-            assert (trainer.compute_logprobs(out) - out["logprobs"]).abs().max() <= 1e-4
+            assert (trainer.infer(out) - out["logprobs"]).abs().max() <= 1e-4
         data = {k: out[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
         data["advantages"] = grpo_advantages((out["response_ids"][:, 0] % 2).float(),
                                              out["group_index"])  # fmt: skip
-        metrics = trainer.train_on_batch(data, micro_batch_size=4)
+        data["old_logprobs"] = trainer.infer(data, None, 4)
+        metrics = minibatch_update(trainer, data, make_loss("grpo", "policy"), None, 4)
         assert metrics["steps"] == 1 and torch.isfinite(torch.tensor(metrics["loss"]))
         assert {p.dtype for p in actor.parameters()} == {torch.float32}

@@ -12,12 +12,14 @@ import os
 
 import pytest
 import torch
-from m2flow.workers.actor.sft import run_sft, sft_batch
+from m2flow.workers.actor.sft import run_sft, sft_batch, sft_step
 from m2flow.workers.algos.grpo import grpo_advantages, grpo_loss
 from m2flow.workers.algos.logprobs import sequence_logprobs
+from m2flow.workers.algos.losses import make_loss
 from m2flow.workers.batch import concat, num_tokens, to_batch
 from m2flow.workers.data.reasoning_gym import task_items
-from m2flow.workers.engines.trainer import PolicyTrainer
+from m2flow.workers.engines.torch_engine import TorchEngine
+from m2flow.workers.engines.update import minibatch_update
 from m2flow.workers.llm import (
     DEFAULT_ALPHABET,
     ModelConfig,
@@ -66,6 +68,33 @@ def tiny_model(tok, seed: int = 0, **overrides):
 @pytest.fixture(scope="module")
 def train_ds():
     return TaskDataset("chain_sum", CHAIN_SUM, seed=0, size=64)
+
+
+def policy(model, **optim) -> TorchEngine:
+    """A one-rank torch engine training ``model`` (AdamW and clip defaults as the engine's)."""
+    return TorchEngine.from_module(model, **optim)
+
+
+def train_on_batch(engine, batch, mini=None, micro=None, epochs=1, generator=None,
+                   clip=(0.2, 0.2), kl_coef=0.0) -> dict:  # fmt: skip
+    """The actor's GRPO update of ``engine`` on ``batch`` with the ``grpo`` loss: behaviour
+    logprobs (if absent) computed first, then mini-batches (shuffled epochs when > 1). Returns
+    its metrics (``{}`` for an empty batch, as the actor)."""
+    if not len(batch["response_ids"]):
+        return {}
+    loss = make_loss("grpo", "policy", clip_eps_low=clip[0], clip_eps_high=clip[1],
+                     kl_coef=kl_coef)  # fmt: skip
+    data = {k: batch[k] for k in batch.keys()}
+    if "old_logprobs" not in data:
+        data["old_logprobs"] = engine.infer(data, None, micro)
+    return minibatch_update(engine, data, loss, mini, micro, epochs, generator)
+
+
+def loss_args(trainer: dict) -> dict:
+    """:func:`train_on_batch`'s loss arguments from a dict of the actor's settings
+    (``clip_eps_low``, ``clip_eps_high``, ``kl_coef``; defaults 0.2, 0.2, 0)."""
+    clip = (trainer.get("clip_eps_low", 0.2), trainer.get("clip_eps_high", 0.2))
+    return {"clip": clip, "kl_coef": trainer.get("kl_coef", 0.0)}
 
 
 def _params_close(m1, m2, atol=0.0) -> float:
@@ -317,11 +346,9 @@ def test_rollout_logprobs_match_recomputed(tok, sampled):
     assert torch.allclose(lp, out["logprobs"], atol=1e-4), (lp - out["logprobs"]).abs().max()
     # The temperature matters: T = 1 gives different numbers.
     assert (lp_t1 - out["logprobs"]).abs().max() > 1e-2
-    # The PolicyTrainer recomputes the same old logprobs (micro-batched too).
-    trainer = PolicyTrainer(model, temperature=2.0)
-    assert torch.allclose(
-        trainer.compute_logprobs(out, micro_batch_size=5), out["logprobs"], atol=1e-4
-    )
+    # The engine recomputes the same old logprobs (micro-batched too).
+    engine = policy(model, temperature=2.0)
+    assert torch.allclose(engine.infer(out, None, micro_batch_size=5), out["logprobs"], atol=1e-4)
 
 
 def test_greedy_deterministic_and_argmax(tok):
@@ -484,12 +511,12 @@ def test_grad_accumulation_equals_full_minibatch(tok):
     batch = _rollout_batch(tok, model)
     assert batch["advantages"].abs().sum() > 0
     # Pin old logprobs so both trainers see the same batch.
-    batch["old_logprobs"] = PolicyTrainer(model).compute_logprobs(batch)
+    batch["old_logprobs"] = policy(model).infer(batch)
     m_full, m_micro = model, copy.deepcopy(model)
-    t_full = PolicyTrainer(m_full, lr=1e-3)
-    t_micro = PolicyTrainer(m_micro, lr=1e-3)
-    r_full = t_full.train_on_batch(batch, mini_batch_size=12, micro_batch_size=12)
-    r_micro = t_micro.train_on_batch(batch, mini_batch_size=12, micro_batch_size=5)  # 5 + 5 + 2
+    t_full = policy(m_full, lr=1e-3)
+    t_micro = policy(m_micro, lr=1e-3)
+    r_full = train_on_batch(t_full, batch, mini=12, micro=12)
+    r_micro = train_on_batch(t_micro, batch, mini=12, micro=5)  # 5 + 5 + 2
     assert r_full["steps"] == r_micro["steps"] == 1
     assert r_micro["grad_norm"] == pytest.approx(r_full["grad_norm"], rel=1e-4)
     assert r_micro["loss"] == pytest.approx(r_full["loss"], abs=1e-6)
@@ -507,17 +534,17 @@ def test_grad_accumulation_equals_full_minibatch(tok):
     assert _params_close(m_full, tiny_model(tok, seed=0)) > 0.5e-3
     assert _params_close(m_full, m_micro) < 1e-5
     # Micro-batching without enough memory for a mini-batch: 3 steps of 4.
-    r = t_full.train_on_batch(batch, mini_batch_size=4, micro_batch_size=3)
+    r = train_on_batch(t_full, batch, mini=4, micro=3)
     assert r["steps"] == 3 and t_full.steps == 4
 
 
 def test_grad_clip_and_set_lr(tok):
     model = tiny_model(tok, seed=0)
     batch = _rollout_batch(tok, model)
-    t = PolicyTrainer(model, lr=1e-3, grad_clip=1e-3)
+    t = policy(model, lr=1e-3, grad_clip=1e-3)
     before = copy.deepcopy(model)
     t.set_lr(0.0)
-    r = t.train_on_batch(batch)
+    r = train_on_batch(t, batch)
     assert r["grad_norm"] > 1e-3  # reported pre-clip
     assert _params_close(model, before) == 0.0  # lr 0: nothing moves
     assert all(g["lr"] == 0.0 for g in t.optimizer.param_groups)
@@ -532,16 +559,14 @@ def test_train_on_tensordict_batch_shuffled_epochs_with_reference(tok):
         to_batch({k: v[5:] for k, v in plain.items()}),
     ]
     td = concat(chunks, tok.pad_token_id)
-    ref = PolicyTrainer(model).compute_logprobs(td)
+    ref = policy(model).infer(td)
     td["ref_logprobs"] = ref
     runs = []
     for _ in range(2):
         m = tiny_model(tok, seed=0)
-        t = PolicyTrainer(m, lr=1e-3, kl_coef=0.1)
+        t = policy(m, lr=1e-3)
         gen = torch.Generator().manual_seed(7)
-        r = t.train_on_batch(
-            td, mini_batch_size=4, micro_batch_size=3, epochs=2, shuffle=True, generator=gen
-        )
+        r = train_on_batch(t, td, mini=4, micro=3, epochs=2, generator=gen, kl_coef=0.1)
         runs.append((m, r))
     (m1, r1), (m2, r2) = runs
     assert r1["steps"] == 6 and "kl" in r1
@@ -553,9 +578,9 @@ def test_train_on_tensordict_batch_shuffled_epochs_with_reference(tok):
 def _offload_round_trip(tok, spill_path, trained_first=True):
     model = tiny_model(tok, seed=0)
     batch = _rollout_batch(tok, model)
-    trainer = PolicyTrainer(model, lr=1e-2)
+    trainer = policy(model, lr=1e-2)
     if trained_first:
-        trainer.train_on_batch(batch, mini_batch_size=6)  # non-trivial Adam state
+        train_on_batch(trainer, batch, mini=6)  # non-trivial Adam state
     twin = copy.deepcopy(trainer)  # never offloaded
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     osd = copy.deepcopy(trainer.optimizer.state_dict())
@@ -576,8 +601,8 @@ def _offload_round_trip(tok, spill_path, trained_first=True):
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
     assert _optim_state_equal(osd, trainer.optimizer.state_dict())
     # Training goes on exactly as without the round trip.
-    r1 = trainer.train_on_batch(batch, mini_batch_size=6)
-    r2 = twin.train_on_batch(batch, mini_batch_size=6)
+    r1 = train_on_batch(trainer, batch, mini=6)
+    r2 = train_on_batch(twin, batch, mini=6)
     assert r1 == r2
     assert _params_close(model, twin.model) == 0.0
     assert _optim_state_equal(trainer.optimizer.state_dict(), twin.optimizer.state_dict())
@@ -614,15 +639,15 @@ def test_sft_batch_layout(tok, train_ds):
 
 def test_sft_step_lowers_loss(tok, train_ds):
     model = tiny_model(tok, seed=0)
-    trainer = PolicyTrainer(model, lr=1e-2)
+    trainer = policy(model, lr=1e-2, temperature=0.5)  # SFT forwards at T = 1 anyway
     b = sft_batch(tok, task_items(train_ds, tok)[:16])
     # Loss is the token-mean NLL of the answer tokens.
     with torch.no_grad():
         nll = -sequence_logprobs(model, **b).sum() / b["response_mask"].sum()
-    first = trainer.sft_step(**b, micro_batch_size=5)["loss"]
+    first = sft_step(trainer, b, micro_batch_size=5)
     assert first == pytest.approx(nll.item(), rel=1e-4)
     assert first == pytest.approx(math.log(len(tok)), rel=0.2)  # ~uniform at init
-    losses = [trainer.sft_step(**b)["loss"] for _ in range(15)]
+    losses = [sft_step(trainer, b) for _ in range(15)]
     assert losses[-1] < 0.7 * first
     assert trainer.steps == 16
 
@@ -630,7 +655,7 @@ def test_sft_step_lowers_loss(tok, train_ds):
 def test_run_sft_stops_at_target(tok, train_ds):
     val = task_items(TaskDataset("chain_sum", CHAIN_SUM, seed=2, size=4), tok)
     train = task_items(train_ds, tok)
-    trainer = PolicyTrainer(tiny_model(tok, seed=0), lr=1e-2)
+    trainer = policy(tiny_model(tok, seed=0), lr=1e-2)
     logs: list[str] = []
     res = run_sft(
         trainer,

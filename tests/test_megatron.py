@@ -10,7 +10,7 @@ Tolerances (measured on this 2-core CPU box, see docs/results/megatron.md):
 - weights after one AdamW step (``lr=1e-3``): ``atol=1e-5``, i.e. 1% of a step (observed 7.8e-7:
   Adam's first step is ``lr * g / (|g| + eps)``, so rounding in tiny gradients is amplified);
 - the actor's engine (``MegatronEngine``, TP=1 x PP=2, KL to its reference shard, padded
-  micro-batches) vs ``PolicyTrainer``: metrics ``1e-5``, weights after three AdamW steps
+  micro-batches) vs the torch engine: metrics ``1e-5``, weights after three AdamW steps
   (``lr=1e-3``, torch's ``eps=1e-8``) ``3e-5``.
 """
 
@@ -44,7 +44,7 @@ cpu_only = pytest.mark.skipif(
 )
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
-#: the same AdamW as ``PolicyTrainer`` arguments (its eps is torch's default, 1e-8)
+#: the same AdamW as the torch engine's arguments (its eps is torch's default, 1e-8)
 ADAMW_TRAINER = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01, grad_clip=1.0)
 LOGPROB_ATOL = 1e-5
 WEIGHT_ATOL = 1e-5
@@ -296,13 +296,14 @@ def test_engine_pp2_kl_padded_micro_batches_match_torch_engine(tmp_path):
     """The actor's engine (``MegatronEngine``) at TP=1 x PP=2, tied embeddings, ``kl_coef``
     0.1 against its frozen reference shard, offload/onload before each call: two ``train``
     calls (mini-batches of 6 in micro-batches of 4, then the whole batch of 10 in micro-batches
-    of 4: short micro-batches padded for the schedule) vs the torch engine's
-    ``PolicyTrainer.train_on_batch`` with reference logprobs from a frozen copy, as the torch
-    actor computes them: metrics (loss incl. the KL term, kl, grad_norm) and weights."""
+    of 4: short micro-batches padded for the schedule) vs the torch engine's GRPO update
+    (``test_llm.train_on_batch``) with reference logprobs from a frozen copy, as the torch actor
+    computes them: metrics (loss incl. the KL term, kl, grad_norm) and weights."""
     import copy
 
     from m2flow.workers.engines.megatron.parity import engine_rank, spawn_parity
-    from m2flow.workers.engines.trainer import PolicyTrainer
+    from m2flow.workers.engines.torch_engine import TorchEngine
+    from test_llm import loss_args, train_on_batch
 
     hf = _hf_model(tie=True)
     reference = copy.deepcopy(hf).eval().requires_grad_(False)
@@ -327,13 +328,13 @@ def test_engine_pp2_kl_padded_micro_batches_match_torch_engine(tmp_path):
     spawn_parity(tmp_path, tp=1, pp=2, timeout_s=200, target=engine_rank)
     got = torch.load(tmp_path / "engine.pt", weights_only=False)
 
-    torch_engine = PolicyTrainer(hf, **trainer, shared_prefix=False)
+    torch_engine = TorchEngine.from_module(hf, **dict(trainer, kl_coef=0.0), shared_prefix=False)
+    frozen = TorchEngine.from_module(reference, **dict(trainer, kl_coef=0.0), shared_prefix=False)
     diffs = {}
     for (mini, micro), metrics in zip(steps, got["metrics"]):
-        torch_engine.model = reference
-        ref = torch_engine.compute_logprobs(batch, micro)
-        torch_engine.model = hf
-        want = torch_engine.train_on_batch(dict(batch, ref_logprobs=ref), mini, micro)
+        ref = frozen.infer(batch, None, micro)
+        want = train_on_batch(torch_engine, dict(batch, ref_logprobs=ref), mini, micro,
+                              **loss_args(trainer))  # fmt: skip
         assert metrics["steps"] == want["steps"] and want["kl"] > 1e-3
         for k in ("loss", "pg_loss", "kl", "grad_norm"):
             diffs[k] = max(diffs.get(k, 0.0), abs(metrics[k] - want[k]))

@@ -21,7 +21,7 @@ Checks (tolerances as tests/test_megatron.py; measured values in docs/results/me
   ``atol=1e-5``; the Llama at PP=2 (spawned, Megatron's pipeline schedule): logprobs, loss,
   gradients and one AdamW step as tests/test_megatron.py's parity cases;
 - the actor's engine (``MegatronEngine``, TP=2, KL to its reference shard) on the Llama: two
-  GRPO ``train`` calls vs the torch ``PolicyTrainer``; its ``gather_hf`` loads strictly into
+  GRPO updates vs the torch engine's; its ``gather_hf`` loads strictly into
   ``LlamaForCausalLM``;
 - the critic's engine (``MegatronCritic``, TP=2) on a Llama trunk vs the torch critic: values,
   value loss, weights and AdamW moments after 4 steps; conversion round trip bit-exact;
@@ -341,10 +341,11 @@ def test_llama_pp2_step_matches_hf(saved, tmp_path):
 def test_llama_engine_tp2_grpo_matches_torch_engine(saved, tmp_path):
     """``MegatronEngine`` at TP=2 on the Llama, ``kl_coef`` 0.1 against its reference shard:
     two ``train`` calls (mini-batches of 6 in micro-batches of 4, then the whole batch of 10)
-    vs ``PolicyTrainer.train_on_batch`` (reference logprobs from a frozen copy): metrics and
+    vs the torch engine's GRPO update (reference logprobs from a frozen copy): metrics and
     weights; the engine's ``gather_hf`` loads strictly into ``LlamaForCausalLM``."""
     from m2flow.workers.engines.megatron.parity import engine_rank, spawn_parity
-    from m2flow.workers.engines.trainer import PolicyTrainer
+    from m2flow.workers.engines.torch_engine import TorchEngine
+    from test_llm import loss_args, train_on_batch
 
     hf = copy.deepcopy(saved["llama"][1])
     reference = copy.deepcopy(hf).eval().requires_grad_(False)
@@ -369,13 +370,13 @@ def test_llama_engine_tp2_grpo_matches_torch_engine(saved, tmp_path):
     spawn_parity(tmp_path, tp=2, timeout_s=200, target=engine_rank)
     got = torch.load(tmp_path / "engine.pt", weights_only=False)
 
-    torch_engine = PolicyTrainer(hf, **trainer, shared_prefix=False)
+    torch_engine = TorchEngine.from_module(hf, **dict(trainer, kl_coef=0.0), shared_prefix=False)
+    frozen = TorchEngine.from_module(reference, **dict(trainer, kl_coef=0.0), shared_prefix=False)
     diffs = {}
     for (mini, micro), metrics in zip(steps, got["metrics"]):
-        torch_engine.model = reference
-        ref = torch_engine.compute_logprobs(batch, micro)
-        torch_engine.model = hf
-        want = torch_engine.train_on_batch(dict(batch, ref_logprobs=ref), mini, micro)
+        ref = frozen.infer(batch, None, micro)
+        want = train_on_batch(torch_engine, dict(batch, ref_logprobs=ref), mini, micro,
+                              **loss_args(trainer))  # fmt: skip
         assert metrics["steps"] == want["steps"] and want["kl"] > 1e-3
         for k in ("loss", "pg_loss", "kl", "grad_norm"):
             diffs[k] = max(diffs.get(k, 0.0), abs(metrics[k] - want[k]))
@@ -431,9 +432,11 @@ def test_critic_tp2_llama_matches_torch_critic(saved, tmp_path):
     harness) vs the torch critic: values, value-loss metrics, weights and AdamW moments after 2
     epochs of 2 mini-batches (4 AdamW steps), then 4 more steps resumed from the torch
     critic's checkpoint."""
+    from m2flow.workers.algos.losses import make_loss, response_values
     from m2flow.workers.engines.megatron.critic_parity import critic_parity_rank
     from m2flow.workers.engines.megatron.parity import spawn_parity
-    from m2flow.workers.engines.value_trainer import ValueTrainer
+    from m2flow.workers.engines.torch_engine import TorchValueEngine
+    from m2flow.workers.engines.update import value_update
 
     optim = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01, grad_clip=1.0)
     train = dict(value_clip=0.2, mini=2, micro=1, epochs=2, seed=3)
@@ -445,14 +448,15 @@ def test_critic_tp2_llama_matches_torch_critic(saved, tmp_path):
     batch["old_values"] = 0.5 * torch.randn(batch["response_mask"].shape, generator=g)
     for k in ("returns", "old_values"):
         batch[k] = batch[k] * batch["response_mask"]
-    trainer = ValueTrainer(critic, **optim)
+    trainer = TorchValueEngine.from_module(critic, **optim)
+    loss = make_loss("value", "value", value_clip=train["value_clip"])
 
     def update():
         gen = torch.Generator().manual_seed(train["seed"])
         t = train
-        return trainer.train_values(batch, t["value_clip"], t["mini"], t["micro"], t["epochs"], gen)
+        return value_update(trainer, batch, loss, t["mini"], t["micro"], t["epochs"], gen)
 
-    want_values = trainer.values(batch, train["micro"])
+    want_values = trainer.infer(batch, response_values, train["micro"])
     metrics_a = update()
     state_a = {k: v.clone() for k, v in critic.state_dict().items()}
     opt = trainer.optimizer.state_dict()

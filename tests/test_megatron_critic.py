@@ -31,10 +31,12 @@ if importlib.util.find_spec("megatron") is None or (
     )
 
 import torch  # noqa: E402
+from m2flow.workers.algos.losses import make_loss, response_values  # noqa: E402
 from m2flow.workers.checkpoint import load_state  # noqa: E402
 from m2flow.workers.critic.worker import CriticWorker  # noqa: E402
+from m2flow.workers.engines.torch_engine import TorchValueEngine  # noqa: E402
+from m2flow.workers.engines.update import value_update  # noqa: E402
 from m2flow.workers.engines.value_model import ValueModel  # noqa: E402
-from m2flow.workers.engines.value_trainer import ValueTrainer  # noqa: E402
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer  # noqa: E402
 from test_ppo import PPO, TINY_MODEL, TINY_RUN, _records  # noqa: E402
 
@@ -111,10 +113,11 @@ def _batch(vocab: int, b: int = 4, p: int = 5, r: int = 6) -> dict:
     return batch
 
 
-def _torch_update(trainer: ValueTrainer, batch: dict) -> dict:
+def _torch_update(trainer: TorchValueEngine, batch: dict) -> dict:
     gen = torch.Generator().manual_seed(TRAIN["seed"])
     t = TRAIN
-    return trainer.train_values(batch, t["value_clip"], t["mini"], t["micro"], t["epochs"], gen)
+    loss = make_loss("value", "value", value_clip=t["value_clip"])
+    return value_update(trainer, batch, loss, t["mini"], t["micro"], t["epochs"], gen)
 
 
 @contextmanager
@@ -162,7 +165,7 @@ def test_conversion_round_trip_bit_exact(tp):
     assert back.keys() == state.keys()
     assert all(torch.equal(back[k], state[k]) for k in state)
 
-    trainer = ValueTrainer(model, **OPTIM)  # AdamW moments: 1 step of the torch critic
+    trainer = TorchValueEngine.from_module(model, **OPTIM)  # AdamW moments: 1 torch step
     _torch_update(trainer, _batch(config.vocab_size))
     opt = trainer.optimizer.state_dict()
     names = [n for n, _ in model.named_parameters()]
@@ -184,8 +187,8 @@ def test_tp2_dp2_matches_torch_critic(tmp_path):
         model = _critic()
         initial = {k: v.clone() for k, v in model.state_dict().items()}
         batch = _batch(model.backbone.config.vocab_size)
-        trainer = ValueTrainer(model, **OPTIM)
-        want_values = trainer.values(batch, TRAIN["micro"])
+        trainer = TorchValueEngine.from_module(model, **OPTIM)
+        want_values = trainer.infer(batch, response_values, TRAIN["micro"])
         metrics_a = _torch_update(trainer, batch)
         state_a = {k: v.clone() for k, v in model.state_dict().items()}
         optimizer_a = trainer.optimizer.state_dict()
@@ -235,17 +238,17 @@ def test_tp2_dp2_matches_torch_critic(tmp_path):
 
 
 def test_ppo_epochs_on_megatron_engine_match_torch():
-    """The PPO actor's update on the Megatron engine (:func:`~m2flow.workers.engines.megatron.
-    policy.ppo_epochs`, TP=1 in this process) vs the torch engine's ``train_on_batch``: 2 epochs of
-    2 shuffled mini-batches on per-token advantages, same metrics and weights (fp32 rounding)."""
+    """The PPO actor's update (:func:`~m2flow.workers.engines.update.minibatch_update`) on the
+    Megatron engine (TP=1 in this process) vs on the torch engine: 2 epochs of 2 shuffled
+    mini-batches on per-token advantages, same metrics and weights (fp32 rounding)."""
     import socket
 
     import torch.distributed as dist
     from m2flow.workers.algos.logprobs import sequence_logprobs
     from m2flow.workers.engines.megatron.engine import MegatronEngine
-    from m2flow.workers.engines.megatron.policy import ppo_epochs
-    from m2flow.workers.engines.trainer import PolicyTrainer
+    from m2flow.workers.engines.torch_engine import TorchEngine
     from m2flow.workers.llm import build_model
+    from test_llm import train_on_batch
 
     hf = build_model(MODEL, build_char_tokenizer(), seed=0)
     batch = _batch(hf.config.vocab_size)
@@ -264,12 +267,12 @@ def test_ppo_epochs_on_megatron_engine_match_torch():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     engine = MegatronEngine(hf.config, hf.state_dict(), 0, 1, None, torch.device("cpu"), 1, optim)
     try:
-        got = ppo_epochs(engine, data, 2, 1, 2, torch.Generator().manual_seed(5))
+        got = train_on_batch(engine, data, 2, 1, 2, torch.Generator().manual_seed(5))
         weights = engine.gather_hf()
     finally:
         engine.shutdown()
-    want = PolicyTrainer(hf, **optim).train_on_batch(
-        data, 2, 1, epochs=2, shuffle=True, generator=torch.Generator().manual_seed(5)
+    want = train_on_batch(
+        TorchEngine.from_module(hf, **optim), data, 2, 1, 2, torch.Generator().manual_seed(5)
     )
     assert got["steps"] == want["steps"] == 4
     for key in ("loss", "pg_loss", "clip_frac", "ratio_mean", "grad_norm"):
@@ -318,7 +321,7 @@ def test_ppo_run_with_megatron_actor_and_critic(cluster, tmp_path):
     torch_critic = ValueModel({**TINY_MODEL, "num_key_value_heads": 2},
                               build_char_tokenizer("0123456789+-="))  # fmt: skip
     torch_critic.load_state_dict(ckpt["model"])
-    trainer = ValueTrainer(torch_critic)
+    trainer = TorchValueEngine.from_module(torch_critic)
     trainer.optimizer.load_state_dict(ckpt["optimizer"])  # moments in the torch format
     assert len(trainer.optimizer.state) == len(list(torch_critic.parameters()))
 

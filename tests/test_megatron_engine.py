@@ -18,7 +18,6 @@ for the k3 KL term); on each one's live groups:
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 
 import pytest
@@ -33,7 +32,7 @@ if importlib.util.find_spec("megatron") is None or (
 
 import torch  # noqa: E402
 from m2flow.workers.actor.worker import ActorWorker  # noqa: E402
-from m2flow.workers.engines.trainer import PolicyTrainer  # noqa: E402
+from m2flow.workers.engines.torch_engine import TorchEngine  # noqa: E402
 from m2flow.workers.llm import build_char_tokenizer, build_model  # noqa: E402
 from megatron_probes import ProbedRollout, ShardedActor  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -84,42 +83,40 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def _torch_engine_replay(cfg, model: dict, weights: list[dict], data: list[dict]) -> list:
-    """The torch engine's updates (``PolicyTrainer.train_on_batch``, as a one-rank torch actor
-    with the run's actor config takes them, AdamW state carried over) of steps 1, 2, ... on
-    ``data[v]`` (what the step from weight version ``v`` trained on) from ``weights[0]`` (the
-    warm start). With ``actor.kl_coef > 0`` the reference is ``weights[0]`` (the torch actor
-    freezes the warm-started policy) and its logprobs are computed as the torch actor does
-    (``TorchEngine._with_reference``: the trainer's ``compute_logprobs`` on the frozen copy).
+    """The torch engine's updates (as a one-rank torch actor with the run's actor config takes
+    them, AdamW state carried over) of steps 1, 2, ... on ``data[v]`` (what the step from weight
+    version ``v`` trained on) from ``weights[0]`` (the warm start). With ``actor.kl_coef > 0``
+    the reference is ``weights[0]`` (the torch actor freezes the warm-started policy) and its
+    logprobs are computed as the torch actor does (the engine's ``infer`` on the frozen copy).
 
     Returns:
         per step ``(metrics, weights after it)``.
     """
+    from test_llm import loss_args, train_on_batch
+
     a = cfg.actor
     policy = build_model(model, build_char_tokenizer(ALPHABET))
     policy.load_state_dict(weights[0])
-    reference = copy.deepcopy(policy).eval().requires_grad_(False)
-    trainer = PolicyTrainer(
+    engine = TorchEngine.from_module(
         policy,
         lr=a.lr,
         betas=tuple(a.betas),
         weight_decay=a.weight_decay,
         grad_clip=a.grad_clip,
         temperature=cfg.rollout.temperature,
-        clip_eps_low=a.clip_eps_low,
-        clip_eps_high=a.clip_eps_high,
         kl_coef=a.kl_coef,
         shared_prefix=a.shared_prefix,
     )
     micro = a.micro_batch_size or None
+    args = loss_args({"clip_eps_low": a.clip_eps_low, "clip_eps_high": a.clip_eps_high,
+                      "kl_coef": a.kl_coef})  # fmt: skip
     out = []
     for step in data:
         metrics = {"loss": 0.0, "steps": 0}
         if len(step["advantages"]):  # the actor trains only on a non-empty batch
             if a.kl_coef > 0:
-                trainer.model = reference
-                step = dict(step, ref_logprobs=trainer.compute_logprobs(step, micro))
-                trainer.model = policy
-            metrics = trainer.train_on_batch(step, a.mini_batch_size or None, micro)
+                step = dict(step, ref_logprobs=engine.infer(step, None, micro, reference=True))
+            metrics = train_on_batch(engine, step, a.mini_batch_size or None, micro, **args)
         out.append((metrics, {k: v.detach().clone() for k, v in policy.state_dict().items()}))
     return out
 

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 from m2flow.workers.algos.grpo import grpo_advantages
-from m2flow.workers.engines.trainer import PolicyTrainer
+from m2flow.workers.algos.losses import make_loss
+from m2flow.workers.engines.torch_engine import TorchEngine
+from m2flow.workers.engines.update import StreamedStep
 from m2flow.workers.engines.value_model import ValueModel
 from m2flow.workers.llm import (
     build_char_tokenizer,
@@ -137,10 +139,10 @@ def test_rollout_logprobs_equal_the_actors_on_a_loaded_model(model_dir):
     out = generate(model, tok, _prompts(tok), n_samples=4, max_new_tokens=8, temperature=0.8,
                    sample_keys=[(1, 0), (1, 1)], seed=3)  # fmt: skip
     assert out["response_mask"].sum() > 8  # real responses
-    actor = PolicyTrainer(
+    actor = TorchEngine.from_module(
         load_model({"path": str(model_dir)}, tok, trainable=True), temperature=0.8
     )
-    lp = actor.compute_logprobs(out)
+    lp = actor.infer(out)
     assert (lp - out["logprobs"]).abs().max() <= 1e-4
 
 
@@ -164,9 +166,10 @@ def test_mixed_precision_and_gradient_checkpointing_train(llama_dir):
         cfg = {"path": path, **model_kw}
         model = load_model(cfg, tok, trainable=True)
         dtype = torch.bfloat16 if cfg.get("dtype") == "bfloat16" else torch.float32
-        trainer = PolicyTrainer(model, lr=1e-3, temperature=1.0, compute_dtype=dtype)
-        trainer.accumulate(data, micro_batch_size=4)
-        return model, {n: p.grad.clone() for n, p in model.named_parameters()}, trainer
+        engine = TorchEngine.from_module(model, lr=1e-3, temperature=1.0, compute_dtype=dtype)
+        step = StreamedStep(engine, make_loss("grpo", "policy"), micro_batch_size=4)
+        step.add(data)
+        return model, {n: p.grad.clone() for n, p in model.named_parameters()}, step
 
     base, g32, _ = grads()
     checkpointed, ggc, _ = grads(gradient_checkpointing=True)
@@ -183,7 +186,7 @@ def test_mixed_precision_and_gradient_checkpointing_train(llama_dir):
         dim=0,
     )
     assert cos > 0.99  # the same gradient up to bf16 rounding of the forward
-    metrics = trainer.finish_accumulation()
+    metrics = trainer.finish()
     assert metrics["steps"] == 1 and torch.isfinite(torch.tensor(metrics["loss"]))
     assert {p.dtype for p in mixed.parameters()} == {torch.float32}
 

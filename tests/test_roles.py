@@ -7,9 +7,10 @@ import pytest
 import torch
 from m2flow.workers.actor.config import ActorOptions
 from m2flow.workers.algos.logprobs import sequence_logprobs
+from m2flow.workers.algos.losses import make_loss
 from m2flow.workers.chunk import RolloutChunk, step_batch, timed
 from m2flow.workers.engines.registry import LOGPROB_ENGINES
-from m2flow.workers.engines.trainer import PolicyTrainer
+from m2flow.workers.engines.torch_engine import TorchEngine
 from m2flow.workers.llm import build_char_tokenizer, build_model
 from m2flow.workers.llm.generation import generate
 from tensordict import TensorDict
@@ -25,9 +26,18 @@ def test_actor_options_typed_and_checked():
     assert opt.betas == (0.9, 0.95) and opt.mini == 8 and opt.micro is None
     optim = opt.optim(torch.bfloat16)
     assert optim["lr"] == 3e-4 and optim["compute_dtype"] is torch.bfloat16
-    PolicyTrainer(torch.nn.Linear(2, 2), **optim)  # every key is a trainer argument
+    engine = TorchEngine.from_module(torch.nn.Linear(2, 2), **optim)  # the engine's settings
+    assert engine.nonfinite == "stop" and engine.grad_clip == 1.0
+    # The loss's settings are the loss's: the engine takes none of them.
+    assert not set(opt.loss_settings) & set(optim) - {"kl_coef"}
+    loss = make_loss(opt.loss, "policy", **opt.loss_settings)
+    assert loss.name == "grpo" and loss.settings["clip_eps_high"] == 0.28
     with pytest.raises(ValueError, match="has no option lrr, mini_batch: its options are"):
         ActorOptions.from_kwargs({"lrr": 1.0, "mini_batch": 2})
+    with pytest.raises(ValueError, match="actor.nonfinite='maybe': pick stop or skip"):
+        ActorOptions.from_kwargs({"nonfinite": "maybe"})
+    with pytest.raises(ValueError, match="loss 'ppg': pick one of grpo, gspo"):
+        make_loss("ppg", "policy")
 
 
 def _chunk(gid: int, version: int, rows: int = 2) -> RolloutChunk:

@@ -28,9 +28,10 @@ import pytest
 import torch
 from m2flow.workers.algos.grpo import grpo_advantages, grpo_loss
 from m2flow.workers.algos.logprobs import sequence_logprobs, shared_prefix_logprobs
-from m2flow.workers.engines.trainer import PolicyTrainer
+from m2flow.workers.engines.torch_engine import TorchEngine
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
 from m2flow.workers.llm.generation import generate, left_pad, prefill_shared
+from test_llm import train_on_batch
 
 TINY = dict(
     hidden_size=32,
@@ -211,7 +212,7 @@ def test_loss_and_gradients_equal_full_forward(tok, exact_norm, dtype, rtol, ato
 
 
 def test_trainer_shared_prefix_switch(tok, exact_norm):
-    """PolicyTrainer end to end, micro-batches that split groups and shuffled mini-batches:
+    """The torch engine end to end, micro-batches that split groups and shuffled mini-batches:
     the shared-prefix trainer (the default) and the full-forward one make the same update."""
     model = tiny(tok, dtype=torch.float64)
     out = rollout(tok, model.eval())
@@ -221,20 +222,22 @@ def test_trainer_shared_prefix_switch(tok, exact_norm):
     batch["advantages"] = grpo_advantages(rewards, out["group_index"]).double()
     trainers = []
     for shared in (False, True):
-        t = PolicyTrainer(copy.deepcopy(model), lr=1e-2, temperature=2.0, shared_prefix=shared)
-        metrics = t.train_on_batch(
+        t = TorchEngine.from_module(
+            copy.deepcopy(model), lr=1e-2, temperature=2.0, shared_prefix=shared
+        )
+        metrics = train_on_batch(
+            t,
             batch,
-            mini_batch_size=16,
-            micro_batch_size=5,  # groups of 6 straddle micro-batches
+            mini=16,
+            micro=5,  # groups of 6 straddle micro-batches
             epochs=2,
-            shuffle=True,
             generator=torch.Generator().manual_seed(2),
         )
         trainers.append((t, metrics))
     (t_full, m_full), (t_shared, m_shared) = trainers
     assert t_full.logprobs_fn is sequence_logprobs
     assert t_shared.logprobs_fn is shared_prefix_logprobs
-    assert PolicyTrainer(model).logprobs_fn is shared_prefix_logprobs  # the default
+    assert TorchEngine.from_module(model).logprobs_fn is shared_prefix_logprobs  # the default
     assert m_shared == pytest.approx(m_full, rel=1e-9, abs=1e-12)
     moved = 0.0
     for (n, p_full), (_, p_shared) in zip(
@@ -244,8 +247,8 @@ def test_trainer_shared_prefix_switch(tok, exact_norm):
         moved = max(moved, (p_full - dict(model.named_parameters())[n]).abs().max().item())
     assert moved > 1e-3  # the update did something
     torch.testing.assert_close(
-        t_shared.compute_logprobs(batch, micro_batch_size=7),
-        t_full.compute_logprobs(batch, micro_batch_size=7),
+        t_shared.infer(batch, micro_batch_size=7),
+        t_full.infer(batch, micro_batch_size=7),
         rtol=0,
         atol=1e-12,
     )
@@ -303,5 +306,5 @@ def test_rollout_logprobs_match_shared_recompute(tok):
     """The loop closes: rollout logprobs (shared prefill) = trainer logprobs (shared forward)."""
     model = tiny(tok).eval()
     out = rollout(tok, model, temperature=0.7)
-    trainer = PolicyTrainer(model, temperature=0.7)
-    torch.testing.assert_close(trainer.compute_logprobs(out), out["logprobs"], rtol=0, atol=1e-5)
+    engine = TorchEngine.from_module(model, temperature=0.7)
+    torch.testing.assert_close(engine.infer(out), out["logprobs"], rtol=0, atol=1e-5)

@@ -275,7 +275,7 @@ def test_a_model_directory_loads_and_matches_the_actor(tmp_path, arch):
     """``model.path``: vLLM reads the saved directory itself; on the same prompts the vLLM
     rollout's and the HF rollout's logprobs each equal the actor's recomputation (fp32,
     <= 1e-4); a weight update in place moves vLLM with the actor."""
-    from m2flow.workers.engines.trainer import PolicyTrainer
+    from m2flow.workers.engines.torch_engine import TorchEngine
     from m2flow.workers.llm import (
         build_char_tokenizer,
         build_qwen2_tokenizer,
@@ -307,19 +307,21 @@ def test_a_model_directory_loads_and_matches_the_actor(tmp_path, arch):
         prompts = [tok(t, add_special_tokens=False).input_ids for t in texts]
     else:
         prompts = [tok(s).input_ids for s in ("1+2=", "7-3+4=", "12+34-5=")]
-    actor = PolicyTrainer(load_model({"path": str(tmp_path)}, tok, trainable=True), temperature=0.8)
+    actor = TorchEngine.from_module(
+        load_model({"path": str(tmp_path)}, tok, trainable=True), temperature=0.8
+    )
     engine = VllmEngine(str(tmp_path), tok, temperature=0.8, seed=1)
     try:
         assert engine.dir == str(tmp_path)  # read in place, no copy
         for version in (0, 1):
             gen = engine.generate(prompts, n_samples=3, max_new_tokens=10)
             assert gen["response_mask"].sum() > len(gen["response_mask"])
-            assert (actor.compute_logprobs(gen) - gen["logprobs"]).abs().max() <= LOGPROB_ATOL
+            assert (actor.infer(gen) - gen["logprobs"]).abs().max() <= LOGPROB_ATOL
             hf = load_model({"path": str(tmp_path)}, tok)
             hf.load_state_dict(actor.model.state_dict())
             out = generate(hf, tok, prompts, n_samples=3, max_new_tokens=10, temperature=0.8,
                            sample_keys=[(1, g) for g in range(len(prompts))], seed=1)  # fmt: skip
-            assert (actor.compute_logprobs(out) - out["logprobs"]).abs().max() <= LOGPROB_ATOL
+            assert (actor.infer(out) - out["logprobs"]).abs().max() <= LOGPROB_ATOL
             with torch.no_grad():  # an update: the actor's weights move, vLLM takes them
                 for p in actor.model.parameters():
                     p.mul_(1.1)

@@ -3,7 +3,7 @@ over the actor's ranks, gradients summed by all-reduce; torch.distributed: gloo 
 CUDA), and the world the Megatron engines (actor, critic) build their groups in.
 
 Data parallel: each rank holds the whole model and trains on the chunks it reads from the
-shared channel; :meth:`~m2flow.workers.engines.trainer.PolicyTrainer.finish_accumulation` sums
+shared channel; :meth:`~m2flow.workers.engines.base.ModelEngine.optimizer_step` sums
 the ranks' token-sum gradients, token counts and metric sums, so every rank takes the same
 optimizer step as one rank would on the union of their chunks (the token mean is linear; only
 float summation order differs).

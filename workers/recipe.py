@@ -92,6 +92,7 @@ class OptimConfig:
     mini_batch_size: int = 0  # responses per optimizer step; 0 = the whole global batch
     micro_batch_size: int = 0  # responses per forward/backward; 0 = the whole mini-batch
     threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
+    nonfinite: str = "stop"  # NaN/inf advantage, loss or grad norm: stop the run, or skip the step
 
 
 @dataclass
@@ -306,6 +307,10 @@ def validate_optim(section, name: str) -> None:
             (section.mini_batch_size >= 0, f"{name}.mini_batch_size must be >= 0 (0 = all)"),
             (section.micro_batch_size >= 0, f"{name}.micro_batch_size must be >= 0 (0 = all)"),
             (section.grad_clip > 0, f"{name}.grad_clip must be > 0"),
+            (
+                section.nonfinite in ("stop", "skip"),
+                f"{name}.nonfinite={section.nonfinite}: pick stop or skip",
+            ),
         ]
     )
 

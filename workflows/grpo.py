@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from m2flow.workers.algos.losses import knows_loss, loss_names
 from m2flow.workers.data.config import DataConfig
 from m2flow.workers.data.reasoning_gym import task_section
 from m2flow.workers.engines.registry import TRAIN_ENGINES
@@ -55,6 +56,7 @@ RENAMED = {"task.max_prompt_tokens": "data.max_prompt_tokens"}
 @dataclass
 class ActorConfig(OptimConfig):
     lr: float = 1e-4  # 1e-3 collapsed the policy in our runs
+    loss: str = "grpo"  # policy loss: grpo (token ratio), gspo (sequence ratio), or module:function
     clip_eps_low: float = 0.2  # ratio clip [1 - low, 1 + high] of the policy loss
     clip_eps_high: float = 0.28  # DAPO's clip-higher
     kl_coef: float = 0.0  # k3 KL to the warm-started policy; 0 = no reference
@@ -113,6 +115,11 @@ def validate(cfg) -> None:
         [
             (a.clip_eps_low > 0 and a.clip_eps_high > 0, "actor.clip_eps_* must be > 0"),
             (a.kl_coef >= 0, "actor.kl_coef must be >= 0"),
+            (
+                knows_loss(a.loss, "policy"),
+                f"actor.loss={a.loss}: pick one of {', '.join(loss_names('policy'))} "
+                "(or a function's import path, module:function)",
+            ),
             (TRAIN_ENGINES.knows(a.engine), f"actor.engine must be {TRAIN_ENGINES.choices()}"),
             (a.engine == "megatron" or a.tensor_parallel == 1, "TP needs actor.engine=megatron"),
             (a.tensor_parallel >= 1, "actor.tensor_parallel must be >= 1"),
@@ -256,6 +263,8 @@ def main(cfg) -> dict:
                 "loss": a_out["loss"],
                 "clip_frac": a_out["clip_frac"],
                 "grad_norm": a_out["grad_norm"],
+                # steps whose update a NaN/inf dropped (actor.nonfinite=skip); absent if none
+                **{k: a_out[k] for k in ("nonfinite_skips",) if k in a_out},
                 "weight_version": version,
                 # the spot pool's counters (rollout.spot.enabled): tokens by reserved and spot
                 # engines, preemptions, migrations, T_seed, N_prem

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from m2flow.workers.algos.losses import knows_loss, loss_names
 from m2flow.workers.data.config import DataConfig
 from m2flow.workers.data.reasoning_gym import task_section
 from m2flow.workers.engines.registry import TRAIN_ENGINES, VALUE_ENGINES
@@ -73,6 +74,7 @@ class AlgorithmConfig:
 
 @dataclass
 class ActorConfig(OptimConfig):
+    loss: str = "grpo"  # policy loss: grpo (token ratio), gspo (sequence ratio), or module:function
     mini_batch_size: int = 128  # responses per optimizer step; 0 = the whole batch
     whiten_advantages: bool = True  # advantages to mean 0, std 1 over the batch's tokens
     recompute_old_logprobs: bool = False  # the rollout's logprobs are the same weights'
@@ -174,6 +176,11 @@ def validate(cfg) -> None:
             (0 <= f.heldout_batches < f.batches, "need 0 <= reward_fit.heldout_batches < batches"),
             *_engine_checks("actor", cfg.actor, TRAIN_ENGINES),
             *_engine_checks("critic", cfg.critic, VALUE_ENGINES),
+            (
+                knows_loss(cfg.actor.loss, "policy"),
+                f"actor.loss={cfg.actor.loss}: pick one of {', '.join(loss_names('policy'))} "
+                "(or a function's import path, module:function)",
+            ),
         ]
     )
     if cfg.reward_model.path:
@@ -314,6 +321,9 @@ def main(cfg) -> dict:
                 "critic_update_norm": c_out["update_norm"],
                 **{k: a_out[k] for k in ("pg_loss", "clip_frac", "ratio_mean", "grad_norm")},
                 "actor_update_norm": a_out["update_norm"],
+                # steps whose update a NaN/inf dropped (<role>.nonfinite=skip); absent if none
+                **{f"{name}_nonfinite_skips": o["nonfinite_skips"] for name, o in
+                   (("actor", a_out), ("critic", c_out)) if "nonfinite_skips" in o},
             }  # fmt: skip
             if step % tr.eval_every == 0 or step == tr.steps:
                 metrics |= evaluate()

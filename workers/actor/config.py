@@ -11,13 +11,20 @@ import torch
 
 @dataclass(frozen=True)
 class ActorOptions:
-    """The GRPO (and PPO) actor's optimiser, loss, batch split and engine.
+    """The GRPO (and PPO) actor's optimiser, loss, batch split and engine (an unknown option
+    or ``nonfinite`` value: ``ValueError`` from :meth:`from_kwargs`).
 
     Fields:
         lr, betas, weight_decay, grad_clip: AdamW (``grad_clip``: global L2 norm; 0: none).
         temperature: the rollout's sampling temperature (logprobs are recomputed under it).
-        clip_eps_low, clip_eps_high: PPO ratio clip range ``[1 - low, 1 + high]``.
+        loss: the policy loss, a :data:`~..algos.losses.LOSSES` name of kind ``policy``
+            (``grpo``: token-level clipped ratio; ``gspo``: sequence-level) or
+            ``"module:function"``.
+        clip_eps_low, clip_eps_high: ratio clip range ``[1 - low, 1 + high]`` (the loss's).
         kl_coef: k3 KL weight to the reference (the warm-started policy, frozen); 0 = off.
+        nonfinite: a NaN or infinite advantage, loss or gradient norm before an optimizer
+            step: ``stop`` the run naming the step and the cause, or ``skip`` that step's
+            update (gradients dropped, counted as ``nonfinite_skips``).
         mini_batch_size, micro_batch_size: responses per optimizer step / per forward
             (0: the whole global batch, streamed as it arrives / the whole mini-batch).
         recompute_old_logprobs: recompute behaviour logprobs instead of using the rollout's.
@@ -37,9 +44,11 @@ class ActorOptions:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     temperature: float = 1.0
+    loss: str = "grpo"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28
     kl_coef: float = 0.0
+    nonfinite: str = "stop"
     mini_batch_size: int = 0
     micro_batch_size: int = 0
     recompute_old_logprobs: bool = False
@@ -66,7 +75,10 @@ class ActorOptions:
                 f"the {role} has no option {', '.join(unknown)}: its options are "
                 f"{', '.join(sorted(names))} (m2flow.workers.actor.config.ActorOptions)"
             )
-        return cls(**{**kwargs, "betas": tuple(kwargs.get("betas", cls.betas))})
+        opt = cls(**{**kwargs, "betas": tuple(kwargs.get("betas", cls.betas))})
+        if opt.nonfinite not in ("stop", "skip"):
+            raise ValueError(f"{role}.nonfinite={opt.nonfinite!r}: pick stop or skip")
+        return opt
 
     @property
     def mini(self) -> int | None:
@@ -95,7 +107,15 @@ class ActorOptions:
         }  # fmt: skip
 
     def optim(self, compute_dtype: torch.dtype) -> dict:
-        """The engine's ``optim`` (:class:`~..engines.trainer.PolicyTrainer`'s arguments)."""
-        keys = ("lr", "betas", "weight_decay", "grad_clip", "temperature", "clip_eps_low",
-                "clip_eps_high", "kl_coef", "shared_prefix")  # fmt: skip
+        """The engine's ``optim``: AdamW, clipping, the sampling temperature, the shared prefix,
+        ``kl_coef`` (> 0: the engine keeps a frozen reference), ``nonfinite``, the compute
+        dtype (:meth:`~..engines.base.ModelEngine._setup`)."""
+        keys = ("lr", "betas", "weight_decay", "grad_clip", "temperature", "kl_coef",
+                "shared_prefix", "nonfinite")  # fmt: skip
         return {k: getattr(self, k) for k in keys} | {"compute_dtype": compute_dtype}
+
+    @property
+    def loss_settings(self) -> dict:
+        """The policy loss's settings (:func:`~..algos.losses.make_loss`)."""
+        return {"clip_eps_low": self.clip_eps_low, "clip_eps_high": self.clip_eps_high,
+                "kl_coef": self.kl_coef}  # fmt: skip

@@ -11,7 +11,7 @@ from m2flow import Channel
 from ..algos.ppo import masked_whiten
 from ..checkpoint import load_state, save_state
 from ..chunk import step_batch
-from ..engines.trainer import RESPONSE_KEYS
+from ..engines.base import RESPONSE_KEYS
 from ..weight_change import snapshot, update_norm
 from .worker import ActorWorker
 
@@ -68,6 +68,7 @@ class PPOActorWorker(ActorWorker):
         batch, stale = step_batch(chunks, self.tokenizer.pad_token_id, self.weight_version)
         data = {k: batch[k] for k in RESPONSE_KEYS}
         adv = batch["advantages"]
+        self._check_advantages(adv, batch["scores"])
         data["advantages"] = masked_whiten(adv, batch["response_mask"]) if self.whiten else adv
         if not self.options.recompute_old_logprobs:
             data["old_logprobs"] = batch["logprobs"]
@@ -75,9 +76,14 @@ class PPOActorWorker(ActorWorker):
         model = self.engine.model
         params = [] if model is None else list(model.parameters())
         before = snapshot(params)
-        metrics = self.engine.train(
-            data, self.options.mini, self.options.micro, self.epochs, self.generator
-        )
+        if self._skip:  # non-finite advantages, actor.nonfinite=skip: no update this step
+            metrics = dict.fromkeys(("pg_loss", "clip_frac", "ratio_mean", "grad_norm"), 0.0)
+            metrics |= {"steps": 0, "nonfinite_skips": 1}
+        else:
+            metrics = self.update(data, self.epochs, self.generator)
         self.weight_version += 1
+        self._skip = None
         norm = update_norm(before, params)
+        if not metrics.get("nonfinite_skips"):
+            metrics.pop("nonfinite_skips", None)
         return {**metrics, "samples": len(batch), "stale": stale, "update_norm": norm}

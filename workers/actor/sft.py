@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from ..algos.losses import make_loss
 from ..data.item import PromptItem
 from ..data.reasoning_gym import task_split
-from ..engines.trainer import PolicyTrainer
 from ..llm.generation import left_pad
 from ..scoring.evaluation import evaluate
 from ..scoring.functions import RewardFunction
@@ -27,7 +27,7 @@ from ..scoring.functions import RewardFunction
 def sft_batch(
     tokenizer: PreTrainedTokenizerBase, items: Sequence[PromptItem]
 ) -> dict[str, torch.Tensor]:
-    """Tensors for :meth:`PolicyTrainer.sft_step`: left-padded prompts ``[B, P]`` (the items'
+    """Tensors for :func:`sft_step`: left-padded prompts ``[B, P]`` (the items'
     ``prompt_ids``) and right-padded ``target + EOS`` responses ``[B, R]`` with masks (the
     item's ``target``: the answer, or ``<answer>answer</answer>`` for chat prompts)."""
     prompts = [list(it.prompt_ids) for it in items]
@@ -50,6 +50,21 @@ def sft_batch(
     }
 
 
+def sft_step(engine, batch: dict, micro_batch_size: int | None = None) -> float:
+    """One supervised optimizer step of ``engine`` (a :class:`~..engines.train.TrainEngine`
+    training alone): :func:`~..algos.losses.sft_loss`, the token-mean NLL of the response
+    (answer + EOS) tokens over the whole batch, whatever the micro split. Same layout as
+    rollouts (``[B, P]`` left-padded prompts, ``[B, R]`` right-padded responses), so the
+    positions the model learns match generation. Returns the loss (nats per answer token)."""
+    loss = make_loss("sft", "sft")
+    units = max(loss.units(batch), 1.0)
+    total = 0.0
+    for r in engine.forward_backward(batch, loss, micro_batch_size, normalizer=units):
+        total += r["loss"]
+    engine.optimizer_step()
+    return total
+
+
 @dataclass
 class SFTResult:
     steps: int
@@ -59,7 +74,7 @@ class SFTResult:
 
 
 def run_sft(
-    trainer: PolicyTrainer,
+    engine,
     tokenizer: PreTrainedTokenizerBase,
     train: Sequence[PromptItem],
     steps: int,
@@ -72,8 +87,9 @@ def run_sft(
     time_budget_s: float | None = None,
     log: Callable[[str], None] | None = print,
 ) -> SFTResult:
-    """Supervised warm start on ``train`` (sampled with replacement, ``batch_size`` items per
-    step; each item's ``target`` is the response).
+    """Supervised warm start of ``engine`` (a :class:`~..engines.train.TrainEngine` training
+    alone; its ``model`` generates the checks) on ``train`` (sampled with replacement,
+    ``batch_size`` items per step; each item's ``target`` is the response).
 
     Stops after ``steps`` optimizer steps, after ``time_budget_s`` seconds, or when greedy
     accuracy on ``val`` (checked every ``eval_every`` steps, scored by ``reward``; default:
@@ -90,9 +106,9 @@ def run_sft(
     loss, acc, step = float("nan"), None, 0
     for step in range(1, steps + 1):
         items = [train[rng.randrange(len(train))] for _ in range(batch_size)]
-        loss = trainer.sft_step(**sft_batch(tokenizer, items))["loss"]
+        loss = sft_step(engine, sft_batch(tokenizer, items))
         if val and step % eval_every == 0:
-            acc = evaluate(trainer.model, tokenizer, val, reward, val_tokens)["accuracy"]
+            acc = evaluate(engine.model, tokenizer, val, reward, val_tokens)["accuracy"]
             if log:
                 elapsed = time.perf_counter() - t0
                 log(f"sft step {step} loss {loss:.3f} val_acc {acc:.3f} t {elapsed:.0f}s")
@@ -104,7 +120,7 @@ def run_sft(
 
 
 def warm_start(
-    trainer: PolicyTrainer,
+    engine,
     tokenizer: PreTrainedTokenizerBase,
     task: dict | None,
     steps: int,
@@ -115,7 +131,7 @@ def warm_start(
 ) -> dict:
     """:func:`run_sft` on the task's training split, checked on its validation split
     (``task["val_seed"]``, ``task["val_size"]``; never the held-out split), at learning rate
-    ``lr``; then the trainer is left at ``rl_lr`` with fresh AdamW moments (the supervised
+    ``lr``; then the engine is left at ``rl_lr`` with fresh AdamW moments (the supervised
     ones mislead RL). ``task=None`` (data files: no targets) or ``steps=0``: no step.
 
     Args:
@@ -131,10 +147,10 @@ def warm_start(
         steps = 0
     else:
         train, val = (task_split(task, s, tokenizer)[0] for s in ("train", "val"))
-    trainer.set_lr(lr)
-    res = run_sft(trainer, tokenizer, train, steps=steps, val=val,
+    engine.set_lr(lr)
+    res = run_sft(engine, tokenizer, train, steps=steps, val=val,
                   reward=RewardFunction(**(reward or {})), log=None, **kwargs)  # fmt: skip
-    trainer.set_lr(rl_lr)
-    trainer.optimizer.state.clear()
+    engine.set_lr(rl_lr)
+    engine.reset_optimizer()
     return {"steps": res.steps, "seconds": res.seconds, "loss": res.last_loss,
             "val_accuracy": res.val_accuracy}  # fmt: skip

@@ -1,11 +1,15 @@
 """Actor worker: supervised warm start, GRPO training, weight sync, checkpoints.
 
 The role composes a :class:`~..engines.train.TrainEngine` (``engine``: ``torch``, ``megatron``,
-or any registered kind, :data:`~..engines.registry.TRAIN_ENGINES`) with the GRPO algorithm
-(:mod:`~..algos.grpo`); it never branches on the engine kind.
+or any registered kind, :data:`~..engines.registry.TRAIN_ENGINES`) with the GRPO algorithm:
+advantages (:mod:`~..algos.grpo`) and the policy loss it names (``loss``,
+:data:`~..algos.losses.LOSSES`), which it hands the engine; it never branches on the engine
+kind.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import transformers
@@ -15,10 +19,13 @@ from m2flow import Channel, Worker
 
 from .. import parallel as dp
 from ..algos.grpo import grpo_advantages
+from ..algos.losses import make_loss
 from ..batch import concat
 from ..chunk import step_batch, timed
+from ..engines.base import NonFiniteError
 from ..engines.train import train_engine
 from ..engines.train_role import OnTrainEngine
+from ..engines.update import StreamedStep, minibatch_update
 from ..llm import build_tokenizer, compute_dtype
 from ..llm.placement import set_torch_threads, torch_device
 from .config import ActorOptions
@@ -52,6 +59,7 @@ class ActorWorker(OnTrainEngine, Worker):
 
     data_parallel = False  # one rank over all its devices (see the class docstring)
     role = "actor"
+    _skip: str | None = None  # this step's non-finite advantages, nonfinite="skip"
 
     def __init__(self, model: dict, tokenizer: dict, dist: dict | None = None, **options) -> None:
         self.options = opt = ActorOptions.from_kwargs(options)
@@ -60,6 +68,7 @@ class ActorWorker(OnTrainEngine, Worker):
         transformers.utils.logging.disable_progress_bar()  # no shard bars in run logs
         device = torch_device(self.devices)
         self.tokenizer = build_tokenizer(tokenizer)
+        self.loss = make_loss(opt.loss, "policy", **opt.loss_settings)
         self.engine = train_engine(opt.engine)(
             model, self.tokenizer, device=device, rank=self.rank, world_size=self.world_size,
             dist=dist, optim=opt.optim(compute_dtype(model.get("dtype", "auto"), device)),
@@ -80,11 +89,10 @@ class ActorWorker(OnTrainEngine, Worker):
             ``steps``, ``seconds``, ``loss`` (last), ``val_accuracy`` (greedy, last check).
         """
         out = [None]
-        if not dp.active() or self.rank == 0:  # the others take rank 0's weights
-            out[0] = warm_start(
-                self.engine.sft_trainer, self.tokenizer, task, steps, lr, self.options.lr, **sft
-            )
-        self.engine.publish()
+        with self.engine.solo() as alone:  # rank 0's whole model, trained alone
+            if alone is not None and (not dp.active() or self.rank == 0):
+                out[0] = warm_start(alone, self.tokenizer, task, steps, lr, self.options.lr, **sft)
+        self.engine.publish()  # the others take rank 0's weights
         if dp.active():
             torch.distributed.broadcast_object_list(out, 0)
         return out[0]
@@ -109,28 +117,67 @@ class ActorWorker(OnTrainEngine, Worker):
         chunks = self.engine.read_step(parts)
         batch, stale = step_batch(chunks, self.tokenizer.pad_token_id, self.weight_version)
         data = self._training_data(batch)
-        metrics = self.engine.train(data, self.options.mini, self.options.micro)
+        if self._skip is not None:  # non-finite advantages, actor.nonfinite=skip
+            metrics, data = {"nonfinite_skips": 1}, {"advantages": []}
+        else:
+            metrics = self.update(data)
         trained = len(data["advantages"])
         return {**self._finish(metrics, len(batch), trained, stale), "input_waits": waits}
+
+    def update(self, data: dict, epochs: int = 1, generator=None) -> dict:
+        """The policy loss's update on a whole batch (:func:`.update.minibatch_update`: the
+        options' mini- and micro-batches, ``epochs`` passes shuffled by ``generator``), after
+        the behaviour logprobs (if absent) and the reference's are computed, before any
+        update. ``{}`` for an empty batch (every rank of a whole-step engine alike)."""
+        if not len(data["response_ids"]):
+            return {}
+        data = self._logprobs(data)
+        with self._named_step():
+            return minibatch_update(self.engine, data, self.loss, self.options.mini,
+                                    self.options.micro, epochs, generator)  # fmt: skip
+
+    def _logprobs(self, data: dict) -> dict:
+        """``data`` with the reference's ``ref_logprobs`` (KL on) and, if absent, the
+        behaviour ``old_logprobs`` under the current weights (no gradients)."""
+        micro = self.options.micro
+        if self.options.kl_coef > 0 and "ref_logprobs" not in data:
+            data = dict(data, ref_logprobs=self.engine.infer(data, None, micro, reference=True))
+        if "old_logprobs" not in data:
+            data = dict(data, old_logprobs=self.engine.infer(data, None, micro))
+        return data
+
+    @contextlib.contextmanager
+    def _named_step(self):
+        """A non-finite value the engine stops on, named with the training step."""
+        try:
+            yield
+        except NonFiniteError as e:
+            named = f"{self.role}, training step {self.weight_version + 1}"
+            if str(e).startswith(named):  # the advantages' check names it already
+                raise
+            raise NonFiniteError(f"{named}: {e}") from None
 
     def _train_streaming(self, parts) -> dict:
         """One optimizer step over the whole batch, training on chunks as they arrive
         (gradients accumulate): with a pipelined rollout the actor works while later chunks
         are still being generated. Chunks already queued are trained on together (one part)."""
         samples = trained = stale = n_parts = 0
-        for chunks in parts:
-            batches = [c.batch for c in chunks]
-            pad = self.tokenizer.pad_token_id
-            batch = batches[0] if len(batches) == 1 else concat(batches, pad)
-            samples += len(batch)
-            stale += sum(c.stale_samples(self.weight_version) for c in chunks)
-            data = self._training_data(batch)  # whole GRPO groups: a chunk is whole prompts
-            if len(data["advantages"]):
-                trained += self.engine.accumulate(data, self.options.micro)
-                n_parts += 1
-        metrics = self.engine.finish_accumulation()  # data parallel: the global step's
+        step = StreamedStep(self.engine, self.loss, self.options.micro)
+        with self._named_step():
+            for chunks in parts:
+                batches = [c.batch for c in chunks]
+                pad = self.tokenizer.pad_token_id
+                batch = batches[0] if len(batches) == 1 else concat(batches, pad)
+                samples += len(batch)
+                stale += sum(c.stale_samples(self.weight_version) for c in chunks)
+                data = self._training_data(batch)  # whole GRPO groups: a chunk is whole prompts
+                if len(data["advantages"]) and self._skip is None:
+                    trained += step.add(self._logprobs(data))
+                    n_parts += 1
+            metrics = step.finish(skip=self._skip is not None)  # data parallel: the global step
         # A data-parallel rank that got no chunk still took the global step: report it.
-        out = self._finish(metrics if metrics.get("steps") else {}, samples, trained, stale)
+        skips = {"nonfinite_skips": metrics.pop("nonfinite_skips")}
+        out = self._finish(metrics if metrics.get("steps") else skips, samples, trained, stale)
         return {**out, "parts": n_parts}
 
     def _training_data(self, batch) -> dict:
@@ -138,6 +185,7 @@ class ActorWorker(OnTrainEngine, Worker):
         logprobs (the engine adds the reference's); flat groups dropped if configured."""
         data = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
         data["advantages"] = grpo_advantages(batch["rewards"], batch["group_index"])
+        self._check_advantages(data["advantages"], batch["rewards"])
         if not self.options.recompute_old_logprobs:
             data["old_logprobs"] = batch["logprobs"]
         if self.options.drop_flat_groups:
@@ -145,7 +193,30 @@ class ActorWorker(OnTrainEngine, Worker):
             data = {k: v[keep] for k, v in data.items()}
         return data
 
+    def _check_advantages(self, advantages: torch.Tensor, rewards: torch.Tensor) -> None:
+        """Non-finite advantages (a NaN or infinite reward): stop naming the step and the
+        rewards (``nonfinite="stop"``), or remember to skip this step's update."""
+        bad = ~torch.isfinite(advantages)
+        if advantages.dim() > 1:
+            bad = bad.any(dim=1)
+        if not bool(bad.any()):
+            return
+        odd = rewards[bad][~torch.isfinite(rewards[bad])]
+        named = (f"non-finite rewards: {sorted(set(odd.tolist()), key=str)}" if len(odd)
+                 else f"rewards up to {float(rewards[bad].abs().max()):.3g}")  # fmt: skip
+        cause = f"non-finite advantages for {int(bad.sum())} of {len(bad)} samples ({named})"
+        if self.options.nonfinite == "stop":
+            raise NonFiniteError(
+                f"{self.role}, training step {self.weight_version + 1}: {cause}; the weights are "
+                f"those of the step before (set {self.role}.nonfinite=skip to skip such steps "
+                "instead)"
+            )
+        self._skip = self._skip or cause
+
     def _finish(self, metrics: dict, samples: int, trained: int, stale: int) -> dict:
         self.weight_version += 1
+        self._skip = None
+        skips = metrics.pop("nonfinite_skips", 0)
         return {"loss": 0.0, "clip_frac": 0.0, "grad_norm": 0.0, **metrics, "samples": samples,
-                "trained_samples": trained, "stale": stale}  # fmt: skip
+                "trained_samples": trained, "stale": stale,
+                **({"nonfinite_skips": skips} if skips else {})}  # fmt: skip

@@ -6,7 +6,10 @@
   (:func:`grpo_advantages`, :func:`grpo_loss`; PPO's policy loss too);
 - :mod:`.ppo`: KL-shaped token rewards, GAE, the clipped value loss, masked whitening,
   explained variance (:func:`token_rewards`, :func:`gae`, :func:`clipped_value_loss`,
-  :func:`masked_whiten`, :func:`explained_variance`).
+  :func:`masked_whiten`, :func:`explained_variance`);
+- :mod:`.losses`: every loss a train engine minimises, by name (:data:`LOSSES`: ``grpo``,
+  ``gspo``, ``sft``, ``value``, ``score_bce``), bound to its settings by :func:`make_loss`
+  (``actor.loss=...``); the engines call them, never define one.
 
 A new algorithm (RLOO, a DAPO variant) is one more module here. Exports are lazy: importing
 :mod:`.ppo` or :mod:`.grpo` does not import transformers.
@@ -24,6 +27,11 @@ _EXPORTS = {
     "masked_whiten": ".ppo",
     "clipped_value_loss": ".ppo",
     "explained_variance": ".ppo",
+    "k3_kl": ".grpo",
+    "LOSSES": ".losses",
+    "make_loss": ".losses",
+    "register_loss": ".losses",
+    "gspo_loss": ".losses",
 }
 
 __all__ = sorted(_EXPORTS)

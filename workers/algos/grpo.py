@@ -39,6 +39,14 @@ def grpo_advantages(
     return torch.where(counts[inverse] > 1, adv, torch.zeros_like(adv))
 
 
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of ``KL(pi || pi_ref)``: ``exp(d) - d - 1`` with
+    ``d = ref - logprobs`` (Schulman, "Approximating KL divergence", 2020; DeepSeekMath eq. 4).
+    Non-negative, unbiased; ``[B, R]`` in, ``[B, R]`` out."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1.0
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -88,8 +96,7 @@ def grpo_loss(
         metrics["clip_frac"] = float(((clipped != unclipped).float() * mask).sum() / n_local)
         metrics["ratio_mean"] = float((ratio * mask).sum() / n_local)
     if ref_logprobs is not None:
-        delta = ref_logprobs - logprobs
-        k3 = torch.exp(delta) - delta - 1.0
+        k3 = k3_kl(logprobs, ref_logprobs)
         metrics["kl"] = float((k3.detach() * mask).sum() / n_local)
         if kl_coef:
             per_token = per_token + kl_coef * k3

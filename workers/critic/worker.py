@@ -14,11 +14,13 @@ import torch
 from m2flow import Channel, Worker
 
 from .. import parallel as dp
+from ..algos.losses import make_loss, response_values
 from ..algos.ppo import explained_variance, gae, token_rewards
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
 from ..chunk import RolloutChunk
 from ..engines.registry import VALUE_ENGINES
+from ..engines.update import value_update
 from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads, torch_device
 
@@ -45,6 +47,8 @@ class CriticWorker(Worker):
         epochs: passes over each batch; mini_batch_size, micro_batch_size: responses per
             optimizer step / per forward (0: the whole batch / mini-batch).
         threads: torch threads (0: the CPUs of the rank's devices); seed: init and shuffling.
+        nonfinite: a NaN or infinite loss or gradient norm: ``stop`` the run, or ``skip`` the
+            optimizer step (counted as ``nonfinite_skips``).
         engine: a value engine's name (``"torch"``, ``"megatron"``: the ``megatron`` extra).
         tensor_parallel: Megatron TP size (divides the ranks and the model's heads).
         dist: the process group's rendezvous ``{"addr", "port"}`` (set by :meth:`launch`).
@@ -94,6 +98,7 @@ class CriticWorker(Worker):
         micro_batch_size: int = 0,
         threads: int = 0,
         seed: int = 0,
+        nonfinite: str = "stop",
         engine: str = "torch",
         tensor_parallel: int = 1,
         dist: dict | None = None,
@@ -102,7 +107,9 @@ class CriticWorker(Worker):
         self._check(self.world_size, kw)
         set_torch_threads(self, threads)
         self.tokenizer = build_tokenizer(tokenizer)
-        optim = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, grad_clip=grad_clip)
+        optim = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, grad_clip=grad_clip,
+                     nonfinite=nonfinite)  # fmt: skip
+        self.loss = make_loss("value", "value", value_clip=value_clip)
         self.engine = VALUE_ENGINES.get(engine, "critic")(
             model, self.tokenizer, device=torch_device(self.devices), rank=self.rank,
             world_size=self.world_size, dist=dist, optim=optim, seed=seed,
@@ -121,7 +128,7 @@ class CriticWorker(Worker):
     def _advantages(self, chunk: RolloutChunk, score: torch.Tensor, ref: torch.Tensor) -> None:
         """Values, KL-shaped rewards and GAE of one rollout chunk, added to its batch."""
         batch = chunk.batch
-        values = self.engine.trainer.values(batch, self.micro)
+        values = self.engine.infer(batch, response_values, self.micro)
         rewards, dones, kl = token_rewards(
             score, batch["logprobs"], ref, batch["response_mask"], self.kl_coef
         )
@@ -197,9 +204,8 @@ class CriticWorker(Worker):
             "explained_variance": explained_variance(data["old_values"], data["returns"], mask),
         }
         before = self.engine.snapshot()
-        stats |= self.engine.trainer.train_values(
-            data, self.value_clip, self.mini, self.micro, self.epochs, self.generator
-        )
+        stats |= value_update(self.engine, data, self.loss, self.mini, self.micro, self.epochs,
+                              self.generator)  # fmt: skip
         stats["update_norm"] = self.engine.update_norm(before)
         return stats
 

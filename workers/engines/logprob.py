@@ -15,7 +15,7 @@ import torch
 from ..algos.logprobs import sequence_logprobs
 from ..llm import load_model
 from ..llm.placement import offload_module, onload_module
-from .trainer import RESPONSE_KEYS
+from .base import RESPONSE_KEYS
 
 
 class LogprobEngine(Protocol):

@@ -1,6 +1,8 @@
-"""The ``torch`` :class:`~.train.TrainEngine`: a Hugging Face model trained by
-:class:`~.trainer.PolicyTrainer`, one rank, or data parallel (one rank per device, one gradient
-all-reduce per step, :mod:`~m2flow.workers.parallel`)."""
+"""The ``torch`` engines: one Hugging Face model per rank, trained by the shared mechanics of
+:class:`~.base.ModelEngine` with the loss the role gives. :class:`TorchEngine` hosts a policy
+(the :class:`~.train.TrainEngine` of the GRPO and PPO actors: one rank, or data parallel with
+one gradient all-reduce per step, :mod:`~m2flow.workers.parallel`); :class:`TorchValueEngine`
+a value-head model (the critic's, the reward model's)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 
 from .. import parallel as dp
 from ..llm import load_model
-from .trainer import PolicyTrainer, TrainerSteps
+from .base import RESPONSE_KEYS, ModelEngine
 
 
 def load_pretrained_weights(model: torch.nn.Module, src: Path) -> None:
@@ -31,12 +33,29 @@ def load_pretrained_weights(model: torch.nn.Module, src: Path) -> None:
     model.tie_weights()
 
 
-class TorchEngine(TrainerSteps):
+def refuse_nonfinite(engine: ModelEngine, what: str) -> None:
+    """Raise before a checkpoint is written from non-finite weights.
+
+    Raises:
+        NonFiniteError: a NaN or infinite parameter (the message names ``what``).
+    """
+    from .base import NonFiniteError
+
+    if not engine.finite_weights():
+        raise NonFiniteError(
+            f"{what}: the weights hold NaN or infinite values after optimizer step "
+            f"{engine.steps}; no checkpoint is written from them (the last one stays the "
+            "latest)"
+        )
+
+
+class TorchEngine(ModelEngine):
     """The policy as one Hugging Face model per rank (see :class:`~.train.TrainEngine`).
 
     With ``kl_coef > 0`` (in ``optim``) a frozen copy of the policy, in the compute dtype, is
-    the reference (refrozen by :meth:`publish` after the warm start). With ``world_size > 1``
-    the ranks join one process group (``dist``); every rank holds the whole model.
+    the reference (:meth:`infer` with ``reference=True``; refrozen by :meth:`publish` after
+    the warm start). With ``world_size > 1`` the ranks join one process group (``dist``); every
+    rank holds the whole model and gradients are summed over the ranks at each step.
     """
 
     one_rank_per_device = False
@@ -70,33 +89,41 @@ class TorchEngine(TrainerSteps):
     ) -> None:  # fmt: skip
         if world_size != 1:
             dp.init(rank, world_size, dist["addr"], dist["port"], device)
-        self.device, self.rank = device, rank
+        self.rank, self.data_parallel = rank, world_size > 1
         # float32 master weights; forward/backward under autocast to model.dtype
-        self.model = load_model(model, tokenizer, device, trainable=True, seed=seed)
-        self.trainer = self.sft_trainer = PolicyTrainer(self.model, **optim)
+        self._setup(load_model(model, tokenizer, device, trainable=True, seed=seed), **optim)
         self.kl_coef = optim.get("kl_coef", 0.0)
         self.ref_model: torch.nn.Module | None = None
         self.freeze_reference()
+
+    @classmethod
+    def from_module(cls, model: torch.nn.Module, **optim) -> TorchEngine:
+        """A one-rank engine training ``model`` as it is (a Hugging Face causal LM already
+        built; ``optim`` as the constructor's), e.g. in a script or a test."""
+        engine = cls.__new__(cls)
+        engine.rank, engine.data_parallel = 0, False
+        engine._setup(model, **optim)
+        engine.kl_coef = optim.get("kl_coef", 0.0)
+        engine.ref_model = None
+        engine.freeze_reference()
+        return engine
 
     def freeze_reference(self) -> None:
         """The reference := a frozen copy of the policy now (KL on only)."""
         if self.kl_coef > 0:
             ref = copy.deepcopy(self.model).eval().requires_grad_(False)
-            self.ref_model = ref.to(self.trainer.compute_dtype)  # inference: compute dtype
+            self.ref_model = ref.to(self.compute_dtype)  # inference: compute dtype
 
-    @torch.no_grad()
-    def _with_reference(self, data: dict, micro_batch_size: int | None) -> dict:
-        """``data`` plus the reference's ``ref_logprobs`` (same function as the policy's)."""
-        if self.ref_model is None or "ref_logprobs" in data or not len(data["response_ids"]):
-            return data
-        policy, self.trainer.model = self.trainer.model, self.ref_model
-        try:
-            ref = self.trainer.compute_logprobs(data, micro_batch_size)
-        finally:
-            self.trainer.model = policy
-        return dict(data, ref_logprobs=ref)
+    def infer(self, batch, fn=None, micro_batch_size=None, reference: bool = False):
+        """:meth:`.base.ModelEngine.infer`; ``reference``: the frozen reference's logprobs
+        (``ValueError`` without one: ``kl_coef`` 0)."""
+        if not reference:
+            return super().infer(batch, fn, micro_batch_size)
+        if self.ref_model is None:
+            raise ValueError("this engine keeps no reference (kl_coef is 0)")
+        return super().infer(batch, fn, micro_batch_size, model=self.ref_model)
 
-    # -- training ---------------------------------------------------------------------------
+    # -- steps and weights ------------------------------------------------------------------
 
     def read_step(self, parts) -> list:
         return [item for part in parts for item in part]
@@ -106,69 +133,57 @@ class TorchEngine(TrainerSteps):
             dp.broadcast_model(self.model)
         self.freeze_reference()
 
-    def train(self, data, mini_batch_size, micro_batch_size, epochs=1, generator=None) -> dict:
-        if not len(data["response_ids"]):
-            return {}
-        data = self._with_reference(data, micro_batch_size)
-        return self.trainer.train_on_batch(
-            data, mini_batch_size, micro_batch_size,
-            epochs=epochs, shuffle=epochs > 1, generator=generator,
-        )  # fmt: skip
-
-    def accumulate(self, data: dict, micro_batch_size: int | None) -> int:
-        data = self._with_reference(data, micro_batch_size)
-        return self.trainer.accumulate(data, micro_batch_size)
-
-    def finish_accumulation(self) -> dict[str, float]:
-        return self.trainer.finish_accumulation()
-
-    # -- weights and checkpoints ------------------------------------------------------------
-
     def get_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Hugging Face layout weights into the policy (strict)."""
+        self.model.load_state_dict(weights)
 
     def save(self, path: Path) -> dict | None:
         reference = None if self.ref_model is None else self.ref_model.state_dict()
         if self.rank != 0:
             return None  # data-parallel ranks hold the same state
+        refuse_nonfinite(self, "actor")
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path)
         return {
-            "optimizer": self.trainer.optimizer.state_dict(),
-            "trainer_steps": self.trainer.steps,
+            "optimizer": self.optimizer.state_dict(),
+            "trainer_steps": self.steps,
             "reference": reference,
         }
 
     def load(self, path: Path, state: dict) -> None:
         load_pretrained_weights(self.model, path)
-        self.trainer.optimizer.load_state_dict(state["optimizer"])
-        self.trainer.steps = state["trainer_steps"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = state["trainer_steps"]
         if state["reference"] is not None:
             self.freeze_reference()
             self.ref_model.load_state_dict(state["reference"])
 
     # -- memory -----------------------------------------------------------------------------
 
-    def offload(self) -> None:
-        """:meth:`PolicyTrainer.offload` (parameters and AdamW state); the reference moves to
-        host memory on CUDA."""
-        self.trainer.offload()
+    def offload(self, spill_path: str | None = None) -> None:
+        """Parameters and AdamW state (:func:`.memory.offload`); the reference moves to host
+        memory on CUDA."""
+        super().offload(spill_path)
         if self.ref_model is not None and self.device.type == "cuda":
             self.ref_model.to("cpu")
 
     def onload(self) -> None:
-        self.trainer.onload()
+        super().onload()
         if self.ref_model is not None and self.device.type == "cuda":
             self.ref_model.to(self.device)
 
 
-class TorchValueEngine:
-    """The value-head variant (the critic's): a :class:`~.value_model.ValueModel` (the policy's
-    trunk plus ``Linear(hidden, 1)``) trained by :class:`~.value_trainer.ValueTrainer`, one
-    rank. Weights and optimizer state are the torch critic's layout, which every value engine
-    saves and loads.
+class TorchValueEngine(ModelEngine):
+    """The value-head variant (the critic's, the reward model's): a
+    :class:`~.value_model.ValueModel` (the policy's trunk plus ``Linear(hidden, 1)``), one rank;
+    its forward gives a scalar per position, ``[b, P + R]``. Weights and optimizer state are the
+    torch critic's layout, which every value engine saves and loads.
     """
 
+    output = "values"
     one_rank_per_device = False
     whole_step = False
 
@@ -186,7 +201,6 @@ class TorchValueEngine:
         policy's trunk with a new head."""
         from ..llm import compute_dtype
         from .value_model import ValueModel
-        from .value_trainer import ValueTrainer
 
         dtype = compute_dtype(model.get("dtype", "auto"), device)
         if classifier:
@@ -194,36 +208,47 @@ class TorchValueEngine:
             value_model = ValueModel.from_classifier(classifier, attn)
         else:
             value_model = ValueModel(model, tokenizer, seed=seed)
-        self.trainer = ValueTrainer(value_model.to(device), **optim, compute_dtype=dtype)
+        self._setup(value_model.to(device), **optim, compute_dtype=dtype)
+
+    @classmethod
+    def from_module(cls, model: torch.nn.Module, **optim) -> TorchValueEngine:
+        """A one-rank engine training ``model`` (a :class:`~.value_model.ValueModel` already
+        built; ``optim`` as the constructor's), e.g. in a script or a test."""
+        engine = cls.__new__(cls)
+        engine._setup(model, **optim)
+        return engine
+
+    def _forward(self, model, mb: dict, loss=None) -> torch.Tensor:
+        from .value_model import position_values
+
+        return position_values(model, *(mb[k] for k in RESPONSE_KEYS))
 
     def load_backbone(self, lm_state: dict[str, torch.Tensor]) -> None:
         """Start the trunk from the policy's weights (the head is kept)."""
-        self.trainer.model.load_backbone(lm_state)
+        self.model.load_backbone(lm_state)
 
     def snapshot(self) -> list[torch.Tensor]:
         from ..weight_change import snapshot
 
-        return snapshot(self.trainer.model.parameters())
+        return snapshot(self.model.parameters())
 
     def update_norm(self, before: list[torch.Tensor]) -> float:
         """L2 norm of the weight change since :meth:`snapshot`."""
         from ..weight_change import update_norm
 
-        return update_norm(before, self.trainer.model.parameters())
+        return update_norm(before, self.model.parameters())
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
-        return {k: v.detach().cpu().clone() for k, v in self.trainer.model.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state)
 
     def checkpoint_state(self) -> tuple[dict, dict] | None:
         """``(model, optimizer)`` state dicts in the torch critic's format."""
-        return self.trainer.model.state_dict(), self.trainer.optimizer.state_dict()
+        refuse_nonfinite(self, "critic")
+        return self.model.state_dict(), self.optimizer.state_dict()
 
     def load_checkpoint_state(self, model: dict, optimizer: dict) -> None:
-        self.trainer.model.load_state_dict(model)
-        self.trainer.optimizer.load_state_dict(optimizer)
-
-    def offload(self) -> None:
-        self.trainer.offload()
-
-    def onload(self) -> None:
-        self.trainer.onload()
+        self.model.load_state_dict(model)
+        self.optimizer.load_state_dict(optimizer)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from ..algos import losses
 from ..llm import ModelConfig, load_backbone
 from ..llm.model import model_config, quiet_loading
 
@@ -115,7 +116,10 @@ def check_classifier(path: str) -> None:
     check_weights(path, config, "reward_model.path", causal_lm=False)
 
 
-def _forward(model: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask):
+def position_values(model: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask):
+    """``[B, P + R]``: the head's scalar at every position of ``prompt | response`` (what a
+    value engine's forward gives its loss; :func:`~..algos.losses.response_values` and
+    :func:`~..algos.losses.sequence_scores` read it)."""
     ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, response_mask], dim=1)
     return model(ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0))
@@ -126,9 +130,8 @@ def response_values(
 ) -> torch.Tensor:
     """``[B, R]`` values ``V(s_j)`` of the state before response token ``j`` (prompt plus
     tokens ``< j``), read where the policy's logit for token ``j`` is; 0 where masked."""
-    out = _forward(model, prompt_ids, prompt_mask, response_ids, response_mask)
-    p = prompt_ids.shape[1]
-    return out[:, p - 1 : -1] * response_mask
+    out = position_values(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    return losses.response_values(out, {"prompt_ids": prompt_ids, "response_mask": response_mask})
 
 
 def sequence_scores(
@@ -136,6 +139,5 @@ def sequence_scores(
 ) -> torch.Tensor:
     """``[B]`` head output (a logit) at the last real token of ``prompt | response`` (the EOS
     when the response has one): the reward model's score of the whole sample."""
-    out = _forward(model, prompt_ids, prompt_mask, response_ids, response_mask)
-    last = prompt_ids.shape[1] - 1 + response_mask.sum(dim=1).clamp(min=1)
-    return out.gather(1, last.unsqueeze(1)).squeeze(1)
+    out = position_values(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    return losses.sequence_scores(out, {"prompt_ids": prompt_ids, "response_mask": response_mask})

@@ -19,10 +19,12 @@ from m2flow.scheduler.balance import all_queued
 
 from m2flow import Channel, Worker
 
+from ..algos.losses import make_loss, sequence_scores
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
 from ..chunk import RolloutChunk
 from ..engines.registry import VALUE_ENGINES
+from ..engines.torch_engine import refuse_nonfinite
 from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads, torch_device
 from ..llm.tokenizer import decode_responses
@@ -109,7 +111,7 @@ class RewardModelWorker(Worker):
             model, self.tokenizer, device=torch_device(self.devices), seed=seed,
             optim={"lr": lr, "grad_clip": grad_clip}, classifier=path,
         )  # fmt: skip
-        self.trainer = self.engine.trainer
+        self.loss = make_loss("score_bce", "score")
         self.w, self.batch_size = verifier_weight, batch_size
         self.micro = micro_batch_size or None
         self.generator = torch.Generator().manual_seed(seed)
@@ -122,7 +124,7 @@ class RewardModelWorker(Worker):
         """
         if self.pretrained:
             raise ValueError("a pretrained reward model (reward_model.path) keeps its weights")
-        self.trainer.model.load_backbone(weights)
+        self.engine.load_backbone(weights)
 
     def _verify(self, chunk: RolloutChunk) -> torch.Tensor:
         batch = chunk.batch
@@ -167,20 +169,32 @@ class RewardModelWorker(Worker):
         y_held = labels[is_held] if heldout_prompts else None
         out = {"rm_train_samples": len(y), "rm_label_mean": float(y.mean())}
         if held is not None:
-            out |= _quality(self.trainer.scores(held, self.micro), y_held, "before")
+            out |= _quality(self._scores(held), y_held, "before")
         loss = float("nan")
         for _ in range(epochs):
             for idx in torch.split(
                 torch.randperm(len(y), generator=self.generator), self.batch_size
             ):
-                loss = self.trainer.fit_step({k: v[idx] for k, v in train.items()}, y[idx])
+                loss = self._fit_step({k: v[idx] for k, v in train.items()}, y[idx])
         out["rm_loss"] = loss
         if held is not None:
-            out |= _quality(self.trainer.scores(held, self.micro), y_held, "after")
+            out |= _quality(self._scores(held), y_held, "after")
             out["rm_heldout_samples"] = len(y_held)
         # Frozen from here on: drop the optimizer moments.
-        self.trainer.optimizer.state.clear()
+        self.engine.reset_optimizer()
         return out
+
+    def _fit_step(self, batch: dict, targets: torch.Tensor) -> float:
+        """One optimizer step of :func:`~..algos.losses.score_bce_loss` towards ``targets``
+        ``[B]`` (one forward over the batch); returns the loss."""
+        data = {**batch, "targets": targets}
+        (record,) = self.engine.forward_backward(data, self.loss, None, float(len(targets)))
+        self.engine.optimizer_step()
+        return record["loss"]
+
+    def _scores(self, batch: dict) -> torch.Tensor:
+        """``[B]`` sequence scores in (0, 1): the sigmoid of the head's score (no grad)."""
+        return self.engine.infer(batch, _sigmoid_scores, self.micro)
 
     def score(self, inp: Channel, out: Channel) -> dict:
         """Score the step's rollout chunks from ``inp`` (until the rollout's end of step); put
@@ -198,7 +212,7 @@ class RewardModelWorker(Worker):
         for (chunk,) in inp.stream():
             batch = chunk.batch
             v = self._verify(chunk)
-            r = self.trainer.scores(batch, self.micro)
+            r = self._scores(batch)
             s = self.w * v + (1.0 - self.w) * r
             out.put({"scores": s}, weight=num_tokens(batch), key=chunk.key)
             mixed.append(s)
@@ -216,23 +230,28 @@ class RewardModelWorker(Worker):
 
     def save_checkpoint(self, path: str) -> str:
         """The fitted reward model and the shuffling RNG under ``path``."""
+        refuse_nonfinite(self.engine, "reward model")
         return save_state(
             path,
             self.rank,
-            {"model": self.trainer.model.state_dict(), "generator": self.generator.get_state()},
+            {"model": self.engine.model.state_dict(), "generator": self.generator.get_state()},
         )
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote."""
         state = load_state(path, self.rank)
-        self.trainer.model.load_state_dict(state["model"])
+        self.engine.load_state_dict(state["model"])
         self.generator.set_state(state["generator"])
 
     def offload(self) -> None:
-        self.trainer.offload()
+        self.engine.offload()
 
     def onload(self) -> None:
-        self.trainer.onload()
+        self.engine.onload()
+
+
+def _sigmoid_scores(out: torch.Tensor, mb: dict) -> torch.Tensor:
+    return torch.sigmoid(sequence_scores(out, mb))
 
 
 def _quality(pred: torch.Tensor, label: torch.Tensor, tag: str) -> dict[str, float]:

@@ -9,12 +9,12 @@ head ``[S, B, H]`` hidden states, which are whole on every TP rank (no sequence 
 the head's values and gradients are the same on every TP rank; like the norms it counts once in
 the gradient norm. No vocabulary output layer is kept.
 
-Training (:class:`MegatronValueTrainer`) is the torch critic's
-:meth:`~..value_trainer.ValueTrainer.train_values` (clipped value loss, mini-batches, epochs), with
-DP rank ``d`` taking the ``d``-th contiguous slice of every mini-batch, gradients and metric sums
-summed over Megatron's DP group, and the optimizer step of the Megatron actor
-(:meth:`~.engine.MegatronPolicyTrainer._step`: plain ``torch.optim.AdamW`` on the shards, clipping
-by the global gradient norm).
+Training is the shared mechanics (:class:`~..base.ModelEngine`) with the critic's loss
+(:func:`~m2flow.workers.algos.losses.value_loss`: clipped value loss, mini-batches and epochs
+driven by the critic role), DP rank ``d`` taking the ``d``-th contiguous slice of every
+mini-batch, gradients and metric sums summed over Megatron's DP group, and the Megatron actor's
+global-norm clip (:func:`~.engine.clip_global_norm`) before a plain ``torch.optim.AdamW`` step on
+the shards.
 
 Checkpoints are in the torch critic's format (``ValueModel`` state dict names, a
 ``torch.optim.AdamW`` state dict over ``ValueModel.parameters()``): the AdamW moments have the
@@ -34,8 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ... import parallel as dp
-from ..value_trainer import ValueTrainer
-from .engine import _QUIET, MegatronPolicyTrainer
+from ...batch import row_index
+from ..base import RESPONSE_KEYS, ModelEngine
+from .engine import _QUIET, clip_global_norm
 
 _HEAD = ("output_layer.weight", "output_layer.bias")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -92,17 +93,16 @@ def build_value_model(hf_config):
     return model
 
 
-def megatron_values(model, prompt_ids, prompt_mask, response_ids, response_mask):
-    """:func:`~..value_model.response_values` for a Megatron value model: ``[B, R]`` values of the
-    state before each response token, 0 where masked. Rows are rotated left by their prompt
-    padding as for the actor's logprobs (:func:`~.model.rolled_inputs`)."""
+def megatron_positions(model, prompt_ids, prompt_mask, response_ids, response_mask):
+    """``[B, P + R]`` head outputs of a Megatron value model at every position of
+    ``prompt | response`` (the torch value model's layout; :func:`~m2flow.workers.algos.losses.
+    response_values` reads the response's). Rows are rotated left by their prompt padding as
+    for the actor's logprobs (:func:`~.model.rolled_inputs`) and back."""
     from .model import rolled_inputs
 
     tokens, position_ids, causal, back = rolled_inputs(prompt_ids, prompt_mask, response_ids)
     out = model(tokens, position_ids, attention_mask=causal).squeeze(-1).float()  # [B, S]
-    out = out.gather(1, back)
-    p = prompt_ids.shape[1]
-    return out[:, p - 1 : -1] * response_mask
+    return out.gather(1, back)
 
 
 # -- checkpoint layout ---------------------------------------------------------------------
@@ -183,30 +183,10 @@ def optimizer_from_torch(torch_state: dict, names: list[str], shape, tp_rank: in
     }
 
 
-# -- training ------------------------------------------------------------------------------
-
-
-class MegatronValueTrainer(ValueTrainer, MegatronPolicyTrainer):
-    """:class:`~..value_trainer.ValueTrainer` on this rank's Megatron shard: the torch critic's
-    value loss, mini-batches and epochs; values from :func:`megatron_values`; DP slices and sums
-    over Megatron's DP group; :class:`~.engine.MegatronPolicyTrainer`'s ``_step`` (AdamW on the
-    shards, global gradient-norm clip). Reward-model fitting is not supported."""
-
-    def __init__(self, model, **kwargs):
-        from megatron.core import parallel_state as ps
-
-        MegatronPolicyTrainer.__init__(self, model, **kwargs)
-        self.values_fn = megatron_values
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.dp_size = ps.get_data_parallel_world_size()
-
-    def fit_step(self, *args, **kwargs):
-        raise NotImplementedError("the reward model runs on the torch engine")
-
-
-class MegatronCritic:
-    """This rank's part of a Megatron critic: process groups, model shard, trainer, weights in
-    the torch critic's layout.
+class MegatronCritic(ModelEngine):
+    """This rank's part of a Megatron critic: process groups, model shard and its AdamW (the
+    shared mechanics, :class:`~..base.ModelEngine`), weights in the torch critic's layout.
+    Every rank is given the whole batch and trains its DP share (:meth:`_rows`).
 
     Args:
         hf_config: the Hugging Face config of the critic's trunk (the policy's: Qwen2, Llama or
@@ -216,11 +196,16 @@ class MegatronCritic:
         names: ``ValueModel.parameters()`` names, in order (its optimizer's indices).
         rank, world_size, rendezvous, device: as :class:`~.engine.MegatronEngine`.
         tensor_parallel: TP size (divides ``world_size``; DP = world / TP).
-        trainer: :class:`MegatronValueTrainer` arguments (``lr``, ``betas``, ...).
+        trainer: the mechanics' settings (``lr``, ``betas``, ``grad_clip``, ``nonfinite``,
+            ...; :meth:`~..base.ModelEngine._setup`).
 
     Raises:
         RuntimeError: the rendezvous failed.
     """
+
+    output = "values"
+    whole_step = True
+    data_parallel = True  # gradients and metric sums over Megatron's DP group
 
     def __init__(
         self,
@@ -251,10 +236,23 @@ class MegatronCritic:
             ps.get_data_parallel_rank(),
         )
         self.mp_group = ps.get_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
         self.model = build_value_model(hf_config).to(device)
         self.shape = self.model.m2flow_shape
-        self.trainer = MegatronValueTrainer(self.model, **trainer)
+        self._setup(self.model, **trainer)
         self.load(torch_state)
+
+    # -- mechanics (ModelEngine hooks) -------------------------------------------------------
+
+    def _forward(self, model, mb: dict, loss=None) -> torch.Tensor:
+        return megatron_positions(model, *(mb[k] for k in RESPONSE_KEYS))
+
+    def _rows(self, n: int) -> torch.Tensor:
+        """This DP rank's contiguous share of ``n`` rows."""
+        return torch.tensor_split(row_index(n), self.dp)[self.dp_rank]
+
+    def _clip_grads(self) -> float:
+        return clip_global_norm(self.model, self.grad_clip, self.mp_group)
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -293,7 +291,7 @@ class MegatronCritic:
     def gather_optimizer(self) -> dict | None:
         """The AdamW state in the torch critic's format on rank 0 (:func:`optimizer_to_torch`),
         ``None`` elsewhere. A collective."""
-        opt = self.trainer.optimizer
+        opt = self.optimizer
         names = {p: n for n, p in self.model.named_parameters()}
         mine = {
             names[p]: {k: v.detach().cpu().clone() for k, v in st.items()}
@@ -308,7 +306,7 @@ class MegatronCritic:
 
     def load_optimizer(self, torch_state: dict) -> None:
         """This rank's shard of a torch critic's AdamW state dict (no collective)."""
-        opt = self.trainer.optimizer
+        opt = self.optimizer
         local = optimizer_from_torch(torch_state, self.names, self.shape, self.tp_rank, self.tp)
         params = dict(self.model.named_parameters())
         opt.state.clear()
@@ -339,16 +337,14 @@ class MegatronCritic:
         dp.shutdown()
 
 
-class MegatronValueEngine:
+class MegatronValueEngine(MegatronCritic):
     """The ``megatron`` value engine (the critic's): :class:`MegatronCritic` shards, TP x DP,
     one rank per device; weights and optimizer state leave and enter in the torch critic's
     layout (so either engine resumes the other's checkpoints). Every rank needs every chunk of
-    the step (:meth:`read_step`: the role exchanges them first).
+    the step (the role exchanges them first) and is given the whole batch.
     """
 
     one_rank_per_device = True
-    #: every rank computes the values of every chunk of the step
-    whole_step = True
 
     @classmethod
     def check(cls, world_size: int, kwargs: dict, role: str = "critic") -> None:
@@ -363,7 +359,7 @@ class MegatronValueEngine:
         if dist is None:
             raise ValueError("critic.engine=megatron needs the rendezvous: start with launch()")
         value_model = ValueModel(model, tokenizer, seed=seed)
-        self.megatron = MegatronCritic(
+        super().__init__(
             value_model.backbone.config,
             value_model.state_dict(),
             [n for n, _ in value_model.named_parameters()],
@@ -374,34 +370,30 @@ class MegatronValueEngine:
             tensor_parallel,
             optim,
         )
-        self.trainer = self.megatron.trainer
 
     def load_backbone(self, lm_state: dict[str, torch.Tensor]) -> None:
         """Every rank gets the whole policy and keeps its shard of the trunk."""
-        self.megatron.load(lm_to_critic(lm_state), head=False)
+        self.load(lm_to_critic(lm_state), head=False)
 
     def snapshot(self) -> list[torch.Tensor]:
         from ...weight_change import snapshot
 
-        return snapshot(self.trainer.model.parameters())
+        return snapshot(self.model.parameters())
 
     def update_norm(self, before: list[torch.Tensor]) -> float:
-        return self.megatron.change_norm(before)
+        return self.change_norm(before)
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
-        return self.megatron.gather()
+        return self.gather()
 
     def checkpoint_state(self) -> tuple[dict, dict] | None:
         """Gathered on rank 0 (a collective); ``None`` on the other ranks."""
-        model, optimizer = self.megatron.gather(), self.megatron.gather_optimizer()
+        from ..torch_engine import refuse_nonfinite
+
+        refuse_nonfinite(self, "critic")
+        model, optimizer = self.gather(), self.gather_optimizer()
         return None if model is None else (model, optimizer)
 
     def load_checkpoint_state(self, model: dict, optimizer: dict) -> None:
-        self.megatron.load(model)
-        self.megatron.load_optimizer(optimizer)
-
-    def offload(self) -> None:
-        self.trainer.offload()
-
-    def onload(self) -> None:
-        self.trainer.onload()
+        self.load(model)
+        self.load_optimizer(optimizer)

@@ -5,10 +5,10 @@ runs the torch critic's update on it twice: from the initial weights (step A) an
 check, from step A's weights and AdamW state (step B). It saves all that (``case.pt``) and
 spawns ``tp * dp`` processes (:func:`~.parity.spawn_parity` with
 ``target=critic_parity_rank``); each builds this rank's :class:`~.critic.MegatronCritic`
-from the torch critic's state, computes the values, runs ``train_values`` (step A), gathers
-weights and AdamW state into the torch critic's format, then loads the torch critic's state
-after step A (weights and optimizer: the cross-engine resume) and runs step B. Rank 0 writes
-``rank0.pt``; the parent compares.
+from the torch critic's state, computes the values, runs the critic's update
+(:func:`~..update.value_update`, step A), gathers weights and AdamW state into the torch
+critic's format, then loads the torch critic's state after step A (weights and optimizer: the
+cross-engine resume) and runs step B. Rank 0 writes ``rank0.pt``; the parent compares.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ def critic_parity_rank(rank: int, world: int, workdir: str, tp: int, dp: int, pp
 
 
 def _run(rank: int, world: int, workdir: Path, tp: int) -> None:
+    from ...algos.losses import make_loss, response_values
+    from ..update import value_update
     from .critic import MegatronCritic
 
     case = torch.load(workdir / "case.pt", weights_only=False)
@@ -50,15 +52,15 @@ def _run(rank: int, world: int, workdir: Path, tp: int) -> None:
     )
     batch, t = case["batch"], case["train"]
 
+    loss = make_loss("value", "value", value_clip=t["value_clip"])
+
     def update():
         before = [p.detach().clone() for p in engine.model.parameters()]
         gen = torch.Generator().manual_seed(t["seed"])
-        metrics = engine.trainer.train_values(
-            batch, t["value_clip"], t["mini"], t["micro"], t["epochs"], gen
-        )
+        metrics = value_update(engine, batch, loss, t["mini"], t["micro"], t["epochs"], gen)
         return metrics, engine.change_norm(before)
 
-    out = {"values": engine.trainer.values(batch, t["micro"])}
+    out = {"values": engine.infer(batch, response_values, t["micro"])}
     out["metrics_a"], out["change_a"] = update()
     out["state_a"], out["optimizer_a"] = engine.gather(), engine.gather_optimizer()
     engine.load(case["state_a"])  # the torch critic's step-A checkpoint, loaded here

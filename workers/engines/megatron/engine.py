@@ -1,5 +1,5 @@
-"""The actor's Megatron-core engine (``actor.engine=megatron``): what :class:`~..worker.ActorWorker`
-runs instead of the torch trainer.
+"""The actor's Megatron-core engine (``actor.engine=megatron``): the shards a
+:class:`~.policy.MegatronPolicyEngine` trains instead of the torch engine's model.
 
 Layout. The actor's ranks (one per device) form one ``torch.distributed`` world (gloo on CPU,
 NCCL on CUDA) and Megatron's model-parallel groups over it: ``tp = tensor_parallel``,
@@ -8,7 +8,8 @@ pipeline stage (``num_layers / pp`` layers; the first stage the embedding, the l
 norm and output layer) of a Megatron ``GPTModel`` built from the same Hugging Face config as the
 torch engine's model; with ``kl_coef > 0`` also a frozen reference shard of the same layout.
 
-A GRPO step (:meth:`MegatronEngine.read_step`, :meth:`MegatronEngine.train`):
+A GRPO step (:meth:`MegatronEngine.read_step`, then the role's mini-batches through
+:meth:`MegatronEngine.forward_backward` and :meth:`MegatronEngine.optimizer_step`):
 
 1. every rank streams its share of the step's chunks from the channel (so no rank blocks in a
    collective while it holds its device lock and a producer still needs that device), then
@@ -18,12 +19,12 @@ A GRPO step (:meth:`MegatronEngine.read_step`, :meth:`MegatronEngine.train`):
    and pipeline stages of one DP replica forward the same rows together (PP > 1: all of the
    slice's micro-batches in one call of Megatron's 1F1B schedule, :mod:`.pipeline`); reference
    logprobs (KL) come from the reference shard the same way, before any update;
-4. :class:`MegatronPolicyTrainer` (the torch engine's :class:`~..trainer.PolicyTrainer` with
-   Megatron logprobs) accumulates token-sum gradients, sums gradients, token counts and metric
-   sums over the DP group (PP: loss sums from the last stage, tied-embedding gradients summed
-   over the first and last stage), divides by the global token count, clips by the global
+4. the shared mechanics (:class:`~..base.ModelEngine`, with Megatron logprobs) backpropagate
+   the role's loss (each micro-batch's a share of the whole mini-batch's token mean), sum
+   gradients and metric sums over the DP group (PP: loss and metrics from the last stage,
+   tied-embedding gradients summed over the first and last stage), clip by the global
    gradient norm (over TP shards and stages, replicated parameters and the tied output copy
-   counted once) and takes a plain ``torch.optim.AdamW`` step on the local shards: the torch
+   counted once) and take a plain ``torch.optim.AdamW`` step on the local shards: the torch
    engine's update up to float rounding.
 
 Megatron's ``DistributedOptimizer`` is not used: on a CPU torch it rejects non-CUDA parameters
@@ -35,8 +36,8 @@ Megatron's ``DistributedOptimizer`` is not used: on a CPU torch it rejects non-C
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -45,7 +46,7 @@ import torch.distributed as dist
 from ... import parallel as dp
 from ...batch import row_index, split_rows
 from ...checkpoint import load_file
-from ..trainer import PolicyTrainer
+from ..base import RESPONSE_KEYS, ModelEngine
 
 ENGINES = ("torch", "megatron")
 
@@ -110,147 +111,33 @@ def check_config(world_size: int, kwargs: dict, role: str = "actor") -> None:
         )
 
 
-class MegatronPolicyTrainer(PolicyTrainer):
-    """:class:`~..trainer.PolicyTrainer` on this rank's Megatron shard.
+def clip_global_norm(model, grad_clip: float | None, mp_group) -> float:
+    """Clip this rank's shard's gradients by the norm of the whole (TP- and PP-gathered)
+    gradient: TP-split parameters summed over the model-parallel group, replicated ones and the
+    last stage's copy of tied embeddings counted once (``clip_grad_norm_``'s coefficient).
+    Returns the pre-clip norm. A collective of ``mp_group``."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
 
-    Same loss code (``grpo_loss`` on per-token logprobs, token mean, the k3 KL term with
-    ``ref_logprobs``), same AdamW (plain ``torch.optim.AdamW`` on the local shards).
-    Differences: logprobs come from :func:`~.model.megatron_sequence_logprobs` (``shared_prefix``
-    is ignored: one full forward), or with pipeline stages from Megatron's pipeline schedule
-    (:func:`~.pipeline.run_schedule`); data-parallel sums run over Megatron's DP group, and
-    :meth:`_step` clips by the norm of the whole (TP- and PP-gathered) gradient. Supervised
-    steps are not supported (the warm start runs on the torch engine, see
-    :class:`MegatronEngine`).
-
-    Args:
-        model: this rank's Megatron ``GPTModel`` (its stage; after :func:`~.model.init_parallel`).
-        **kwargs: :class:`~..trainer.PolicyTrainer` arguments.
-    """
-
-    def __init__(self, model, **kwargs):
-        from megatron.core import parallel_state as ps
-
-        from .model import megatron_sequence_logprobs
-
-        super().__init__(model, **kwargs)
-        self.logprobs_fn = megatron_sequence_logprobs
-        self.dp_group = ps.get_data_parallel_group()
-        self.mp_group = ps.get_model_parallel_group()  # TP x PP
-        self.pp = ps.get_pipeline_model_parallel_world_size()
-        self.pp_group = ps.get_pipeline_model_parallel_group()
-        self.pp_last = ps.get_pipeline_model_parallel_last_rank()  # global rank
-
-    def _micro_batches(self, batch, keys, micro_batch_size) -> tuple[list, list[int]]:
-        """``batch``'s rows in micro-batches of one size (the last padded, see
-        :func:`~.pipeline.pad_rows`) on the device, and each one's real row count."""
-        from .pipeline import pad_rows
-
-        chunks = split_rows(row_index(len(batch["response_ids"])), micro_batch_size)
-        size = len(chunks[0])
-        mbs = [pad_rows({k: batch[k][i].to(self.device) for k in keys}, size) for i in chunks]
-        return mbs, [len(i) for i in chunks]
-
-    @torch.no_grad()
-    def compute_logprobs(self, batch, micro_batch_size: int | None = None) -> torch.Tensor:
-        """``[B, R]`` logprobs under the current weights; with pipeline stages through the
-        schedule (forward only), computed on the last stage and broadcast to the pipeline's
-        other stages (every stage returns them)."""
-        if self.pp == 1:
-            return super().compute_logprobs(batch, micro_batch_size)
-        from ..trainer import RESPONSE_KEYS
-        from .pipeline import run_schedule
-
-        was_training = self.model.training
-        self.model.eval()
-        mbs, sizes = self._micro_batches(batch, RESPONSE_KEYS, micro_batch_size)
-        outs = run_schedule(self.model, mbs, self.temperature)
-        self.model.train(was_training)
-        if outs:  # the last stage
-            lp = torch.cat([o[:n] for o, n in zip(outs, sizes)])
-        else:
-            lp = torch.zeros(batch["response_ids"].shape, device=self.device)
-        dist.broadcast(lp, src=self.pp_last, group=self.pp_group)
-        return lp.cpu()
-
-    def accumulate(self, batch, micro_batch_size: int | None = None) -> int:
-        """:meth:`PolicyTrainer.accumulate` (token-sum loss, gradients kept); with pipeline
-        stages all micro-batches go through one schedule call (1F1B). Token counts are kept on
-        every stage, the loss and metric sums on the last one (summed over the pipeline in
-        :meth:`finish_accumulation`)."""
-        if self.pp == 1:
-            return super().accumulate(batch, micro_batch_size)
-        from .pipeline import run_schedule
-
-        batch, keys, acc = self._begin_accumulation(batch, micro_batch_size)
-        acc["tokens"] += float(batch["response_mask"].sum())
-
-        def loss_fn(lp, mb):
-            # a token sum: divided by the whole batch's tokens at the end
-            loss, m = self.grpo_loss(lp, mb, num_tokens=1.0)
-            tokens = float(mb["response_mask"].sum())
-            acc["loss"] += loss.item()
-            for k, v in m.items():
-                acc[k] += v * tokens
-            return loss
-
-        self.model.train()
-        run_schedule(self.model, self._micro_batches(batch, keys, micro_batch_size)[0],
-                     self.temperature, loss_fn)  # fmt: skip
-        return len(batch["response_ids"])
-
-    def finish_accumulation(self) -> dict[str, float]:
-        """:meth:`PolicyTrainer.finish_accumulation` over Megatron's DP group; with pipeline
-        stages the last stage's loss and metric sums are first summed over the pipeline (the
-        other stages hold zeros) and, with tied embeddings, the first stage's embedding and
-        the last stage's output-layer copy get their gradients summed (Megatron's
-        ``finalize_model_grads``) so both take the same step. A collective of every rank."""
-        if self.pp > 1:
-            acc = self._accumulated if self._accumulated is not None else defaultdict(float)
-            keys = ("loss", "pg_loss", "clip_frac", "ratio_mean") + ("kl",) * (self.kl_coef > 0)
-            acc.update(dp.all_reduce_sums(acc, keys, self.pp_group))
-            self._accumulated = acc
-            self._sum_tied_embedding_grads()
-        return super().finish_accumulation()
-
-    def _sum_tied_embedding_grads(self) -> None:
-        from megatron.core import parallel_state as ps
-
-        if not (self.model.share_embeddings_and_output_weights and ps.is_rank_in_embedding_group()):
-            return
-        weight = self.model.shared_embedding_or_output_weight()
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        dist.all_reduce(weight.grad, group=ps.get_embedding_group())
-
-    def _step(self) -> float:
-        """Clip by the global gradient norm (TP-split parameters summed over the TP group,
-        stages over the pipeline; replicated ones and the last stage's copy of tied embeddings
-        counted once), step, zero grads; returns the pre-clip norm."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
-
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+    params = [p for p in model.parameters() if p.grad is not None]
+    device = next(model.parameters()).device
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p):
+            sq += p.grad.detach().double().pow(2).sum()
+    dist.all_reduce(sq, group=mp_group)
+    norm = sq.sqrt().float()
+    if grad_clip and grad_clip > 0:
+        coef = torch.clamp(grad_clip / (norm + 1e-6), max=1.0)  # as clip_grad_norm_
         for p in params:
-            if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p):
-                sq += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(sq, group=self.mp_group)
-        norm = sq.sqrt().float()
-        if self.grad_clip and self.grad_clip > 0:
-            coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)  # as clip_grad_norm_
-            for p in params:
-                p.grad.mul_(coef)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
-        return float(norm)
-
-    def sft_step(self, *args, **kwargs):
-        raise NotImplementedError("the Megatron actor's warm start runs on the torch engine")
+            p.grad.mul_(coef)
+    return float(norm)
 
 
-class MegatronEngine:
-    """This rank's part of a Megatron actor: process groups, model shard, trainer, reference.
+class MegatronEngine(ModelEngine):
+    """This rank's part of a Megatron actor: process groups, model shard and its AdamW (the
+    shared mechanics, :class:`~..base.ModelEngine`, with Megatron's forward, pipeline schedule
+    and global-norm clip), reference shard.
 
     Args:
         hf_config: the Hugging Face config of the policy (the torch engine's model: Qwen2,
@@ -260,17 +147,23 @@ class MegatronEngine:
         rendezvous: ``{"addr", "port"}`` of the group's process group.
         device: this rank's torch device (gloo on CPU, NCCL on CUDA).
         tensor_parallel: TP size.
-        trainer: :class:`MegatronPolicyTrainer` arguments (lr, betas, clip range, ``kl_coef``,
-            ...); ``kl_coef > 0`` also builds a frozen reference shard (:meth:`freeze_reference`).
+        trainer: the mechanics' settings (:meth:`~..base.ModelEngine._setup`: lr, betas, grad
+            clip, temperature, ``nonfinite``, ...); ``kl_coef > 0`` also builds a frozen
+            reference shard (:meth:`freeze_reference`).
         pipeline_parallel: PP size (divides the model's layers; TP x PP divides
             ``world_size``; DP = world / (TP x PP)).
 
-    Every collective of Megatron's groups waits at most ``M2FLOW_WAIT_TIMEOUT`` (rounded up to
-    minutes), the world's as long.
+    Every rank is given the whole batch (:attr:`whole_step`) and trains its data-parallel
+    share: DP rank ``d`` the ``d``-th contiguous slice of the rows, the TP ranks and pipeline
+    stages of one replica the same rows together. Every collective of Megatron's groups waits
+    at most ``M2FLOW_WAIT_TIMEOUT`` (rounded up to minutes), the world's as long.
 
     Raises:
         RuntimeError: the rendezvous failed (:func:`~m2flow.workers.parallel.init`).
     """
+
+    whole_step = True
+    data_parallel = True  # gradients and metric sums over Megatron's DP group
 
     def __init__(
         self,
@@ -294,7 +187,7 @@ class MegatronEngine:
         if not dist.is_initialized():
             dp.init(rank, world_size, rendezvous["addr"], rendezvous["port"], device)
         init_parallel(tp=tensor_parallel, pp=pipeline_parallel, timeout_s=wait_timeout())
-        self.rank, self.device = rank, device
+        self.rank = rank
         self.tp, self.pp = tensor_parallel, pipeline_parallel
         self.dp = world_size // (tensor_parallel * pipeline_parallel)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
@@ -310,7 +203,11 @@ class MegatronEngine:
             self.ref_model = build_gpt_model(hf_config).to(device).eval().requires_grad_(False)
         self._ref_packed = None
         trainer = {k: v for k, v in trainer.items() if k != "shared_prefix"}
-        self.trainer = MegatronPolicyTrainer(self.model, **trainer)
+        self._setup(self.model, **trainer)
+        self.dp_group = ps.get_data_parallel_group()
+        self.mp_group = ps.get_model_parallel_group()  # TP x PP
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.pp_last = ps.get_pipeline_model_parallel_last_rank()  # global rank
         self.load_hf(hf_state)
         self.freeze_reference()
 
@@ -322,16 +219,6 @@ class MegatronEngine:
         if self.ref_model is not None:
             load_megatron_state(self.ref_model, megatron_state(self.model))
 
-    def reference_logprobs(self, batch: dict, micro_batch_size: int | None) -> torch.Tensor:
-        """``[B, R]`` logprobs of the reference shard (forward only; through the pipeline
-        schedule with PP > 1): the trainer's own function, so the same numerics as the
-        policy's. A collective of the rank's TP/PP groups."""
-        policy, self.trainer.model = self.trainer.model, self.ref_model
-        try:
-            return self.trainer.compute_logprobs(batch, micro_batch_size)
-        finally:
-            self.trainer.model = policy
-
     # -- data ------------------------------------------------------------------------------
 
     def read_step(self, stream) -> list:
@@ -342,47 +229,123 @@ class MegatronEngine:
         dist.all_gather_object(every, mine)
         return [item for items in every for item in items]
 
-    def train(
-        self, data: dict, mini_batch_size: int | None, micro_batch_size: int | None
-    ) -> dict[str, float]:
-        """GRPO update on the step's whole batch (the same ``data`` on every rank).
+    # -- mechanics (ModelEngine hooks) -------------------------------------------------------
 
-        Args:
-            data: ``[B, ...]`` training tensors as :meth:`PolicyTrainer.train_on_batch` takes
-                them (``old_logprobs`` recomputed here before any update if absent; with a
-                reference, ``ref_logprobs`` computed here by the reference shard).
-            mini_batch_size: responses per optimizer step (``None``: the whole batch).
-            micro_batch_size: responses per forward on one DP rank (``None``: its share).
+    def _forward(self, model, mb: dict, loss=None) -> torch.Tensor:
+        """Per-token logprobs ``[b, R]`` of one stage-complete model (PP = 1; one full forward,
+        :func:`~.model.megatron_sequence_logprobs`)."""
+        from .model import megatron_sequence_logprobs
 
-        Returns:
-            the torch engine's metrics (``loss``, ``pg_loss``, ``clip_frac``, ``ratio_mean``,
-            ``grad_norm``, ``kl`` with a reference; means over the optimizer steps) and
-            ``steps``.
-        """
-        n = len(data["response_ids"])
-        minis = split_rows(row_index(n), mini_batch_size)
-        mine = [torch.tensor_split(m, self.dp)[self.dp_rank] for m in minis]
-        rows = torch.cat(mine)
-        local = {k: v[rows] for k, v in data.items()}
-        extra = {}  # computed for this rank's rows before any update; zeros elsewhere
-        if "old_logprobs" not in data:  # behaviour logprobs
-            extra["old_logprobs"] = self.trainer.compute_logprobs
-        if self.ref_model is not None and "ref_logprobs" not in data:  # KL reference
-            extra["ref_logprobs"] = self.reference_logprobs
-        for key, fn in extra.items():
-            full = torch.zeros(data["response_ids"].shape, device="cpu")  # the batch: host
-            if len(rows):  # every stage of a pipeline holds the same rows
-                full[rows] = fn(local, micro_batch_size)
-            data = dict(data, **{key: full})
-        sums: dict[str, float] = {}
-        for rows in mine:
-            if len(rows):
-                self.trainer.accumulate({k: v[rows] for k, v in data.items()}, micro_batch_size)
-            for k, v in self.trainer.finish_accumulation().items():  # DP collective
-                sums[k] = sums.get(k, 0.0) + v
-        metrics = {k: v / len(minis) for k, v in sums.items() if k != "steps"}
-        metrics["steps"] = int(sums.get("steps", 0))
-        return metrics
+        temperature = self.temperature
+        if loss is not None and loss.temperature is not None:
+            temperature = loss.temperature
+        return megatron_sequence_logprobs(
+            model, *(mb[k] for k in RESPONSE_KEYS), temperature=temperature
+        )
+
+    def _rows(self, n: int) -> torch.Tensor:
+        """This DP rank's contiguous share of ``n`` rows."""
+        return torch.tensor_split(row_index(n), self.dp)[self.dp_rank]
+
+    def _clip_grads(self) -> float:
+        return clip_global_norm(self.model, self.grad_clip, self.mp_group)
+
+    def _micro_batches(self, batch, keys, micro_batch_size) -> tuple[list, list[int]]:
+        """``batch``'s rows in micro-batches of one size (the last padded, see
+        :func:`~.pipeline.pad_rows`) on the device, and each one's real row count."""
+        from .pipeline import pad_rows
+
+        chunks = split_rows(row_index(len(batch["response_ids"])), micro_batch_size)
+        size = len(chunks[0])
+        mbs = [pad_rows({k: batch[k][i].to(self.device) for k in keys}, size) for i in chunks]
+        return mbs, [len(i) for i in chunks]
+
+    def forward_backward(self, batch, loss, micro_batch_size=None, normalizer=None) -> list:
+        """:meth:`~..base.ModelEngine.forward_backward` on this DP rank's share; with pipeline
+        stages all its micro-batches go through one schedule call (1F1B, :mod:`.pipeline`) and
+        the records (loss and metrics) come from the last stage (the others return none:
+        :meth:`reduce_metrics` sums the stages)."""
+        if self.pp == 1:
+            return super().forward_backward(batch, loss, micro_batch_size, normalizer)
+        from .pipeline import run_schedule
+
+        self._check_output(loss)
+        rows = self._rows(len(batch["response_ids"]))
+        if not len(rows):
+            return []
+        denom = 1.0 if normalizer is None else float(normalizer)
+        keys = [k for k in (*RESPONSE_KEYS, *loss.keys) if k in batch]
+        mbs, sizes = self._micro_batches({k: batch[k][rows] for k in keys}, keys,
+                                         micro_batch_size)  # fmt: skip
+        real, records = iter(sizes), []
+
+        def on_last_stage(lp, mb):
+            value, metrics = loss(lp, mb, denom)
+            n = next(real)  # rows past it are padding (mask 0)
+            v = value.item()
+            if not math.isfinite(v):
+                self._nonfinite(f"loss {v}")
+            records.append({"loss": v, "weight": loss.units({k: t[:n] for k, t in mb.items()}),
+                            **metrics})  # fmt: skip
+            return value
+
+        self.model.train()
+        temperature = self.temperature if loss.temperature is None else loss.temperature
+        run_schedule(self.model, mbs, temperature, on_last_stage)
+        return records
+
+    def optimizer_step(self, normalizer: float | None = None) -> dict[str, float]:
+        """:meth:`~..base.ModelEngine.optimizer_step` over Megatron's DP group; with pipeline
+        stages and tied embeddings, the first stage's embedding and the last stage's
+        output-layer copy get their gradients summed first (Megatron's
+        ``finalize_model_grads``) so both take the same step. A collective of every rank."""
+        if self.pp > 1:
+            self._sum_tied_embedding_grads()
+        return super().optimizer_step(normalizer)
+
+    def _sum_tied_embedding_grads(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        if not (self.model.share_embeddings_and_output_weights and ps.is_rank_in_embedding_group()):
+            return
+        weight = self.model.shared_embedding_or_output_weight()
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+
+    def reduce_metrics(self, sums: dict[str, float], keys: tuple[str, ...]) -> dict[str, float]:
+        """Sums over the pipeline (the last stage holds them, the others zeros), then over the
+        DP group. A collective of every rank."""
+        if self.pp > 1:
+            sums = {**sums, **dp.all_reduce_sums(sums, keys, self.pp_group)}
+        return super().reduce_metrics(sums, keys)
+
+    @torch.no_grad()
+    def infer(self, batch, fn=None, micro_batch_size=None, reference: bool = False):
+        """``[B, R]`` logprobs of every row on every rank (the policy's, or with ``reference``
+        the reference shard's): the TP ranks forward together; with pipeline stages through the
+        schedule (forward only), computed on the last stage and broadcast to the others. A
+        collective of the rank's TP/PP groups."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise ValueError("this engine keeps no reference (kl_coef is 0)")
+        if self.pp == 1:
+            return super().infer(batch, fn, micro_batch_size, model=model)
+        if fn is not None:
+            raise ValueError("infer(fn=...) with pipeline stages: only logprobs")
+        from .pipeline import run_schedule
+
+        was_training = model.training
+        model.eval()
+        mbs, sizes = self._micro_batches(batch, RESPONSE_KEYS, micro_batch_size)
+        outs = run_schedule(model, mbs, self.temperature)
+        model.train(was_training)
+        if outs:  # the last stage
+            lp = torch.cat([o[:n] for o, n in zip(outs, sizes)])
+        else:
+            lp = torch.zeros(batch["response_ids"].shape, device=self.device)
+        dist.broadcast(lp, src=self.pp_last, group=self.pp_group)
+        return lp.cpu()
 
     def broadcast_object(self, obj):
         """Rank 0's ``obj`` on every rank."""
@@ -446,12 +409,12 @@ class MegatronEngine:
     # -- memory ----------------------------------------------------------------------------
 
     def offload(self) -> None:
-        """Release the policy shard, its AdamW state (:meth:`PolicyTrainer.offload`) and the
+        """Release the policy shard, its AdamW state (:func:`~..memory.offload`) and the
         reference shard: on CUDA to host memory; on CPU packed into one flat buffer and the
         tensors freed, as the policy is (restored bit-exactly by :meth:`onload`)."""
-        from ..trainer import _pack
+        from ..memory import pack
 
-        self.trainer.offload()
+        super().offload()
         if self.ref_model is None or self._ref_packed is not None:
             return
         params = list(self.ref_model.parameters())
@@ -459,22 +422,22 @@ class MegatronEngine:
             self.ref_model.to("cpu")
             self._ref_packed = "moved"
             return
-        self._ref_packed = _pack([p.data for p in params])
+        self._ref_packed = pack([p.data for p in params])
         for p in params:
             p.data = torch.empty(0, dtype=p.dtype, device="cpu")
 
     def onload(self) -> None:
         """Undo :meth:`offload`."""
-        from ..trainer import _unpack
+        from ..memory import unpack
 
-        self.trainer.onload()
+        super().onload()
         packed, self._ref_packed = self._ref_packed, None
         if packed is None:
             return
         if packed == "moved":
             self.ref_model.to(self.device)
             return
-        for p, t in zip(self.ref_model.parameters(), _unpack(*packed)):
+        for p, t in zip(self.ref_model.parameters(), unpack(*packed)):
             p.data = t
 
     # -- optimizer checkpoints -------------------------------------------------------------
@@ -486,7 +449,7 @@ class MegatronEngine:
         """This rank's AdamW state (of its shard) under ``path``, with the layout it fits."""
         Path(path).mkdir(parents=True, exist_ok=True)
         layout = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
-        state = {"optimizer": self.trainer.optimizer.state_dict(), "layout": layout}
+        state = {"optimizer": self.optimizer.state_dict(), "layout": layout}
         torch.save(state, self._optimizer_file(path))
 
     def load_optimizer(self, path: str | Path) -> None:
@@ -509,7 +472,7 @@ class MegatronEngine:
                 f"{found}): resume with the actor.tensor_parallel, actor.pipeline_parallel "
                 "and devices it was saved with"
             )
-        self.trainer.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def shutdown(self) -> None:
         from megatron.core import parallel_state as ps

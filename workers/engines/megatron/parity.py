@@ -19,7 +19,7 @@ back to HF layout and compares with the same step on the HF model.
 :func:`engine_rank` runs the actor's own engine instead (:class:`~.engine.MegatronEngine`:
 mini- and micro-batches, the pipeline schedule with padded micro-batches, the reference shard
 for KL, offload/onload) on the same kind of case, and saves its metrics and the weights it
-gathers to HF layout, for comparison with the torch engine's ``PolicyTrainer``.
+gathers to HF layout, for comparison with the torch engine (``TorchEngine``).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _run(rank: int, workdir: Path, tp: int, dp: int, pp: int) -> None:
     )
     out: dict[str, torch.Tensor] = {}
 
-    def loss_func(logits):
+    def last_stage(logits):
         logprobs = logprobs_from_rolled_logits(
             logits,
             back,
@@ -121,13 +121,13 @@ def _run(rank: int, workdir: Path, tp: int, dp: int, pp: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), **case["adamw"])
     opt.zero_grad()
     if pp == 1:
-        loss_func(model(tokens, position_ids, attention_mask=causal))[0].backward()
+        last_stage(model(tokens, position_ids, attention_mask=causal))[0].backward()
     else:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, stage_model):
             logits = stage_model(tokens, position_ids, attention_mask=causal)
-            return logits, loss_func
+            return logits, last_stage
 
         get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -165,12 +165,15 @@ def _run(rank: int, workdir: Path, tp: int, dp: int, pp: int) -> None:
 
 
 def engine_rank(rank: int, world: int, workdir: str, tp: int, dp: int, pp: int = 1) -> None:
-    """One rank of a :class:`~.engine.MegatronEngine` run on ``workdir/case.pt`` (``hf_config``,
-    ``hf_state``, ``batch``, ``trainer`` arguments, ``steps``: a list of ``(mini_batch_size,
-    micro_batch_size)``, one :meth:`~.engine.MegatronEngine.train` call each, with an
-    offload/onload before each); rank 0 writes ``engine.pt`` (``metrics`` per call, ``hf``: the
-    gathered weights)."""
+    """One rank of a :class:`~.engine.MegatronEngine` run on ``workdir/case.pt``
+    (``hf_config``, ``hf_state``, ``batch``, ``trainer``: the mechanics' and the loss's
+    settings, ``steps``: a list of ``(mini_batch_size, micro_batch_size)``, one GRPO update
+    each (:func:`~..update.minibatch_update`, behaviour and reference logprobs computed first),
+    with an offload/onload before each); rank 0 writes ``engine.pt`` (``metrics`` per call,
+    ``hf``: the gathered weights)."""
     workdir = join_world(rank, world, workdir)
+    from ...algos.losses import make_loss
+    from ..update import minibatch_update
     from .engine import MegatronEngine
 
     case = torch.load(workdir / "case.pt", weights_only=False)
@@ -189,10 +192,18 @@ def engine_rank(rank: int, world: int, workdir: str, tp: int, dp: int, pp: int =
         if "policy_state" in case:  # the policy moved away from the reference (KL != 0)
             engine.load_hf(case["policy_state"] if rank == 0 else None)
         metrics = []
+        keys = ("clip_eps_low", "clip_eps_high", "kl_coef")  # the loss's part of "trainer"
+        loss = make_loss("grpo", "policy", **{k: case["trainer"][k] for k in keys
+                                              if k in case["trainer"]})  # fmt: skip
         for mini, micro in case["steps"]:
             engine.offload()
             engine.onload()
-            metrics.append(engine.train(case["batch"], mini, micro))
+            data = dict(case["batch"])  # behaviour and reference logprobs before the update
+            if "old_logprobs" not in data:
+                data["old_logprobs"] = engine.infer(data, None, micro)
+            if engine.ref_model is not None and "ref_logprobs" not in data:
+                data["ref_logprobs"] = engine.infer(data, None, micro, reference=True)
+            metrics.append(minibatch_update(engine, data, loss, mini, micro))
         hf = engine.gather_hf()
         if rank == 0:
             torch.save({"metrics": metrics, "hf": hf}, workdir / "engine.pt")

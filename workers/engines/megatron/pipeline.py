@@ -83,7 +83,7 @@ def run_schedule(
         )
         out = stage_model(tokens, position_ids, attention_mask=causal)  # activations or logits
 
-        def loss_func(logits):
+        def last_stage(logits):
             lp = logprobs_from_rolled_logits(
                 logits,
                 back,
@@ -97,7 +97,7 @@ def run_schedule(
             loss = loss_fn(lp, mb) if loss_fn is not None else lp.sum().detach() * 0
             return loss, torch.ones((), dtype=torch.int, device=lp.device), {}
 
-        return out, loss_func
+        return out, last_stage
 
     first = micro_batches[0]
     model.config.calculate_per_token_loss = True  # our loss is already scaled (see above)

@@ -1,28 +1,27 @@
 """The ``megatron`` :class:`~..train.TrainEngine`: :class:`~.engine.MegatronEngine` shards, plus
-rank 0's Hugging Face copy of the policy (the warm start's model, the weight source, the
-checkpoint's layout)."""
+rank 0's Hugging Face copy of the policy (a torch engine: the warm start's model, the weight
+source, the checkpoint's layout)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 
-from ...batch import row_order
-from ...llm import load_model
-from ..torch_engine import load_pretrained_weights
-from ..trainer import PolicyTrainer, TrainerSteps
+from ..torch_engine import TorchEngine, load_pretrained_weights, refuse_nonfinite
 
 
-class MegatronPolicyEngine(TrainerSteps):
+class MegatronPolicyEngine:
     """The policy as Megatron ``GPTModel`` shards, one rank per device (TP x PP x DP; see
     :mod:`.engine`).
 
-    Every rank reads the whole step (:meth:`read_step`) and trains its rows of it; the warm
-    start runs on rank 0's Hugging Face copy (:attr:`sft_trainer`, a torch
-    :class:`~..trainer.PolicyTrainer`) and is scattered into the shards by :meth:`publish`; after
-    each update the shards are gathered into that copy, so :meth:`get_weights` and
-    checkpoints stay in Hugging Face layout (optimizer state: one file per rank).
+    Every rank reads the whole step (:meth:`read_step`) and, given the whole batch, trains its
+    rows of it (:meth:`forward_backward`, :meth:`optimizer_step`: the shards' mechanics). The
+    warm start runs on rank 0's Hugging Face copy (:meth:`solo`: a one-rank
+    :class:`~..torch_engine.TorchEngine`) and is scattered into the shards by :meth:`publish`;
+    after each optimizer step the shards are gathered into that copy, so :meth:`get_weights`
+    and checkpoints stay in Hugging Face layout (optimizer state: one file per rank).
 
     Raises:
         ValueError: started without the rendezvous (``dist``: the role's ``launch`` draws it).
@@ -30,6 +29,7 @@ class MegatronPolicyEngine(TrainerSteps):
 
     one_rank_per_device = True
     whole_step = True
+    data_parallel = True
 
     @classmethod
     def check(cls, world_size: int, kwargs: dict, role: str = "actor") -> None:
@@ -48,11 +48,13 @@ class MegatronPolicyEngine(TrainerSteps):
         if dist is None:
             raise ValueError("engine='megatron' needs the rendezvous: start with launch()")
         self.rank = rank
-        self.model = load_model(model, tokenizer, device, trainable=True, seed=seed)
-        self.sft_trainer = PolicyTrainer(self.model, **optim)
+        # rank 0's Hugging Face copy: its own AdamW (the warm start's), no reference
+        self.hf: TorchEngine | None = TorchEngine(
+            model, tokenizer, device=device, optim={**optim, "kl_coef": 0.0}, seed=seed
+        )
         self.megatron = MegatronEngine(
-            self.model.config,
-            self.model.state_dict() if rank == 0 else None,
+            self.hf.model.config,
+            self.hf.model.state_dict() if rank == 0 else None,
             rank,
             world_size,
             dist,
@@ -61,57 +63,85 @@ class MegatronPolicyEngine(TrainerSteps):
             optim,
             pipeline_parallel=pipeline_parallel,
         )
-        self.trainer = self.megatron.trainer
         if rank != 0:  # only rank 0 keeps a Hugging Face copy (the weight source)
-            self.model = self.sft_trainer = None
+            self.hf = None
 
-    # -- training ---------------------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """Rank 0's Hugging Face copy (``None`` on the other ranks)."""
+        return None if self.hf is None else self.hf.model
+
+    @property
+    def steps(self) -> int:
+        return self.megatron.steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.megatron.steps = value
+
+    # -- training: the shards' mechanics ------------------------------------------------------
 
     def read_step(self, parts) -> list:
         """Every rank: the whole step (:meth:`.engine.MegatronEngine.read_step`)."""
         return self.megatron.read_step(parts)
 
-    def publish(self) -> None:
-        self.megatron.load_hf(None if self.model is None else self.model.state_dict())
-        self.megatron.freeze_reference()
+    def forward_backward(self, batch, loss, micro_batch_size=None, normalizer=None) -> list:
+        return self.megatron.forward_backward(batch, loss, micro_batch_size, normalizer)
 
-    def _gather(self) -> None:
+    def optimizer_step(self, normalizer: float | None = None) -> dict[str, float]:
+        """The shards' step, then their weights gathered into rank 0's copy (a collective)."""
+        out = self.megatron.optimizer_step(normalizer)
         hf = self.megatron.gather_hf()  # rank 0's HF copy: the weight source
         if hf is not None:
-            self.model.load_state_dict(hf)
+            self.hf.model.load_state_dict(hf)
+        return out
 
-    def train(self, data, mini_batch_size, micro_batch_size, epochs=1, generator=None) -> dict:
-        """GRPO (no ``generator``): one :meth:`.engine.MegatronEngine.train` pass; PPO:
-        :func:`ppo_epochs`. Every rank calls it with the same ``data``."""
-        metrics = {}
-        if len(data["response_ids"]):  # every rank decides alike: they hold the same batch
-            if generator is None and epochs == 1:
-                metrics = self.megatron.train(data, mini_batch_size, micro_batch_size)
-            else:
-                split = (mini_batch_size, micro_batch_size, epochs, generator)
-                metrics = ppo_epochs(self.megatron, data, *split)
-        self._gather()
-        return metrics
+    def zero_grad(self) -> None:
+        self.megatron.zero_grad()
 
-    def accumulate(self, data: dict, micro_batch_size: int | None) -> int:
-        raise NotImplementedError("the Megatron engine trains on whole steps (whole_step)")
+    def reduce_metrics(self, sums: dict, keys: tuple[str, ...]) -> dict:
+        return self.megatron.reduce_metrics(sums, keys)
 
-    def finish_accumulation(self) -> dict[str, float]:
-        raise NotImplementedError("the Megatron engine trains on whole steps (whole_step)")
+    def infer(self, batch, fn=None, micro_batch_size=None, reference: bool = False):
+        return self.megatron.infer(batch, fn, micro_batch_size, reference)
+
+    def set_lr(self, lr: float) -> None:
+        self.megatron.set_lr(lr)
+
+    def reset_optimizer(self) -> None:
+        self.megatron.reset_optimizer()
+
+    @contextlib.contextmanager
+    def solo(self):
+        """Rank 0's Hugging Face copy as a one-rank torch engine (``None`` on the others)."""
+        yield self.hf
+
+    def publish(self) -> None:
+        self.megatron.load_hf(None if self.hf is None else self.hf.model.state_dict())
+        self.megatron.freeze_reference()
 
     # -- weights and checkpoints ------------------------------------------------------------
 
     def get_weights(self) -> dict[str, torch.Tensor]:
-        if self.model is None:
+        if self.hf is None:
             raise RuntimeError(
                 "the Megatron actor's weights are gathered on rank 0: call get_weights there "
                 "(actor.on(0).get_weights(); sync_weights does)"
             )
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return self.hf.get_weights()
+
+    def load_weights(self, weights: dict[str, torch.Tensor] | None) -> None:
+        """Hugging Face layout weights (rank 0's; the others pass ``None``) into rank 0's copy
+        and every rank's shard. A collective of all ranks."""
+        if self.hf is not None:
+            self.hf.load_weights(weights)
+        self.megatron.load_hf(weights if self.hf is not None else None)
 
     def save(self, path: Path) -> dict | None:
         """Each rank's optimizer shard in its own file; the reference shard gathered to Hugging
         Face layout (a collective of all ranks); rank 0 the model in Hugging Face layout."""
+        if self.hf is not None:
+            refuse_nonfinite(self.hf, "actor")
         self.megatron.save_optimizer(path)
         reference = None
         if self.megatron.ref_model is not None:
@@ -119,15 +149,15 @@ class MegatronPolicyEngine(TrainerSteps):
         if self.rank != 0:
             return None
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
-        return {"optimizer": None, "trainer_steps": self.trainer.steps, "reference": reference}
+        self.hf.model.save_pretrained(path)
+        return {"optimizer": None, "trainer_steps": self.steps, "reference": reference}
 
     def load(self, path: Path, state: dict) -> None:
-        if self.model is not None:  # rank 0's HF copy, scattered below
-            load_pretrained_weights(self.model, path)
-        self.megatron.load_hf(None if self.model is None else self.model.state_dict())
+        if self.hf is not None:  # rank 0's HF copy, scattered below
+            load_pretrained_weights(self.hf.model, path)
+        self.megatron.load_hf(None if self.hf is None else self.hf.model.state_dict())
         self.megatron.load_optimizer(path)
-        self.trainer.steps = state["trainer_steps"]
+        self.steps = state["trainer_steps"]
         if self.megatron.ref_model is not None and state["reference"] is not None:
             self.megatron.load_hf(state["reference"] if self.rank == 0 else None, True)
 
@@ -136,40 +166,10 @@ class MegatronPolicyEngine(TrainerSteps):
     def offload(self) -> None:
         """The shard, its AdamW state and the reference shard; rank 0's HF copy too."""
         self.megatron.offload()
-        if self.sft_trainer is not None:
-            self.sft_trainer.offload()
+        if self.hf is not None:
+            self.hf.offload()
 
     def onload(self) -> None:
         self.megatron.onload()
-        if self.sft_trainer is not None:
-            self.sft_trainer.onload()
-
-
-def ppo_epochs(
-    engine, data: dict, mini_batch_size, micro_batch_size, epochs: int, generator
-) -> dict[str, float]:
-    """:meth:`PolicyTrainer.train_on_batch` (``epochs``, ``shuffle=epochs > 1``) on a
-    :class:`~.engine.MegatronEngine`: per epoch one ``engine.train`` pass over the batch
-    permuted by ``torch.randperm(n, generator=generator)``, the same draws as the torch
-    engine's, so the mini-batches hold the same rows. Old logprobs, if absent, are computed once
-    for every row before the first update (every rank alike: a TP collective). Every rank
-    calls it with the same ``data`` and generator state.
-
-    Returns:
-        the torch engine's metrics: means over all optimizer steps, ``steps``.
-    """
-    n = len(data["response_ids"])
-    if "old_logprobs" not in data:
-        data = dict(data, old_logprobs=engine.trainer.compute_logprobs(data, micro_batch_size))
-    sums: dict[str, float] = {}
-    steps = 0
-    for _ in range(epochs):
-        order = row_order(n, epochs > 1, generator)
-        m = engine.train({k: v[order] for k, v in data.items()}, mini_batch_size, micro_batch_size)
-        k_steps = int(m.pop("steps", 0))
-        for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + v * k_steps
-        steps += k_steps
-    out = {k: v / max(steps, 1) for k, v in sums.items()}
-    out["steps"] = steps
-    return out
+        if self.hf is not None:
+            self.hf.onload()
