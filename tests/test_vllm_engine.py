@@ -97,7 +97,7 @@ def test_logprobs_match_actor_before_and_after_weight_update():
     engine = VllmEngine(model_a, tok, temperature=temperature, seed=5)
     try:
         before = _max_logprob_error(engine, model_a, tok, temperature)
-        engine.load_weights(model_b.state_dict(), version=1)
+        engine.update_weights(1, model_b.state_dict())
         after = _max_logprob_error(engine, model_b, tok, temperature)
         # The update really changed the engine: A's logprobs no longer match.
         stale = _max_logprob_error(engine, model_a, tok, temperature)
@@ -109,7 +109,7 @@ def test_logprobs_match_actor_before_and_after_weight_update():
         engine.close()
     print(f"vllm logprob max|d| before {before:.2e} after {after:.2e} stale {stale:.2e}")
     assert before <= LOGPROB_ATOL and after <= LOGPROB_ATOL
-    assert stale > 1e-2 and engine.weight_version == 1
+    assert stale > 1e-2 and engine.version == 1
     assert torch.equal(first["response_ids"], again["response_ids"])
     assert len(set(request_seeds(5, keys, 4))) == 8  # every response its own seed
 
@@ -323,6 +323,6 @@ def test_a_model_directory_loads_and_matches_the_actor(tmp_path, arch):
             with torch.no_grad():  # an update: the actor's weights move, vLLM takes them
                 for p in actor.model.parameters():
                     p.mul_(1.1)
-            engine.load_weights(actor.model.state_dict(), version + 1)
+            engine.update_weights(version + 1, actor.model.state_dict())
     finally:
         engine.close()
