@@ -11,7 +11,7 @@ import torch
 import transformers
 from m2flow.scheduler.balance import all_queued
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, events
 
 from .. import parallel as dp
 from ..algos.grpo import grpo_advantages
@@ -100,18 +100,22 @@ class ActorWorker(OnTrainEngine, Worker):
             streaming (no ``mini_batch_size``): ``parts``, the forward/backward passes over
             arrived chunks (chunks queued together are one part); ``input_waits``: the
             ``[t0, t1]`` wall-clock (``time.time()``) seconds it waited for chunks (the
-            trainer's idle time that the spot pool's Algorithm 1 reads, RLBoost 4.1).
+            trainer's idle time that the spot pool's Algorithm 1 reads, RLBoost 4.1), also
+            published as the run event :data:`m2flow.events.TRAINER_WAITS` before it returns.
         """
         waits: list[list[float]] = []
         parts = timed(inp.stream(balance=all_queued, target_weight=1), waits)
         if self.options.mini is None and not self.engine.whole_step:
-            return {**self._train_streaming(parts), "input_waits": waits}
-        chunks = self.engine.read_step(parts)
-        batch, stale = step_batch(chunks, self.tokenizer.pad_token_id, self.weight_version)
-        data = self._training_data(batch)
-        metrics = self.engine.train(data, self.options.mini, self.options.micro)
-        trained = len(data["advantages"])
-        return {**self._finish(metrics, len(batch), trained, stale), "input_waits": waits}
+            out = self._train_streaming(parts)
+        else:
+            chunks = self.engine.read_step(parts)
+            batch, stale = step_batch(chunks, self.tokenizer.pad_token_id, self.weight_version)
+            data = self._training_data(batch)
+            metrics = self.engine.train(data, self.options.mini, self.options.micro)
+            out = self._finish(metrics, len(batch), len(data["advantages"]), stale)
+        wait = {"group": self.group_name, "rank": self.rank, "waits": waits}
+        events.publish(events.TRAINER_WAITS, wait)  # e.g. the spot pool's manager reads it
+        return {**out, "input_waits": waits}
 
     def _train_streaming(self, parts) -> dict:
         """One optimizer step over the whole batch, training on chunks as they arrive
