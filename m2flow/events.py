@@ -156,15 +156,25 @@ class EventBus:
         return [(n, v) for n, v in self.topics.get(topic, ()) if n > after]
 
 
+_bus: tuple[str, Any] | None = None  # (Ray session, handle): this process keeps the bus alive
+
+
 def open_bus():
     """The run's event bus (created by the first caller, on this process's node; later callers
-    get the same actor). Its reader calls this; publishers find it by name."""
+    get the same actor). Its reader calls this; publishers find it by name. The opening
+    process holds a handle for the rest of its Ray session, which keeps the actor alive."""
+    global _bus
     import ray
 
-    actor = ray.remote(num_cpus=0)(EventBus)
-    return actor.options(
-        name=BUS_NAME, namespace=NAMESPACE, get_if_exists=True, scheduling_strategy=here()
-    ).remote()
+    context = ray.get_runtime_context()
+    session = f"{context.get_job_id()}@{context.gcs_address}"
+    if _bus is None or _bus[0] != session:
+        actor = ray.remote(num_cpus=0)(EventBus)
+        handle = actor.options(
+            name=BUS_NAME, namespace=NAMESPACE, get_if_exists=True, scheduling_strategy=here()
+        ).remote()
+        _bus = (session, handle)
+    return _bus[1]
 
 
 def publish(topic: str, value: Any, timeout: float = 60.0) -> bool:

@@ -25,7 +25,7 @@ from m2flow.workers.rollout.emulated import EmulatedEngine, ResponseLengths, thr
 from m2flow.workers.rollout.engines import ROLLOUT_ENGINES, HfEngine
 from m2flow.workers.rollout.exact import ExactEngine, GenRequest, to_generation_output
 
-from m2flow import Channel, sync_weights
+from m2flow import Channel
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -369,18 +369,15 @@ def test_rollout_role_resume_arrives_while_its_generate_waits(cluster, tok):
     """``pause`` and ``resume`` are control methods: they run while the role's ``generate``
     runs (its own concurrency group). Paused first, the role's generate parks at its first
     decode step; ``resume`` reaches it there (queued behind generate, it never would), and
-    the step completes with every sample, labelled with the synced version."""
-    from m2flow.workers.actor.worker import ActorWorker
+    the step completes with every sample, labelled with the weights' version (-1: the
+    initial weights, never synced)."""
     from m2flow.workers.rollout.worker import RolloutWorker
 
     spec = {"name": "char", "alphabet": ALPHABET}
-    actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, tokenizer=spec,
-                               threads=1)  # fmt: skip
     rollout = RolloutWorker.launch(cluster, [0], name="rollout", model=TINY, tokenizer=spec,
                                    n_samples=SAMPLES, max_new_tokens=MAX_NEW, threads=1,
                                    seed=SEED)  # fmt: skip
     try:
-        assert sync_weights(actor, rollout) == 0
         rollout.pause().wait(timeout=60)
         inp, out = Channel.create("prompts"), Channel.create("rollouts")
         inp.put_many([{"prompt_ids": tok(p).input_ids, "group": g, "entry": {}, "step": 1}
@@ -390,9 +387,10 @@ def test_rollout_role_resume_arrives_while_its_generate_waits(cluster, tok):
         (res,) = gen.wait(timeout=300)
         assert res["samples"] == len(PROMPTS) * SAMPLES
         chunk = out.get(timeout=60)
-        assert chunk.weight_version == 0
+        assert chunk.weight_version == -1  # the version its tokens carry: none synced yet
         b = chunk.batch
-        assert b["versions"][b["response_mask"].bool()].eq(0).all()
+        assert b["versions"][b["response_mask"].bool()].eq(-1).all()
+        inp.close()
+        out.close()
     finally:
         rollout.shutdown()
-        actor.shutdown()

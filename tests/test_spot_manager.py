@@ -238,6 +238,7 @@ def test_the_trainers_waits_reach_algorithm_1_as_a_run_event(cluster):
             t0 = time.time()
             await finish(m, "s", 2)
             await m.collect(0, 2, 5.0)
+            await asyncio.sleep(0.3)  # (a wait is counted up to the step's end)
             wait = {"group": "actor", "rank": 0, "waits": [[t0, t0 + 0.2]]}
             assert events.publish(events.TRAINER_WAITS, wait)  # what ActorWorker.train does
             await m.stage(1, [])

@@ -101,7 +101,9 @@ class RolloutWorker(Worker):
     def generate(self, prompts: Channel, out: Channel, num_prompts: int) -> dict:
         """Take this rank's share of ``num_prompts`` prompts from ``prompts`` in chunks of the
         plan's granularity (:meth:`~m2flow.Worker.chunk_size`; the whole share without a
-        plan); put one rollout chunk per prompt chunk into ``out``.
+        plan, or with an engine that balances the step itself, ``whole_share``: the spot
+        pool); put one rollout chunk per prompt chunk into ``out`` (an engine with ``stream``
+        puts one per part it yields: the pool's finished micro-batches of groups).
 
         A prompt item is ``{"prompt_ids": list[int], "group": int, "entry": dict}`` (the
         entry: :meth:`~..data.item.PromptItem.entry`, for the reward) plus optionally
@@ -114,7 +116,9 @@ class RolloutWorker(Worker):
         docs/results/reward_service.md).
 
         Returns:
-            ``samples``, ``tokens`` (prompt + response), ``response_length`` (mean tokens).
+            ``samples``, ``tokens`` (prompt + response), ``response_length`` (mean tokens),
+            plus the engine's ``last_metrics()`` (the spot pool: ``seeded_s``,
+            ``weight_versions``, ``spot``).
         """
         share = split_evenly(num_prompts, self.world_size)[self.rank]
         step_samples = num_prompts * self.n_samples
