@@ -91,7 +91,9 @@ class DecodeGate:
     def update(self, version: int, apply: Callable[[], object] | None = None) -> None:
         """Apply new weights between decode steps: wait for the step in flight (if any) to end,
         run ``apply()`` (the load; ``None``: nothing to load) while no step runs, then record
-        ``version``. Works paused or not (unpaused, the decoder goes on after it).
+        ``version``. Works paused or not (unpaused, the decoder goes on after it). Call it
+        from another thread, or from the decoding thread between steps (inside one it would
+        wait for itself until ``timeout_s``).
 
         Raises:
             TimeoutError: the step in flight did not end within ``timeout_s``.
