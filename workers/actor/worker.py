@@ -106,16 +106,22 @@ class ActorWorker(OnTrainEngine, Worker):
         waits: list[list[float]] = []
         parts = timed(inp.stream(balance=all_queued, target_weight=1), waits)
         if self.options.mini is None and not self.engine.whole_step:
-            out = self._train_streaming(parts)
-        else:
-            chunks = self.engine.read_step(parts)
-            batch, stale = step_batch(chunks, self.tokenizer.pad_token_id, self.weight_version)
-            data = self._training_data(batch)
-            metrics = self.engine.train(data, self.options.mini, self.options.micro)
-            out = self._finish(metrics, len(batch), len(data["advantages"]), stale)
-        wait = {"group": self.group_name, "rank": self.rank, "waits": waits}
-        events.publish(events.TRAINER_WAITS, wait)  # e.g. the spot pool's manager reads it
-        return {**out, "input_waits": waits}
+            return self._published({**self._train_streaming(parts), "input_waits": waits})
+        chunks = self.engine.read_step(parts)
+        batch, stale = step_batch(chunks, self.tokenizer.pad_token_id, self.weight_version)
+        data = self._training_data(batch)
+        metrics = self.engine.train(data, self.options.mini, self.options.micro)
+        trained = len(data["advantages"])
+        return self._published(
+            {**self._finish(metrics, len(batch), trained, stale), "input_waits": waits}
+        )
+
+    def _published(self, out: dict) -> dict:
+        """``out``, after its ``input_waits`` went out as a run event (read by the spot pool's
+        manager, if the run has one: :func:`m2flow.events.publish`)."""
+        wait = {"group": self.group_name, "rank": self.rank, "waits": out["input_waits"]}
+        events.publish(events.TRAINER_WAITS, wait)
+        return out
 
     def _train_streaming(self, parts) -> dict:
         """One optimizer step over the whole batch, training on chunks as they arrive
