@@ -194,8 +194,8 @@ def run_config(local: LocalSpotCluster, cfg: Config, ts: float, seed: int,
     args = {"engine": "emulated", "emulated": asdict(pc.emulated), "eos_id": EOS,
             "filler_id": FILL, "seed": seed, "min_new_tokens": 0}  # fmt: skip
     mgr = get_manager(asdict(pc), n_engines, args)
-    engines = [EmulatedEngine.from_config(args["emulated"], EOS, FILL, seed) for _ in
-               range(n_engines)]  # fmt: skip
+    engines = [EmulatedEngine.from_config(args["emulated"], EOS, FILL, seed, version=0)
+               for _ in range(n_engines)]  # fmt: skip
     trace = generate_segment(cfg.segment, seed=seed) if cfg.segment else None
     replay = None
     records: list[dict] = []
@@ -220,7 +220,7 @@ def run_config(local: LocalSpotCluster, cfg: Config, ts: float, seed: int,
 
         def seed_all(t_seed: float) -> None:
             threads = [threading.Thread(target=seed_loop, args=(mgr, engines[i], f"reserved:{i}",
-                                                           version, t_seed, pc.max_batch,
+                                                           t_seed, pc.max_batch,
                                                            pc.block_tokens))
                        for i in range(n_engines)]  # fmt: skip
             for t in threads:
@@ -254,6 +254,8 @@ def run_config(local: LocalSpotCluster, cfg: Config, ts: float, seed: int,
                 micro += 1
             time.sleep(trainer.sync_s / ts)
             version += 1
+            for e in engines:  # the reserved side: weights arrive locally (no modelled pull)
+                e.update_weights(version, {})
             ray.get(mgr.stage.remote(version, [ray.put(b"w")]), timeout=120)  # ends the step
             t1 = time.monotonic()
             hist = ray.get(mgr.metrics.remote(), timeout=60)["steps"]

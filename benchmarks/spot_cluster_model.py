@@ -118,8 +118,9 @@ class Eng:
 
 
 def block_seconds(model: ThroughputModel, ctx: np.ndarray, new: np.ndarray) -> float:
-    """Seconds of ``max(new)`` decode iterations (as ``EmulatedEngine._decode_s``): request
-    ``j`` takes part in the first ``new[j]``, at context ``ctx[j] + i`` in iteration ``i``."""
+    """Seconds of ``max(new)`` decode iterations (``EmulatedEngine._decode_iters``, summed):
+    request ``j`` takes part in the first ``new[j]``, at context ``ctx[j] + i`` in iteration
+    ``i``."""
     if not len(new) or new.max() <= 0:
         return 0.0
     order = np.argsort(new, kind="stable")

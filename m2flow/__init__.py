@@ -17,6 +17,7 @@ _EXPORTS = {
     "Device": "m2flow.cluster",
     "Worker": "m2flow.worker",
     "no_device_lock": "m2flow.worker",
+    "control_method": "m2flow.worker",
     "current_worker": "m2flow.worker",
     "WorkerGroup": "m2flow.group",
     "GroupCall": "m2flow.group",

@@ -13,6 +13,12 @@ calls' results (:class:`~m2flow.worker.CallStats`), the driver's is read at each
 Recording is off until :func:`enable` (the run session turns it on; library use records
 nothing, and :func:`span` then costs one attribute test).
 
+Run events (:func:`publish`, :func:`open_bus`) are the other half: values one process of a run
+publishes under a topic and another reads, without the runner in between -- e.g. the trainer's
+waits for input (topic :data:`TRAINER_WAITS`), which the spot pool's rollout manager reads for
+its Algorithm 1. They go through one small named actor, the run's event bus, which exists once a
+reader opened it; a publish with no bus is a no-op (a run without readers pays a name lookup).
+
 Event kinds (``cat`` of the trace): ``call`` (a group method on one rank), ``lock_wait``
 (acquiring the rank's device locks, including offloading the previous holders and onloading
 itself), ``offload``, ``onload``, ``handoff`` (devices released while the call waits for data,
@@ -25,7 +31,10 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections import deque
+from collections import defaultdict, deque
+from typing import Any
+
+from ._context import NAMESPACE, here
 
 KINDS = (
     "call", "lock_wait", "offload", "onload", "handoff", "channel_get", "channel_put", "recv",
@@ -113,3 +122,76 @@ def span(kind: str, name: str, track: str = "main", **args):
         yield
     finally:
         recorder.add(kind, name, t0, _now(), track, args or None)
+
+
+# -- run events: published by one process, read by another -------------------------------------
+
+BUS_NAME = "m2flow:run_events"  # the run's event bus, a named actor in m2flow's namespace
+#: topic of a trainer rank's waits for input in one update: ``{"group", "rank", "waits"}``,
+#: ``waits`` a list of ``[t0, t1]`` wall-clock (``time.time()``) seconds
+TRAINER_WAITS = "trainer_waits"
+BUS_KEEP = 10_000  # values a topic keeps (the oldest go first)
+
+
+class EventBus:
+    """The run's published values by topic, each numbered in publication order (one sequence
+    for the bus, so a reader's cursor is one integer). A Ray actor (:func:`open_bus`)."""
+
+    def __init__(self) -> None:
+        self.topics: dict[str, deque] = defaultdict(lambda: deque(maxlen=BUS_KEEP))
+        self.seq = 0
+
+    def publish(self, topic: str, value: Any) -> int:
+        """Append ``value`` to ``topic``; returns its number."""
+        self.seq += 1
+        self.topics[topic].append((self.seq, value))
+        return self.seq
+
+    def last(self) -> int:
+        """The number of the last value published (0: none yet): a new reader's cursor."""
+        return self.seq
+
+    def read(self, topic: str, after: int = 0) -> list[tuple[int, Any]]:
+        """``topic``'s ``(number, value)`` pairs numbered above ``after``, oldest first."""
+        return [(n, v) for n, v in self.topics.get(topic, ()) if n > after]
+
+
+_bus: tuple[str, Any] | None = None  # (Ray session, handle): this process keeps the bus alive
+
+
+def open_bus():
+    """The run's event bus (created by the first caller, on this process's node; later callers
+    get the same actor). Its reader calls this; publishers find it by name. The opening
+    process holds a handle for the rest of its Ray session, which keeps the actor alive."""
+    global _bus
+    import ray
+
+    context = ray.get_runtime_context()
+    session = f"{context.get_job_id()}@{context.gcs_address}"
+    if _bus is None or _bus[0] != session:
+        actor = ray.remote(num_cpus=0)(EventBus)
+        handle = actor.options(
+            name=BUS_NAME, namespace=NAMESPACE, get_if_exists=True, scheduling_strategy=here()
+        ).remote()
+        _bus = (session, handle)
+    return _bus[1]
+
+
+def publish(topic: str, value: Any, timeout: float = 60.0) -> bool:
+    """Publish ``value`` (picklable) under ``topic`` on the run's event bus and wait until the
+    bus has it, so that whatever this process does next (its call returning, say) happens after
+    the value is readable. Returns False, publishing nothing, when no reader opened a bus.
+
+    Raises:
+        ray.exceptions.GetTimeoutError: the bus did not answer within ``timeout`` seconds.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    try:
+        bus = ray.get_actor(BUS_NAME, namespace=NAMESPACE)
+    except ValueError:  # no reader in this run
+        return False
+    ray.get(bus.publish.remote(topic, value), timeout=timeout)
+    return True

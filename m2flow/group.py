@@ -32,6 +32,7 @@ from .placement import merge_options
 from .tracefile import drain_groups
 from .work import flush_puts
 from .worker import (
+    CONTROL_GROUP,
     WATCH_GROUP,
     CallStats,
     Worker,
@@ -199,6 +200,8 @@ class WorkerGroup:
     def call(self, method: str, *args, **kwargs) -> GroupCall:
         """Dispatch ``method(*args, **kwargs)`` to the selected ranks, with the call's
         context (channel epochs, participants, planned granularity; :mod:`m2flow.calls`)."""
+        if getattr(getattr(self.worker_cls, method, None), "_m2flow_control", False):
+            return self._call_control(method, args, kwargs)
         ctx = CallContext(participants=len(self._ranks), granularity=self._granularity())
         for ch in channels_in((*args, *kwargs.values())):
             self._epochs[ch.name] += 1
@@ -207,6 +210,20 @@ class WorkerGroup:
         # One argument, so channel handles among args and in ctx are pickled once.
         call = (args, kwargs, ctx)
         refs = [self.actors[r]._m2flow_call.remote(method, call) for r in self._ranks]
+        handle = GroupCall(self, method, self._ranks, refs)
+        self.cluster.calls.add(handle)
+        return handle
+
+    def _call_control(self, method: str, args: tuple, kwargs: dict) -> GroupCall:
+        """A :func:`~m2flow.worker.control_method` call: beside the call each rank runs.
+
+        Raises:
+            ValueError: a channel among the arguments (a control call has no stream to end).
+        """
+        if channels_in((*args, *kwargs.values())):
+            raise ValueError(f"{method}() is a control method: it takes no channels")
+        refs = [self.actors[r]._m2flow_call_control.remote(method, (args, kwargs, None))
+                for r in self._ranks]  # fmt: skip
         handle = GroupCall(self, method, self._ranks, refs)
         self.cluster.calls.add(handle)
         return handle
@@ -391,7 +408,7 @@ def launch(
     launch_index = next(_launch_counter)
     session = current_session()
     trace = session is not None and session.trace is not None
-    actor_cls = ray.remote(concurrency_groups={IO_GROUP: 8, WATCH_GROUP: 1})(
+    actor_cls = ray.remote(concurrency_groups={IO_GROUP: 8, WATCH_GROUP: 1, CONTROL_GROUP: 1})(
         _actor_class(worker_cls)
     )
     actors = []

@@ -14,6 +14,10 @@ only :meth:`Worker.pop_timings` and :meth:`~m2flow.weights.Weights.get_weights` 
 methods. A group method takes the rank's device locks for its whole run, unless it is marked
 :func:`no_device_lock` (bookkeeping that touches no device memory). ``Worker.group_methods()``
 lists them with that flag.
+
+Group calls run one at a time on a rank, in call order, except **control methods**
+(:func:`control_method`): those run on a thread of their own while another group call runs,
+e.g. a rollout role's ``pause`` arriving in the middle of its ``generate``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from .weights import Weights
 from .work import Work  # noqa: F401  (re-exported: m2flow.worker.Work)
 
 WATCH_GROUP = "m2flow_watch"  # one thread, blocked for the actor's life (liveness sentinel)
+CONTROL_GROUP = "m2flow_control"  # control methods, beside the group call that runs
 
 
 def no_device_lock(method):
@@ -47,6 +52,17 @@ def no_device_lock(method):
     Use it for bookkeeping methods (metrics, checkpoint paths) so they can run while another
     worker holds the device.
     """
+    method._m2flow_no_device_lock = True
+    return method
+
+
+def control_method(method):
+    """Mark a group method as a control request: its calls run while the rank's other group
+    calls run (a Ray concurrency group of their own, one thread), in arrival order among
+    themselves, without device locks. The method must be thread-safe against the call it
+    controls (e.g. set an event that call waits on) and takes no channels.
+    """
+    method._m2flow_control = True
     method._m2flow_no_device_lock = True
     return method
 
@@ -255,6 +271,16 @@ class Worker(Mailbox, Residency, Weights):
             events.record(kind, name, t0, wait_s=round(self._m2flow_call_wait, 6))
             shipped = events.recorder.drain()
         return result, CallStats(start, end, self._m2flow_call_wait, shipped)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def _m2flow_call_control(self, method: str, call: tuple[tuple, dict, CallContext | None]):
+        """Run one :func:`control_method` beside the group call in flight: no device lock, no
+        call context (the running call's stays), no channel epilogue. Returns ``(result,
+        CallStats)``."""
+        args, kwargs, _ = call
+        start = time.time()
+        result = getattr(self, method)(*args, **kwargs)
+        return result, CallStats(start, time.time())
 
     @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_drain_events(self):

@@ -215,3 +215,79 @@ def test_a_plans_values_start_algorithm_1_which_keeps_adapting(cluster):
     # line 9 with t_remote_wait ~0.3: T_seed stays at 0 or grows, but line 10 sets N_prem
     assert after[1] != sp.best.n_prem and after[1] >= 1, (start, after, rec)
     assert rec["t_train_wait"] == pytest.approx(0.2, abs=0.02)
+
+
+def test_the_trainers_waits_reach_algorithm_1_as_a_run_event(cluster):
+    """``t_train^wait`` from the run event the actor publishes at the end of its update
+    (``m2flow.events.TRAINER_WAITS``; no runner call): the manager reads it when the weights
+    end the step. A value published before the pool opened the bus belongs to no step of it."""
+    from m2flow import events
+
+    async def scenario():
+        events.open_bus()
+        stale = {"group": "actor", "rank": 0, "waits": [[time.time() - 9.0, time.time()]]}
+        assert events.publish(events.TRAINER_WAITS, stale)  # before this pool's start
+        m = manager(t_seed_init=0.0)
+        try:
+            await m.stage(0, [])
+            await m.register("s", "spot")
+            await m.submit(1, 0, requests(1, 2))
+            await m.register("reserved:0")
+            await m.leave("reserved:0")
+            await asyncio.sleep(0.05)
+            t0 = time.time()
+            await finish(m, "s", 2)
+            await m.collect(0, 2, 5.0)
+            await asyncio.sleep(0.3)  # (a wait is counted up to the step's end)
+            wait = {"group": "actor", "rank": 0, "waits": [[t0, t0 + 0.2]]}
+            assert events.publish(events.TRAINER_WAITS, wait)  # what ActorWorker.train does
+            await m.stage(1, [])
+            return m.history[-1]
+        finally:
+            await m.shutdown()
+
+    rec = run(scenario())
+    assert rec["t_train_wait"] == pytest.approx(0.2, abs=0.02), rec
+
+
+def test_a_pause_holds_spot_instances_and_their_requests_keep_tokens_and_versions(cluster):
+    """The pool paused (``SpotPoolEngine.pause``): a spot instance gets no lease, and its
+    executing requests come back at its next report with their tokens, logprobs and per-token
+    versions; after new weights and the resume they continue from there, on the new version."""
+
+    def block(leased, version: int) -> list[GenRequest]:
+        out = advance(leased, 2, False)
+        for r in out:
+            r.versions += [version] * 2
+            r.weight_version = version
+        return out
+
+    async def scenario():
+        m = manager(theta=64, max_batch=64, t_seed_init=0.0, rebalance=False)
+        try:
+            await m.stage(0, [])
+            await m.register("a", "spot")
+            await m.submit(1, 0, requests(1, 4))
+            await m.register("reserved:0")
+            await m.leave("reserved:0")
+            leased = []
+            while len(leased) < 4:  # lease waits for the dispatch loop's hand-out
+                leased += await m.lease("a", 0, 64 - len(leased))
+            await m.pause()
+            held = await m.lease("a", 0, 64)
+            drop = await m.report("a", block(leased, 0), 0.01, 4, 8)
+            queued = set(m.queue)
+            await m.stage(1, [])  # new weights while paused (the step is not over)
+            await m.resume()
+            got = []
+            while len(got) < 4:  # the instance pulled version 1
+                got += await m.lease("a", 1, 64 - len(got))
+            return {r.id for r in leased}, held, set(drop), queued, got, m.stats
+        finally:
+            await m.shutdown()
+
+    ids, held, drop, queued, got, stats = run(scenario())
+    assert held == [] and drop == ids and ids <= queued
+    assert {r.id for r in got} == ids
+    assert all(r.tokens == [3, 3] and r.versions == [0, 0] for r in got)
+    assert stats["migrated_samples"] == 0  # a pause is not a migration

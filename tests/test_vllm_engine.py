@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ pytest.importorskip("vllm")
 os.environ["M2FLOW_WAIT_TIMEOUT"] = "300"
 
 import torch  # noqa: E402
+from helpers import wait_until  # noqa: E402
 from m2flow.workers.algos.logprobs import sequence_logprobs  # noqa: E402
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model  # noqa: E402
 from m2flow.workers.rollout.exact import GenRequest, to_generation_output  # noqa: E402
@@ -97,7 +99,7 @@ def test_logprobs_match_actor_before_and_after_weight_update():
     engine = VllmEngine(model_a, tok, temperature=temperature, seed=5)
     try:
         before = _max_logprob_error(engine, model_a, tok, temperature)
-        engine.load_weights(model_b.state_dict(), version=1)
+        engine.update_weights(1, model_b.state_dict())
         after = _max_logprob_error(engine, model_b, tok, temperature)
         # The update really changed the engine: A's logprobs no longer match.
         stale = _max_logprob_error(engine, model_a, tok, temperature)
@@ -109,7 +111,7 @@ def test_logprobs_match_actor_before_and_after_weight_update():
         engine.close()
     print(f"vllm logprob max|d| before {before:.2e} after {after:.2e} stale {stale:.2e}")
     assert before <= LOGPROB_ATOL and after <= LOGPROB_ATOL
-    assert stale > 1e-2 and engine.weight_version == 1
+    assert stale > 1e-2 and engine.version == 1
     assert torch.equal(first["response_ids"], again["response_ids"])
     assert len(set(request_seeds(5, keys, 4))) == 8  # every response its own seed
 
@@ -117,6 +119,65 @@ def test_logprobs_match_actor_before_and_after_weight_update():
 def _actor_error(model, tok, requests: list[GenRequest], n_samples: int, t: float) -> float:
     """Max |engine logprob - sequence_logprobs| over the finished ``requests``."""
     return _vs_actor(model, to_generation_output(requests, tok.pad_token_id, n_samples), t)
+
+
+def test_generate_paused_between_decode_steps_continues_on_the_new_weights():
+    """A generate paused from another thread after vLLM's 3rd engine step (one token for every
+    request; a wrapper around ``LLMEngine.step`` holds that step until the pause is asked),
+    updated to other weights, resumed: the first 3 tokens carry version 0 and model A's
+    logprobs, the rest version 1 and model B's logprobs over the whole sequence -- the requests
+    in flight were recomputed on B (a kept KV cache would give neither model's)."""
+    temperature, k = 0.7, 3
+    model_a, tok = _model(0)
+    model_b, _ = _model(1)
+    engine = VllmEngine(model_a, tok, temperature=temperature, seed=5)
+    try:
+        engine.update_weights(0, None)  # the weights it was built with are version 0
+        inner = engine.llm.llm_engine
+        real_step, calls, reached = inner.step, [0], threading.Event()
+
+        def held_step():
+            calls[0] += 1
+            if calls[0] == k:
+                reached.set()
+                wait_until(lambda: engine.gate.paused, 120, "the test's pause")
+            return real_step()
+
+        inner.step = held_step
+        prompts = [tok.encode(s) for s in ["1+2=", "7-3+4=", "9=", "12+34-5="]]
+        out, errors = {}, []
+
+        def run():
+            try:
+                out["gen"] = engine.generate(prompts, 3, 12, [(0, p) for p in range(4)])
+            except BaseException as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+
+        th = threading.Thread(target=run)
+        th.start()
+        assert reached.wait(300), errors
+        engine.pause()
+        inner.step = real_step
+        assert th.is_alive()
+        engine.update_weights(1, model_b.state_dict())
+        engine.resume()
+        th.join(300)
+        assert not errors, errors
+    finally:
+        engine.close()
+    gen = out["gen"]
+    mask = gen["response_mask"].bool()
+    assert mask[:, k:].any(), "every response ended before the update"
+    assert gen["versions"][:, :k][mask[:, :k]].eq(0).all()
+    assert gen["versions"][:, k:][mask[:, k:]].eq(1).all()
+    keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+    with torch.no_grad():
+        lp_a = sequence_logprobs(model_a, *(gen[n] for n in keys), temperature=temperature)
+        lp_b = sequence_logprobs(model_b, *(gen[n] for n in keys), temperature=temperature)
+    err_a = float((lp_a - gen["logprobs"])[:, :k][mask[:, :k]].abs().max())
+    err_b = float((lp_b - gen["logprobs"])[:, k:][mask[:, k:]].abs().max())
+    print(f"vllm paused generate: max|d| before {err_a:.2e} after {err_b:.2e}")
+    assert err_a <= LOGPROB_ATOL and err_b <= LOGPROB_ATOL
 
 
 def test_block_continuation_after_preemption_on_a_second_engine():
@@ -325,6 +386,6 @@ def test_a_model_directory_loads_and_matches_the_actor(tmp_path, arch):
             with torch.no_grad():  # an update: the actor's weights move, vLLM takes them
                 for p in actor.model.parameters():
                     p.mul_(1.1)
-            engine.load_weights(actor.model.state_dict(), version + 1)
+            engine.update_weights(version + 1, actor.model.state_dict())
     finally:
         engine.close()

@@ -1,6 +1,6 @@
 """The rollout chunk: what a rollout rank puts into its output channel for each chunk of prompts
 (:meth:`~m2flow.workers.rollout.worker.RolloutWorker.generate`, the spot pool's
-:meth:`~m2flow.workers.rollout.spot.pool.ReservedSeeder.generate`), and what the reward worker,
+:class:`~m2flow.workers.rollout.spot.pool.SpotPoolEngine`), and what the reward worker,
 the reward model, the reference, the critic and the actor read.
 
 A chunk holds whole GRPO groups: every sample of each of its prompts. Its :attr:`~RolloutChunk.
@@ -31,14 +31,17 @@ class RolloutChunk(NamedTuple):
     Fields:
         batch: ``TensorDict [B]`` (``B`` = prompts x samples per prompt): ``prompt_ids``,
             ``prompt_mask`` ``[B, P]`` (left padded), ``response_ids``, ``response_mask``,
-            ``logprobs`` ``[B, R]`` (right padded), ``group_index [B]`` (the prompt id, unique
+            ``logprobs`` (the behaviour logprob of each token), ``versions`` (int64: the
+            weight version that sampled each token; 0 on padding) ``[B, R]`` (right padded),
+            ``group_index [B]`` (the prompt id, unique
             in a step). Consumers add their outputs in place (``rewards [B]``, the critic's
             ``advantages``, ``returns`` ...) and pass the chunk on.
         entries: prompt id -> the prompt's reward entry
             (:meth:`~m2flow.workers.data.item.PromptItem.entry`: ``data_source``,
             ``ground_truth``, ...).
-        weight_version: the policy version that generated it (the spot pool: the oldest
-            version among its samples).
+        weight_version: the policy version that generated it: the oldest among its tokens
+            (``batch["versions"]``, when the engine labels each token: a response continued
+            across a weight update has several).
         step: the step it belongs to (the sampling key; 0 by default).
         step_samples: responses the whole step will have, on all rollout ranks (the reward
             service's batch-size hint, docs/results/reward_service.md); 0: unknown (then the reward

@@ -167,7 +167,6 @@ def main(cfg) -> dict:
     from m2flow.workers.llm import build_tokenizer, tokenizer_spec
     from m2flow.workers.reward.config import reward_spec
     from m2flow.workers.reward.worker import RewardWorker
-    from m2flow.workers.rollout.spot.pool import trainer_waits
     from m2flow.workers.rollout.worker import RolloutWorker
     from m2flow.workers.scoring.functions import merge_reward_metrics
 
@@ -243,8 +242,6 @@ def main(cfg) -> dict:
             upd = actor.train(scored)
             g_out, r_out, a_outs = gen.wait(), rew.wait(), upd.wait()
             a_out = a_outs[0]
-            # the spot pool's Algorithm 1 reads the trainer's idle time (no pool: nothing)
-            trainer_waits([o.get("input_waits", []) for o in a_outs])
             version = sync_weights(actor, rollout)
             seconds = time.time() - t0
             tokens = sum(o["tokens"] for o in g_out)

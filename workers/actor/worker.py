@@ -15,7 +15,7 @@ import torch
 import transformers
 from m2flow.scheduler.balance import all_queued
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, events
 
 from .. import parallel as dp
 from ..algos.grpo import grpo_advantages
@@ -108,12 +108,13 @@ class ActorWorker(OnTrainEngine, Worker):
             streaming (no ``mini_batch_size``): ``parts``, the forward/backward passes over
             arrived chunks (chunks queued together are one part); ``input_waits``: the
             ``[t0, t1]`` wall-clock (``time.time()``) seconds it waited for chunks (the
-            trainer's idle time that the spot pool's Algorithm 1 reads, RLBoost 4.1).
+            trainer's idle time that the spot pool's Algorithm 1 reads, RLBoost 4.1), also
+            published as the run event :data:`m2flow.events.TRAINER_WAITS` before it returns.
         """
         waits: list[list[float]] = []
         parts = timed(inp.stream(balance=all_queued, target_weight=1), waits)
         if self.options.mini is None and not self.engine.whole_step:
-            return {**self._train_streaming(parts), "input_waits": waits}
+            return self._published({**self._train_streaming(parts), "input_waits": waits})
         chunks = self.engine.read_step(parts)
         batch, stale = step_batch(chunks, self.tokenizer.pad_token_id, self.weight_version)
         data = self._training_data(batch)
@@ -122,7 +123,16 @@ class ActorWorker(OnTrainEngine, Worker):
         else:
             metrics = self.update(data)
         trained = len(data["advantages"])
-        return {**self._finish(metrics, len(batch), trained, stale), "input_waits": waits}
+        return self._published(
+            {**self._finish(metrics, len(batch), trained, stale), "input_waits": waits}
+        )
+
+    def _published(self, out: dict) -> dict:
+        """``out``, after its ``input_waits`` went out as a run event (read by the spot pool's
+        manager, if the run has one: :func:`m2flow.events.publish`)."""
+        wait = {"group": self.group_name, "rank": self.rank, "waits": out["input_waits"]}
+        events.publish(events.TRAINER_WAITS, wait)
+        return out
 
     def update(self, data: dict, epochs: int = 1, generator=None) -> dict:
         """The policy loss's update on a whole batch (:func:`.update.minibatch_update`: the

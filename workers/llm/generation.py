@@ -14,6 +14,9 @@ Output layout (veRL-style), with ``B = num_prompts * n_samples`` responses:
   :func:`workers.algos.logprobs.sequence_logprobs` at the same temperature. Note that top-p
   truncation is *not* reflected: with ``top_p < 1`` the sampler draws from a truncated
   distribution, so keep ``top_p = 1`` for exact on-policy ratios.
+- ``versions``       ``[B, R]`` int64, the weight version each token was sampled with (the
+  :class:`~.gate.DecodeGate`'s version at its decode step; 0 without a gate), 0 where
+  ``response_mask`` is 0.
 - ``group_index``    ``[B]`` int64, index of the prompt each response answers; the ``n_samples``
   responses of one prompt are contiguous (one GRPO group).
 
@@ -23,12 +26,14 @@ positions are ``cumsum(mask) - 1`` under left padding, here and in the actor.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from .gate import DecodeGate
 from .sampling import counter_uniforms, sample_tokens
 
 
@@ -121,6 +126,7 @@ def generate(
     shared_prefix: bool = True,
     sample_keys: list[tuple[int, int]] | None = None,
     seed: int = 0,
+    gate: DecodeGate | None = None,
 ) -> dict[str, torch.Tensor]:
     """Sample ``n_samples`` responses for each prompt; see the module docstring for the output.
 
@@ -149,13 +155,21 @@ def generate(
             position)`` (a response is then the same wherever and whenever it is generated);
             ``None``: uniforms from torch's global RNG.
         seed: the run seed for ``sample_keys``.
+        gate: pause, resume and weight updates between decode steps (each forward, the
+            prefill included, is one step of :meth:`~.gate.DecodeGate.step`), driven from
+            other threads. After an update the KV cache, computed with the old weights, is
+            recomputed: one forward over the prompts and the tokens so far with the new
+            weights (:func:`_recompute`), so every later token and logprob is the new
+            weights' (as a fresh generation continuing the same sequences would give them) and
+            ``versions`` tells which weights sampled which token.
 
     Returns:
         dict of tensors on CPU: ``prompt_ids``, ``prompt_mask`` ``[B, P]``, ``response_ids``,
-        ``response_mask``, ``logprobs`` ``[B, R]``, ``group_index`` ``[B]``.
+        ``response_mask``, ``logprobs``, ``versions`` ``[B, R]``, ``group_index`` ``[B]``.
 
     Raises:
         ValueError: ``sample_keys`` not one per prompt; no stop token (:func:`stop_token_ids`).
+        TimeoutError: paused longer than the gate's ``timeout_s``.
     """
     pad_id = tokenizer.pad_token_id
     stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
@@ -181,30 +195,35 @@ def generate(
     stop_ids = torch.tensor(stops, device=device)
     was_training = model.training
     model.eval()
+
+    def decode_step():
+        return gate.step() if gate is not None else contextlib.nullcontext(0)
+
     try:
-        cache = None
-        if shared_prefix and n_samples > 1:
-            cache = prefill_shared(model, d_ids[::n_samples], d_mask[::n_samples])
-        if cache is not None:  # the prompts' last column, every sample
-            cache.batch_repeat_interleave(n_samples)
-            logits = model(
-                input_ids=d_ids[:, -1:],
-                attention_mask=d_mask,
-                position_ids=_positions(d_mask)[:, -1:],
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
-        else:
-            cache = DynamicCache(config=model.config)
-            logits = model(
-                input_ids=d_ids,
-                attention_mask=d_mask,
-                position_ids=_positions(d_mask),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]
-        tokens, logprobs = [], []
+        with decode_step() as version:
+            cache = None
+            if shared_prefix and n_samples > 1:
+                cache = prefill_shared(model, d_ids[::n_samples], d_mask[::n_samples])
+            if cache is not None:  # the prompts' last column, every sample
+                cache.batch_repeat_interleave(n_samples)
+                logits = model(
+                    input_ids=d_ids[:, -1:],
+                    attention_mask=d_mask,
+                    position_ids=_positions(d_mask)[:, -1:],
+                    past_key_values=cache,
+                    use_cache=True,
+                ).logits[:, -1]
+            else:
+                cache = DynamicCache(config=model.config)
+                logits = model(
+                    input_ids=d_ids,
+                    attention_mask=d_mask,
+                    position_ids=_positions(d_mask),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits[:, -1]
+        tokens, logprobs, versions = [], [], []
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         position = _positions(d_mask)[:, -1:]
         for t in range(max_new_tokens):
@@ -220,18 +239,24 @@ def generate(
             tok = tok.masked_fill(done, pad_id)  # a finished row only pads
             tokens.append(tok)
             logprobs.append(lp)
+            versions.append(version)
             done |= torch.isin(tok, stop_ids)
             if t + 1 == max_new_tokens or bool(done.all()):
                 break
             d_mask = torch.cat([d_mask, d_mask.new_ones(rows, 1)], dim=1)
             position = position + 1
-            logits = model(
-                input_ids=tok[:, None],
-                attention_mask=d_mask,
-                position_ids=position,
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
+            with decode_step() as current:
+                if current != version:  # new weights: the cache holds the old ones' keys
+                    cache, logits = _recompute(model, d_ids, torch.stack(tokens, dim=1), d_mask)
+                    version = current
+                else:
+                    logits = model(
+                        input_ids=tok[:, None],
+                        attention_mask=d_mask,
+                        position_ids=position,
+                        past_key_values=cache,
+                        use_cache=True,
+                    ).logits[:, -1]
     finally:
         model.train(was_training)
 
@@ -240,11 +265,34 @@ def generate(
     # Tokens after EOS are pad already; make sure they stay pad under our mask too.
     response_ids = response_ids.masked_fill(response_mask == 0, pad_id)
     lps = torch.stack(logprobs, dim=1).float().cpu() * response_mask
+    vers = torch.tensor(versions, dtype=torch.long, device="cpu").expand(rows, -1) * response_mask
     return {
         "prompt_ids": ids,
         "prompt_mask": mask,
         "response_ids": response_ids,
         "response_mask": response_mask,
         "logprobs": lps,
+        "versions": vers,
         "group_index": group_index,
     }
+
+
+def _recompute(
+    model: PreTrainedModel, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[DynamicCache, torch.Tensor]:  # fmt: skip
+    """A fresh KV cache of ``[B, P]`` left-padded prompts followed by ``[B, T]`` response
+    tokens (``mask`` ``[B, P + T]``, positions ``cumsum(mask) - 1``), with the model's current
+    weights; and the logits ``[B, V]`` after the last token. What the decode loop would hold had
+    the new weights computed every step so far."""
+    cache = DynamicCache(config=model.config)
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    logits = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=_positions(mask),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]
+    return cache, logits

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..llm.gate import PAUSE_TIMEOUT_S, DecodeGate
+
 if TYPE_CHECKING:
     from .exact import GenRequest
 
@@ -362,7 +364,16 @@ class EmulatedEngine:
 
     A request's length is ``min(max(lengths(seed, key), min_new_tokens), max_new_tokens)``;
     its tokens are ``filler_id`` then ``eos_id`` when it ends before ``max_new_tokens`` (else
-    it is cut there, no EOS); logprobs are 0.0.
+    it is cut there, no EOS); logprobs are 0.0; ``versions`` the weight version of each token.
+
+    Pause, resume and weight updates act between decode iterations, as on a real engine
+    (:class:`~..llm.gate.DecodeGate`): in real time (the default ``sleep=None``) a pause asked
+    while a block's modelled time is being slept cuts the block after the iteration in flight
+    (the one the elapsed time falls in); the call then waits, and after a resume continues the
+    block's remaining iterations, with a prefill of every request if the weights changed (their
+    KV cache is **recomputed**, as on the ``hf`` engine) and the tokens labelled with the new
+    version. With an injected ``sleep`` (no real time) a pause takes effect at the end of the
+    block.
 
     Args:
         model: the engine's throughput model.
@@ -371,9 +382,12 @@ class EmulatedEngine:
         eos_id, filler_id: placeholder token ids.
         seed: the run seed (the length counter's).
         time_scale: emulated seconds per real second.
-        prompt_tokens: modelled prompt length (0: the request's real prompt length).
+        prompt_tokens: modelled prompt length (0: the real prompt's length).
         min_new_tokens: floor on a length (as ExactEngine's ``min_new_tokens``).
-        sleep: ``time.sleep`` (tests may pass a recorder).
+        sleep: called with the real seconds of each block instead of sleeping them (tests
+            pass a recorder); ``None``: sleep them, interruptibly by a pause.
+        version: the weight version it starts with.
+        pause_timeout_s: longest wait of a paused :meth:`step` for :meth:`resume`.
 
     Attributes:
         emulated_s: modelled seconds so far (decode + prefill + weight transfers).
@@ -390,7 +404,9 @@ class EmulatedEngine:
         time_scale: float = 1.0,
         prompt_tokens: int = 0,
         min_new_tokens: int = 0,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
+        version: int = -1,
+        pause_timeout_s: float = PAUSE_TIMEOUT_S,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
@@ -398,16 +414,18 @@ class EmulatedEngine:
         self.eos_id, self.filler_id, self.seed = eos_id, filler_id, seed
         self.time_scale, self.prompt_tokens = time_scale, prompt_tokens
         self.min_new_tokens = min_new_tokens
-        self.sleep = sleep
+        self.pace = sleep
+        self.gate = DecodeGate(version, pause_timeout_s)
         self.cached: dict[str, int] = {}  # request id -> context tokens in its KV cache here
+        self._cache_version = version  # the weights the cached keys were computed with
         self.emulated_s = 0.0
         self.steps = self.tokens = 0
 
     @classmethod
     def from_config(cls, cfg: dict, eos_id: int, filler_id: int, seed: int = 0,
-                    min_new_tokens: int = 0) -> EmulatedEngine:  # fmt: skip
+                    min_new_tokens: int = 0, version: int = -1) -> EmulatedEngine:  # fmt: skip
         """From ``rollout.spot.emulated`` (:class:`~m2flow.workers.rollout.spot.config.
-        EmulatedEngineConfig` fields)."""
+        EmulatedEngineConfig` fields); ``version``: the weights it starts with."""
         over = {"mem_util": cfg["mem_util"]} if cfg.get("mem_util") else {}
         model = throughput_preset(cfg.get("model", "qwen3-8b"), **over)
         lengths = ResponseLengths(
@@ -415,7 +433,7 @@ class EmulatedEngine:
             cap=cfg.get("length_cap", 16384),
         )  # fmt: skip
         return cls(model, lengths, eos_id, filler_id, seed, cfg.get("time_scale", 1.0),
-                   cfg.get("prompt_tokens", 0), min_new_tokens)  # fmt: skip
+                   cfg.get("prompt_tokens", 0), min_new_tokens, version=version)  # fmt: skip
 
     def targets(self, requests: list[GenRequest]) -> np.ndarray:
         """The response lengths of ``requests`` (their keys' draws, floored and capped)."""
@@ -426,13 +444,78 @@ class EmulatedEngine:
     def _context(self, r: GenRequest) -> int:
         return (self.prompt_tokens or len(r.prompt_ids)) + len(r.tokens)
 
-    def step(self, requests: list[GenRequest], tokens: int, version: int, label: str = "") -> int:
+    # -- the RolloutEngine protocol ----------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self.gate.version
+
+    def pause(self) -> None:
+        """Stop :meth:`step` after the decode iteration in flight (returns once there)."""
+        self.gate.pause()
+
+    def resume(self) -> None:
+        self.gate.resume()
+
+    def sleep(self) -> bool:
+        return False  # nothing on a device
+
+    def wake_up(self) -> bool:
+        return False
+
+    def update_weights(self, version: int, weights=None, nbytes: float | None = None) -> float:
+        """Take weights of ``version`` between decode iterations. ``weights=None``: a pull over
+        the network (a spot instance), the modelled transfer of ``nbytes`` (default: the
+        model's) is slept; given (the reserved rank, whose weights arrive by the run's own
+        sync): no transfer is modelled. Either way every KV cache is dropped (recomputed by the
+        next block's prefill). Returns the modelled seconds."""
+        seconds = self.model.weight_transfer_s(nbytes) if weights is None else 0.0
+
+        def pull() -> None:
+            self.emulated_s += seconds
+            self._sleep(seconds / self.time_scale)
+            self.cached.clear()
+
+        self.gate.update(version, pull)
+        return seconds
+
+    # -- generation --------------------------------------------------------------------------
+
+    def step(
+        self, requests: list[GenRequest], tokens: int, version: int | None = None, label: str = ""
+    ) -> int:
         """Generate up to ``tokens`` more tokens for every unfinished request (its length or
-        ``max_new_tokens`` ends one early), sleeping the modelled time. Returns the tokens
-        generated."""
+        ``max_new_tokens`` ends one early), sleeping the modelled time. ``version``: the
+        weights' version, declared (``None``: the engine's). Returns the tokens generated.
+
+        Raises:
+            TimeoutError: paused longer than ``pause_timeout_s``.
+        """
+        if version is not None and version != self.gate.version:
+            self.gate.update(version)
+        made, left, generated = 0, tokens, False
+        while left > 0:
+            with self.gate.step() as current:
+                if current != self._cache_version:  # new weights: the caches are stale
+                    self.cached.clear()
+                    self._cache_version = current
+                done_iters, n, cut = self._segment(requests, left, current, label)
+            made += n
+            generated |= done_iters > 0
+            left -= done_iters
+            if not cut:  # the block ran whole (a pause cut it: the rest after the resume)
+                break
+        if generated:
+            self.steps += 1
+            self.tokens += made
+        return made
+
+    def _segment(self, requests, tokens: int, version: int, label: str) -> tuple[int, int, bool]:
+        """Up to ``tokens`` decode iterations (see the class docstring). Returns the iterations
+        run, the tokens made, and whether a pause cut it short."""
         live = [r for r in requests if not r.done]
         if not live or tokens <= 0:
-            return 0
+            return 0, 0, False
         targets = self.targets(live)
         have = np.array([len(r.tokens) for r in live], dtype=np.int64)
         ctx = np.array([self._context(r) for r in live], dtype=np.int64)
@@ -442,23 +525,23 @@ class EmulatedEngine:
         fits[0] = True
         run = np.flatnonzero(np.logical_and.accumulate(fits))
         cold = [i for i in run if self.cached.get(live[i].id) != ctx[i]]
-        seconds = self.model.prefill_s(ctx[cold]) if cold else 0.0
-        seconds += self._decode_s(ctx[run], new[run])
-        self.emulated_s += seconds
-        self.sleep(seconds / self.time_scale)
+        prefill = self.model.prefill_s(ctx[cold]) if cold else 0.0
+        iters = self._decode_iters(ctx[run], new[run])
+        k = self._run(prefill, iters)
+        self.emulated_s += prefill + (float(np.sum(iters[:k])) if len(iters) else 0.0)
         cached: dict[str, int] = {}
         made = 0
         for i in run:
-            r, n = live[i], int(new[i])
-            if not isinstance(r.tokens, TokenRuns):
-                r.tokens = TokenRuns(r.tokens)
-            if not isinstance(r.logprobs, TokenRuns):
-                r.logprobs = TokenRuns(r.logprobs)
+            r, n = live[i], int(min(new[i], k))
+            for name in ("tokens", "logprobs", "versions"):
+                if not isinstance(getattr(r, name), TokenRuns):
+                    setattr(r, name, TokenRuns(getattr(r, name)))
             end = bool(have[i] + n >= targets[i])
             eos = int(end and targets[i] < r.max_new_tokens)
             r.tokens.add(self.filler_id, n - eos)
             r.tokens.add(self.eos_id, eos)
             r.logprobs.add(0.0, n)
+            r.versions.add(version, n)
             if n:
                 r.weight_version = version
                 r.by[label] = r.by.get(label, 0) + n
@@ -467,15 +550,38 @@ class EmulatedEngine:
             if not r.done:
                 cached[r.id] = int(ctx[i]) + n
         self.cached = cached  # the others left, finished, or were evicted
-        self.steps += 1
-        self.tokens += made
-        return made
+        return k, made, k < len(iters)
 
-    def _decode_s(self, ctx: np.ndarray, new: np.ndarray) -> float:
-        """Seconds of ``max(new)`` decode iterations; request ``j`` takes part in the first
-        ``new[j]`` of them, at context ``ctx[j] + i`` in iteration ``i``."""
+    def _run(self, prefill: float, iters: np.ndarray) -> int:
+        """Sleep the modelled ``prefill`` then ``iters`` (seconds per decode iteration);
+        returns the iterations done: all, or (real time, a pause asked meanwhile) those up to
+        and including the one the pause fell in."""
+        total = prefill + float(np.sum(iters))
+        if self.pace is not None:
+            self.pace(total / self.time_scale)
+            return len(iters)
+        waited = self.gate.sleep(total / self.time_scale)
+        if not self.gate.paused or not len(iters):
+            self._sleep(total / self.time_scale - waited)  # (woke early for nothing)
+            return len(iters)
+        ends = prefill + np.cumsum(iters)  # modelled end of each iteration
+        k = min(int(np.searchsorted(ends, waited * self.time_scale, side="right")) + 1, len(iters))
+        self._sleep(float(ends[k - 1]) / self.time_scale - waited)  # the iteration in flight
+        return k
+
+    def _sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if self.pace is not None:
+            self.pace(seconds)
+        else:
+            time.sleep(seconds)
+
+    def _decode_iters(self, ctx: np.ndarray, new: np.ndarray) -> np.ndarray:
+        """Seconds of each of ``max(new)`` decode iterations; request ``j`` takes part in the
+        first ``new[j]`` of them, at context ``ctx[j] + i`` in iteration ``i``."""
         if not len(new) or new.max() <= 0:
-            return 0.0
+            return np.zeros(0)
         order = np.argsort(new, kind="stable")
         n_sorted, c_sorted = new[order], ctx[order].astype(np.float64)
         it = np.arange(int(n_sorted[-1]))
@@ -483,13 +589,4 @@ class EmulatedEngine:
         batch = len(new) - k
         suffix = np.concatenate([np.cumsum(c_sorted[::-1])[::-1], [0.0]])
         mean_ctx = (suffix[k] + it * batch) / batch
-        return float(np.sum(self.model.decode_step_s(batch, mean_ctx)))
-
-    def load_weights(self, version: int, nbytes: float | None = None) -> float:
-        """Pull weights of ``version`` (modelled transfer of ``nbytes``, default the model's):
-        sleeps, drops every KV cache. Returns the modelled seconds."""
-        seconds = self.model.weight_transfer_s(nbytes)
-        self.emulated_s += seconds
-        self.sleep(seconds / self.time_scale)
-        self.cached.clear()
-        return seconds
+        return np.atleast_1d(self.model.decode_step_s(batch, mean_ctx))

@@ -17,6 +17,14 @@ same, bit for bit, whichever engine generated which block, in whatever batch:
 The price is O(length) work per token instead of O(1) with a KV cache: this engine is for
 exactness (migration you can prove exact) on small models; a fast engine (KV cache, vLLM)
 behind the same interface migrates correctly but not bit for bit.
+
+Pause, resume and weight updates (:class:`~..llm.gate.DecodeGate`) take effect between decode
+iterations (one token for every live request), also in the middle of a :meth:`ExactEngine.step`
+call: the call keeps its requests and continues them with the new weights. Nothing is cached,
+so nothing is stale: every token after the update is computed from the whole sequence with the
+new weights, and a request paused at token ``k`` and continued after an update is, token for
+token and logprob for logprob, the request stepped ``k`` tokens, updated, then stepped on (or
+continued by another engine holding the new weights: migration keeps the per-token versions).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..llm.gate import PAUSE_TIMEOUT_S, DecodeGate
 from ..llm.generation import left_pad
 from ..llm.sampling import counter_uniforms_at, sample_tokens
 
@@ -42,9 +51,12 @@ class GenRequest:
         key: ``(step, prompt id, sample index)``: the sampling counter's key.
         max_new_tokens: response cap (EOS included).
         owner: the rollout rank that collects the response.
-        tokens, logprobs: the response so far (logprobs of ``log_softmax(logits / T)``).
+        tokens, logprobs: the response so far (logprobs of ``log_softmax(logits / T)``: the
+            behaviour logprob of each token, under the weights that sampled it).
+        versions: per token, the weight version that sampled it (a response continued across
+            a weight update carries two or more).
         done: ended with EOS or at ``max_new_tokens``.
-        weight_version: weights its tokens came from (-1 before the first token).
+        weight_version: weights its last token came from (-1 before the first token).
         moves: times it changed engine (preemption or rebalancing).
         by: engine label -> tokens it generated (reserved vs spot accounting).
     """
@@ -56,6 +68,7 @@ class GenRequest:
     owner: int = 0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     done: bool = False
     weight_version: int = -1
     moves: int = 0
@@ -81,6 +94,9 @@ class ExactEngine:
             ``min_tokens``; fixed-length responses for measurements).
         delay_s: seconds slept after each decode iteration (one token for every live
             request): a slower device's pace for a tiny model; the tokens do not change.
+        version: the weight version ``model`` holds (-1: not set; :meth:`update_weights` and
+            ``step(version=...)`` set it).
+        pause_timeout_s: longest wait of a paused :meth:`step` for :meth:`resume`.
     """
 
     def __init__(
@@ -93,8 +109,11 @@ class ExactEngine:
         batch_rows: int = 16,
         min_new_tokens: int = 0,
         delay_s: float = 0.0,
+        version: int = -1,
+        pause_timeout_s: float = PAUSE_TIMEOUT_S,
     ) -> None:
         self.model = model.eval()
+        self.gate = DecodeGate(version, pause_timeout_s)
         self.delay_s = delay_s
         self.min_new_tokens = min_new_tokens
         self.stop_ids = [eos_id] if isinstance(eos_id, int) else sorted(eos_id)
@@ -102,24 +121,68 @@ class ExactEngine:
         self.batch_rows = batch_rows
         self.device = next(model.parameters()).device
 
+    # -- weights and control (the RolloutEngine protocol) ---------------------------------
+
+    @property
+    def version(self) -> int:
+        """The weight version the next decode iteration computes with."""
+        return self.gate.version
+
+    def update_weights(self, version: int, weights=None) -> None:
+        """Load ``weights`` (a Hugging Face ``state_dict``; ``None``: they are in ``model``
+        already, e.g. loaded by the host sharing it) as ``version``, between decode iterations
+        (waits for the one in flight). Nothing to recompute: the engine caches nothing."""
+        apply = None if weights is None else (lambda: self.model.load_state_dict(weights))
+        self.gate.update(version, apply)
+
+    def pause(self) -> None:
+        """Stop :meth:`step` at its next decode-iteration boundary (returns once there)."""
+        self.gate.pause()
+
+    def resume(self) -> None:
+        self.gate.resume()
+
+    # -- generation ---------------------------------------------------------------------------
+
     @torch.no_grad()
-    def step(self, requests: list[GenRequest], tokens: int, version: int, label: str = "") -> int:
+    def step(
+        self, requests: list[GenRequest], tokens: int, version: int | None = None, label: str = ""
+    ) -> int:
         """Generate up to ``tokens`` more tokens for every unfinished request (EOS or the cap
-        ends one early). Returns the tokens generated."""
+        ends one early). Each decode iteration runs with the weights and version current when
+        it starts: a pause holds the call between two iterations, an update in the middle of
+        the call labels the later tokens with the new version.
+
+        Args:
+            requests: mutated in place (``tokens``, ``logprobs``, ``versions``, ``done``, ...).
+            tokens: decode iterations at most.
+            version: the version of the weights in ``model`` (declared before the call, as a
+                weight-less :meth:`update_weights`); ``None``: the engine's :attr:`version`.
+            label: engine name for the per-engine token accounting (``by``).
+
+        Returns:
+            the tokens generated.
+
+        Raises:
+            TimeoutError: paused longer than ``pause_timeout_s``.
+        """
+        if version is not None and version != self.gate.version:
+            self.gate.update(version)
         made = 0
         for _ in range(tokens):
             live = [r for r in requests if not r.done]
             if not live:
                 break
-            by_len: dict[int, list[GenRequest]] = defaultdict(list)
-            for r in live:
-                by_len[r.length].append(r)
-            for group in by_len.values():
-                for i in range(0, len(group), self.batch_rows):
-                    self._advance(group[i : i + self.batch_rows], version, label)
-                    made += len(group[i : i + self.batch_rows])
-            if self.delay_s:
-                time.sleep(self.delay_s)
+            with self.gate.step() as current:
+                by_len: dict[int, list[GenRequest]] = defaultdict(list)
+                for r in live:
+                    by_len[r.length].append(r)
+                for group in by_len.values():
+                    for i in range(0, len(group), self.batch_rows):
+                        self._advance(group[i : i + self.batch_rows], current, label)
+                        made += len(group[i : i + self.batch_rows])
+                if self.delay_s:
+                    time.sleep(self.delay_s)
         return made
 
     def _advance(self, rows: list[GenRequest], version: int, label: str) -> None:
@@ -140,6 +203,7 @@ class ExactEngine:
         for r, t, p in zip(rows, tok.tolist(), lp.tolist()):
             r.tokens.append(t)
             r.logprobs.append(p)
+            r.versions.append(version)
             r.weight_version = version
             r.by[label] = r.by.get(label, 0) + 1
             r.done = t in self.stop_ids or len(r.tokens) >= r.max_new_tokens
@@ -148,8 +212,9 @@ class ExactEngine:
 def to_generation_output(requests: list[GenRequest], pad_id: int, n_samples: int) -> dict:
     """The rollout batch layout of :func:`.generation.generate` from finished requests of whole
     GRPO groups (``n_samples`` per prompt, in prompt then sample order): ``prompt_ids``,
-    ``prompt_mask`` ``[B, P]`` left padded; ``response_ids``, ``response_mask``, ``logprobs``
-    ``[B, R]`` right padded; ``group_index [B]`` (prompt ids).
+    ``prompt_mask`` ``[B, P]`` left padded; ``response_ids``, ``response_mask``, ``logprobs``,
+    ``versions`` (int64: the weight version of each token; 0 on padding) ``[B, R]`` right
+    padded; ``group_index [B]`` (prompt ids).
 
     Raises:
         ValueError: a request not finished, or a group not complete.
@@ -162,16 +227,28 @@ def to_generation_output(requests: list[GenRequest], pad_id: int, n_samples: int
     resp = torch.full((len(reqs), width), pad_id, dtype=torch.long, device="cpu")
     rmask = torch.zeros((len(reqs), width), dtype=torch.long, device="cpu")
     lps = torch.zeros((len(reqs), width), dtype=torch.float32, device="cpu")
+    vers = torch.zeros((len(reqs), width), dtype=torch.long, device="cpu")
     for i, r in enumerate(reqs):
         n = len(r.tokens)
         resp[i, :n] = torch.tensor(r.tokens, device="cpu")
         rmask[i, :n] = 1
         lps[i, :n] = torch.tensor(r.logprobs, device="cpu")
+        vers[i, :n] = torch.tensor(token_versions(r), device="cpu")
     return {
         "prompt_ids": ids,
         "prompt_mask": mask,
         "response_ids": resp,
         "response_mask": rmask,
         "logprobs": lps,
+        "versions": vers,
         "group_index": torch.tensor([r.key[1] for r in reqs], device="cpu"),
     }
+
+
+def token_versions(r: GenRequest) -> list[int]:
+    """The weight version of each of ``r``'s tokens. A request whose tokens came without
+    per-token versions (an engine that only sets ``weight_version``) has that one version for
+    all of them."""
+    if len(r.versions) == len(r.tokens):
+        return list(r.versions)
+    return [r.weight_version] * len(r.tokens)

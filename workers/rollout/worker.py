@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, control_method
 
 from ..batch import num_tokens, to_batch
 from ..chunk import RolloutChunk
@@ -19,7 +19,7 @@ from ..llm.placement import (
 )
 from ..scoring.evaluation import greedy_scores
 from ..scoring.functions import RewardFunction
-from .engines import ROLLOUT_ENGINES
+from .engines import build_rollout_engine
 
 
 class RolloutWorker(Worker):
@@ -41,17 +41,24 @@ class RolloutWorker(Worker):
             (:func:`.generation.prefill_shared`) instead of once per sample.
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
         spot: :class:`~m2flow.workers.rollout.spot.config.SpotPoolConfig` fields: with ``enabled``,
-            each step's rollout goes through the spot rollout pool (RLBoost; docs/results/spot.md):
-            this rank seeds for ``T_seed`` seconds, spot instances continue.
+            the engine is the spot rollout pool composed over the configured one (RLBoost;
+            docs/results/spot.md; :func:`~.engines.build_rollout_engine`): each step's rollout
+            goes through the pool, this rank seeding for ``T_seed`` seconds, spot instances
+            continuing.
         seed: the run seed: token ``t`` of sample ``j`` of prompt ``p`` in step ``s`` is drawn
             from a counter keyed by ``(seed, s, p, j, t)`` (:mod:`~..llm.sampling`), so responses do
             not depend on the rank, chunk or plan that generated them.
         engine: ``"hf"`` (transformers ``generate``, the default) or ``"vllm"``
-            (:class:`~.vllm_engine.VllmEngine`, in-process vLLM CPU; docs/results/vllm.md): it
+            (:class:`~.vllm_engine.VllmEngine`, in-process vLLM CPU; docs/results/vllm.md), or
+            any registered kind or import path (:data:`~.engines.ROLLOUT_ENGINES`): it
             samples and takes weight updates; ``self.model`` still holds the weights for
             :meth:`evaluate`. With ``spot`` the pool runs vLLM too: block-wise continuation
             (:meth:`~.vllm_engine.VllmEngine.step`) on this rank and on every spot instance
             (not with ``spot.engine="emulated"``, which models the engine instead).
+
+    The role holds no engine branches: whatever the engine (the pool included), a step is
+    :meth:`generate`, a weight sync :meth:`load_weights`, and :meth:`pause` / :meth:`resume`
+    reach the engine between its decode steps.
     """
 
     def __init__(
@@ -70,18 +77,6 @@ class RolloutWorker(Worker):
         seed: int = 0,
         engine: str = "hf",
     ) -> None:
-        spot_on = bool(spot and spot.get("enabled"))
-        if engine == "vllm" and spot_on and spot.get("engine", "exact") != "exact":
-            raise ValueError(
-                f"engine='vllm' with rollout.spot.engine={spot.get('engine')!r}: the emulated "
-                "engine models the rollout engine; use rollout.engine=hf with it"
-            )
-        build = ROLLOUT_ENGINES.get(engine, "rollout")
-        if not getattr(build, "generates", False):
-            raise ValueError(
-                f"rollout.engine={engine!r} continues blocks for the spot pool only "
-                f"(rollout.spot.engine): pick an engine that samples whole groups, hf or vllm"
-            )
         set_torch_threads(self, threads)
         self.device = torch_device(self.devices)
         self.tokenizer = build_tokenizer(tokenizer)
@@ -93,31 +88,22 @@ class RolloutWorker(Worker):
         self.reward = RewardFunction(**(reward or {}))
         self.seed = seed
         args = {
-            "model": model, "temperature": temperature, "top_p": top_p, "seed": seed,
-            "shared_prefix": shared_prefix,
+            "model": model, "tokenizer": tokenizer, "temperature": temperature, "top_p": top_p,
+            "seed": seed, "shared_prefix": shared_prefix,
             "dtype": str(compute_dtype(model.get("dtype", "auto"), self.device)).split(".")[-1],
-            "min_new_tokens": spot.get("min_new_tokens", 0) if spot_on else 0,
+            "rank": self.rank, "world_size": self.world_size, "name": self.worker_key,
         }  # fmt: skip
-        self.engine = build(args, self.model, self.tokenizer)
+        self.engine = build_rollout_engine(engine, args, self.model, self.tokenizer, spot)
         self.model.to(self.device)  # (vLLM was built from a CPU copy)
-        self.pool = None
-        if spot_on:
-            from .spot.pool import ReservedSeeder
-
-            self.pool = ReservedSeeder(self, spot, model, tokenizer)
-
-    @property
-    def vllm(self):
-        """The engine when it samples on its own copy of the weights (vLLM), else ``None``: the
-        spot pool's reserved seeder continues blocks on it (:mod:`.spot.pool`)."""
-        return self.engine if self.engine.model is None else None
 
     # -- generation -------------------------------------------------------------------------
 
     def generate(self, prompts: Channel, out: Channel, num_prompts: int) -> dict:
         """Take this rank's share of ``num_prompts`` prompts from ``prompts`` in chunks of the
         plan's granularity (:meth:`~m2flow.Worker.chunk_size`; the whole share without a
-        plan); put one rollout chunk per prompt chunk into ``out``.
+        plan, or with an engine that balances the step itself, ``whole_share``: the spot
+        pool); put one rollout chunk per prompt chunk into ``out`` (an engine with ``stream``
+        puts one per part it yields: the pool's finished micro-batches of groups).
 
         A prompt item is ``{"prompt_ids": list[int], "group": int, "entry": dict}`` (the
         entry: :meth:`~..data.item.PromptItem.entry`, for the reward) plus optionally
@@ -130,58 +116,78 @@ class RolloutWorker(Worker):
         docs/results/reward_service.md).
 
         Returns:
-            ``samples``, ``tokens`` (prompt + response), ``response_length`` (mean tokens).
+            ``samples``, ``tokens`` (prompt + response), ``response_length`` (mean tokens),
+            plus the engine's ``last_metrics()`` (the spot pool: ``seeded_s``,
+            ``weight_versions``, ``spot``).
         """
         share = split_evenly(num_prompts, self.world_size)[self.rank]
         step_samples = num_prompts * self.n_samples
-        if self.pool is not None:
-            return self.pool.generate(prompts.get_batch(share, max_items=share), out, step_samples)
-        granularity = self.chunk_size(default=share)
+        # an engine that balances the step itself (the spot pool) takes the whole share
+        whole = getattr(self.engine, "whole_share", False)
+        granularity = share if whole else self.chunk_size(default=share)
+        stream = getattr(self.engine, "stream", None)
         samples = tokens = resp_tokens = 0
         while share > 0:
             size = min(granularity, share)
             items = prompts.get_batch(size, max_items=size)
             share -= len(items)
-            gen = self.engine.generate(
-                [it["prompt_ids"] for it in items],
-                n_samples=self.n_samples,
-                max_new_tokens=self.max_new_tokens,
-                sample_keys=[(it.get("step", 0), it["group"]) for it in items],
-            )
+            args = ([it["prompt_ids"] for it in items], self.n_samples, self.max_new_tokens,
+                    [(it.get("step", 0), it["group"]) for it in items])  # fmt: skip
             groups = torch.tensor([it["group"] for it in items], device="cpu")
-            gen["group_index"] = groups[gen["group_index"]]
-            batch = to_batch(gen)
-            n_tok = num_tokens(batch)
-            chunk = RolloutChunk(
-                batch,
-                entries={it["group"]: it["entry"] for it in items},
-                weight_version=self.weight_version,
-                step=items[0].get("step", 0),
-                step_samples=step_samples,
-            )
-            out.put(chunk, weight=n_tok)
-            samples += len(batch)
-            tokens += n_tok
-            resp_tokens += int(batch["response_mask"].sum())
+            for gen in stream(*args) if stream is not None else [self.engine.generate(*args)]:
+                gen["group_index"] = groups[gen["group_index"]]
+                batch = to_batch(gen)
+                present = set(batch["group_index"].tolist())
+                n_tok = num_tokens(batch)
+                chunk = RolloutChunk(
+                    batch,
+                    entries={it["group"]: it["entry"] for it in items if it["group"] in present},
+                    weight_version=self._oldest_version(batch),
+                    step=items[0].get("step", 0),
+                    step_samples=step_samples,
+                )
+                out.put(chunk, weight=n_tok)
+                samples += len(batch)
+                tokens += n_tok
+                resp_tokens += int(batch["response_mask"].sum())
+        extra = self.engine.last_metrics() if hasattr(self.engine, "last_metrics") else {}
         return {
             "samples": samples,
             "tokens": tokens,
             "response_length": resp_tokens / max(samples, 1),
+            **extra,
         }
+
+    def _oldest_version(self, batch) -> int:
+        """The oldest weight version among the batch's tokens (its ``versions``), or this
+        rank's weights' version for an engine that reports none."""
+        if "versions" not in batch.keys():
+            return self.weight_version
+        return int(batch["versions"][batch["response_mask"].bool()].min())
+
+    # -- control (between the engine's decode steps) ----------------------------------------
+
+    @control_method  # arrives while generate() runs
+    def pause(self) -> None:
+        """Stop the engine's generation in flight at its next decode-step boundary (returns
+        once there); it keeps its sequences until :meth:`resume`."""
+        self.engine.pause()
+
+    @control_method
+    def resume(self) -> None:
+        """Continue the paused generation, with the weights loaded meanwhile."""
+        self.engine.resume()
 
     # -- weights ----------------------------------------------------------------------------
 
     def load_weights(self, weights: dict, version: int) -> None:
-        """Load the policy's weights in place (``m2flow.sync_weights``); with the spot pool,
-        rank 0 also stages them for the spot instances to pull; with ``engine="vllm"`` the
-        engine's copy is updated in place too."""
-        self.model.load_state_dict(weights)  # the held-out evaluation's model
-        if self.engine.model is not self.model:  # an engine with its own copy (vLLM)
-            self.engine.load_weights(weights, version)
-        if self.pool is not None and self.rank == 0:
-            # Host copies of their own: cuda_ipc delivers views into the source's packed
-            # buffers (pickling a view writes its whole storage), and spot nodes may lack CUDA.
-            self.pool.stage({k: v.detach().cpu() for k, v in weights.items()}, version)
+        """Load the policy's weights (``m2flow.sync_weights``) into the engine, between its
+        decode steps (:meth:`~m2flow.workers.engines.rollout.RolloutEngine.update_weights`: the
+        spot pool also stages them for its instances), and into ``self.model`` (the held-out
+        evaluation's) when the engine samples from a copy of its own (vLLM, emulated)."""
+        self.engine.update_weights(version, weights)
+        if self.engine.model is not self.model:
+            self.model.load_state_dict(weights)
 
     # -- evaluation -------------------------------------------------------------------------
 

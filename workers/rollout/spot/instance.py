@@ -1,10 +1,11 @@
 """A spot rollout instance: one engine on a preemptible node, driven by pulls.
 
 Its loop (RLBoost 4.2-4.3): pull the staged weights when the manager has a newer version
-(pull-based, versioned: an instance that joins mid-step loads them, then takes work), lease
-its pending requests up to its batch room, generate one block of tokens, report the block,
-drop what the manager revokes. The engine is ``args["engine"]`` from
-:data:`~m2flow.workers.rollout.engines.ROLLOUT_ENGINES`: ``exact``
+(pull-based, versioned: an instance that joins mid-step loads them, then takes work; the
+engine's ``update_weights``), lease its pending requests up to its batch room, generate one
+block of tokens, report the block, drop what the manager revokes (a rebalancing move, or the
+pool paused: the requests go back with their tokens and per-token versions). The engine is
+``args["engine"]`` from :data:`~m2flow.workers.rollout.engines.ROLLOUT_ENGINES`: ``exact``
 (:class:`~m2flow.workers.rollout.exact.ExactEngine`), ``vllm`` (block-wise continuation) or
 ``emulated`` (no model is built; a weight pull sleeps its modelled transfer time). If its node
 disappears, the process dies mid-block; the manager still holds every response up to the last
@@ -70,7 +71,7 @@ class SpotInstance:
             if version != self.version and refs:
                 # emulated (no model): the modelled pull of the weights' bytes
                 weights = None if self.model is None else ray.get(refs[0])
-                self.engine.load_weights(weights, version)
+                self.engine.update_weights(version, weights)
                 self.version = version
                 executing = []  # leases of an older version are void (the manager requeued)
             room = self.max_batch - len(executing)
@@ -81,7 +82,7 @@ class SpotInstance:
                 continue
             t0 = time.perf_counter()
             context = sum(r.length for r in executing) / len(executing)
-            made = self.engine.step(executing, self.block, self.version, label=self.id)
+            made = self.engine.step(executing, self.block, label=self.id)
             busy = time.perf_counter() - t0
             drop = set(
                 ray.get(mgr.report.remote(self.id, executing, busy, len(executing), made, context))

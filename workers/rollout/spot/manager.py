@@ -25,12 +25,18 @@ policies in :mod:`m2flow.scheduler.spot`; the manager applies them:
   they finish the rollout themselves). ``T_seed`` and ``N_prem`` are updated after every step
   from its idle and compute times: ``n_bar`` is the spot instance count integrated up to the
   step's end (a count held all step gives exactly that integer, so the memory of lines 11-14
-  fires); the trainer's idle time is what the trainer reports (:meth:`RolloutManager.
-  trainer_waits`: its waits for micro-batches, outside the reserved ranks' generation), else
-  the waits of a trainer that collects itself.
+  fires); the trainer's idle time is what the trainer reports (its waits for micro-batches,
+  outside the reserved ranks' generation: the run event :data:`m2flow.events.TRAINER_WAITS`,
+  which the manager reads from the run's event bus at the step's end, or
+  :meth:`RolloutManager.trainer_waits`), else the waits of a trainer that collects itself.
 - **weights** (4.3): staged once per update (one object-store copy); an instance pulls the
   version it lacks when it registers and at each update, and takes work only on the current
   version.
+- **pause** (:meth:`RolloutManager.pause`, the pool engine's ``pause``): nothing is dispatched
+  or leased to spot instances, and their executing requests are revoked at their next report
+  (back to the queue's head with their tokens, logprobs and per-token versions) until
+  :meth:`RolloutManager.resume`; the reserved ranks' requests stay with them (their engines
+  pause in place).
 
 Times are ``time.monotonic()`` seconds. Metrics per step: tokens by reserved vs spot engines,
 preemptions and the requests and tokens the preempted instances held, migrated samples and
@@ -47,6 +53,8 @@ from collections import defaultdict, deque
 
 import ray
 from m2flow.scheduler.spot import SeedingPolicy, ThroughputProfile, rebalance, select_instance
+
+from m2flow import events
 
 from ..exact import GenRequest
 from .config import SpotPoolConfig
@@ -88,8 +96,11 @@ class RolloutManager:
         self.changed = asyncio.Event()
         self.stats: dict = self._fresh_stats()
         self.history: list[dict] = []  # one record per finished step
+        self.paused = False  # spot instances held (:meth:`pause`)
         self._rr = 0
         self._tasks: list[asyncio.Task] = []
+        self._bus = None  # the run's event bus (the trainer's waits arrive there)
+        self._bus_seen = None  # the last event number read (a ref to it until the first read)
 
     async def start(self) -> None:
         """Start the background loops now: spot instances start on the nodes there are and
@@ -100,6 +111,9 @@ class RolloutManager:
     def _start(self) -> None:
         """The background loops, started by the first call (an actor's __init__ has no event
         loop running yet)."""
+        if self._bus is None:  # events published before now belong to no step of this pool
+            self._bus = events.open_bus()
+            self._bus_seen = self._bus.last.remote()
         if not self._tasks:
             loop = asyncio.get_running_loop()
             self._tasks = [
@@ -115,8 +129,27 @@ class RolloutManager:
         rollout used the previous version: Algorithm 1 updates ``T_seed`` and ``N_prem``."""
         self._start()
         if self.cur.step >= 0 and not self.queue and not self._unfinished():
+            await self._read_trainer_waits()
             self._end_step()
         self.version, self.weights = version, weights
+        self._changed()
+
+    async def pause(self) -> None:
+        """Hold the spot instances: no dispatch, no lease; each one's executing requests come
+        back at its next report (module docstring). Idempotent."""
+        self._start()
+        self.paused = True
+        for inst in self.instances.values():
+            if inst.kind == "spot":
+                for rid in inst.executing:
+                    inst.revoke.setdefault(rid, None)  # to the queue's head
+                while inst.pending:
+                    self.queue.appendleft(inst.pending.pop())
+        self._changed()
+
+    async def resume(self) -> None:
+        """Undo :meth:`pause`: dispatch and leases go on (on the current weights)."""
+        self.paused = False
         self._changed()
 
     async def set_config(self, **fields) -> None:
@@ -150,6 +183,7 @@ class RolloutManager:
         now = time.monotonic()
         if step != self.cur.step:
             if self.cur.step >= 0:  # the last step ended without new weights: close it anyway
+                await self._read_trainer_waits()
                 self._end_step()
             self.cur = StepRecord(step=step, start=now, n_since=now)
             for inst in self.instances.values():
@@ -184,7 +218,7 @@ class RolloutManager:
         if inst is None:
             return []
         inst.version = version
-        if version != self.version:
+        if version != self.version or (self.paused and inst.kind == "spot"):
             return []
         deadline = time.monotonic() + 0.2
         while (not inst.pending and not inst.executing and inst.accepting
@@ -230,7 +264,8 @@ class RolloutManager:
         drop = [rid for rid in inst.revoke if rid in inst.executing]
         for rid in drop:
             inst.executing.discard(rid)
-            self._requeue(rid, migrated=True, to=self.instances.get(inst.revoke[rid]))
+            to = inst.revoke[rid]  # None: held by a pause, back to the queue
+            self._requeue(rid, migrated=to is not None, to=self.instances.get(to))
         inst.revoke.clear()
         self._changed()
         return drop
@@ -299,6 +334,19 @@ class RolloutManager:
                 if not (math.isfinite(t0) and math.isfinite(t1) and t0 <= t1):
                     raise ValueError(f"trainer rank {rank}: bad wait interval {span!r}")
             self.cur.trainer_waits[rank] = [tuple(map(float, x)) for x in spans]
+
+    async def _read_trainer_waits(self) -> None:
+        """Take the trainer's waits published since the last read (the run event
+        :data:`m2flow.events.TRAINER_WAITS`) into this step's record (:meth:`trainer_waits`)."""
+        if self._bus is None:
+            return
+        if not isinstance(self._bus_seen, int):
+            self._bus_seen = await self._bus_seen
+        got = await self._bus.read.remote(events.TRAINER_WAITS, self._bus_seen)
+        if got:
+            self._bus_seen = got[-1][0]
+            by_rank = {v["rank"]: v["waits"] for _, v in got}  # the latest of each rank
+            await self.trainer_waits([by_rank[r] for r in sorted(by_rank)])
 
     async def metrics(self) -> dict:
         """This step's counters so far, the schedule, and the instances."""
@@ -383,7 +431,7 @@ class RolloutManager:
             self.stats["migrated_samples"] += 1
             self.stats["migrated_tokens"] += len(r.tokens)
             if self.cfg.migration == "recompute":  # ablation: restart from the prompt
-                r.tokens, r.logprobs = [], []
+                r.tokens, r.logprobs, r.versions = [], [], []
         if to is not None and to.accepting and to.version == self.version:
             to.pending.appendleft(rid)
         else:
@@ -398,7 +446,7 @@ class RolloutManager:
 
     async def _dispatch_loop(self) -> None:
         while True:
-            if not self.queue:
+            if not self.queue or self.paused:
                 await self._wait_change(1.0)
                 continue
             eligible = self._eligible()
@@ -417,7 +465,7 @@ class RolloutManager:
     async def _rebalance_loop(self) -> None:
         while True:
             await asyncio.sleep(0.1)
-            if not self.cfg.rebalance:
+            if not self.cfg.rebalance or self.paused:
                 continue
             live = {i.id: i for i in self._eligible()}
             if len(live) < 2:

@@ -1,12 +1,19 @@
-"""The reserved side of the spot rollout pool: a rollout rank that seeds, then collects.
+"""The spot rollout pool as a rollout engine: ``rollout.spot.enabled`` composes it over the
+engine it continues blocks with (:func:`~..engines.build_rollout_engine`).
 
-Inside ``RolloutWorker.generate`` (the runner does not change): the rank submits its share of
-the step's prompts to the rollout manager, generates as a *reserved instance* for ``T_seed``
+:class:`SpotPoolEngine` is the reserved side of the pool on one rollout rank. For a step's
+share of prompts (:meth:`~SpotPoolEngine.stream`, the role's runner does not change) it submits
+the requests to the rollout manager, generates as a *reserved instance* for ``T_seed``
 seconds (RLBoost 4.1: partial response seeding), hands its unfinished responses to the manager
 once a spot instance is ready (or keeps generating when none is: colocated fallback, no stall),
-and then streams finished GRPO groups to its consumers in chunks of ``micro_batch_prompts``
-groups as they arrive (dynamic micro-batches), yielding its devices while it waits so that
-training runs on them.
+and then yields finished GRPO groups in chunks of ``micro_batch_prompts`` groups as they arrive
+(dynamic micro-batches), yielding its devices while it waits so that training runs on them.
+
+Weights: :meth:`~SpotPoolEngine.update_weights` loads them into the inner engine and (rank 0)
+stages them once for the spot instances to pull (RLBoost 4.3). Pause and resume: the inner
+engine stops at its next decode step; the manager holds the spot instances (no lease, and
+their requests come back with their tokens, logprobs and per-token versions at their next
+report, at most ``block_tokens`` decode steps later) until the resume.
 """
 
 from __future__ import annotations
@@ -17,78 +24,163 @@ from dataclasses import asdict
 import ray
 import torch
 
-from m2flow import Channel, events
+from m2flow import events
 from m2flow.work import Work
 
-from ...batch import num_tokens, to_batch
-from ...chunk import RolloutChunk
 from ..engines import ROLLOUT_ENGINES
 from ..exact import GenRequest, to_generation_output
 from .config import SpotPoolConfig
 from .manager import get_manager
 
 _COLLECT_POLL_S = 1.0  # how often a waiting rank checks that spot capacity exists
+#: the counters of the pool a step's result reports (RolloutWorker.generate's ``spot``)
+STEP_COUNTERS = (
+    "reserved_tokens", "spot_tokens", "preemptions", "preempted_requests", "preempted_tokens",
+    "migrated_samples", "migrated_tokens", "rebalanced_samples", "released", "t_seed", "n_prem",
+)  # fmt: skip
 
 
-class ReservedSeeder:
-    """The spot-pool side of one rollout rank (see the module docstring)."""
+def build_spot_pool(args: dict, model, tokenizer) -> SpotPoolEngine:
+    """The registry entry ``spot`` (:data:`~..engines.ROLLOUT_ENGINES`): ``args`` are the
+    role's engine arguments plus ``engine`` (the configured kind) and ``spot`` (``rollout.spot``
+    fields)."""
+    return SpotPoolEngine(args, model, tokenizer)
 
-    def __init__(self, worker, cfg: dict, model: dict, tokenizer: dict) -> None:
-        self.w = worker
-        self.cfg = SpotPoolConfig(**cfg)
+
+build_spot_pool.needs_model, build_spot_pool.generates, build_spot_pool.steps = True, True, False
+
+
+class SpotPoolEngine:
+    """The spot-pool side of one rollout rank (see the module docstring).
+
+    Args:
+        args: the rollout role's engine arguments: ``engine`` (the configured kind), ``spot``
+            (:class:`~.config.SpotPoolConfig` fields), ``model`` and ``tokenizer`` (specs, for
+            the spot instances), ``temperature``, ``top_p``, ``seed``, ``rank``,
+            ``world_size``, ``name`` (the rank's, for messages).
+        model, tokenizer: the host's Hugging Face model and tokenizer.
+
+    Raises:
+        ValueError: a bad ``rollout.spot`` value.
+    """
+
+    whole_share = True  # it balances the rank's whole share of a step itself
+
+    def __init__(self, args: dict, model, tokenizer) -> None:
+        self.cfg = SpotPoolConfig(**args["spot"])
         self.cfg.check()
-        args = {
-            "model": model, "tokenizer": tokenizer, "temperature": worker.temperature,
-            "top_p": worker.top_p, "seed": worker.seed, "batch_rows": self.cfg.batch_rows,
-            "threads": self.cfg.threads, "min_new_tokens": self.cfg.min_new_tokens,
-            "decode_delay_s": self.cfg.decode_delay_s,
-            "engine": "vllm" if worker.vllm is not None else self.cfg.engine,
-            "emulated": asdict(self.cfg.emulated),
-            "eos_id": worker.tokenizer.eos_token_id, "filler_id": len(worker.tokenizer) - 1,
+        kind = args["engine"]
+        # the configured engine when it continues blocks (vllm), else the pool's own
+        inner = kind if getattr(ROLLOUT_ENGINES.get(kind, "rollout"), "steps", False) else None
+        self.rank, self.name = args.get("rank", 0), args.get("name", "rollout")
+        self.tokenizer = tokenizer
+        inner_args = {
+            **args, "batch_rows": self.cfg.batch_rows, "threads": self.cfg.threads,
+            "min_new_tokens": self.cfg.min_new_tokens, "decode_delay_s": self.cfg.decode_delay_s,
+            "engine": inner or self.cfg.engine, "emulated": asdict(self.cfg.emulated),
+            "eos_id": tokenizer.eos_token_id, "filler_id": len(tokenizer) - 1,
         }  # fmt: skip
-        self.manager = get_manager(asdict(self.cfg), worker.world_size, args)
+        instance_args = {k: inner_args[k] for k in (
+            "model", "tokenizer", "temperature", "top_p", "seed", "batch_rows", "threads",
+            "min_new_tokens", "decode_delay_s", "engine", "emulated", "eos_id", "filler_id",
+        )}  # fmt: skip
+        self.manager = get_manager(asdict(self.cfg), args.get("world_size", 1), instance_args)
         # instances start now (during a warm start): ready when the first weights are staged
         ray.get(self.manager.start.remote(), timeout=120)
-        if worker.vllm is not None:  # rollout.engine=vllm: block-wise on the role's own engine
-            self.engine = worker.vllm
-        else:  # the spot instances' chain (exact, or emulated: same loop, modelled time)
-            build = ROLLOUT_ENGINES.get(self.cfg.engine, "rollout.spot")
-            self.engine = build(args, worker.model, worker.tokenizer)
+        build = ROLLOUT_ENGINES.get(inner_args["engine"], "rollout.spot")
+        self.inner = build(inner_args, model, tokenizer)
+        self.model = self.inner.model
+        self._last: dict = {}
 
-    def stage(self, weights: dict, version: int) -> None:
-        """Stage new weights once for every spot instance to pull (RLBoost 4.3)."""
-        ray.get(self.manager.stage.remote(version, [ray.put(weights)]), timeout=120)
+    # -- the RolloutEngine protocol ----------------------------------------------------------
 
-    def generate(self, items: list[dict], out: Channel, step_samples: int = 0) -> dict:
-        """Rollout of this rank's prompts through the pool; puts chunks of whole GRPO groups
-        into ``out`` as they finish (the layout of :meth:`RolloutWorker.generate`;
-        ``step_samples``: the step's responses on all ranks). Returns its metrics plus the
-        pool's counters of the step (``spot``)."""
-        w, c, mgr = self.w, self.cfg, self.manager
-        if not items:
-            return {"samples": 0, "tokens": 0, "response_length": 0.0}
-        step = items[0].get("step", 0)
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def update_weights(self, version: int, weights) -> None:
+        """Load ``weights`` into the inner engine at its next decode-step boundary and, on rank
+        0, stage them once for every spot instance to pull (RLBoost 4.3)."""
+        self.inner.update_weights(version, weights)
+        if self.rank == 0 and weights is not None:
+            # Host copies of their own: cuda_ipc delivers views into the source's packed
+            # buffers (pickling a view writes its whole storage), and spot nodes may lack CUDA.
+            host = {k: v.detach().cpu() for k, v in weights.items()}
+            ray.get(self.manager.stage.remote(version, [ray.put(host)]), timeout=120)
+
+    def pause(self) -> None:
+        """The inner engine stops at its next decode step; the spot instances are held (their
+        requests come back with their tokens at their next report)."""
+        ray.get(self.manager.pause.remote(), timeout=120)
+        self.inner.pause()
+
+    def resume(self) -> None:
+        self.inner.resume()
+        ray.get(self.manager.resume.remote(), timeout=120)
+
+    def sleep(self) -> bool:
+        return self.inner.sleep()
+
+    def wake_up(self) -> bool:
+        return self.inner.wake_up()
+
+    def last_metrics(self) -> dict:
+        """The last :meth:`stream`'s ``seeded_s`` (seconds this rank generated),
+        ``weight_versions`` (of its responses) and ``spot`` (the pool's step counters)."""
+        return dict(self._last)
+
+    def generate(self, prompt_ids, n_samples, max_new_tokens, sample_keys) -> dict:
+        """Every response of the prompts through the pool, in one generation output."""
+        groups = [g for part in self._groups(prompt_ids, n_samples, max_new_tokens, sample_keys)
+                  for g in part]  # fmt: skip
+        return self._output([r for g in groups for r in g], n_samples, sample_keys)
+
+    def stream(self, prompt_ids, n_samples, max_new_tokens, sample_keys):
+        """Generation outputs of ``micro_batch_prompts`` whole groups at a time, as they
+        finish (``group_index``: the prompt's index in ``prompt_ids``)."""
+        c = self.cfg
+        for groups in self._groups(prompt_ids, n_samples, max_new_tokens, sample_keys):
+            for i in range(0, len(groups), c.micro_batch_prompts):
+                part = [r for g in groups[i : i + c.micro_batch_prompts] for r in g]
+                yield self._output(part, n_samples, sample_keys)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def _output(self, requests: list[GenRequest], n_samples: int, sample_keys) -> dict:
+        out = to_generation_output(requests, self.tokenizer.pad_token_id, n_samples)
+        index = {group: i for i, (_, group) in enumerate(sample_keys)}
+        out["group_index"] = torch.tensor(
+            [index[int(g)] for g in out["group_index"]], device="cpu"
+        )  # fmt: skip
+        return out
+
+    def _groups(self, prompt_ids, n_samples, max_new_tokens, sample_keys):
+        """Finished GRPO groups (lists of requests, sample order) as the manager hands them
+        out, in batches; records :meth:`last_metrics` at the end."""
+        c, mgr = self.cfg, self.manager
+        self._last = {}
+        if not prompt_ids:
+            return
+        step = sample_keys[0][0]
         reqs = [
-            GenRequest(f"{step}:{it['group']}:{j}", it["prompt_ids"], (step, it["group"], j),
-                       w.max_new_tokens, owner=w.rank)
-            for it in items
-            for j in range(w.n_samples)
+            GenRequest(f"{s}:{group}:{j}", list(p), (s, group, j), max_new_tokens,
+                       owner=self.rank)
+            for p, (s, group) in zip(prompt_ids, sample_keys)
+            for j in range(n_samples)
         ]  # fmt: skip
-        t_seed = ray.get(mgr.submit.remote(step, w.rank, reqs), timeout=120)
+        t_seed = ray.get(mgr.submit.remote(step, self.rank, reqs), timeout=120)
         seeded = self._seed(t_seed)
-        entries = {it["group"]: it["entry"] for it in items}
-        samples = tokens = resp_tokens = 0
         versions: set[int] = set()
         got, deadline = 0, time.monotonic() + c.timeout_s
-        while got < len(items):
-            ref = mgr.collect.remote(w.rank, c.micro_batch_prompts, _COLLECT_POLL_S)
+        while got < len(prompt_ids):
+            ref = mgr.collect.remote(self.rank, c.micro_batch_prompts, _COLLECT_POLL_S)
             with events.span("spot", "collect"):  # devices free meanwhile
                 groups = Work(ref, yields=True).wait(_COLLECT_POLL_S + 30)
             if not groups:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"{w.worker_key}: {len(items) - got} of its {len(items)} prompts not "
-                        f"done after {c.timeout_s:.0f} s (rollout.spot.timeout_s)"
+                        f"{self.name}: {len(prompt_ids) - got} of its {len(prompt_ids)} prompts "
+                        f"not done after {c.timeout_s:.0f} s (rollout.spot.timeout_s)"
                     )
                 # No spot instance ready (all preempted, or starting): this rank generates
                 # again until one is (colocated fallback, RLBoost 4.1).
@@ -96,51 +188,35 @@ class ReservedSeeder:
                     seeded += self._seed(0.0)
                 continue
             got += len(groups)
-            for i in range(0, len(groups), c.micro_batch_prompts):
-                part = [r for g in groups[i : i + c.micro_batch_prompts] for r in g]
-                batch = to_batch(to_generation_output(part, w.tokenizer.pad_token_id,
-                                                      w.n_samples))  # fmt: skip
-                versions |= {r.weight_version for r in part}
-                n_tok = num_tokens(batch)
-                chunk = RolloutChunk(
-                    batch,
-                    entries={g: entries[g] for g in batch["group_index"].unique().tolist()},
-                    weight_version=min(r.weight_version for r in part),
-                    step=step,
-                    step_samples=step_samples,
-                )
-                out.put(chunk, weight=n_tok)
-                samples += len(batch)
-                tokens += n_tok
-                resp_tokens += int(batch["response_mask"].sum())
+            versions |= {v for g in groups for r in g for v in _versions(r)}
+            yield groups
         pool = ray.get(mgr.metrics.remote(), timeout=120)
-        keep = ("reserved_tokens", "spot_tokens", "preemptions", "preempted_requests",
-                "preempted_tokens", "migrated_samples", "migrated_tokens", "rebalanced_samples",
-                "released", "t_seed", "n_prem")  # fmt: skip
-        return {
-            "samples": samples,
-            "tokens": tokens,
-            "response_length": resp_tokens / max(samples, 1),
+        self._last = {
             "seeded_s": seeded,
             "weight_versions": sorted(versions),
-            "spot": {k: pool[k] for k in keep},
+            "spot": {k: pool[k] for k in STEP_COUNTERS},
         }
 
     def _seed(self, t_seed: float) -> float:
         """Generate as a reserved instance for ``t_seed`` seconds, then hand over (see the
         module docstring). Returns the seconds it generated."""
-        w = self.w
-        return seed(self.manager, self.engine, f"reserved:{w.rank}", w.weight_version, t_seed,
-                    self.cfg.max_batch, self.cfg.block_tokens)  # fmt: skip
+        c = self.cfg
+        return seed(self.manager, self.inner, f"reserved:{self.rank}", t_seed, c.max_batch,
+                    c.block_tokens)  # fmt: skip
+
+
+def _versions(r: GenRequest) -> set[int]:
+    return set(r.versions) if len(r.versions) == len(r.tokens) else {r.weight_version}
 
 
 @torch.no_grad()
-def seed(mgr, engine, iid: str, version: int, t_seed: float, max_batch: int, block: int) -> float:
+def seed(mgr, engine, iid: str, t_seed: float, max_batch: int, block: int) -> float:
     """A reserved instance's seeding loop (RLBoost section 4.1; the module docstring): register
-    as ``iid`` at the manager ``mgr``, lease up to ``max_batch`` requests of weight version
-    ``version``, generate ``block`` tokens per report with ``engine`` (exact or emulated), until
-    ``t_seed`` seconds have passed and a spot instance is ready to take the seeds (or nothing is
-    left), then leave. Returns the seconds it generated."""
+    as ``iid`` at the manager ``mgr``, lease up to ``max_batch`` requests of the weight version
+    ``engine`` holds (:attr:`~m2flow.workers.engines.rollout.RolloutEngine.version`), generate
+    ``block`` tokens per report with ``engine`` (exact, emulated or vllm), until ``t_seed``
+    seconds have passed and a spot instance is ready to take the seeds (or nothing is left),
+    then leave. Returns the seconds it generated."""
     ray.get(mgr.register.remote(iid), timeout=120)
     t0 = time.monotonic()
     executing: list[GenRequest] = []
@@ -148,6 +224,7 @@ def seed(mgr, engine, iid: str, version: int, t_seed: float, max_batch: int, blo
         while True:
             if time.monotonic() - t0 >= t_seed and ray.get(mgr.spot_ready.remote()) > 0:
                 break  # hand the seeds over
+            version = engine.version  # (an update between blocks: lease for the new one)
             room = max_batch - len(executing)
             leased = ray.get(mgr.lease.remote(iid, version, room)) if room else []
             executing += leased
@@ -155,7 +232,7 @@ def seed(mgr, engine, iid: str, version: int, t_seed: float, max_batch: int, blo
                 break  # nothing for this rank: the rest is on spot instances
             t1 = time.perf_counter()
             context = sum(r.length for r in executing) / len(executing)
-            made = engine.step(executing, block, version, iid)
+            made = engine.step(executing, block, label=iid)
             busy = time.perf_counter() - t1
             drop = set(ray.get(mgr.report.remote(iid, executing, busy, len(executing), made,
                                                  context)))  # fmt: skip
@@ -163,20 +240,3 @@ def seed(mgr, engine, iid: str, version: int, t_seed: float, max_batch: int, blo
     finally:
         ray.get(mgr.leave.remote(iid), timeout=120)
     return time.monotonic() - t0
-
-
-def trainer_waits(waits: list[list[list[float]]]) -> None:
-    """Report the trainer's waits for micro-batches of this step (``[t0, t1]`` wall-clock
-    seconds per trainer rank: :meth:`ActorWorker.train`'s ``input_waits``) to the run's rollout
-    manager (:meth:`.manager.RolloutManager.trainer_waits`); nothing when the run has no spot
-    pool. Call after the trainer's step, before the weights are synchronised (which ends the
-    pool's step)."""
-    from m2flow.cluster import NAMESPACE
-
-    from .names import MANAGER_NAME
-
-    try:
-        mgr = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
-    except ValueError:  # no spot pool in this run
-        return
-    ray.get(mgr.trainer_waits.remote(waits), timeout=120)
