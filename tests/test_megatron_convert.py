@@ -74,6 +74,9 @@ cpu_only = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU/gloo parity tests; the CUDA/NCCL path is not covered"
 )
 VOCAB = 50
+#: weights after 4 AdamW steps at TP=2 (the critic case): test_megatron_critic.py TP_DP_WEIGHT_ATOL
+#: says why 1e-5 fails on avx2 kernels; a gradient wrong in direction moves a weight by ~lr = 1e-3
+TP_WEIGHT_ATOL = 5e-5
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -502,7 +505,9 @@ def test_critic_tp2_llama_matches_torch_critic(saved, tmp_path):
         scale = max(1.0, abs(metrics_a[key]))
         assert abs(got["metrics_a"][key] - metrics_a[key]) <= LOGPROB_ATOL * scale, key
     assert diffs["values"] <= LOGPROB_ATOL and diffs["vf_loss"] <= LOGPROB_ATOL
-    assert max(diffs["weights_a"], diffs["weights_b"], diffs["moments"]) <= WEIGHT_ATOL, diffs
+    # 4 AdamW steps on TP-split matmuls: the tiny-gradient coordinates Adam amplifies differ by
+    # 2.1e-5 with avx2 kernels (CI's CPU), as in test_megatron_critic.py's TP_DP_WEIGHT_ATOL
+    assert max(diffs["weights_a"], diffs["weights_b"], diffs["moments"]) <= TP_WEIGHT_ATOL, diffs
 
 
 # -- refusals ----------------------------------------------------------------------------------
