@@ -133,19 +133,29 @@ def _env(**extra: str) -> dict:
     return env
 
 
-def _pids_of(title: str) -> list[int]:
-    """Processes whose command line starts with ``title`` (Ray names actor processes
-    ``ray::<Class>...``)."""
-    pids = []
+def _pids_of(title: str, root: int) -> list[int]:
+    """Descendants of process ``root`` whose command line starts with ``title`` (Ray names actor
+    processes ``ray::<Class>...``). Only ``root``'s tree: another test's run on the machine (an
+    xdist worker beside this one) has actors of the same name."""
+    parent, cmdline = {}, {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
+                stat = (d / "stat").read_text()
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if cmd.startswith(title):
-                pids.append(int(d.name))
-    return pids
+            parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            cmdline[int(d.name)] = cmd
+
+    def under_root(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    return [pid for pid, cmd in cmdline.items() if cmd.startswith(title) and under_root(pid)]
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -173,7 +183,7 @@ def test_cli_killed_actor_one_paragraph_exit_1_and_resume(tmp_path):
         while max(_steps(run_dir), default=-1) < 3:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
             time.sleep(0.2)
-        victims = _pids_of("ray::ActorWorker")
+        victims = _pids_of("ray::ActorWorker", proc.pid)
         assert len(victims) == 1, victims
         os.kill(victims[0], signal.SIGKILL)
         out, _ = proc.communicate(timeout=120)
