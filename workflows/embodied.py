@@ -105,7 +105,7 @@ def main(cfg) -> dict:
     env = EnvWorker.launch(
         cluster, name="env", env_id=e.id, num_envs=e.num_envs, seed=tr.seed, threads=e.threads
     )
-    spec = env.spec().wait()[0]
+    spec = env.spec().wait()
     policy = PolicyWorker.launch(cluster, name="policy", **spec, seed=tr.seed, **plain(cfg.policy))
     actor = EmbodiedActorWorker.launch(
         cluster, name="actor", **spec, hidden=cfg.policy.hidden, seed=tr.seed,
@@ -127,7 +127,7 @@ def main(cfg) -> dict:
             roll = env.rollout(obs, actions, trajectories, e.steps)
             act = policy.act(obs, actions)
             upd = actor.train(trajectories)
-            e_out, _, a_out = roll.wait(), act.wait(), upd.wait()[0]
+            e_out, _, a_out = roll.wait(), act.wait(), upd.wait()
             sync_weights(actor, policy)
             seconds, env_steps = time.time() - t0, sum(o["env_steps"] for o in e_out)
             episodes = sum(o["episodes"] for o in e_out)

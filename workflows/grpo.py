@@ -223,7 +223,7 @@ def main(cfg) -> dict:
             ws_args, skipped = warm_start_args(cfg, data.source)
             task_or_none = None if skipped else task
             call = actor.warm_start(task_or_none, seed=tr.seed, reward=rewards, **ws_args)
-            ws = log.wait("warm start", call, None if skipped else ws_args["time_budget_s"])[0]
+            ws = log.wait("warm start", call, None if skipped else ws_args["time_budget_s"])
             if skipped:
                 log.print(f"warm start: skipped ({skipped})")
             sync_weights(actor, rollout)
@@ -240,8 +240,7 @@ def main(cfg) -> dict:
             gen = rollout.generate(prompts, rollouts, tr.prompts_per_step)
             rew = reward.score(rollouts, scored)
             upd = actor.train(scored)
-            g_out, r_out, a_outs = gen.wait(), rew.wait(), upd.wait()
-            a_out = a_outs[0]
+            g_out, r_out, a_out = gen.wait(), rew.wait(), upd.wait()
             version = sync_weights(actor, rollout)
             seconds = time.time() - t0
             tokens = sum(o["tokens"] for o in g_out)

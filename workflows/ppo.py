@@ -273,7 +273,7 @@ def main(cfg) -> dict:
             ws_args, skipped = warm_start_args(cfg, data.source)
             task_or_none = None if skipped else task
             call = actor.warm_start(task_or_none, seed=tr.seed, reward=rewards, **ws_args)
-            ws = log.wait("warm start", call, None if skipped else ws_args["time_budget_s"])[0]
+            ws = log.wait("warm start", call, None if skipped else ws_args["time_budget_s"])
             if skipped:
                 log.print(f"warm start: skipped ({skipped})")
             fitted = not cfg.reward_model.path  # else your reward model, as it is
@@ -286,7 +286,7 @@ def main(cfg) -> dict:
                 gen = rollout.generate(prompts, fit, fit_n)
                 call = reward.fit(fit, cfg.reward_fit.heldout_batches * n, cfg.reward_fit.epochs)
                 gen.wait()
-                rm = log.wait("reward model fit", call)[0]
+                rm = log.wait("reward model fit", call)
             ev = evaluate()
             if ev:
                 summary["accuracy_after_warm_start"] = ev["heldout_accuracy"]
@@ -303,7 +303,7 @@ def main(cfg) -> dict:
             ref = reference.logprobs(to_reference, refs)
             val = critic.step(to_critic, scores, refs, adv)
             upd = actor.train_ppo(adv)
-            g_out, r_out, c_out, a_out = gen.wait(), rew.wait()[0], val.wait()[0], upd.wait()[0]
+            g_out, r_out, c_out, a_out = gen.wait(), rew.wait(), val.wait(), upd.wait()
             ref.wait()
             sync_weights(actor, rollout)
             seconds = time.time() - t0

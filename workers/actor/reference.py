@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, group_method
 
 from ..batch import num_tokens
 from ..checkpoint import load_state, save_state
@@ -50,6 +50,7 @@ class ReferenceWorker(Worker):
         """The frozen reference: the policy's weights when synced (``m2flow.sync_weights``)."""
         self.engine.load_state_dict(weights)
 
+    @group_method
     def logprobs(self, inp: Channel, out: Channel) -> dict:
         """For the step's rollout chunks from ``inp`` (until the rollout's end of step; ranks
         share them), put ``{"ref_logprobs": [B, R]}`` into ``out`` under the chunk's key
@@ -66,10 +67,12 @@ class ReferenceWorker(Worker):
             samples += len(batch)
         return {"samples": samples}
 
+    @group_method
     def save_checkpoint(self, path: str) -> str:
         """The frozen reference weights under ``path``."""
         return save_state(path, self.rank, {"model": self.engine.state_dict()})
 
+    @group_method
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote."""
         self.engine.load_state_dict(load_state(path, self.rank)["model"])

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, group_method
 
 from ..algos.grpo import grpo_loss
 from ..algos.ppo import clipped_value_loss, explained_variance, gae, masked_whiten
@@ -73,6 +73,7 @@ class EmbodiedActorWorker(Worker):
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_version = 0
 
+    @group_method(collect="rank0")
     def train(self, inp: Channel) -> dict:
         """One PPO update from the step's trajectories (one per environment rank, read from
         ``inp`` until the environments' end of step; layout: :meth:`EnvWorker.rollout`).
@@ -159,6 +160,7 @@ class EmbodiedActorWorker(Worker):
         """The network's weights, on CPU (copies)."""
         return {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()}
 
+    @group_method
     def save_checkpoint(self, path: str) -> str:
         """Network, optimizer, shuffling RNG and weight version under ``path``."""
         return save_state(
@@ -172,6 +174,7 @@ class EmbodiedActorWorker(Worker):
             },
         )
 
+    @group_method
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote."""
         state = load_state(path, self.rank)

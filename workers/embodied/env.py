@@ -21,7 +21,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, group_method
 
 from ..checkpoint import from_plain, load_state, save_state, to_plain
 from ..llm.placement import set_torch_threads
@@ -68,6 +68,7 @@ class EnvWorker(Worker):
         self.recent: deque[float] = deque(maxlen=100)  # returns of the last 100 episodes
         vector_env_state(self.envs)  # an env no checkpoint can hold fails here, not at a save
 
+    @group_method
     def save_checkpoint(self, path: str) -> str:
         """The simulators mid-episode (the values of the vector env, its wrappers and envs,
         RNGs included: :func:`.env_state.vector_env_state`), the current observations and the
@@ -84,6 +85,7 @@ class EnvWorker(Worker):
             },
         )
 
+    @group_method
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote into this rank's env, built from the
         config as on a fresh start.
@@ -99,10 +101,12 @@ class EnvWorker(Worker):
         self.ep_length = from_plain(state["ep_length"])
         self.recent = deque(state["recent"], maxlen=100)
 
+    @group_method(collect="rank0")
     def spec(self) -> dict:
         """``{"obs_dim", "n_actions"}`` of the environment."""
         return {"obs_dim": self.obs_dim, "n_actions": self.n_actions}
 
+    @group_method
     def rollout(self, obs: Channel, actions: Channel, out: Channel, steps: int) -> dict:
         """Step every simulator ``steps`` times with the policy's actions, then put the
         trajectory into ``out``.
@@ -199,6 +203,7 @@ class EnvWorker(Worker):
         o, r, te, tr = zip(*out)
         return np.stack(o), np.array(r, dtype=np.float64), np.array(te), np.array(tr)
 
+    @group_method(collect="rank0")
     def share_items(self) -> int:
         """Simulators on this rank: the items a plan's sub-batches split (``m2flow profile``
         reads it to cost the env <-> policy cycle split, :mod:`m2flow.profiler`)."""

@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, group_method
 
 from ..checkpoint import load_state, save_state
 from ..llm.placement import offload_module, onload_module, set_torch_threads, torch_device
@@ -71,6 +71,7 @@ class PolicyWorker(Worker):
     def load_weights(self, weights: dict, version: int) -> None:
         self.net.load_state_dict(weights)
 
+    @group_method
     @torch.no_grad()
     def act(self, obs: Channel, actions: Channel) -> dict:
         """Serve observation items until the environments' end of step (ranks share them).
@@ -102,10 +103,12 @@ class PolicyWorker(Worker):
             rows += len(x)
         return {"items": served, "observations": rows, "forward_s": forward_s}
 
+    @group_method
     def save_checkpoint(self, path: str) -> str:
         """This rank's action-sampling RNG (the weights come from the actor)."""
         return save_state(path, self.rank, {"generator": self.generator.get_state()})
 
+    @group_method
     def load_checkpoint(self, path: str) -> None:
         self.generator.set_state(load_state(path, self.rank)["generator"])
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from m2flow.scheduler.balance import all_queued
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, group_method
 
 from ..algos.losses import make_loss, sequence_scores
 from ..batch import concat, num_tokens
@@ -133,6 +133,7 @@ class RewardModelWorker(Worker):
         self._results.append(res)
         return torch.tensor(res.scores, dtype=torch.float32)
 
+    @group_method(collect="rank0")
     def fit(self, inp: Channel, heldout_prompts: int, epochs: int) -> dict:
         """Fit the reward model to verifier labels of the rollout chunks read from ``inp``
         (until the rollout's end of step): the samples of the last ``heldout_prompts``
@@ -196,6 +197,7 @@ class RewardModelWorker(Worker):
         """``[B]`` sequence scores in (0, 1): the sigmoid of the head's score (no grad)."""
         return self.engine.infer(batch, _sigmoid_scores, self.micro)
 
+    @group_method(collect="rank0")
     def score(self, inp: Channel, out: Channel) -> dict:
         """Score the step's rollout chunks from ``inp`` (until the rollout's end of step); put
         ``{"scores": [B],
@@ -228,6 +230,7 @@ class RewardModelWorker(Worker):
             **result_metrics(self._results),
         }
 
+    @group_method
     def save_checkpoint(self, path: str) -> str:
         """The fitted reward model and the shuffling RNG under ``path``."""
         refuse_nonfinite(self.engine, "reward model")
@@ -237,6 +240,7 @@ class RewardModelWorker(Worker):
             {"model": self.engine.model.state_dict(), "generator": self.generator.get_state()},
         )
 
+    @group_method
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote."""
         state = load_state(path, self.rank)
