@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
+from m2flow.workers.actor.config import ReferenceOptions
 from m2flow.workers.algos.losses import knows_loss, loss_names
 from m2flow.workers.data.config import DataConfig
 from m2flow.workers.data.reasoning_gym import task_section
@@ -41,12 +41,13 @@ from m2flow.workers.recipe import (
     validate_optim,
     warm_start_args,
 )
-from m2flow.workers.reward.config import RewardConfig
+from m2flow.workers.reward.config import RewardConfig, RewardModelOptions
 
 from m2flow.config import ConfigError
 from m2flow.recipe import (
     Checkpoints,
     ClusterConfig,
+    options,
     plain,
     require,
     start_cluster,
@@ -91,27 +92,6 @@ class CriticConfig(OptimConfig):
 
 
 @dataclass
-class ReferenceConfig:
-    micro_batch_size: int = 0  # responses per forward; 0 = a whole chunk
-    threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
-
-
-@dataclass
-class RewardModelConfig:
-    # Your reward model: a Hugging Face sequence-classification directory (num_labels=1, the
-    # policy's tokenizer), used as it is. None: the policy's transformer with a head fitted to
-    # the verifier's labels (reward_fit.*).
-    path: Optional[str] = None
-    # the verifier is the run's reward function (reward.function)
-    verifier_weight: float = 0.5  # reward = w * verifier + (1 - w) * reward model
-    lr: float = 1e-3  # reward-model fit
-    grad_clip: float = 1.0  # global gradient-norm clip of the fit
-    batch_size: int = 64  # samples per fit step
-    micro_batch_size: int = 0  # samples per forward/backward; 0 = the whole batch
-    threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
-
-
-@dataclass
 class RewardFitConfig:
     batches: int = 18  # rollout batches (trainer.prompts_per_step prompts each) to label
     heldout_batches: int = 2  # of which held out to measure the reward model
@@ -127,9 +107,9 @@ class Config:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n_samples=4))
     reward: RewardConfig = field(default_factory=RewardConfig)  # the verifier
-    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    reward_model: RewardModelOptions = field(default_factory=RewardModelOptions)
     reward_fit: RewardFitConfig = field(default_factory=RewardFitConfig)
-    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    reference: ReferenceOptions = field(default_factory=ReferenceOptions)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -223,14 +203,14 @@ def main(cfg) -> dict:
         cluster, name="rollout", **lm, heldout=data.heldout, reward=rewards, seed=tr.seed,
         **rollout_args,
     )  # fmt: skip
-    rm = plain(cfg.reward_model)
-    if rm["path"]:  # workers load it from their own working directory
-        rm["path"] = os.path.abspath(os.path.expanduser(rm["path"]))
+    rm = options(cfg.reward_model)
+    if rm.path:  # workers load it from their own working directory
+        rm.path = os.path.abspath(os.path.expanduser(rm.path))
     reward = RewardModelWorker.launch(
-        cluster, name="reward", **lm, seed=tr.seed, reward=rewards, **rm
+        cluster, name="reward", **lm, options=rm, seed=tr.seed, reward=rewards
     )
     reference = ReferenceWorker.launch(
-        cluster, name="reference", **lm, temperature=temp, **plain(cfg.reference)
+        cluster, name="reference", **lm, options=options(cfg.reference), temperature=temp
     )
     critic = CriticWorker.launch(
         cluster, name="critic", **lm, gamma=alg.gamma, lam=alg.lam, kl_coef=alg.kl_coef,

@@ -9,6 +9,7 @@ from ..checkpoint import load_state, save_state
 from ..engines.registry import LOGPROB_ENGINES
 from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads, torch_device
+from .config import ReferenceOptions
 
 
 class ReferenceWorker(Worker):
@@ -23,8 +24,9 @@ class ReferenceWorker(Worker):
             ``{"name": "qwen2"}`` (:func:`~m2flow.workers.llm.build_tokenizer`).
         temperature: the rollout's sampling temperature (logprobs of ``logits / T``, as the
             rollout's).
-        micro_batch_size: responses per forward (0: a whole chunk).
-        threads: torch threads; 0 = this rank's share of its node's CPUs.
+        options: the workflow's ``reference`` section (:class:`~.config.ReferenceOptions`:
+            responses per forward, 0: a whole chunk; torch threads, 0: this rank's share of
+            its node's CPUs).
         engine: a :data:`~..engines.registry.LOGPROB_ENGINES` name or ``"module:Class"``.
 
     Raises:
@@ -35,15 +37,15 @@ class ReferenceWorker(Worker):
         self,
         model: dict,
         tokenizer: dict,
-        temperature: float = 1.0,
-        micro_batch_size: int = 0,
-        threads: int = 0,
+        options: ReferenceOptions,
+        temperature: float,
         engine: str = "torch",
     ) -> None:
-        set_torch_threads(self, threads)
+        self.options = options
+        set_torch_threads(self, options.threads)
         self.engine = LOGPROB_ENGINES.get(engine, "reference")(
             model, build_tokenizer(tokenizer), device=torch_device(self.devices),
-            temperature=temperature, micro_batch_size=micro_batch_size or None,
+            temperature=temperature, micro_batch_size=options.micro_batch_size or None,
         )  # fmt: skip
 
     def load_weights(self, weights: dict, version: int) -> None:

@@ -25,29 +25,33 @@ from m2flow import Channel, Worker, group_method
 
 from ..checkpoint import from_plain, load_state, save_state, to_plain
 from ..llm.placement import set_torch_threads
+from .config import EnvOptions
 from .env_state import restore_vector_env, vector_env_state
 
 
 class EnvWorker(Worker):
-    """``num_envs`` simulators of ``env_id`` per rank.
+    """``options.num_envs`` simulators of ``options.id`` per rank.
 
     Args:
-        env_id: a registered Gymnasium id with a flat ``Box`` observation space and a
-            ``Discrete`` action space (``CartPole-v1``, ``Acrobot-v1``, ``MountainCar-v0``).
-        num_envs: simulators on this rank (one vectorised env).
+        options: the workflow's ``env`` section (:class:`~.config.EnvOptions`): ``id``, a
+            registered Gymnasium id with a flat ``Box`` observation space and a ``Discrete``
+            action space (``CartPole-v1``, ``Acrobot-v1``, ``MountainCar-v0``); ``num_envs``,
+            simulators on this rank (one vectorised env); ``threads``, torch threads (the env
+            itself is numpy on one thread).
         seed: reset seed; copy ``i`` of rank ``r`` starts from ``seed + r * num_envs + i``.
-        threads: torch threads (the env itself is numpy on one thread).
 
     Raises:
         ValueError: an environment whose spaces the MLP policy cannot handle, or whose state
             a checkpoint cannot hold as plain values (:func:`.env_state.vector_env_state`).
     """
 
-    def __init__(self, env_id: str, num_envs: int = 16, seed: int = 0, threads: int = 1) -> None:
+    def __init__(self, options: EnvOptions, seed: int = 0) -> None:
         import gymnasium as gym
         from gymnasium.vector import AutoresetMode
 
-        set_torch_threads(self, threads)
+        self.options = options
+        env_id, num_envs = options.id, options.num_envs
+        set_torch_threads(self, options.threads)
         self.envs = gym.make_vec(
             env_id,
             num_envs=num_envs,
