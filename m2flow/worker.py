@@ -13,13 +13,13 @@ devices its placement gives it. It is made of parts a reader finds by name:
 rank 0 or their sum): ``group.method(...)`` runs it on every rank. Other public methods are
 the rank's own helpers. Of the base class, only :meth:`Worker.pop_timings` and
 :meth:`~m2flow.weights.Weights.get_weights` are group methods. A group method takes the rank's
-device locks for its whole run, unless it is marked :func:`no_device_lock` (bookkeeping that
-touches no device memory). ``Worker.group_methods()`` lists them with their collection and
-that flag.
+device locks for its whole run, unless it is marked :func:`~m2flow.methods.no_device_lock`
+(bookkeeping that touches no device memory). ``Worker.group_methods()`` lists them with their
+collection and that flag.
 
 Group calls run one at a time on a rank, in call order, except **control methods**
-(:func:`control_method`): those run on a thread of their own while another group call runs,
-e.g. a rollout role's ``pause`` arriving in the middle of its ``generate``.
+(:func:`~m2flow.methods.control_method`): those run on a thread of their own while another
+group call runs, e.g. a rollout role's ``pause`` arriving in the middle of its ``generate``.
 """
 
 from __future__ import annotations
@@ -39,12 +39,7 @@ from ._env import wait_timeout
 from .calls import CallContext
 from .cluster import Device
 from .mailbox import IO_GROUP, Mailbox, actor_name
-from .methods import (  # noqa: F401  (public path: m2flow.worker.group_method, ...)
-    control_method,
-    declared_methods,
-    group_method,
-    no_device_lock,
-)
+from .methods import declared_methods, group_method, no_device_lock
 from .residency import Residency
 from .weights import Weights
 from .work import Work  # noqa: F401  (re-exported: m2flow.worker.Work)
@@ -260,9 +255,9 @@ class Worker(Mailbox, Residency, Weights):
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def _m2flow_call_control(self, method: str, call: tuple[tuple, dict, CallContext | None]):
-        """Run one :func:`control_method` beside the group call in flight: no device lock, no
-        call context (the running call's stays), no channel epilogue. Returns ``(result,
-        CallStats)``."""
+        """Run one :func:`~m2flow.methods.control_method` beside the group call in flight: no
+        device lock, no call context (the running call's stays), no channel epilogue. Returns
+        ``(result, CallStats)``."""
         args, kwargs, _ = call
         start = time.time()
         result = getattr(self, method)(*args, **kwargs)
