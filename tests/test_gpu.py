@@ -154,6 +154,7 @@ class IpcSink(CudaWeights):
 
 
 class IpcSource(CudaWeights):
+    @group_method
     def allocated(self) -> int:
         import torch
 
