@@ -44,7 +44,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 import ray  # noqa: E402
 from ray.util.queue import Queue  # noqa: E402
 
-from m2flow import Channel, Cluster, Worker  # noqa: E402
+from m2flow import Channel, Cluster, Worker, group_method  # noqa: E402
 
 
 def small_item(i: int) -> dict:
@@ -52,12 +52,14 @@ def small_item(i: int) -> dict:
 
 
 class Producer(Worker):
+    @group_method
     def produce_small(self, q, kind: str, n: int):
         t0 = time.perf_counter()
         for i in range(n):
             q.put(small_item(i))
         return time.perf_counter() - t0
 
+    @group_method
     def produce_tensor(self, q, kind: str, mb: int, rounds: int):
         import torch
 
@@ -68,12 +70,14 @@ class Producer(Worker):
 
 
 class Consumer(Worker):
+    @group_method
     def consume_small(self, q, kind: str, n: int):
         total = 0
         for _ in range(n):
             total += q.get(timeout=300)["id"]
         return total
 
+    @group_method
     def consume_tensor(self, q, kind: str, rounds: int):
         s = 0.0
         for _ in range(rounds):

@@ -39,7 +39,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from m2flow import Cluster, Worker, sync_weights  # noqa: E402
+from m2flow import Cluster, Worker, group_method, sync_weights  # noqa: E402
 from m2flow.weight_transport import BUCKET_BYTES  # noqa: E402
 
 # ~98M parameters: Qwen2 layout (GQA, biased q/k/v, SwiGLU MLP, untied lm_head off).
@@ -81,6 +81,7 @@ class Source(Worker):
     def get_weights(self) -> dict:
         return self.weights
 
+    @group_method
     def checksum(self) -> float:
         return float(sum(t.double().sum() for t in self.weights.values()))
 
@@ -93,6 +94,7 @@ class Dest(Worker):
         for n, t in weights.items():
             self.params[n].copy_(t)
 
+    @group_method
     def checksum(self) -> float:
         s = float(sum(t.double().sum() for t in self.params.values()))
         for t in self.params.values():  # the next sync must write them again

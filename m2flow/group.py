@@ -1,10 +1,11 @@
 """WorkerGroup: one Ray actor per rank, placed on global device ids (RLinf section 4.1).
 
 ``MyWorker.launch(cluster, placement=[0, 1], name="actor", **init_kwargs)`` starts rank ``i`` on
-device ``placement[i]``, pinned to that device's node. Every public method of ``MyWorker``
-becomes a group method: ``group.generate(x)`` runs ``generate(x)`` on every rank (or
-``group.on([0]).generate(x)`` on a subset) and returns a :class:`GroupCall` at once;
-``.wait()`` returns the per-rank results and ``.time()`` the call's duration reduced across
+device ``placement[i]``, pinned to that device's node. The methods ``MyWorker`` declares with
+:func:`m2flow.group_method` are group methods: ``group.generate(x)`` runs ``generate(x)`` on
+every rank (or ``group.on([0]).generate(x)`` on a subset) and returns a :class:`GroupCall` at
+once; ``.wait()`` returns the results collected as the method declares (every rank's, rank
+0's, or their sum; :mod:`m2flow.methods`) and ``.time()`` the call's duration reduced across
 ranks. A rank that fails raises :class:`WorkerError` in the driver with the group, rank, method
 and the remote traceback, without waiting for the other ranks.
 """
@@ -28,6 +29,7 @@ from ._env import wait_timeout
 from .calls import CallContext, channels_in
 from .cluster import Cluster
 from .mailbox import IO_GROUP
+from .methods import RUNTIME_CALLS, collect, undeclared
 from .placement import merge_options
 from .tracefile import drain_groups
 from .work import flush_puts
@@ -38,7 +40,7 @@ from .worker import (
     Worker,
     WorkerContext,
     actor_name,
-    public_methods,
+    declared_methods,
 )
 
 _launch_counter = itertools.count()
@@ -160,7 +162,7 @@ class WorkerGroup:
         self.placement = placement
         self.cluster = cluster
         self._ranks = list(range(len(actors))) if ranks is None else list(ranks)
-        self._methods = public_methods(worker_cls)
+        self._methods = declared_methods(worker_cls)  # name -> collection
         self._epochs: dict[str, int] = defaultdict(int)  # channel -> calls given it so far
 
     @property
@@ -190,18 +192,40 @@ class WorkerGroup:
         return view
 
     def __getattr__(self, method: str):
-        if method.startswith("_") or method not in self.__dict__.get("_methods", ()):
-            raise AttributeError(
-                f"{self.__dict__.get('worker_cls', type(self)).__name__} has no public method "
-                f"'{method}'"
-            )
+        methods = self.__dict__.get("_methods")
+        if methods is None or method not in methods:
+            raise undeclared(self.__dict__.get("worker_cls", type(self)), method)
         return _GroupMethod(self, method)
 
     def call(self, method: str, *args, **kwargs) -> GroupCall:
-        """Dispatch ``method(*args, **kwargs)`` to the selected ranks, with the call's
-        context (channel epochs, participants, planned granularity; :mod:`m2flow.calls`)."""
+        """Dispatch the group method ``method(*args, **kwargs)`` to the selected ranks, with the
+        call's context (channel epochs, participants, planned granularity; :mod:`m2flow.calls`).
+
+        Raises:
+            AttributeError: ``method`` is not declared with :func:`m2flow.group_method`.
+        """
+        if method not in self._methods:
+            raise undeclared(self.worker_cls, method)
         if getattr(getattr(self.worker_cls, method, None), "_m2flow_control", False):
             return self._call_control(method, args, kwargs)
+        return self._dispatch(method, args, kwargs, self._methods[method])
+
+    def runtime_call(self, method: str, *args, **kwargs) -> GroupCall:
+        """Dispatch one of the runtime's own calls (:data:`m2flow.methods.RUNTIME_CALLS`: weight
+        sync, IPC release, link close) to the selected ranks; ``.wait()`` gives every rank's
+        result. Not for user methods (:meth:`call`).
+
+        Raises:
+            ValueError: ``method`` is not a runtime call.
+        """
+        if method not in RUNTIME_CALLS:
+            raise ValueError(
+                f"{method!r} is not a runtime call ({', '.join(sorted(RUNTIME_CALLS))}); "
+                "call a group method as group.<name>(...)"
+            )
+        return self._dispatch(method, args, kwargs, "all")
+
+    def _dispatch(self, method: str, args: tuple, kwargs: dict, mode: str) -> GroupCall:
         ctx = CallContext(participants=len(self._ranks), granularity=self._granularity())
         for ch in channels_in((*args, *kwargs.values())):
             self._epochs[ch.name] += 1
@@ -210,12 +234,12 @@ class WorkerGroup:
         # One argument, so channel handles among args and in ctx are pickled once.
         call = (args, kwargs, ctx)
         refs = [self.actors[r]._m2flow_call.remote(method, call) for r in self._ranks]
-        handle = GroupCall(self, method, self._ranks, refs)
+        handle = GroupCall(self, method, self._ranks, refs, mode)
         self.cluster.calls.add(handle)
         return handle
 
     def _call_control(self, method: str, args: tuple, kwargs: dict) -> GroupCall:
-        """A :func:`~m2flow.worker.control_method` call: beside the call each rank runs.
+        """A :func:`~m2flow.methods.control_method` call: beside the call each rank runs.
 
         Raises:
             ValueError: a channel among the arguments (a control call has no stream to end).
@@ -224,7 +248,7 @@ class WorkerGroup:
             raise ValueError(f"{method}() is a control method: it takes no channels")
         refs = [self.actors[r]._m2flow_call_control.remote(method, (args, kwargs, None))
                 for r in self._ranks]  # fmt: skip
-        handle = GroupCall(self, method, self._ranks, refs)
+        handle = GroupCall(self, method, self._ranks, refs, self._methods[method])
         self.cluster.calls.add(handle)
         return handle
 
@@ -273,6 +297,13 @@ class GroupResult:
 
     results: list[Any]
     stats: list[CallStats]
+    collect: str = "all"  # how the method declares its results collected (m2flow.methods)
+
+    @property
+    def value(self) -> Any:
+        """The results collected as the method declares: the list (``all``), rank 0's
+        (``rank0``), or their sum (``sum``)."""
+        return collect(self.collect, self.results)
 
     @property
     def durations(self) -> list[float]:
@@ -288,10 +319,13 @@ class GroupResult:
 
 
 class GroupCall:
-    """Handle of a dispatched group call."""
+    """Handle of a dispatched group call; ``collect``: how its results are collected."""
 
-    def __init__(self, group: WorkerGroup, method: str, ranks: list[int], refs: list) -> None:
+    def __init__(
+        self, group: WorkerGroup, method: str, ranks: list[int], refs: list, collect: str = "all"
+    ) -> None:
         self.group, self.method, self.ranks, self.refs = group, method, ranks, refs
+        self.collect = collect
         self._result: GroupResult | None = None
         self._ok: set = set()  # refs seen finished without error (not fetched again)
         self.t0 = time.time()  # dispatch: a death after it concerns this call
@@ -336,7 +370,7 @@ class GroupCall:
         finally:  # done, or failed and reported: no other wait should report it again
             self.group.cluster.calls.discard(self)
         pairs = [values[ref] for ref in self.refs]
-        self._result = GroupResult([p[0] for p in pairs], [p[1] for p in pairs])
+        self._result = GroupResult([p[0] for p in pairs], [p[1] for p in pairs], self.collect)
         session = current_session()
         if session is not None:
             r = self._result
@@ -376,9 +410,11 @@ class GroupCall:
             d = e.death
             raise WorkerError(d.group, d.rank, self.method, d.cause, d.node, True) from None
 
-    def wait(self, timeout: float | None = None) -> list[Any]:
-        """Per-rank return values, in rank order (see :meth:`wait_result` for errors)."""
-        return self.wait_result(timeout).results
+    def wait(self, timeout: float | None = None) -> Any:
+        """The return values collected as the method declares: the per-rank list in rank order
+        (``collect="all"``), the first called rank's (``"rank0"``) or their sum (``"sum"``).
+        :meth:`wait_result` keeps every rank's. Errors: see :meth:`wait_result`."""
+        return self.wait_result(timeout).value
 
     def time(self, reduce: str = "max", busy: bool = False) -> float:
         """Duration in seconds reduced across ranks (waits for the call first)."""

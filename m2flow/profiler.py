@@ -144,11 +144,11 @@ def _wall_per_step(session) -> list[dict[str, float]]:
 
 
 def _share_items(groups: dict) -> dict[str, int]:
-    """Group -> ``share_items()`` of its first rank, for workers that define it."""
+    """Group -> ``share_items()`` of its first rank, for workers that declare it."""
     out = {}
     for name, g in groups.items():
-        if callable(getattr(g.worker_cls, "share_items", None)):
-            out[name] = int(g.share_items().wait()[0])
+        if "share_items" in g.worker_cls.group_methods():
+            out[name] = int(g.on(0).share_items().wait_result().results[0])
     return out
 
 

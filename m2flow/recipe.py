@@ -20,7 +20,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -200,6 +200,21 @@ def plain(section) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(section, resolve=True)
+
+
+def options(section) -> Any:
+    """A config section as an instance of the dataclass that types it (a role's options,
+    e.g. :class:`~m2flow.workers.embodied.config.PPOOptions`), to pass to the role whole.
+
+    Raises:
+        TypeError: the section is not typed by a dataclass (a free-form dict).
+    """
+    from omegaconf import OmegaConf
+
+    obj = OmegaConf.to_object(section)
+    if not is_dataclass(obj):
+        raise TypeError(f"config section {type(obj).__name__} is not a typed options section")
+    return obj
 
 
 def start_cluster(c: ClusterConfig, run_dir: str | Path):

@@ -123,11 +123,11 @@ class RunLog:
             self._task, completed=completed, status=status, done=f"{completed}/{self.total_steps}"
         )
 
-    def wait(self, name: str, call, expected_s: float | None = None, note: str = "") -> list:
-        """Wait for a group call (``call.wait()``: per-rank results, its errors and fail-fast
-        unchanged) under a bar of its own, named ``name``: elapsed seconds against
-        ``expected_s`` (else the time this phase took last time; unknown the first time),
-        removed when the call returns.
+    def wait(self, name: str, call, expected_s: float | None = None, note: str = "") -> Any:
+        """Wait for a group call (``call.wait()``: its results collected as the method
+        declares, its errors and fail-fast unchanged) under a bar of its own, named ``name``:
+        elapsed seconds against ``expected_s`` (else the time this phase took last time;
+        unknown the first time), removed when the call returns.
 
         Raises:
             WorkerError: as ``call.wait()``.

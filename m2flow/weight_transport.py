@@ -118,8 +118,8 @@ def close_links(src, dst, timeout: float = 60.0) -> int:
     Raises:
         WorkerError: a rank failed or died.
     """
-    ends = src.call("_m2flow_close_weight_links", dst.name).wait(timeout)
-    ends += dst.call("_m2flow_close_weight_links", src.name).wait(timeout)
+    ends = src.runtime_call("_m2flow_close_weight_links", dst.name).wait(timeout)
+    ends += dst.runtime_call("_m2flow_close_weight_links", src.name).wait(timeout)
     return sum(ends)
 
 

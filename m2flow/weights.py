@@ -35,6 +35,7 @@ import ray
 from . import events, weight_ipc, weight_transport
 from ._context import current_session
 from ._env import wait_timeout
+from .methods import group_method
 
 if TYPE_CHECKING:
     from .group import WorkerGroup
@@ -47,6 +48,7 @@ class Weights:
     #: the runtime on a receiver after each sync. -1: never synced.
     weight_version: int = -1
 
+    @group_method
     def get_weights(self) -> dict[str, Any]:
         """This worker's weights, ``{name: tensor}`` on CPU, for :func:`sync_weights`.
 
@@ -177,15 +179,17 @@ def sync_weights(
     else:
         if transport == "cuda_ipc":
             weight_ipc.check_placement(src, src_rank, dst)
-        sent = src.on(src_rank).call("_m2flow_send_weights", dst.name, dst.world_size, transport)
-    got = dst.call("_m2flow_recv_weights", src.name, src_rank, transport)
+        sent = src.on(src_rank).runtime_call(
+            "_m2flow_send_weights", dst.name, dst.world_size, transport
+        )
+    got = dst.runtime_call("_m2flow_recv_weights", src.name, src_rank, transport)
     try:
         with events.span("weight_sync", f"{src.name} -> {dst.name}", transport=transport):
             versions = got.wait(timeout)
             sent.wait(timeout)
     finally:
         if transport == "cuda_ipc":  # every receiver has copied (or failed): free the buffers
-            src.on(src_rank).call("_m2flow_release_ipc").wait(timeout)
+            src.on(src_rank).runtime_call("_m2flow_release_ipc").wait(timeout)
     session = current_session()
     if session is not None:
         session.weight_versions[dst.name] = versions[0]

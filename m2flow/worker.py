@@ -8,22 +8,23 @@ devices its placement gives it. It is made of parts a reader finds by name:
 - :mod:`m2flow.weights` -- ``get_weights`` / ``load_weights`` for ``m2flow.sync_weights``;
 - this module -- identity, group calls, timers, liveness watch.
 
-**Group methods.** Every public method a subclass defines (a name without a leading
-underscore) is a group method: ``group.method(...)`` runs it on every rank. Of the base class,
-only :meth:`Worker.pop_timings` and :meth:`~m2flow.weights.Weights.get_weights` are group
-methods. A group method takes the rank's device locks for its whole run, unless it is marked
-:func:`no_device_lock` (bookkeeping that touches no device memory). ``Worker.group_methods()``
-lists them with that flag.
+**Group methods.** A method is a group method when it is declared with
+:func:`~m2flow.methods.group_method` (with how its per-rank results are collected: all ranks,
+rank 0 or their sum): ``group.method(...)`` runs it on every rank. Other public methods are
+the rank's own helpers. Of the base class, only :meth:`Worker.pop_timings` and
+:meth:`~m2flow.weights.Weights.get_weights` are group methods. A group method takes the rank's
+device locks for its whole run, unless it is marked :func:`~m2flow.methods.no_device_lock`
+(bookkeeping that touches no device memory). ``Worker.group_methods()`` lists them with their
+collection and that flag.
 
 Group calls run one at a time on a rank, in call order, except **control methods**
-(:func:`control_method`): those run on a thread of their own while another group call runs,
-e.g. a rollout role's ``pause`` arriving in the middle of its ``generate``.
+(:func:`~m2flow.methods.control_method`): those run on a thread of their own while another
+group call runs, e.g. a rollout role's ``pause`` arriving in the middle of its ``generate``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 import time
@@ -38,33 +39,13 @@ from ._env import wait_timeout
 from .calls import CallContext
 from .cluster import Device
 from .mailbox import IO_GROUP, Mailbox, actor_name
+from .methods import declared_methods, group_method, no_device_lock
 from .residency import Residency
 from .weights import Weights
 from .work import Work  # noqa: F401  (re-exported: m2flow.worker.Work)
 
 WATCH_GROUP = "m2flow_watch"  # one thread, blocked for the actor's life (liveness sentinel)
 CONTROL_GROUP = "m2flow_control"  # control methods, beside the group call that runs
-
-
-def no_device_lock(method):
-    """Mark a group method as not touching device memory: its calls skip the device lock.
-
-    Use it for bookkeeping methods (metrics, checkpoint paths) so they can run while another
-    worker holds the device.
-    """
-    method._m2flow_no_device_lock = True
-    return method
-
-
-def control_method(method):
-    """Mark a group method as a control request: its calls run while the rank's other group
-    calls run (a Ray concurrency group of their own, one thread), in arrival order among
-    themselves, without device locks. The method must be thread-safe against the call it
-    controls (e.g. set an event that call waits on) and takes no channels.
-    """
-    method._m2flow_control = True
-    method._m2flow_no_device_lock = True
-    return method
 
 
 @dataclass
@@ -165,11 +146,11 @@ class Worker(Mailbox, Residency, Weights):
         )
 
     @classmethod
-    def group_methods(cls) -> dict[str, bool]:
-        """Group method name -> whether its calls take the device lock."""
+    def group_methods(cls) -> dict[str, tuple[str, bool]]:
+        """Group method name -> ``(collection, takes the device lock)`` (:mod:`m2flow.methods`)."""
         return {
-            n: not getattr(getattr(cls, n), "_m2flow_no_device_lock", False)
-            for n in sorted(public_methods(cls))
+            n: (mode, not getattr(getattr(cls, n), "_m2flow_no_device_lock", False))
+            for n, mode in declared_methods(cls).items()
         }
 
     # -- set-up (runs in the actor before the subclass __init__) ------------------------------
@@ -274,9 +255,9 @@ class Worker(Mailbox, Residency, Weights):
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def _m2flow_call_control(self, method: str, call: tuple[tuple, dict, CallContext | None]):
-        """Run one :func:`control_method` beside the group call in flight: no device lock, no
-        call context (the running call's stays), no channel epilogue. Returns ``(result,
-        CallStats)``."""
+        """Run one :func:`~m2flow.methods.control_method` beside the group call in flight: no
+        device lock, no call context (the running call's stays), no channel epilogue. Returns
+        ``(result, CallStats)``."""
         args, kwargs, _ = call
         start = time.time()
         result = getattr(self, method)(*args, **kwargs)
@@ -360,6 +341,7 @@ class Worker(Mailbox, Residency, Weights):
         finally:
             self._m2flow_timers[name].append(time.perf_counter() - t0)
 
+    @group_method
     @no_device_lock
     def pop_timings(self) -> dict[str, float]:
         """Sum of each timer since the last call, in seconds, then reset."""
@@ -373,18 +355,3 @@ _CALL_KINDS = {
     "_m2flow_send_weights": ("weight_sync", "send weights"),
     "_m2flow_recv_weights": ("weight_sync", "receive weights"),
 }
-
-# Base-class methods that are group methods too (everything else of Worker is runtime API).
-_BASE_GROUP_METHODS = frozenset({"pop_timings", "get_weights"})
-
-
-@functools.cache
-def public_methods(cls: type) -> frozenset[str]:
-    """Names of the methods a group exposes: public callables the subclass defines, plus
-    :data:`_BASE_GROUP_METHODS`."""
-    base = set(dir(Worker)) - _BASE_GROUP_METHODS
-    return frozenset(
-        n
-        for n in dir(cls)
-        if not n.startswith("_") and callable(getattr(cls, n, None)) and n not in base
-    )

@@ -8,6 +8,8 @@ import torch
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.rollout.worker import RolloutWorker
 
+from m2flow import group_method
+
 
 class ShardedActor(ActorWorker):
     """The actor plus probes: its training data per step, its Megatron shard, its optimizer."""
@@ -17,10 +19,12 @@ class ShardedActor(ActorWorker):
         self.seen = {**getattr(self, "seen", {}), self.weight_version: data}
         return data
 
+    @group_method
     def training_data(self, version: int) -> dict:
         """What the step from weight version ``version`` trained on (``[B, ...]`` tensors)."""
         return self.seen[version]
 
+    @group_method
     def shard(self, reference: bool = False) -> tuple[int, int, int, dict]:
         """``(tp_rank, pp_rank, dp_rank, Megatron state dict)`` of this rank's policy shard (or
         reference shard)."""
@@ -30,9 +34,11 @@ class ShardedActor(ActorWorker):
         model = e.ref_model if reference else e.model
         return e.tp_rank, e.pp_rank, e.dp_rank, megatron_state(model)
 
+    @group_method
     def optimizer_state(self) -> dict:
         return self.engine.megatron.optimizer.state_dict()
 
+    @group_method
     def scramble(self) -> None:
         """Weights (and the reference's) to 0 and a fresh optimizer: what a checkpoint load
         must undo."""
@@ -51,5 +57,6 @@ class ProbedRollout(RolloutWorker):
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.history = {**getattr(self, "history", {}), version: state}
 
+    @group_method
     def weights(self, version: int) -> dict:
         return self.history[version]

@@ -12,7 +12,7 @@ from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
 from m2flow.workers.llm.generation import generate
 from test_workflow import ALPHABET, TINY_MODEL, TOKENIZER
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, group_method
 
 pytestmark = pytest.mark.e2e
 VIRTUAL_DEVICES = 3
@@ -22,6 +22,7 @@ PROMPTS = ["1+2=", "3+4=", "5+6=", "7+1=", "2+2=", "9-3=", "8-8=", "4+5="]
 class Feeder(Worker):
     """The step's producer: puts the given rollout chunks, one at a time."""
 
+    @group_method
     def feed(self, out: Channel, chunks: list) -> int:
         for c in chunks:
             out.put(c)
@@ -50,7 +51,7 @@ def _step(cluster, actor, chunks, name: str) -> list[dict]:
     try:
         call = actor.train(ch)
         feeder.feed(ch, chunks).wait(60)
-        return call.wait(120)
+        return call.wait_result(120).results  # every rank's metrics
     finally:
         feeder.shutdown()
         ch.close()

@@ -9,7 +9,7 @@ import pytest
 from helpers import wait_until
 from m2flow.scheduler.balance import QueuedItem, largest_first
 
-from m2flow import Channel, Worker, WorkerError
+from m2flow import Channel, Worker, WorkerError, group_method
 from m2flow.channel import _needs_object_store
 from m2flow.trace import Edge, workflow_graph
 
@@ -34,11 +34,13 @@ def newest_first(items, target_weight):
 
 
 class Producer(Worker):
+    @group_method
     def put_seq(self, ch: Channel, n: int, key=None, start: int = 0):
         for i in range(start, start + n):
             ch.put(i, weight=1, key=key)
         return n
 
+    @group_method
     def put_tensor(self, ch: Channel, numel: int, seed: int):
         import torch
 
@@ -48,9 +50,11 @@ class Producer(Worker):
 
 
 class Consumer(Worker):
+    @group_method
     def get_seq(self, ch: Channel, n: int, key=None, timeout: float = 60):
         return [ch.get(key=key, timeout=timeout) for _ in range(n)]
 
+    @group_method
     def take_one(self, ch: Channel, timeout: float = 60, signal=None):
         """One item. With ``signal``, puts this rank's key under the key ``signal`` once its
         get is registered (the channel applies one client's operations in program order), so
@@ -61,6 +65,7 @@ class Consumer(Worker):
         ch.put(self.worker_key, key=signal)
         return got.wait()
 
+    @group_method
     def get_async(self, ch: Channel, n: int):
         works = [ch.get(async_op=True) for _ in range(n)]
         return [w.wait() for w in works]

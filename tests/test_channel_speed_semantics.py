@@ -13,18 +13,20 @@ import pytest
 import ray
 from helpers import EventLog, wait_until
 
-from m2flow import Channel, Worker, WorkerError
+from m2flow import Channel, Worker, WorkerError, group_method
 from m2flow.channel_codec import pack, unpack
 
 pytestmark = pytest.mark.e2e
 
 
 class Producer(Worker):
+    @group_method
     def put_range(self, ch: Channel, n: int, key=None):
         for i in range(n):
             ch.put(i, key=key)
         return n
 
+    @group_method
     def put_then_wait(self, ch: Channel, release: str, timeout: float = 120.0):
         """Put one item, then no other channel operation until the file ``release`` exists
         (a channel get would flush the gathered put itself). False: never released."""
@@ -36,11 +38,13 @@ class Producer(Worker):
             time.sleep(0.05)
         return True
 
+    @group_method
     def put_bounded(self, ch: Channel, n: int):
         for i in range(n):
             ch.put(i, timeout=60)
         return n
 
+    @group_method
     def put_tensor(self, ch: Channel, numel: int):
         import torch
 
@@ -51,14 +55,17 @@ class Producer(Worker):
 
 
 class Consumer(Worker):
+    @group_method
     def take(self, ch: Channel, n: int):
         return [ch.get(timeout=60) for _ in range(n)]
 
+    @group_method
     def stream_all(self, ch: Channel):
         return [item for batch in ch.stream(timeout=60) for item in batch]
 
 
 class Locker(Worker):
+    @group_method
     def work(self, seconds: float, log):
         ray.get(log.add.remote(f"{self.worker_key} start"))
         time.sleep(seconds)

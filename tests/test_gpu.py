@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from m2flow import Worker
+from m2flow import Worker, group_method
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -25,6 +25,7 @@ TINY_MODEL = {
 
 
 class CudaProbe(Worker):
+    @group_method
     def visible(self) -> tuple[str, int]:
         import torch
 
@@ -45,11 +46,13 @@ def test_actor_offload_releases_gpu_memory(cluster):
     from m2flow.workers.actor.worker import ActorWorker
 
     class MemActor(ActorWorker):
+        @group_method
         def memory(self) -> int:
             import torch
 
             return torch.cuda.memory_allocated()
 
+        @group_method
         def cycle(self) -> tuple[int, int, int]:
             import torch
 
@@ -81,6 +84,7 @@ class CudaWeights(Worker):
         self.weights: dict = {}
         self.weight_version = 0
 
+    @group_method
     def make(self, seed: int) -> None:
         import torch
 
@@ -97,6 +101,7 @@ class CudaWeights(Worker):
     def load_weights(self, weights: dict, version: int) -> None:
         self.weights = weights
 
+    @group_method
     def digest(self) -> dict:
         return {k: (v.device.type, str(v.dtype), float(v.float().sum()))
                 for k, v in self.weights.items()}  # fmt: skip
@@ -149,6 +154,7 @@ class IpcSink(CudaWeights):
 
 
 class IpcSource(CudaWeights):
+    @group_method
     def allocated(self) -> int:
         import torch
 

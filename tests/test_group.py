@@ -10,7 +10,7 @@ import ray
 from helpers import wait_until
 
 import m2flow
-from m2flow import Worker, WorkerError
+from m2flow import Worker, WorkerError, group_method
 
 pytestmark = pytest.mark.e2e
 
@@ -19,6 +19,7 @@ class Echo(Worker):
     def __init__(self, tag: str = "") -> None:
         self.tag = tag
 
+    @group_method
     def info(self):
         return {
             "rank": self.rank,
@@ -29,10 +30,12 @@ class Echo(Worker):
             "pid": os.getpid(),
         }
 
+    @group_method
     def nap(self, base: float, per_rank: float = 0.0):
         time.sleep(base + per_rank * self.rank)
         return self.rank
 
+    @group_method
     def timed(self, seconds: float):
         with self.timer("phase_a"):
             time.sleep(seconds)
@@ -40,14 +43,27 @@ class Echo(Worker):
             time.sleep(seconds)
         return self.rank
 
+    @group_method
     def fail_on(self, bad_rank: int, others_sleep: float):
         if self.rank == bad_rank:
             raise ValueError(f"boom-from-rank-{self.rank}")
         time.sleep(others_sleep)
         return self.rank
 
+    @group_method(collect="rank0")
+    def leader(self):
+        return {"rank": self.rank}
+
+    @group_method(collect="sum")
+    def count(self, per_rank: int):
+        return per_rank * (self.rank + 1)
+
+    def helper(self):  # public, not declared: the rank's own, not a group method
+        return self.rank
+
 
 class Waiter(Worker):
+    @group_method
     def take(self, ch, signal: str):
         """One item; puts a marker under the key ``signal`` once the get is registered (the
         channel applies one client's operations in program order)."""
@@ -67,6 +83,7 @@ class SlowInit(Worker):
 
 
 class Sender(Worker):
+    @group_method
     def send_seq(self, dst: str, n: int, async_op: bool = False):
         items = [(self.rank, i) for i in range(n)]
         if async_op:
@@ -78,6 +95,7 @@ class Sender(Worker):
                 self.send(x, dst, 0)
         return n
 
+    @group_method
     def send_tensors(self, dst: str, seed: int):
         import torch
 
@@ -88,6 +106,7 @@ class Sender(Worker):
 
 
 class Broadcaster(Worker):
+    @group_method
     def broadcast_tensor(self, dst: str, world: int, seed: int):
         import torch
 
@@ -97,6 +116,7 @@ class Broadcaster(Worker):
 
 
 class Receiver(Worker):
+    @group_method
     def recv_seq(self, src: str, src_ranks: list[int], n: int, async_op: bool = False):
         out = {}
         for r in src_ranks:
@@ -107,6 +127,7 @@ class Receiver(Worker):
                 out[r] = [self.recv(src, r, timeout=60) for _ in range(n)]
         return out
 
+    @group_method
     def recv_one(self, src: str, timeout: float = 60):
         return self.recv(src, 0, timeout=timeout)
 
@@ -137,6 +158,33 @@ def test_dispatch_subset(echo):
 def test_unknown_method_is_attribute_error(echo):
     with pytest.raises(AttributeError, match="no_such_method"):
         echo.no_such_method()
+
+
+def test_results_collected_as_declared(echo):
+    assert echo.leader().wait(timeout=60) == {"rank": 0}  # rank0
+    assert echo.on(1).leader().wait(timeout=60) == {"rank": 1}  # the first called rank
+    assert echo.count(5).wait(timeout=60) == 5 + 10  # sum over ranks
+    call = echo.leader()
+    assert [r["rank"] for r in call.wait_result(timeout=60).results] == [0, 1]  # every rank's
+    assert Echo.group_methods()["leader"] == ("rank0", True)
+    assert Echo.group_methods()["pop_timings"] == ("all", False)  # the base class's
+
+
+def test_undeclared_public_method_is_refused(echo):
+    assert "helper" not in Echo.group_methods()
+    for dispatch in (lambda: echo.helper, lambda: echo.call("helper")):
+        with pytest.raises(AttributeError, match=r"Echo.helper is not a group method: declare "
+                           r"it with @m2flow.group_method\(collect="):  # fmt: skip
+            dispatch()
+    with pytest.raises(AttributeError, match="no group method '_m2flow_send_weights'"):
+        echo.call("_m2flow_send_weights", "x", 1, "object_store")
+    with pytest.raises(ValueError, match="'info' is not a runtime call"):
+        echo.runtime_call("info")
+
+
+def test_group_method_refuses_an_unknown_collection():
+    with pytest.raises(ValueError, match="collect='first'.*all, rank0, sum"):
+        group_method(collect="first")
 
 
 def test_durations_reduced(echo):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from m2flow import Channel, StreamAborted, Worker, WorkerError
+from m2flow import Channel, StreamAborted, Worker, WorkerError, group_method
 
 pytestmark = pytest.mark.e2e
 
@@ -31,9 +31,11 @@ MEMHOG = Path(__file__).resolve().parent / "workflows" / "memhog.py"
 
 
 class Producer(Worker):
+    @group_method
     def pid(self) -> int:
         return os.getpid()
 
+    @group_method
     def produce(self, out: Channel, n: int, pause_s: float, fail_at: int = -1) -> int:
         for i in range(n):
             if i == fail_at:
@@ -44,9 +46,11 @@ class Producer(Worker):
 
 
 class Consumer(Worker):
+    @group_method
     def consume_stream(self, inp: Channel) -> list:
         return [x for items in inp.stream() for x in items]
 
+    @group_method
     def consume_count(self, inp: Channel, n: int) -> list:
         return [inp.get() for _ in range(n)]
 

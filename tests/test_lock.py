@@ -16,7 +16,7 @@ import pytest
 import ray
 from helpers import EventLog, Gate, events, log_event, pass_gate, wait_until
 
-from m2flow import Channel, Worker, WorkerDied, WorkerError, no_device_lock
+from m2flow import Channel, Worker, WorkerDied, WorkerError, group_method, no_device_lock
 
 pytestmark = pytest.mark.e2e
 
@@ -25,6 +25,7 @@ class Recorder(Worker):
     def __init__(self) -> None:
         self.events: list[str] = []
 
+    @group_method
     def work(self, seconds: float, log=None):
         log_event(log, f"{self.worker_key} start")
         start = time.time()
@@ -34,6 +35,7 @@ class Recorder(Worker):
         log_event(log, f"{self.worker_key} end")
         return {"key": self.worker_key, "start": start, "end": end, "loaded": loaded}
 
+    @group_method
     def hold(self, gate, log=None):
         """Hold the device until the test opens ``gate``."""
         log_event(log, f"{self.worker_key} start")
@@ -42,6 +44,7 @@ class Recorder(Worker):
         log_event(log, f"{self.worker_key} end")
         return {"key": self.worker_key, "loaded": loaded}
 
+    @group_method
     def take(self, ch: Channel, timeout: float, log=None):
         """Wait for an item (a worker-side wait); report a death seen meanwhile, and when."""
         log_event(log, f"{self.worker_key} start")
@@ -56,6 +59,7 @@ class Recorder(Worker):
     def offload(self) -> None:
         self.events.append("offload")
 
+    @group_method
     @no_device_lock
     def events_so_far(self):
         return list(self.events)
@@ -69,6 +73,7 @@ class FailingInit(Worker):
 class Stage(Worker):
     """A pipeline stage that logs when it held the device."""
 
+    @group_method
     def produce(self, ch: Channel, n: int, log=None):
         log_event(log, f"{self.worker_key} start")
         for i in range(n):
@@ -76,12 +81,14 @@ class Stage(Worker):
         log_event(log, f"{self.worker_key} end")
         return n
 
+    @group_method
     def consume(self, ch: Channel, n: int, log=None):
         log_event(log, f"{self.worker_key} start")
         items = [ch.get(timeout=60) for _ in range(n)]
         log_event(log, f"{self.worker_key} end")
         return items
 
+    @group_method
     def hold(self, gate, log=None):
         log_event(log, f"{self.worker_key} start")
         pass_gate(gate)

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 import m2flow
-from m2flow import Worker
+from m2flow import Worker, group_method
 from m2flow.cluster import VIRTUAL_DEVICE_RESOURCE
 
 pytestmark = pytest.mark.e2e
@@ -22,6 +22,7 @@ NODE_IP = "127.0.0.2"
 
 
 class WhereAmI(Worker):
+    @group_method
     def where(self):
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "devices": self.device_ids}

@@ -1,19 +1,26 @@
-"""What the roles compose, without Ray: the actor's typed options, the step's batch in a fixed
-order, the reference's logprob-only engine (the actor's logprob function, micro-batched)."""
+"""What the roles compose, without Ray: the actor's typed options, the workflows' role sections
+as the roles' options, the step's batch in a fixed order, the reference's logprob-only engine
+(the actor's logprob function, micro-batched)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from m2flow.workers.actor.config import ActorOptions
+from m2flow.workers.actor.config import ActorOptions, ReferenceOptions
 from m2flow.workers.algos.logprobs import sequence_logprobs
 from m2flow.workers.algos.losses import make_loss
 from m2flow.workers.chunk import RolloutChunk, step_batch, timed
+from m2flow.workers.embodied.config import EnvOptions, PolicyOptions, PPOOptions
 from m2flow.workers.engines.registry import LOGPROB_ENGINES
 from m2flow.workers.engines.torch_engine import TorchEngine
 from m2flow.workers.llm import build_char_tokenizer, build_model
 from m2flow.workers.llm.generation import generate
+from m2flow.workers.reward.config import RewardModelOptions
 from tensordict import TensorDict
+
+from m2flow.config import ConfigError, load_config
+from m2flow.recipe import options
+from m2flow.workflow import load_workflow, resolve_workflow
 
 TINY = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -46,6 +53,28 @@ def _chunk(gid: int, version: int, rows: int = 2) -> RolloutChunk:
         batch_size=[rows],
     )
     return RolloutChunk(batch, entries={gid: {}}, weight_version=version)
+
+
+@pytest.mark.parametrize(
+    "workflow, section, cls",
+    [
+        ("ppo", "reference", ReferenceOptions),
+        ("ppo", "reward_model", RewardModelOptions),
+        ("embodied", "env", EnvOptions),
+        ("embodied", "policy", PolicyOptions),
+        ("embodied", "algorithm", PPOOptions),
+    ],
+)
+def test_workflow_section_is_the_roles_options(workflow, section, cls):
+    """The section a workflow's config has for a role is that role's options class (its
+    defaults written there once), handed to the role whole; a typo in it is refused."""
+    config = load_workflow(resolve_workflow(workflow)).Config
+    opt = options(getattr(load_config(config, [f"{section}.threads=3"]), section))
+    assert type(opt) is cls and opt.threads == 3
+    with pytest.raises(ConfigError, match=f"unknown config key '{section}.thread'"):
+        load_config(config, [f"{section}.thread=3"])
+    with pytest.raises(ConfigError, match=f"bad value for '{section}.threads'"):
+        load_config(config, [f"{section}.threads=many"])
 
 
 def test_step_batch_orders_by_key_and_counts_stale():

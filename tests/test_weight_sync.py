@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from m2flow import Worker, WorkerError, sync_weights, weight_ipc
+from m2flow import Worker, WorkerError, group_method, sync_weights, weight_ipc
 from m2flow.weight_transport import close_links, plan_buckets
 
 pytestmark = pytest.mark.e2e
@@ -54,6 +54,7 @@ class Source(Worker):
     def __init__(self, fail: bool = False) -> None:
         self.seed, self.fail, self.weight_version = 0, fail, 0
 
+    @group_method
     def step(self) -> int:
         self.seed += 1
         self.weight_version += 1
@@ -64,6 +65,7 @@ class Source(Worker):
             raise RuntimeError("source-cannot-read-weights-xyz")
         return make_weights(self.seed)
 
+    @group_method
     def link_uid(self, dst: str):
         link = getattr(self, "_m2flow_weight_links", {}).get(("to", dst))
         return None if link is None else link.uid
@@ -81,12 +83,15 @@ class Sink(Worker):
         storages = [p for p in storages if p]
         assert len(set(storages)) == len(storages)
 
+    @group_method
     def nap(self, seconds: float) -> None:
         time.sleep(seconds)
 
+    @group_method
     def state(self) -> dict:
         return {"weights": self.got, "loaded": self.loaded, "version": self.weight_version}
 
+    @group_method
     def link_uid(self, src: str):
         link = getattr(self, "_m2flow_weight_links", {}).get(("from", src, 0))
         return None if link is None else link.uid

@@ -115,7 +115,7 @@ def test_rollout_reward_train_changes_weights(cluster):
         gen = rollout.generate(prompts, rollouts, 4)
         rew = reward.score(rollouts, Fanout(scored, copy))
         upd = actor.train(scored)
-        (g_out,), (r_out,), (a_out,) = gen.wait(), rew.wait(), upd.wait()
+        (g_out,), (r_out,), a_out = gen.wait(), rew.wait(), upd.wait()
         after = actor.get_weights().wait()[0]
 
         chunks = [copy.get(timeout=60) for _ in range(2)]  # 4 prompts in chunks of 2
@@ -157,7 +157,7 @@ def test_streaming_actor_trains_queued_chunks_as_one_part(cluster):
         rollout.generate(prompts, rollouts, 8).wait()
         reward.score(rollouts, scored).wait()
         assert scored.qsize() == 2  # both chunks wait for the actor
-        (out,) = actor.train(scored).wait()
+        out = actor.train(scored).wait()  # rank 0's (collect="rank0")
         assert out["samples"] == 32 and scored.qsize() == 0
         # One rollout rank: the seeds fix the data, and it has groups with mixed rewards.
         assert out["trained_samples"] > 0 and out["parts"] == 1

@@ -17,11 +17,14 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from m2flow.workers.embodied.config import EnvOptions, PolicyOptions, PPOOptions
+
 from m2flow.recipe import (
     Checkpoints,
     ClusterConfig,
     TrainerConfig,
     finite_positive,
+    options,
     plain,
     require,
     start_cluster,
@@ -31,40 +34,11 @@ from m2flow.recipe import (
 
 
 @dataclass
-class EnvConfig:
-    id: str = "CartPole-v1"  # Gymnasium id: flat Box observations, Discrete actions
-    num_envs: int = 64  # simulators per environment rank (one vectorised env)
-    steps: int = 32  # environment steps per simulator per PPO update (rollout length T)
-    threads: int = 1  # torch threads of an environment rank
-
-
-@dataclass
-class PolicyConfig:
-    hidden: int = 64  # width of the two tanh layers (policy and value MLPs)
-    threads: int = 1  # torch threads of a policy (inference) rank
-
-
-@dataclass
-class AlgorithmConfig:
-    lr: float = 1e-3  # Adam, eps 1e-5
-    gamma: float = 0.98  # discount per environment step (RL Zoo CartPole)
-    lam: float = 0.8  # GAE lambda (RL Zoo CartPole)
-    clip_eps: float = 0.2  # PPO ratio clip: [1 - eps, 1 + eps]
-    value_clip: float = 0.2  # value clip around the old values (0: none)
-    vf_coef: float = 0.5  # weight of the value loss
-    ent_coef: float = 0.0  # weight of the entropy bonus
-    epochs: int = 10  # passes over each batch
-    mini_batch_size: int = 256  # environment steps per optimizer step
-    grad_clip: float = 0.5  # global gradient-norm clip
-    threads: int = 0  # actor's torch threads; 0 = the CPUs of its devices
-
-
-@dataclass
 class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    env: EnvOptions = field(default_factory=EnvOptions)  # the roles' options, passed whole
+    policy: PolicyOptions = field(default_factory=PolicyOptions)
+    algorithm: PPOOptions = field(default_factory=PPOOptions)
     trainer: TrainerConfig = field(
         default_factory=lambda: TrainerConfig(
             steps=60, save_every=20, log_every=5, run_dir="runs/embodied"
@@ -102,14 +76,14 @@ def main(cfg) -> dict:
     tr = cfg.trainer
     cluster = start_cluster(cfg.cluster, tr.run_dir)
     e = cfg.env
-    env = EnvWorker.launch(
-        cluster, name="env", env_id=e.id, num_envs=e.num_envs, seed=tr.seed, threads=e.threads
+    env = EnvWorker.launch(cluster, name="env", options=options(e), seed=tr.seed)
+    spec = env.spec().wait()
+    policy = PolicyWorker.launch(
+        cluster, name="policy", **spec, options=options(cfg.policy), seed=tr.seed
     )
-    spec = env.spec().wait()[0]
-    policy = PolicyWorker.launch(cluster, name="policy", **spec, seed=tr.seed, **plain(cfg.policy))
     actor = EmbodiedActorWorker.launch(
-        cluster, name="actor", **spec, hidden=cfg.policy.hidden, seed=tr.seed,
-        **plain(cfg.algorithm),
+        cluster, name="actor", **spec, hidden=cfg.policy.hidden,
+        options=options(cfg.algorithm), seed=tr.seed,
     )  # fmt: skip
     obs, actions, trajectories = map(Channel.create, ("obs", "actions", "trajectories"))
     trained = {"env": env, "policy": policy, "actor": actor}
@@ -127,7 +101,7 @@ def main(cfg) -> dict:
             roll = env.rollout(obs, actions, trajectories, e.steps)
             act = policy.act(obs, actions)
             upd = actor.train(trajectories)
-            e_out, _, a_out = roll.wait(), act.wait(), upd.wait()[0]
+            e_out, _, a_out = roll.wait(), act.wait(), upd.wait()
             sync_weights(actor, policy)
             seconds, env_steps = time.time() - t0, sum(o["env_steps"] for o in e_out)
             episodes = sum(o["episodes"] for o in e_out)

@@ -20,7 +20,6 @@ from typing import Optional
 
 from m2flow.workers.algos.losses import knows_loss, loss_names
 from m2flow.workers.data.config import DataConfig
-from m2flow.workers.data.reasoning_gym import task_section
 from m2flow.workers.engines.registry import TRAIN_ENGINES
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
@@ -29,22 +28,17 @@ from m2flow.workers.recipe import (
     RolloutConfig,
     TaskConfig,
     WarmStartConfig,
-    model_section,
     response_length,
-    rollout_section,
     validate_llm,
     validate_optim,
-    warm_start_args,
 )
 from m2flow.workers.reward.config import RewardConfig
 
 from m2flow.recipe import (
-    Checkpoints,
     ClusterConfig,
     finite_positive,
     plain,
     require,
-    start_cluster,
     validate_cluster,
     validate_trainer,
 )
@@ -161,123 +155,62 @@ def validate(cfg) -> None:
 
 def main(cfg) -> dict:
     from m2flow.workers.actor.worker import ActorWorker
-    from m2flow.workers.data.item import prompt_items
-    from m2flow.workers.data.sampler import PromptSampler, load_sampler
-    from m2flow.workers.data.splits import run_data
-    from m2flow.workers.llm import build_tokenizer, tokenizer_spec
-    from m2flow.workers.reward.config import reward_spec
     from m2flow.workers.reward.worker import RewardWorker
     from m2flow.workers.rollout.worker import RolloutWorker
     from m2flow.workers.scoring.functions import merge_reward_metrics
+    from m2flow.workers.skeleton import LLMRun, StepRecord
 
     from m2flow import Channel, sync_weights
-    from m2flow.runlog import RunLog
 
-    tr = cfg.trainer
-    model, task = model_section(cfg), task_section(cfg)  # model.path made absolute
-    spec = tokenizer_spec(model)  # model.tokenizer / model.alphabet; the rest is the shape
-    tokenizer = build_tokenizer(spec)
-    data = run_data(cfg, tokenizer)  # every prompt read and checked before any worker starts
-    rewards = reward_spec(cfg.reward, data.data_sources())
-    sampler = PromptSampler(len(data.train), tr.seed, cfg.data.shuffle)
-    cluster = start_cluster(cfg.cluster, tr.run_dir)
-    lm = {"model": model, "tokenizer": spec, "seed": tr.seed}
-    rollout_args, length_note = rollout_section(cfg)  # max_new_tokens resolved
+    run = LLMRun(cfg)  # data, rewards, prompt sampler, cluster; the warm start and the tail
+    tr, cluster, lm, seed = cfg.trainer, run.cluster, run.lm, cfg.trainer.seed
     rollout = RolloutWorker.launch(
-        cluster, name="rollout", heldout=data.heldout, reward=rewards, **lm, **rollout_args
-    )
+        cluster, name="rollout", heldout=run.data.heldout, reward=run.rewards, **lm, seed=seed,
+        **run.rollout_args,
+    )  # fmt: skip
     service = plain(cfg.reward_service) if cfg.reward_service.url else None
     reward = RewardWorker.launch(
-        cluster, name="reward", tokenizer=spec, service=service, reward=None if service else rewards
-    )
+        cluster, name="reward", tokenizer=lm["tokenizer"], service=service,
+        reward=None if service else run.rewards,
+    )  # fmt: skip
     actor = ActorWorker.launch(
-        cluster, name="actor", temperature=cfg.rollout.temperature, **lm, **plain(cfg.actor)
-    )
+        cluster, name="actor", temperature=cfg.rollout.temperature, **lm, seed=seed,
+        **plain(cfg.actor),
+    )  # fmt: skip
     prompts, rollouts, scored = (Channel.create(n) for n in ("prompts", "rollouts", "scored"))
-    checkpoints = Checkpoints(tr.run_dir)
 
-    def evaluate() -> dict:
-        """``heldout_accuracy`` (share of held-out prompts with reward 1); none without them."""
-        if not data.heldout:
-            return {}
-        outs = log.wait("evaluation", rollout.evaluate())
-        scores = [s for o in outs for s in o["scores"]]
-        out = {"heldout_accuracy": sum(s == 1.0 for s in scores) / len(scores)}
-        if cfg.reward.on_error == "penalty":
-            out["heldout_reward_errors"] = sum(o["reward_errors"] for o in outs)
-        return out
+    def step(n: int) -> StepRecord:
+        t0 = time.time()
+        prompts.put_many(run.prompts(tr.prompts_per_step, n))
+        gen = rollout.generate(prompts, rollouts, tr.prompts_per_step)
+        rew = reward.score(rollouts, scored)
+        upd = actor.train(scored)
+        g_out, r_out, a_out = gen.wait(), rew.wait(), upd.wait()
+        version = sync_weights(actor, rollout)
+        seconds = time.time() - t0
+        samples = sum(o["samples"] for o in r_out)
+        metrics = {
+            "reward_mean": sum(o["reward_mean"] * o["samples"] for o in r_out) / samples,
+            "sample_accuracy": sum(o["accuracy"] * o["samples"] for o in r_out) / samples,
+            # the reward function's extra metrics (reward/<name>), reward_errors (penalty)
+            **merge_reward_metrics(r_out, cfg.reward.on_error),
+            "response_length": response_length(g_out),
+            "tokens_per_s": sum(o["tokens"] for o in g_out) / seconds,
+            "step_s": seconds,
+            "rollout_s": gen.time(busy=True),
+            "reward_s": rew.time(busy=True),
+            "actor_s": upd.time(busy=True),
+            **{k: a_out[k] for k in ("loss", "clip_frac", "grad_norm")},
+            # steps whose update a NaN/inf dropped (actor.nonfinite=skip); absent if none
+            **{k: a_out[k] for k in ("nonfinite_skips",) if k in a_out},
+            "weight_version": version,
+            # the spot pool's counters (rollout.spot.enabled): tokens by reserved and spot
+            # engines, preemptions, migrations, T_seed, N_prem
+            **{f"spot_{k}": v for k, v in g_out[0].get("spot", {}).items()},
+        }
+        return StepRecord(metrics, f"reward {metrics['reward_mean']:.3f}")
 
-    start = 0
-    if cfg.resume:
-        start, state = checkpoints.restore({"actor": actor})
-        data.notes += load_sampler(sampler, state)
-    summary = {}
-    resumed = start if cfg.resume else None  # later records are dropped, time continues
-    with RunLog(
-        tr.run_dir, tr.steps, tr.logger, resumed, tr.log_every, plain(cfg), "GRPO steps"
-    ) as log:
-        log.print(cluster.describe())
-        for note in filter(None, [*data.notes, length_note]):
-            log.print(note)
-        if start == 0:
-            ws_args, skipped = warm_start_args(cfg, data.source)
-            task_or_none = None if skipped else task
-            call = actor.warm_start(task_or_none, seed=tr.seed, reward=rewards, **ws_args)
-            ws = log.wait("warm start", call, None if skipped else ws_args["time_budget_s"])[0]
-            if skipped:
-                log.print(f"warm start: skipped ({skipped})")
-            sync_weights(actor, rollout)
-            ev = evaluate()
-            if ev:
-                summary["accuracy_after_warm_start"] = ev["heldout_accuracy"]
-            log.log(0, {"phase": "start" if skipped else "warm_start", **ws, **ev})
-        else:
-            sync_weights(actor, rollout)
-        log.advance(start)
-        for step in range(start + 1, tr.steps + 1):
-            t0 = time.time()
-            prompts.put_many(prompt_items(data.train, sampler.take(tr.prompts_per_step), step))
-            gen = rollout.generate(prompts, rollouts, tr.prompts_per_step)
-            rew = reward.score(rollouts, scored)
-            upd = actor.train(scored)
-            g_out, r_out, a_outs = gen.wait(), rew.wait(), upd.wait()
-            a_out = a_outs[0]
-            version = sync_weights(actor, rollout)
-            seconds = time.time() - t0
-            tokens = sum(o["tokens"] for o in g_out)
-            samples = sum(o["samples"] for o in r_out)
-            metrics = {
-                "reward_mean": sum(o["reward_mean"] * o["samples"] for o in r_out) / samples,
-                "sample_accuracy": sum(o["accuracy"] * o["samples"] for o in r_out) / samples,
-                # the reward function's extra metrics (reward/<name>), reward_errors (penalty)
-                **merge_reward_metrics(r_out, cfg.reward.on_error),
-                "response_length": response_length(g_out),
-                "tokens_per_s": tokens / seconds,
-                "step_s": seconds,
-                "rollout_s": gen.time(busy=True),
-                "reward_s": rew.time(busy=True),
-                "actor_s": upd.time(busy=True),
-                "loss": a_out["loss"],
-                "clip_frac": a_out["clip_frac"],
-                "grad_norm": a_out["grad_norm"],
-                # steps whose update a NaN/inf dropped (actor.nonfinite=skip); absent if none
-                **{k: a_out[k] for k in ("nonfinite_skips",) if k in a_out},
-                "weight_version": version,
-                # the spot pool's counters (rollout.spot.enabled): tokens by reserved and spot
-                # engines, preemptions, migrations, T_seed, N_prem
-                **{f"spot_{k}": v for k, v in g_out[0].get("spot", {}).items()},
-            }
-            if step % tr.eval_every == 0 or step == tr.steps:
-                metrics |= evaluate()
-                if "heldout_accuracy" in metrics:
-                    summary["final_accuracy"] = metrics["heldout_accuracy"]
-            if step % tr.save_every == 0 or step == tr.steps:
-                checkpoints.save(step, {"actor": actor}, {"data": sampler.state_dict()})
-            log.log(step, metrics, echo="heldout_accuracy" in metrics or None)
-            log.advance(step, f"reward {metrics['reward_mean']:.3f}")
-        log.print(f"summary: {summary}")
-    cluster.shutdown()
-    return summary
+    return run.train("GRPO steps", actor, rollout, {"actor": actor}, step)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,10 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
+from m2flow.workers.actor.config import ReferenceOptions
 from m2flow.workers.algos.losses import knows_loss, loss_names
 from m2flow.workers.data.config import DataConfig
-from m2flow.workers.data.reasoning_gym import task_section
 from m2flow.workers.engines.registry import TRAIN_ENGINES, VALUE_ENGINES
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
@@ -34,22 +33,19 @@ from m2flow.workers.recipe import (
     RolloutConfig,
     TaskConfig,
     WarmStartConfig,
-    model_section,
     response_length,
-    rollout_section,
     validate_llm,
     validate_optim,
-    warm_start_args,
 )
-from m2flow.workers.reward.config import RewardConfig
+from m2flow.workers.reward.config import RewardConfig, RewardModelOptions
+from m2flow.workers.scoring.functions import merge_reward_metrics
 
 from m2flow.config import ConfigError
 from m2flow.recipe import (
-    Checkpoints,
     ClusterConfig,
+    options,
     plain,
     require,
-    start_cluster,
     validate_cluster,
     validate_trainer,
 )
@@ -91,27 +87,6 @@ class CriticConfig(OptimConfig):
 
 
 @dataclass
-class ReferenceConfig:
-    micro_batch_size: int = 0  # responses per forward; 0 = a whole chunk
-    threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
-
-
-@dataclass
-class RewardModelConfig:
-    # Your reward model: a Hugging Face sequence-classification directory (num_labels=1, the
-    # policy's tokenizer), used as it is. None: the policy's transformer with a head fitted to
-    # the verifier's labels (reward_fit.*).
-    path: Optional[str] = None
-    # the verifier is the run's reward function (reward.function)
-    verifier_weight: float = 0.5  # reward = w * verifier + (1 - w) * reward model
-    lr: float = 1e-3  # reward-model fit
-    grad_clip: float = 1.0  # global gradient-norm clip of the fit
-    batch_size: int = 64  # samples per fit step
-    micro_batch_size: int = 0  # samples per forward/backward; 0 = the whole batch
-    threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
-
-
-@dataclass
 class RewardFitConfig:
     batches: int = 18  # rollout batches (trainer.prompts_per_step prompts each) to label
     heldout_batches: int = 2  # of which held out to measure the reward model
@@ -127,9 +102,9 @@ class Config:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n_samples=4))
     reward: RewardConfig = field(default_factory=RewardConfig)  # the verifier
-    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    reward_model: RewardModelOptions = field(default_factory=RewardModelOptions)
     reward_fit: RewardFitConfig = field(default_factory=RewardFitConfig)
-    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    reference: ReferenceOptions = field(default_factory=ReferenceOptions)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -197,145 +172,93 @@ def main(cfg) -> dict:
     from m2flow.workers.actor.ppo import PPOActorWorker
     from m2flow.workers.actor.reference import ReferenceWorker
     from m2flow.workers.critic.worker import CriticWorker
-    from m2flow.workers.data.item import prompt_items
-    from m2flow.workers.data.sampler import PromptSampler, load_sampler
-    from m2flow.workers.data.splits import run_data
-    from m2flow.workers.llm import build_tokenizer, tokenizer_spec
-    from m2flow.workers.reward.config import reward_spec
     from m2flow.workers.reward.model import RewardModelWorker
     from m2flow.workers.rollout.worker import RolloutWorker
-    from m2flow.workers.scoring.functions import merge_reward_metrics
+    from m2flow.workers.skeleton import LLMRun, StepRecord
 
     from m2flow import Channel, Fanout, sync_weights
-    from m2flow.runlog import RunLog
 
-    tr, alg = cfg.trainer, cfg.algorithm
-    model, task = model_section(cfg), task_section(cfg)  # model.path made absolute
-    lm = {"model": model, "tokenizer": tokenizer_spec(model)}
-    tokenizer = build_tokenizer(lm["tokenizer"])
-    data = run_data(cfg, tokenizer)  # every prompt read and checked before any worker starts
-    rewards = reward_spec(cfg.reward, data.data_sources())
-    sampler = PromptSampler(len(data.train), tr.seed, cfg.data.shuffle)
-    cluster = start_cluster(cfg.cluster, tr.run_dir)
-    temp = cfg.rollout.temperature
-    rollout_args, length_note = rollout_section(cfg)  # max_new_tokens resolved
+    run = LLMRun(cfg)  # data, rewards, prompt sampler, cluster; the warm start and the tail
+    tr, alg, cluster, lm, seed = cfg.trainer, cfg.algorithm, run.cluster, run.lm, cfg.trainer.seed
+    temp, n = cfg.rollout.temperature, tr.prompts_per_step
     rollout = RolloutWorker.launch(
-        cluster, name="rollout", **lm, heldout=data.heldout, reward=rewards, seed=tr.seed,
-        **rollout_args,
+        cluster, name="rollout", **lm, heldout=run.data.heldout, reward=run.rewards, seed=seed,
+        **run.rollout_args,
     )  # fmt: skip
-    rm = plain(cfg.reward_model)
-    if rm["path"]:  # workers load it from their own working directory
-        rm["path"] = os.path.abspath(os.path.expanduser(rm["path"]))
+    rm = options(cfg.reward_model)
+    if rm.path:  # workers load it from their own working directory
+        rm.path = os.path.abspath(os.path.expanduser(rm.path))
     reward = RewardModelWorker.launch(
-        cluster, name="reward", **lm, seed=tr.seed, reward=rewards, **rm
+        cluster, name="reward", **lm, options=rm, seed=seed, reward=run.rewards
     )
     reference = ReferenceWorker.launch(
-        cluster, name="reference", **lm, temperature=temp, **plain(cfg.reference)
+        cluster, name="reference", **lm, options=options(cfg.reference), temperature=temp
     )
     critic = CriticWorker.launch(
         cluster, name="critic", **lm, gamma=alg.gamma, lam=alg.lam, kl_coef=alg.kl_coef,
-        value_clip=alg.value_clip, epochs=alg.epochs, seed=tr.seed, **plain(cfg.critic),
+        value_clip=alg.value_clip, epochs=alg.epochs, seed=seed, **plain(cfg.critic),
     )  # fmt: skip
     actor = PPOActorWorker.launch(
         cluster, name="actor", **lm, temperature=temp, clip_eps_low=alg.clip_eps,
-        clip_eps_high=alg.clip_eps, epochs=alg.epochs, seed=tr.seed, **plain(cfg.actor),
+        clip_eps_high=alg.clip_eps, epochs=alg.epochs, seed=seed, **plain(cfg.actor),
     )  # fmt: skip
     names = ("prompts", "fit", "to_reward", "to_reference", "to_critic", "scores", "refs", "adv")
     prompts, fit, to_reward, to_reference, to_critic, scores, refs, adv = map(Channel.create, names)
-    n = tr.prompts_per_step
-    trained = {"actor": actor, "critic": critic, "reward": reward, "reference": reference}
-    checkpoints = Checkpoints(tr.run_dir)
+    fanout = Fanout(to_reward, to_reference, to_critic)
 
-    def evaluate() -> dict:
-        """``heldout_accuracy`` (share of held-out prompts with reward 1); none without them."""
-        if not data.heldout:
+    def after_warm_start() -> dict:
+        """The warm-started weights to every model; the reward model's head fitted to verifier
+        labels of the warm-started policy's samples (unless reward_model.path: as it is)."""
+        fitted = not cfg.reward_model.path
+        for group in (rollout, reference, critic) + ((reward,) if fitted else ()):
+            sync_weights(actor, group)
+        if not fitted:
             return {}
-        outs = log.wait("evaluation", rollout.evaluate())
-        scores_ = [s for o in outs for s in o["scores"]]
-        out = {"heldout_accuracy": sum(s == 1.0 for s in scores_) / len(scores_)}
-        if cfg.reward.on_error == "penalty":
-            out["heldout_reward_errors"] = sum(o["reward_errors"] for o in outs)
-        return out
+        fit_n = cfg.reward_fit.batches * n
+        prompts.put_many(run.prompts(fit_n, 0))
+        gen = rollout.generate(prompts, fit, fit_n)
+        call = reward.fit(fit, cfg.reward_fit.heldout_batches * n, cfg.reward_fit.epochs)
+        gen.wait()
+        return run.log.wait("reward model fit", call)
 
-    summary = {}
-    start = 0
-    if cfg.resume:
-        start, state = checkpoints.restore(trained)
-        data.notes += load_sampler(sampler, state)
-    resumed = start if cfg.resume else None  # later records are dropped, time continues
-    with RunLog(
-        tr.run_dir, tr.steps, tr.logger, resumed, tr.log_every, plain(cfg), "PPO steps"
-    ) as log:
-        log.print(cluster.describe())
-        for note in filter(None, [*data.notes, length_note]):
-            log.print(note)
-        if start == 0:
-            ws_args, skipped = warm_start_args(cfg, data.source)
-            task_or_none = None if skipped else task
-            call = actor.warm_start(task_or_none, seed=tr.seed, reward=rewards, **ws_args)
-            ws = log.wait("warm start", call, None if skipped else ws_args["time_budget_s"])[0]
-            if skipped:
-                log.print(f"warm start: skipped ({skipped})")
-            fitted = not cfg.reward_model.path  # else your reward model, as it is
-            for group in (rollout, reference, critic) + ((reward,) if fitted else ()):
-                sync_weights(actor, group)
-            rm = {}
-            if fitted:  # label the warm-started policy's samples with the verifier, fit it
-                fit_n = cfg.reward_fit.batches * n
-                prompts.put_many(prompt_items(data.train, sampler.take(fit_n), 0))
-                gen = rollout.generate(prompts, fit, fit_n)
-                call = reward.fit(fit, cfg.reward_fit.heldout_batches * n, cfg.reward_fit.epochs)
-                gen.wait()
-                rm = log.wait("reward model fit", call)[0]
-            ev = evaluate()
-            if ev:
-                summary["accuracy_after_warm_start"] = ev["heldout_accuracy"]
-            log.log(0, {"phase": "start" if skipped else "warm_start", **ws, **rm, **ev})
-        else:
-            sync_weights(actor, rollout)
-        log.advance(start)
-        fanout = Fanout(to_reward, to_reference, to_critic)
-        for step in range(start + 1, tr.steps + 1):
-            t0 = time.time()
-            prompts.put_many(prompt_items(data.train, sampler.take(n), step))
-            gen = rollout.generate(prompts, fanout, n)
-            rew = reward.score(to_reward, scores)
-            ref = reference.logprobs(to_reference, refs)
-            val = critic.step(to_critic, scores, refs, adv)
-            upd = actor.train_ppo(adv)
-            g_out, r_out, c_out, a_out = gen.wait(), rew.wait()[0], val.wait()[0], upd.wait()[0]
-            ref.wait()
-            sync_weights(actor, rollout)
-            seconds = time.time() - t0
-            metrics = {
-                **{k: r_out[k] for k in ("reward_mean", "verifier_mean", "rm_mean")},
-                "sample_accuracy": r_out["accuracy"],
-                **merge_reward_metrics([r_out], cfg.reward.on_error),
-                "response_length": response_length(g_out),
-                "tokens_per_s": sum(o["tokens"] for o in g_out) / seconds,
-                "step_s": seconds,
-                **{f"{name}_s": call.time(busy=True) for name, call in
-                   (("rollout", gen), ("reward", rew), ("reference", ref), ("critic", val),
-                    ("actor", upd))},
-                **{k: c_out[k] for k in ("kl", "explained_variance", "vf_loss", "vf_clip_frac")},
-                "critic_update_norm": c_out["update_norm"],
-                **{k: a_out[k] for k in ("pg_loss", "clip_frac", "ratio_mean", "grad_norm")},
-                "actor_update_norm": a_out["update_norm"],
-                # steps whose update a NaN/inf dropped (<role>.nonfinite=skip); absent if none
-                **{f"{name}_nonfinite_skips": o["nonfinite_skips"] for name, o in
-                   (("actor", a_out), ("critic", c_out)) if "nonfinite_skips" in o},
-            }  # fmt: skip
-            if step % tr.eval_every == 0 or step == tr.steps:
-                metrics |= evaluate()
-                if "heldout_accuracy" in metrics:
-                    summary["final_accuracy"] = metrics["heldout_accuracy"]
-            if step % tr.save_every == 0 or step == tr.steps:
-                checkpoints.save(step, trained, {"data": sampler.state_dict()})
-            log.log(step, metrics, echo="heldout_accuracy" in metrics or None)
-            log.advance(step, f"verifier {metrics['verifier_mean']:.3f}")
-        log.print(f"summary: {summary}")
-    cluster.shutdown()
-    return summary
+    def step(number: int) -> StepRecord:
+        t0 = time.time()
+        prompts.put_many(run.prompts(n, number))
+        gen = rollout.generate(prompts, fanout, n)
+        rew = reward.score(to_reward, scores)
+        ref = reference.logprobs(to_reference, refs)
+        val = critic.step(to_critic, scores, refs, adv)
+        upd = actor.train_ppo(adv)
+        g_out, r_out, c_out, a_out = gen.wait(), rew.wait(), val.wait(), upd.wait()
+        ref.wait()
+        sync_weights(actor, rollout)
+        calls = {"rollout": gen, "reward": rew, "reference": ref, "critic": val, "actor": upd}
+        metrics = _step_metrics(cfg, time.time() - t0, calls, g_out, r_out, c_out, a_out)
+        return StepRecord(metrics, f"verifier {metrics['verifier_mean']:.3f}")
+
+    trained = {"actor": actor, "critic": critic, "reward": reward, "reference": reference}
+    return run.train("PPO steps", actor, rollout, trained, step, after_warm_start)
+
+
+def _step_metrics(cfg, seconds: float, calls: dict, g_out, r_out, c_out, a_out) -> dict:
+    """One PPO step's record: rewards, lengths, throughput, each role's busy seconds, the
+    critic's and the actor's update statistics."""
+    return {
+        **{k: r_out[k] for k in ("reward_mean", "verifier_mean", "rm_mean")},
+        "sample_accuracy": r_out["accuracy"],
+        **merge_reward_metrics([r_out], cfg.reward.on_error),
+        "response_length": response_length(g_out),
+        "tokens_per_s": sum(o["tokens"] for o in g_out) / seconds,
+        "step_s": seconds,
+        **{f"{name}_s": call.time(busy=True) for name, call in calls.items()},
+        **{k: c_out[k] for k in ("kl", "explained_variance", "vf_loss", "vf_clip_frac")},
+        "critic_update_norm": c_out["update_norm"],
+        **{k: a_out[k] for k in ("pg_loss", "clip_frac", "ratio_mean", "grad_norm")},
+        "actor_update_norm": a_out["update_norm"],
+        # steps whose update a NaN/inf dropped (<role>.nonfinite=skip); absent if none
+        **{f"{name}_nonfinite_skips": o["nonfinite_skips"] for name, o in
+           (("actor", a_out), ("critic", c_out)) if "nonfinite_skips" in o},
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def validate(cfg) -> None:
 def main(cfg) -> dict:
     # Imported here, not at the top: loading the file for --show-config or the config checks
     # then starts nothing heavy. Worker classes may also live at the file's top level.
-    from m2flow import Channel, Worker
+    from m2flow import Channel, Worker, group_method
     from m2flow.runlog import RunLog
 
     class Squarer(Worker):
@@ -47,6 +47,7 @@ def main(cfg) -> dict:
         # each rank then taking its own share of the items.
         data_parallel = False
 
+        @group_method
         def square(self, numbers: Channel, out: Channel, n: int, pause: float) -> None:
             chunk = self.chunk_size(default=n)  # the plan's granularity, else all at once
             batch = []
@@ -63,6 +64,7 @@ def main(cfg) -> dict:
     class Summer(Worker):
         data_parallel = False
 
+        @group_method(collect="sum")
         def total(self, squares: Channel) -> int:
             # one list per get; reads until every producer of this step has returned
             return sum(sum(batch) for (batch,) in squares.stream())
@@ -78,7 +80,7 @@ def main(cfg) -> dict:
             produced = squarer.square(numbers, squares, n, cfg.work.seconds_per_item)
             summed = summer.total(squares)
             produced.wait()
-            total = sum(summed.wait())  # one result per rank
+            total = summed.wait()  # the ranks' totals, summed (collect="sum")
             log.log(step, {"total": total, "summer_s": summed.time(busy=True)})
             log.advance(step)
     cluster.shutdown()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from m2flow import Channel, Worker, sync_weights
+from m2flow import Channel, Worker, group_method, sync_weights
 from m2flow.recipe import ClusterConfig, TrainerConfig, start_cluster
 
 
@@ -15,6 +15,7 @@ class Gen(Worker):
     def __init__(self) -> None:
         self.w = 0.0
 
+    @group_method
     def generate(self, out: Channel, items: int) -> None:
         for i in range(items):
             time.sleep(0.005)  # the "rollout" of one item
@@ -35,6 +36,7 @@ class Train(Worker):
         self.w = 0.0
         self.weight_version = 0
 
+    @group_method
     def train(self, inp: Channel, items: int) -> float:
         got = [inp.get() for _ in range(items)]
         time.sleep(0.01)  # the "update"

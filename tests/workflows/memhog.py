@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from m2flow import Worker
+from m2flow import Worker, group_method
 from m2flow.recipe import (
     Checkpoints,
     ClusterConfig,
@@ -21,6 +21,7 @@ class Counter(Worker):
     def __init__(self) -> None:
         self.value = 0
 
+    @group_method
     def step(self, hog: bool, fail: bool = False) -> int:
         if fail:
             raise ValueError(f"counter-broke-at-step-{self.value + 1}")
@@ -33,12 +34,14 @@ class Counter(Worker):
         self.value += 1
         return self.value
 
+    @group_method
     def save_checkpoint(self, path: str) -> None:
         from pathlib import Path
 
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "value").write_text(str(self.value))
 
+    @group_method
     def load_checkpoint(self, path: str) -> None:
         from pathlib import Path
 

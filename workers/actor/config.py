@@ -119,3 +119,12 @@ class ActorOptions:
         """The policy loss's settings (:func:`~..algos.losses.make_loss`)."""
         return {"clip_eps_low": self.clip_eps_low, "clip_eps_high": self.clip_eps_high,
                 "kl_coef": self.kl_coef}  # fmt: skip
+
+
+@dataclass
+class ReferenceOptions:
+    """The reference's options: the PPO workflow's ``reference`` section, passed whole to
+    :class:`~.reference.ReferenceWorker`."""
+
+    micro_batch_size: int = 0  # responses per forward; 0 = a whole chunk
+    threads: int = 0  # torch threads; 0 = the CPUs of the model's devices

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from m2flow.scheduler.balance import all_queued
 
-from m2flow import Channel
+from m2flow import Channel, group_method
 
 from ..algos.ppo import masked_whiten
 from ..checkpoint import load_state, save_state
@@ -42,17 +42,20 @@ class PPOActorWorker(ActorWorker):
         self.epochs, self.whiten = epochs, whiten_advantages
         self.generator = torch.Generator().manual_seed(self.options.seed)
 
+    @group_method
     def save_checkpoint(self, path: str) -> str:
         """The actor's checkpoint plus the mini-batch shuffling RNG."""
         out = super().save_checkpoint(path)
         save_state(path, self.rank, {"generator": self.generator.get_state()})
         return out
 
+    @group_method
     def load_checkpoint(self, path: str) -> int:
         version = super().load_checkpoint(path)
         self.generator.set_state(load_state(path, self.rank)["generator"])
         return version
 
+    @group_method(collect="rank0")
     def train_ppo(self, inp: Channel) -> dict:
         """One PPO update from the step's chunks read from ``inp`` (until the critic's end of
         step; in a fixed order: by their first prompt id) whose batches carry

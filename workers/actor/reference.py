@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, group_method
 
 from ..batch import num_tokens
 from ..checkpoint import load_state, save_state
 from ..engines.registry import LOGPROB_ENGINES
 from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads, torch_device
+from .config import ReferenceOptions
 
 
 class ReferenceWorker(Worker):
@@ -23,8 +24,9 @@ class ReferenceWorker(Worker):
             ``{"name": "qwen2"}`` (:func:`~m2flow.workers.llm.build_tokenizer`).
         temperature: the rollout's sampling temperature (logprobs of ``logits / T``, as the
             rollout's).
-        micro_batch_size: responses per forward (0: a whole chunk).
-        threads: torch threads; 0 = this rank's share of its node's CPUs.
+        options: the workflow's ``reference`` section (:class:`~.config.ReferenceOptions`:
+            responses per forward, 0: a whole chunk; torch threads, 0: this rank's share of
+            its node's CPUs).
         engine: a :data:`~..engines.registry.LOGPROB_ENGINES` name or ``"module:Class"``.
 
     Raises:
@@ -35,21 +37,22 @@ class ReferenceWorker(Worker):
         self,
         model: dict,
         tokenizer: dict,
-        temperature: float = 1.0,
-        micro_batch_size: int = 0,
-        threads: int = 0,
+        options: ReferenceOptions,
+        temperature: float,
         engine: str = "torch",
     ) -> None:
-        set_torch_threads(self, threads)
+        self.options = options
+        set_torch_threads(self, options.threads)
         self.engine = LOGPROB_ENGINES.get(engine, "reference")(
             model, build_tokenizer(tokenizer), device=torch_device(self.devices),
-            temperature=temperature, micro_batch_size=micro_batch_size or None,
+            temperature=temperature, micro_batch_size=options.micro_batch_size or None,
         )  # fmt: skip
 
     def load_weights(self, weights: dict, version: int) -> None:
         """The frozen reference: the policy's weights when synced (``m2flow.sync_weights``)."""
         self.engine.load_state_dict(weights)
 
+    @group_method
     def logprobs(self, inp: Channel, out: Channel) -> dict:
         """For the step's rollout chunks from ``inp`` (until the rollout's end of step; ranks
         share them), put ``{"ref_logprobs": [B, R]}`` into ``out`` under the chunk's key
@@ -66,10 +69,12 @@ class ReferenceWorker(Worker):
             samples += len(batch)
         return {"samples": samples}
 
+    @group_method
     def save_checkpoint(self, path: str) -> str:
         """The frozen reference weights under ``path``."""
         return save_state(path, self.rank, {"model": self.engine.state_dict()})
 
+    @group_method
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote."""
         self.engine.load_state_dict(load_state(path, self.rank)["model"])

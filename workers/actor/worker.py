@@ -15,7 +15,7 @@ import torch
 import transformers
 from m2flow.scheduler.balance import all_queued
 
-from m2flow import Channel, Worker, events
+from m2flow import Channel, Worker, events, group_method
 
 from .. import parallel as dp
 from ..algos.grpo import grpo_advantages
@@ -78,6 +78,7 @@ class ActorWorker(OnTrainEngine, Worker):
 
     # -- phases -----------------------------------------------------------------------------
 
+    @group_method(collect="rank0")
     def warm_start(self, task: dict | None, steps: int, lr: float, **sft) -> dict:
         """Supervised warm start (:func:`.sft.warm_start`: answer tokens of the task's training
         split at learning rate ``lr``, stopped by ``steps``, ``time_budget_s`` or
@@ -97,6 +98,7 @@ class ActorWorker(OnTrainEngine, Worker):
             torch.distributed.broadcast_object_list(out, 0)
         return out[0]
 
+    @group_method(collect="rank0")
     def train(self, inp: Channel) -> dict:
         """One GRPO update from the step's scored rollout chunks, read from ``inp`` until the
         producer's end of step. Advantages are group-normalised rewards (DeepSeekMath GRPO,

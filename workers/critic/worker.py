@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, group_method
 
 from .. import parallel as dp
 from ..algos.losses import make_loss, response_values
@@ -168,6 +168,7 @@ class CriticWorker(Worker):
                  for r in range(self.world_size)]  # fmt: skip
         return [item for part in parts for item in part]
 
+    @group_method(collect="rank0")
     def step(self, rollouts: Channel, scores: Channel, refs: Channel, out: Channel) -> dict:
         """Advantages for the step's rollout chunks (until the rollout's end of step), then one
         value update on them (chunks in a fixed order: by their first prompt id).
@@ -209,11 +210,13 @@ class CriticWorker(Worker):
         stats["update_norm"] = self.engine.update_norm(before)
         return stats
 
+    @group_method
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """The value model's weights, on CPU (copies), in the torch critic's layout. Megatron:
         gathered on rank 0 (a collective of the group; the other ranks return ``None``)."""
         return self.engine.state_dict()
 
+    @group_method
     def save_checkpoint(self, path: str) -> str:
         """Value model, optimizer state and the shuffling RNG under ``path`` (rank 0's file;
         Megatron: weights and AdamW moments gathered into the torch critic's format)."""
@@ -224,6 +227,7 @@ class CriticWorker(Worker):
         state = {"model": model, "optimizer": optimizer, "generator": self.generator.get_state()}
         return save_state(path, 0, state)
 
+    @group_method
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote, by either engine in any layout (every
         rank reads rank 0's file)."""

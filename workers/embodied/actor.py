@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, group_method
 
 from ..algos.grpo import grpo_loss
 from ..algos.ppo import clipped_value_loss, explained_variance, gae, masked_whiten
@@ -22,6 +22,7 @@ from ..batch import row_order, split_rows
 from ..checkpoint import load_state, save_state
 from ..llm.placement import set_torch_threads, torch_device
 from ..weight_change import snapshot, update_norm
+from .config import PPOOptions
 from .policy import ActorCritic
 
 
@@ -32,13 +33,11 @@ class EmbodiedActorWorker(Worker):
 
     Args:
         obs_dim, n_actions, hidden: the :class:`ActorCritic` shape.
-        lr, grad_clip: Adam (``eps=1e-5``) learning rate and max global grad norm.
-        gamma, lam: GAE discount (per environment step) and lambda.
-        clip_eps: policy ratio clip; value_clip: value clip around the old values (0: none).
-        vf_coef, ent_coef: weights of the value loss and of the entropy bonus.
-        epochs, mini_batch_size: passes over each batch and environment steps per optimizer
-            step (0: the whole batch).
-        threads: torch threads (0: the CPUs of the rank's devices); seed: init and shuffling.
+        options: the workflow's ``algorithm`` section (:class:`~.config.PPOOptions`: Adam
+            (``eps=1e-5``) learning rate and max global grad norm, GAE discount and lambda,
+            ratio and value clips, loss weights, epochs and mini-batch size (0: the whole
+            batch), torch threads (0: the CPUs of the rank's devices)).
+        seed: init and shuffling.
     """
 
     data_parallel = False
@@ -47,32 +46,24 @@ class EmbodiedActorWorker(Worker):
         self,
         obs_dim: int,
         n_actions: int,
-        hidden: int = 64,
-        lr: float = 1e-3,
-        grad_clip: float = 0.5,
-        gamma: float = 0.99,
-        lam: float = 0.95,
-        clip_eps: float = 0.2,
-        value_clip: float = 0.2,
-        vf_coef: float = 0.5,
-        ent_coef: float = 0.01,
-        epochs: int = 4,
-        mini_batch_size: int = 512,
-        threads: int = 0,
+        hidden: int,
+        options: PPOOptions,
         seed: int = 0,
     ) -> None:
-        set_torch_threads(self, threads)
+        o = self.options = options
+        set_torch_threads(self, o.threads)
         torch.manual_seed(seed)
         self.device = torch_device(self.devices)
         self.net = ActorCritic(obs_dim, n_actions, hidden).to(self.device)
-        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=lr, eps=1e-5)
-        self.grad_clip, self.gamma, self.lam = grad_clip, gamma, lam
-        self.clip_eps, self.value_clip = clip_eps, value_clip
-        self.vf_coef, self.ent_coef = vf_coef, ent_coef
-        self.epochs, self.mini = epochs, mini_batch_size or None
+        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=o.lr, eps=1e-5)
+        self.grad_clip, self.gamma, self.lam = o.grad_clip, o.gamma, o.lam
+        self.clip_eps, self.value_clip = o.clip_eps, o.value_clip
+        self.vf_coef, self.ent_coef = o.vf_coef, o.ent_coef
+        self.epochs, self.mini = o.epochs, o.mini_batch_size or None
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_version = 0
 
+    @group_method(collect="rank0")
     def train(self, inp: Channel) -> dict:
         """One PPO update from the step's trajectories (one per environment rank, read from
         ``inp`` until the environments' end of step; layout: :meth:`EnvWorker.rollout`).
@@ -159,6 +150,7 @@ class EmbodiedActorWorker(Worker):
         """The network's weights, on CPU (copies)."""
         return {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()}
 
+    @group_method
     def save_checkpoint(self, path: str) -> str:
         """Network, optimizer, shuffling RNG and weight version under ``path``."""
         return save_state(
@@ -172,6 +164,7 @@ class EmbodiedActorWorker(Worker):
             },
         )
 
+    @group_method
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote."""
         state = load_state(path, self.rank)

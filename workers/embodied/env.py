@@ -21,33 +21,37 @@ from collections import deque
 import numpy as np
 import torch
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, group_method
 
 from ..checkpoint import from_plain, load_state, save_state, to_plain
 from ..llm.placement import set_torch_threads
+from .config import EnvOptions
 from .env_state import restore_vector_env, vector_env_state
 
 
 class EnvWorker(Worker):
-    """``num_envs`` simulators of ``env_id`` per rank.
+    """``options.num_envs`` simulators of ``options.id`` per rank.
 
     Args:
-        env_id: a registered Gymnasium id with a flat ``Box`` observation space and a
-            ``Discrete`` action space (``CartPole-v1``, ``Acrobot-v1``, ``MountainCar-v0``).
-        num_envs: simulators on this rank (one vectorised env).
+        options: the workflow's ``env`` section (:class:`~.config.EnvOptions`): ``id``, a
+            registered Gymnasium id with a flat ``Box`` observation space and a ``Discrete``
+            action space (``CartPole-v1``, ``Acrobot-v1``, ``MountainCar-v0``); ``num_envs``,
+            simulators on this rank (one vectorised env); ``threads``, torch threads (the env
+            itself is numpy on one thread).
         seed: reset seed; copy ``i`` of rank ``r`` starts from ``seed + r * num_envs + i``.
-        threads: torch threads (the env itself is numpy on one thread).
 
     Raises:
         ValueError: an environment whose spaces the MLP policy cannot handle, or whose state
             a checkpoint cannot hold as plain values (:func:`.env_state.vector_env_state`).
     """
 
-    def __init__(self, env_id: str, num_envs: int = 16, seed: int = 0, threads: int = 1) -> None:
+    def __init__(self, options: EnvOptions, seed: int = 0) -> None:
         import gymnasium as gym
         from gymnasium.vector import AutoresetMode
 
-        set_torch_threads(self, threads)
+        self.options = options
+        env_id, num_envs = options.id, options.num_envs
+        set_torch_threads(self, options.threads)
         self.envs = gym.make_vec(
             env_id,
             num_envs=num_envs,
@@ -68,6 +72,7 @@ class EnvWorker(Worker):
         self.recent: deque[float] = deque(maxlen=100)  # returns of the last 100 episodes
         vector_env_state(self.envs)  # an env no checkpoint can hold fails here, not at a save
 
+    @group_method
     def save_checkpoint(self, path: str) -> str:
         """The simulators mid-episode (the values of the vector env, its wrappers and envs,
         RNGs included: :func:`.env_state.vector_env_state`), the current observations and the
@@ -84,6 +89,7 @@ class EnvWorker(Worker):
             },
         )
 
+    @group_method
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote into this rank's env, built from the
         config as on a fresh start.
@@ -99,10 +105,12 @@ class EnvWorker(Worker):
         self.ep_length = from_plain(state["ep_length"])
         self.recent = deque(state["recent"], maxlen=100)
 
+    @group_method(collect="rank0")
     def spec(self) -> dict:
         """``{"obs_dim", "n_actions"}`` of the environment."""
         return {"obs_dim": self.obs_dim, "n_actions": self.n_actions}
 
+    @group_method
     def rollout(self, obs: Channel, actions: Channel, out: Channel, steps: int) -> dict:
         """Step every simulator ``steps`` times with the policy's actions, then put the
         trajectory into ``out``.
@@ -199,6 +207,7 @@ class EnvWorker(Worker):
         o, r, te, tr = zip(*out)
         return np.stack(o), np.array(r, dtype=np.float64), np.array(te), np.array(tr)
 
+    @group_method(collect="rank0")
     def share_items(self) -> int:
         """Simulators on this rank: the items a plan's sub-batches split (``m2flow profile``
         reads it to cost the env <-> policy cycle split, :mod:`m2flow.profiler`)."""

@@ -13,10 +13,11 @@ import time
 import torch
 from torch import nn
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, group_method
 
 from ..checkpoint import load_state, save_state
 from ..llm.placement import offload_module, onload_module, set_torch_threads, torch_device
+from .config import PolicyOptions
 
 
 def _mlp(sizes: list[int], last_gain: float) -> nn.Sequential:
@@ -55,22 +56,24 @@ class PolicyWorker(Worker):
     """Serves actions to environment workers through channels (inference only: data parallel).
 
     Args:
-        obs_dim, n_actions, hidden: the :class:`ActorCritic` shape (weights come from the
+        obs_dim, n_actions: the :class:`ActorCritic` shape's ends (weights come from the
             actor by ``m2flow.sync_weights``).
-        threads: torch threads (0: this rank's share of its node's CPUs); seed: sampling.
+        options: the workflow's ``policy`` section (:class:`~.config.PolicyOptions`: the
+            hidden width; torch threads, 0: this rank's share of its node's CPUs).
+        seed: sampling.
     """
 
-    def __init__(
-        self, obs_dim: int, n_actions: int, hidden: int = 64, threads: int = 0, seed: int = 0
-    ) -> None:
-        set_torch_threads(self, threads)
+    def __init__(self, obs_dim: int, n_actions: int, options: PolicyOptions, seed: int = 0) -> None:
+        self.options = options
+        set_torch_threads(self, options.threads)
         self.device = torch_device(self.devices)
-        self.net = ActorCritic(obs_dim, n_actions, hidden).to(self.device).eval()
+        self.net = ActorCritic(obs_dim, n_actions, options.hidden).to(self.device).eval()
         self.generator = torch.Generator(self.device).manual_seed(seed + 7919 * self.rank)
 
     def load_weights(self, weights: dict, version: int) -> None:
         self.net.load_state_dict(weights)
 
+    @group_method
     @torch.no_grad()
     def act(self, obs: Channel, actions: Channel) -> dict:
         """Serve observation items until the environments' end of step (ranks share them).
@@ -102,10 +105,12 @@ class PolicyWorker(Worker):
             rows += len(x)
         return {"items": served, "observations": rows, "forward_s": forward_s}
 
+    @group_method
     def save_checkpoint(self, path: str) -> str:
         """This rank's action-sampling RNG (the weights come from the actor)."""
         return save_state(path, self.rank, {"generator": self.generator.get_state()})
 
+    @group_method
     def load_checkpoint(self, path: str) -> None:
         self.generator.set_state(load_state(path, self.rank)["generator"])
 

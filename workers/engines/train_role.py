@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from m2flow import group_method
+
 from .. import parallel as dp
 from ..checkpoint import load_file, save_file
 from .train import TrainEngine, train_engine
@@ -59,13 +61,13 @@ class OnTrainEngine:
         train_engine(kwargs.get("engine", "torch"), cls.role).check(world_size, kwargs, cls.role)
 
     # -- weights, checkpoints, memory -------------------------------------------------------
-
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The policy's weights, on CPU (copies), in Hugging Face layout: the source of
         ``m2flow.sync_weights(actor, ...)``. ``RuntimeError`` on a rank holding none (Megatron:
         rank 0 holds them)."""
         return self.engine.get_weights()
 
+    @group_method
     def save_checkpoint(self, path: str) -> str:
         """Model, tokenizer, optimizer state, version and RNG state under ``path`` (the
         engine's files; rank 0 writes ``<role>_state.pt``; a collective of all ranks)."""
@@ -79,6 +81,7 @@ class OnTrainEngine:
         save_file(out / f"{self.role}_state.pt", state)  # tensors and plain values only
         return str(out)
 
+    @group_method
     def load_checkpoint(self, path: str) -> int:
         """Restore what :meth:`save_checkpoint` wrote. Returns the weight version.
 

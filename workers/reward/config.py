@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from m2flow.config import ConfigError
 from m2flow.recipe import require
@@ -20,6 +21,24 @@ from ..scoring.functions import (
     split_function,
 )
 from ..scoring.isolated import IsolatedFunction, LoadError
+
+
+@dataclass
+class RewardModelOptions:
+    """The learned reward model's options: the PPO workflow's ``reward_model`` section, passed
+    whole to :class:`~.model.RewardModelWorker`."""
+
+    # Your reward model: a Hugging Face sequence-classification directory (num_labels=1, the
+    # policy's tokenizer), used as it is. None: the policy's transformer with a head fitted to
+    # the verifier's labels (reward_fit.*).
+    path: Optional[str] = None
+    # the verifier is the run's reward function (reward.function)
+    verifier_weight: float = 0.5  # reward = w * verifier + (1 - w) * reward model
+    lr: float = 1e-3  # reward-model fit
+    grad_clip: float = 1.0  # global gradient-norm clip of the fit
+    batch_size: int = 64  # samples per fit step
+    micro_batch_size: int = 0  # samples per forward/backward; 0 = the whole batch
+    threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
 
 
 @dataclass

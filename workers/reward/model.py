@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from m2flow.scheduler.balance import all_queued
 
-from m2flow import Channel, Worker
+from m2flow import Channel, Worker, group_method
 
 from ..algos.losses import make_loss, sequence_scores
 from ..batch import concat, num_tokens
@@ -30,6 +30,7 @@ from ..llm.placement import set_torch_threads, torch_device
 from ..llm.tokenizer import decode_responses
 from ..scoring.functions import RewardFunction, RewardResult, result_metrics
 from ..tasks import accuracy
+from .config import RewardModelOptions
 
 
 def check_reward_model(path: str, tokenizer: dict) -> None:
@@ -68,16 +69,18 @@ class RewardModelWorker(Worker):
         model: :class:`~m2flow.workers.llm.ModelConfig` fields (the policy's shape).
         tokenizer: the tokenizer spec, ``{"name": "char", "alphabet": str}`` or
             ``{"name": "qwen2"}`` (:func:`~m2flow.workers.llm.build_tokenizer`).
-        verifier_weight: ``w`` in the mix (1: verifier only, 0: reward model only).
-        lr, grad_clip: AdamW for :meth:`fit`.
-        batch_size: samples per fit step; micro_batch_size: samples per scoring forward.
-        threads: torch threads (0: the CPUs of the rank's devices); seed: init and shuffling.
+        options: the workflow's ``reward_model`` section (:class:`~.config.RewardModelOptions`):
+            ``verifier_weight``, ``w`` in the mix (1: verifier only, 0: reward model only);
+            ``lr``, ``grad_clip``: AdamW for :meth:`fit`; ``batch_size``: samples per fit
+            step; ``micro_batch_size``: samples per scoring forward; ``threads``: torch
+            threads (0: the CPUs of the rank's devices); ``path``: a pretrained reward model
+            (:meth:`~..engines.value_model.ValueModel.from_classifier`; it scores the policy's
+            token ids, so it must share the policy's tokenizer), used as it is (no
+            :meth:`fit`, no weights from the policy); None: the policy's transformer with a
+            new head, fitted by :meth:`fit`.
+        seed: init and shuffling.
         reward: the verifier: :class:`~.functions.RewardFunction` arguments (``function``,
             ``on_error``, ``penalty``; default ``auto``).
-        path: a pretrained reward model (:meth:`~..engines.value_model.ValueModel.from_classifier`;
-            it scores the policy's token ids, so it must share the policy's tokenizer): used
-            as it is (no :meth:`fit`, no weights from the policy). None: the policy's
-            transformer with a new head, fitted by :meth:`fit`.
 
     Raises:
         ValueError: ``verifier_weight`` outside [0, 1].
@@ -89,19 +92,15 @@ class RewardModelWorker(Worker):
         self,
         model: dict,
         tokenizer: dict,
-        verifier_weight: float = 0.5,
-        lr: float = 3e-4,
-        grad_clip: float = 1.0,
-        batch_size: int = 64,
-        micro_batch_size: int = 0,
-        threads: int = 0,
+        options: RewardModelOptions,
         seed: int = 0,
         reward: dict | None = None,
-        path: str | None = None,
     ) -> None:
-        if not 0.0 <= verifier_weight <= 1.0:
-            raise ValueError(f"verifier_weight must be in [0, 1], got {verifier_weight}")
-        set_torch_threads(self, threads)
+        o = self.options = options
+        if not 0.0 <= o.verifier_weight <= 1.0:
+            raise ValueError(f"verifier_weight must be in [0, 1], got {o.verifier_weight}")
+        path, micro_batch_size = o.path, o.micro_batch_size
+        set_torch_threads(self, o.threads)
         self.tokenizer = build_tokenizer(tokenizer)
         self.reward_fn = RewardFunction(**(reward or {}))
         self._results: list[RewardResult] = []  # this call's, for its metrics
@@ -109,10 +108,10 @@ class RewardModelWorker(Worker):
         # the torch value engine (the critic's), fitted here as a reward model
         self.engine = VALUE_ENGINES.get("torch", "reward_model")(
             model, self.tokenizer, device=torch_device(self.devices), seed=seed,
-            optim={"lr": lr, "grad_clip": grad_clip}, classifier=path,
+            optim={"lr": o.lr, "grad_clip": o.grad_clip}, classifier=path,
         )  # fmt: skip
         self.loss = make_loss("score_bce", "score")
-        self.w, self.batch_size = verifier_weight, batch_size
+        self.w, self.batch_size = o.verifier_weight, o.batch_size
         self.micro = micro_batch_size or None
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -133,6 +132,7 @@ class RewardModelWorker(Worker):
         self._results.append(res)
         return torch.tensor(res.scores, dtype=torch.float32)
 
+    @group_method(collect="rank0")
     def fit(self, inp: Channel, heldout_prompts: int, epochs: int) -> dict:
         """Fit the reward model to verifier labels of the rollout chunks read from ``inp``
         (until the rollout's end of step): the samples of the last ``heldout_prompts``
@@ -196,6 +196,7 @@ class RewardModelWorker(Worker):
         """``[B]`` sequence scores in (0, 1): the sigmoid of the head's score (no grad)."""
         return self.engine.infer(batch, _sigmoid_scores, self.micro)
 
+    @group_method(collect="rank0")
     def score(self, inp: Channel, out: Channel) -> dict:
         """Score the step's rollout chunks from ``inp`` (until the rollout's end of step); put
         ``{"scores": [B],
@@ -228,6 +229,7 @@ class RewardModelWorker(Worker):
             **result_metrics(self._results),
         }
 
+    @group_method
     def save_checkpoint(self, path: str) -> str:
         """The fitted reward model and the shuffling RNG under ``path``."""
         refuse_nonfinite(self.engine, "reward model")
@@ -237,6 +239,7 @@ class RewardModelWorker(Worker):
             {"model": self.engine.model.state_dict(), "generator": self.generator.get_state()},
         )
 
+    @group_method
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote."""
         state = load_state(path, self.rank)

@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import torch
 from m2flow.scheduler.balance import all_queued
 
-from m2flow import Channel, Worker, events
+from m2flow import Channel, Worker, events, group_method
 
 from ..batch import num_tokens
 from ..chunk import RolloutChunk
@@ -165,6 +165,7 @@ class RewardWorker(Worker):
         except Exception as e:  # the service may be gone: its batches with it
             log.warning("closing reward-service batch %r failed: %r", batch, e)
 
+    @group_method
     def score(self, inp: Channel, out: Channel) -> dict:
         """Score the step's rollout chunks from ``inp`` until the rollout's end of step (ranks
         share them), add ``rewards [B]`` to each batch, and put it into ``out`` (same weight:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from m2flow import Channel, Worker, control_method
+from m2flow import Channel, Worker, control_method, group_method
 
 from ..batch import num_tokens, to_batch
 from ..chunk import RolloutChunk
@@ -98,6 +98,7 @@ class RolloutWorker(Worker):
 
     # -- generation -------------------------------------------------------------------------
 
+    @group_method
     def generate(self, prompts: Channel, out: Channel, num_prompts: int) -> dict:
         """Take this rank's share of ``num_prompts`` prompts from ``prompts`` in chunks of the
         plan's granularity (:meth:`~m2flow.Worker.chunk_size`; the whole share without a
@@ -191,6 +192,7 @@ class RolloutWorker(Worker):
 
     # -- evaluation -------------------------------------------------------------------------
 
+    @group_method
     def evaluate(self) -> dict:
         """Greedy rewards of this rank's shard of the held-out prompts, scored by the run's
         reward function.
