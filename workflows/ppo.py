@@ -26,7 +26,6 @@ from typing import Optional
 from m2flow.workers.algos.losses import knows_loss, loss_names
 from m2flow.workers.data.config import DataConfig
 from m2flow.workers.data.reasoning_gym import task_section
-from m2flow.workers.engines.registry import TRAIN_ENGINES, VALUE_ENGINES
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
     ModelConfig,
@@ -34,6 +33,7 @@ from m2flow.workers.recipe import (
     RolloutConfig,
     TaskConfig,
     WarmStartConfig,
+    check_engine,
     model_section,
     response_length,
     rollout_section,
@@ -94,6 +94,7 @@ class CriticConfig(OptimConfig):
 class ReferenceConfig:
     micro_batch_size: int = 0  # responses per forward; 0 = a whole chunk
     threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
+    engine: str = "torch"  # a logprob engine: torch, or module:Class (docs/concepts/engines.md)
 
 
 @dataclass
@@ -109,6 +110,7 @@ class RewardModelConfig:
     batch_size: int = 64  # samples per fit step
     micro_batch_size: int = 0  # samples per forward/backward; 0 = the whole batch
     threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
+    engine: str = "torch"  # a one-rank value engine: torch, or module:Class
 
 
 @dataclass
@@ -141,17 +143,6 @@ class Config:
     resume: bool = False  # continue from the last checkpoint in trainer.run_dir
 
 
-def _engine_checks(name: str, section, engines) -> list[tuple[bool, str]]:
-    return [
-        (engines.knows(section.engine), f"{name}.engine must be {engines.choices()}"),
-        (
-            section.engine == "megatron" or section.tensor_parallel == 1,
-            f"{name}.tensor_parallel needs {name}.engine=megatron",
-        ),
-        (section.tensor_parallel >= 1, f"{name}.tensor_parallel must be >= 1"),
-    ]
-
-
 def validate(cfg) -> None:
     """Value checks the types cannot express, before anything starts. Raises ConfigError."""
     from m2flow.workers.checkpoint import PPO_ACTOR, RANK_STATE
@@ -174,8 +165,8 @@ def validate(cfg) -> None:
                 "reward_model.verifier_weight must be in [0, 1]",
             ),
             (0 <= f.heldout_batches < f.batches, "need 0 <= reward_fit.heldout_batches < batches"),
-            *_engine_checks("actor", cfg.actor, TRAIN_ENGINES),
-            *_engine_checks("critic", cfg.critic, VALUE_ENGINES),
+            (cfg.actor.tensor_parallel >= 1, "actor.tensor_parallel must be >= 1"),
+            (cfg.critic.tensor_parallel >= 1, "critic.tensor_parallel must be >= 1"),
             (
                 knows_loss(cfg.actor.loss, "policy"),
                 f"actor.loss={cfg.actor.loss}: pick one of {', '.join(loss_names('policy'))} "
@@ -183,6 +174,18 @@ def validate(cfg) -> None:
             ),
         ]
     )
+    # the engines say what they cannot run
+    check_engine("train", cfg, "actor")
+    check_engine("value", cfg, "critic")
+    check_engine("logprob", cfg, "reference")
+    from m2flow.workers.reward.model import check_reward_engine
+
+    try:
+        check_reward_engine(
+            cfg.reward_model.engine, {**plain(cfg.reward_model), "model": model_section(cfg)}
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.reward_model.path:
         from m2flow.workers.llm import tokenizer_spec
         from m2flow.workers.reward.model import check_reward_model

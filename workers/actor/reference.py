@@ -6,14 +6,14 @@ from m2flow import Channel, Worker
 
 from ..batch import num_tokens
 from ..checkpoint import load_state, save_state
-from ..engines.registry import LOGPROB_ENGINES
+from ..engines.registry import engine_class
 from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads, torch_device
 
 
 class ReferenceWorker(Worker):
     """A frozen copy of the policy (weights arrive once, with :meth:`sync_weights`), on the
-    logprob-only engine ``engine`` names (:data:`~..engines.registry.LOGPROB_ENGINES`).
+    logprob-only engine ``engine`` names (kind ``logprob``, :mod:`~..engines.registry`).
 
     Inference only, so data parallel: each rank takes its share of the chunks.
 
@@ -25,7 +25,7 @@ class ReferenceWorker(Worker):
             rollout's).
         micro_batch_size: responses per forward (0: a whole chunk).
         threads: torch threads; 0 = this rank's share of its node's CPUs.
-        engine: a :data:`~..engines.registry.LOGPROB_ENGINES` name or ``"module:Class"``.
+        engine: a backend of kind ``logprob`` or ``"module:Class"``.
 
     Raises:
         ValueError: an unknown ``engine``.
@@ -41,7 +41,7 @@ class ReferenceWorker(Worker):
         engine: str = "torch",
     ) -> None:
         set_torch_threads(self, threads)
-        self.engine = LOGPROB_ENGINES.get(engine, "reference")(
+        self.engine = engine_class("logprob", engine, "reference")(
             model, build_tokenizer(tokenizer), device=torch_device(self.devices),
             temperature=temperature, micro_batch_size=micro_batch_size or None,
         )  # fmt: skip
