@@ -15,7 +15,7 @@ refuses a configuration the role cannot run.
 
 from __future__ import annotations
 
-from ..engines.registry import engine_class
+from ..engines.registry import choices, engine_class, knows, names
 from ..llm.gate import PAUSE_TIMEOUT_S, DecodeGate
 from ..llm.generation import generate, stop_token_ids
 from .exact import ExactEngine
@@ -108,6 +108,12 @@ class HostExactEngine(ExactEngine):
         return False
 
 
+def _groups() -> list[str]:
+    """The backends that sample whole groups themselves (the role's choices; ``spot``
+    composes over one of them)."""
+    return [n for n in names("rollout") if n != "spot" and engine_class("rollout", n).generates]
+
+
 def rollout_engine_class(kind: str, spot: dict | None = None, role: str = "rollout") -> type:
     """The rollout role's engine class: ``kind`` (``rollout.engine``) from the registry, or,
     with ``spot["enabled"]``, the spot pool (backend ``spot``) that composes over it.
@@ -117,6 +123,10 @@ def rollout_engine_class(kind: str, spot: dict | None = None, role: str = "rollo
             an engine that continues blocks itself (vllm) with ``spot.engine=emulated``.
         EngineProtocolError: a class missing members of the protocol.
     """
+    if not knows("rollout", kind):
+        raise ValueError(
+            f"{role}.engine={kind!r}: {role}.engine must be {choices('rollout', _groups())}"
+        )
     cls = engine_class("rollout", kind, role)
     if spot and spot.get("enabled"):
         if cls.block_steps and spot.get("engine", "exact") != "exact":
@@ -129,7 +139,8 @@ def rollout_engine_class(kind: str, spot: dict | None = None, role: str = "rollo
     if not cls.generates:
         raise ValueError(
             f"rollout.engine={kind!r} continues blocks for the spot pool only "
-            f"(rollout.spot.engine): pick an engine that samples whole groups, hf or vllm"
+            f"(rollout.spot.engine): pick an engine that samples whole groups, "
+            f"{choices('rollout', _groups())}"
         )
     return cls
 

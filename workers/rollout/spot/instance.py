@@ -6,8 +6,9 @@ engine's ``update_weights``), lease its pending requests up to its batch room, g
 block of tokens, report the block, drop what the manager revokes (a rebalancing move, or the
 pool paused: the requests go back with their tokens and per-token versions). The engine is
 ``args["engine"]``, a backend of kind ``rollout`` (:mod:`~m2flow.workers.engines.registry`):
-``exact`` (:class:`~m2flow.workers.rollout.exact.ExactEngine`), ``vllm`` (block-wise continuation) or
-``emulated`` (no model is built; a weight pull sleeps its modelled transfer time). If its node
+``exact`` (:class:`~m2flow.workers.rollout.exact.ExactEngine`), ``vllm`` (block-wise
+continuation) or ``emulated`` (no model is built; a weight pull sleeps its modelled transfer
+time). If its node
 disappears, the process dies mid-block; the manager still holds every response up to the last
 reported block and moves it to another instance.
 """
