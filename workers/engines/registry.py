@@ -3,14 +3,15 @@
 An engine is chosen from config by its **kind** (what it does for a role) and its **backend**
 (the ``engine`` key of that role's section):
 
-========== ================================================ ===================================
-kind       protocol                                         roles
-========== ================================================ ===================================
-train      :class:`~.train.TrainEngine`                     GRPO and PPO actors
-value      :class:`~.value.ValueEngine`                     critic, reward model
-logprob    :class:`~.logprob.LogprobEngine`                 reference
-rollout    :class:`~.rollout.RolloutEngine`                 rollout, spot instances
-========== ================================================ ===================================
+============ ============================================ ==================================
+kind         protocol                                     roles
+============ ============================================ ==================================
+train        :class:`~.train.TrainEngine`                 GRPO and PPO actors
+value        :class:`~.value.ValueEngine`                 critic, reward model
+logprob      :class:`~.logprob.LogprobEngine`             reference
+rollout      :class:`~.rollout.RolloutEngine`             rollout, spot instances
+actor_critic :class:`~.actor_critic.ActorCriticEngine`    embodied actor
+============ ============================================ ==================================
 
 A built-in backend is listed here as ``"module:Class"`` and imported on first use (so choosing
 ``torch`` never imports megatron-core or vLLM). A new backend registers itself
@@ -37,6 +38,7 @@ PROTOCOLS = {
     "value": "m2flow.workers.engines.value:ValueEngine",
     "logprob": "m2flow.workers.engines.logprob:LogprobEngine",
     "rollout": "m2flow.workers.engines.rollout:RolloutEngine",
+    "actor_critic": "m2flow.workers.engines.actor_critic:ActorCriticEngine",
 }
 
 #: members a kind requires only of classes whose flag (the value) is true
@@ -59,6 +61,7 @@ _BUILTINS: dict[str, dict[str, str]] = {
         "emulated": "m2flow.workers.rollout.emulated:EmulatedEngine",
         "spot": "m2flow.workers.rollout.spot.pool:SpotPoolEngine",
     },
+    "actor_critic": {"torch": "m2flow.workers.engines.actor_critic:TorchActorCriticEngine"},
 }
 
 _paths: dict[str, dict[str, str]] = {k: dict(v) for k, v in _BUILTINS.items()}
@@ -82,7 +85,7 @@ def _import(path: str):
 
 
 def protocol(kind: str) -> type:
-    """The protocol class of ``kind`` (``"train"``, ``"value"``, ``"logprob"``, ``"rollout"``)."""
+    """The protocol class of ``kind`` (a key of :data:`PROTOCOLS`)."""
     return _import(PROTOCOLS[_kind(kind)])
 
 
