@@ -28,7 +28,7 @@ class ReferenceWorker(Worker):
         engine: a backend of kind ``logprob`` or ``"module:Class"``.
 
     Raises:
-        ValueError: an unknown ``engine``.
+        ValueError: an unknown ``engine``, or a setting it refuses (its ``check``).
     """
 
     def __init__(
@@ -40,8 +40,10 @@ class ReferenceWorker(Worker):
         threads: int = 0,
         engine: str = "torch",
     ) -> None:
+        cls = engine_class("logprob", engine, "reference")
+        cls.check({"engine": engine, "model": model}, self.world_size, "reference")
         set_torch_threads(self, threads)
-        self.engine = engine_class("logprob", engine, "reference")(
+        self.engine = cls(
             model, build_tokenizer(tokenizer), device=torch_device(self.devices),
             temperature=temperature, micro_batch_size=micro_batch_size or None,
         )  # fmt: skip
