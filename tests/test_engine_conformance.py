@@ -182,6 +182,35 @@ def test_torch_logprob_engine_methods(tok, batch):
     assert engine.logprobs(chunk).shape == batch["response_ids"].shape
 
 
+def test_torch_actor_critic_engine_methods():
+    from m2flow.workers.algos.actor_critic import actor_critic_loss
+    from m2flow.workers.embodied.policy import ActorCritic
+
+    torch.manual_seed(0)
+    cls = registry.engine_class("actor_critic", "torch")
+    engine = cls(ActorCritic(4, 2, 8), device=CPU, lr=1e-2, grad_clip=0.5)
+    n = 16
+    mb = {"obs": torch.randn(n, 4), "actions": torch.randint(0, 2, (n,)),
+          "logprobs": torch.full((n,), -0.69), "values": torch.zeros(n),
+          "advantages": torch.randn(n), "returns": torch.ones(n)}  # fmt: skip
+    before, snap = engine.get_weights(), engine.snapshot()
+    saved = copy.deepcopy(engine.checkpoint_state())
+
+    def loss(model, b):
+        return actor_critic_loss(model, b, clip_eps=0.2, value_clip=0.2, vf_coef=0.5, ent_coef=0.01)
+
+    out = engine.forward_backward(mb, loss)
+    assert {"loss", "pg_loss", "vf_loss", "entropy", "approx_kl", "clip_frac"} <= set(out)
+    assert engine.optimizer_step()["grad_norm"] > 0
+    assert engine.update_norm(snap) > 0 and changed(before, engine.get_weights())
+    engine.load_checkpoint_state(*saved)
+    assert not changed(before, engine.get_weights())
+    engine.offload()
+    engine.onload()
+    with pytest.raises(ValueError, match="algorithm.engine=torch trains the actor-critic on one"):
+        cls.check({}, 2, "algorithm")
+
+
 ROLLOUT_BUILT = [n for n in registry.names("rollout") if ("rollout", n) not in NOT_BUILT]
 
 
