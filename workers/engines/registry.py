@@ -66,6 +66,7 @@ _BUILTINS: dict[str, dict[str, str]] = {
 
 _paths: dict[str, dict[str, str]] = {k: dict(v) for k, v in _BUILTINS.items()}
 _classes: dict[str, dict[str, type]] = {k: {} for k in _BUILTINS}
+_imported: dict[tuple[str, str], type] = {}  # (kind, import path) -> class, checked
 
 
 class EngineProtocolError(TypeError):
@@ -185,6 +186,8 @@ def engine_class(kind: str, name: str, role: str | None = None) -> type:
     role = role or kind
     if name in _classes[_kind(kind)]:
         return _classes[kind][name]
+    if (kind, name) in _imported:
+        return _imported[kind, name]
     path = _paths[kind].get(name, name)
     if ":" not in path:
         raise ValueError(f"{role}.engine={name!r}: {role}.engine must be {choices(kind)}")
@@ -195,7 +198,11 @@ def engine_class(kind: str, name: str, role: str | None = None) -> type:
             f"{role}.engine={name!r}: cannot import {path} ({e}); {role}.engine must be "
             f"{choices(kind)}"
         ) from e
-    _classes[kind][name] = conform(kind, cls)
+    conform(kind, cls)
+    if name in _paths[kind]:
+        _classes[kind][name] = cls
+    else:
+        _imported[kind, name] = cls
     return cls
 
 
