@@ -27,8 +27,8 @@ class SgdEngine:
     data_parallel = False
 
     @classmethod
-    def check(cls, world_size: int, kwargs: dict, role: str = "actor") -> None:
-        if world_size != 1:
+    def check(cls, config: dict, world_size: int | None = None, role: str = "actor") -> None:
+        if world_size not in (None, 1):
             raise ValueError(f"{role}.engine=sgd runs one rank")
 
     def __init__(self, model, tokenizer, *, device, optim, seed=0, **_) -> None:
@@ -94,6 +94,9 @@ class SgdEngine:
 
     def get_weights(self) -> dict:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def load_weights(self, weights: dict) -> None:
+        self.model.load_state_dict(weights)
 
     def save(self, path: Path) -> dict:
         path.mkdir(parents=True, exist_ok=True)

@@ -110,7 +110,7 @@ def test_a_new_train_engine_is_one_file(cluster):
     from m2flow.workers.algos.grpo import grpo_advantages, grpo_loss
     from m2flow.workers.algos.logprobs import sequence_logprobs
     from m2flow.workers.batch import concat
-    from m2flow.workers.engines.registry import TRAIN_ENGINES
+    from m2flow.workers.engines import registry
     from sgd_engine import KEYS, SgdEngine
 
     def sgd_update(model, data: dict, lr: float, temperature: float) -> dict:
@@ -126,12 +126,13 @@ def test_a_new_train_engine_is_one_file(cluster):
                     p -= lr * p.grad
         return {"loss": loss.item()}
 
-    assert TRAIN_ENGINES.get("sgd_engine:SgdEngine") is SgdEngine
-    TRAIN_ENGINES.register("sgd", SgdEngine)  # in this process; workers resolve the path
-    assert TRAIN_ENGINES.get("sgd") is SgdEngine and TRAIN_ENGINES.knows("sgd")
-    assert TRAIN_ENGINES.knows("sgd_engine:SgdEngine") and not TRAIN_ENGINES.knows("fsdp")
-    with pytest.raises(ValueError, match="actor.engine='fsdp': pick one of torch, megatron, sgd"):
-        TRAIN_ENGINES.get("fsdp")
+    assert registry.engine_class("train", "sgd_engine:SgdEngine") is SgdEngine
+    registry.register("train", "sgd", SgdEngine)  # in this process; workers resolve the path
+    assert registry.engine_class("train", "sgd") is SgdEngine and registry.knows("train", "sgd")
+    assert registry.knows("train", "sgd_engine:SgdEngine")
+    assert not registry.knows("train", "fsdp")
+    with pytest.raises(ValueError, match="actor.engine must be torch or megatron or sgd"):
+        registry.engine_class("train", "fsdp", "actor")
     chunks = _chunks()
     actor = ActorWorker.launch(
         cluster,

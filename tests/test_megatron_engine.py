@@ -239,7 +239,7 @@ def test_bad_megatron_settings_are_refused_at_launch(cluster):
         ("grpo", "actor.engine=jax", "actor.engine must be torch or megatron"),
         ("grpo", "actor.tensor_parallel=2", "actor.engine=megatron"),
         ("grpo", "actor.pipeline_parallel=2", "pipeline_parallel needs actor.engine=megatron"),
-        ("grpo", "actor.engine=megatron,actor.pipeline_parallel=3", "must divide model.num_hidden"),
+        ("grpo", "actor.engine=megatron,actor.pipeline_parallel=3", "num_hidden_layers=.* is not"),
         ("ppo", "actor.engine=jax", "actor.engine must be torch or megatron"),
         ("ppo", "critic.tensor_parallel=2", "critic.engine=megatron"),
     ],

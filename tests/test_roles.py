@@ -11,7 +11,7 @@ from m2flow.workers.algos.logprobs import sequence_logprobs
 from m2flow.workers.algos.losses import make_loss
 from m2flow.workers.chunk import RolloutChunk, step_batch, timed
 from m2flow.workers.embodied.config import EnvOptions, PolicyOptions, PPOOptions
-from m2flow.workers.engines.registry import LOGPROB_ENGINES
+from m2flow.workers.engines.registry import engine_class
 from m2flow.workers.engines.torch_engine import TorchEngine
 from m2flow.workers.llm import build_char_tokenizer, build_model
 from m2flow.workers.llm.generation import generate
@@ -92,7 +92,7 @@ def test_logprob_engine_is_the_actors_function(tmp_path):
     model = build_model(TINY, tok, seed=1)
     prompts = [tok(p).input_ids for p in ["12+3=", "1-1=", "99+1-5="]]
     out = generate(model, tok, prompts, n_samples=2, max_new_tokens=4, seed=3)
-    engine = LOGPROB_ENGINES.get("torch", "reference")(
+    engine = engine_class("logprob", "torch", "reference")(
         TINY, tok, device=torch.device("cpu"), temperature=0.7, micro_batch_size=4
     )
     engine.load_state_dict(model.state_dict())
@@ -105,4 +105,4 @@ def test_logprob_engine_is_the_actors_function(tmp_path):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert not any(p.requires_grad for p in engine.model.parameters())  # frozen
     with pytest.raises(ValueError, match="reference.engine='fsdp'"):
-        LOGPROB_ENGINES.get("fsdp", "reference")
+        engine_class("logprob", "fsdp", "reference")

@@ -11,7 +11,6 @@ engine (no model) is paused while it sleeps a block's modelled time.
 
 from __future__ import annotations
 
-import copy
 import pickle
 import threading
 
@@ -22,7 +21,7 @@ from helpers import wait_until
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
 from m2flow.workers.llm.gate import DecodeGate
 from m2flow.workers.rollout.emulated import EmulatedEngine, ResponseLengths, throughput_preset
-from m2flow.workers.rollout.engines import ROLLOUT_ENGINES, HfEngine
+from m2flow.workers.rollout.engines import HfEngine
 from m2flow.workers.rollout.exact import ExactEngine, GenRequest, to_generation_output
 
 from m2flow import Channel
@@ -329,33 +328,6 @@ def test_emulated_engine_pauses_after_the_iteration_in_flight(tok):
     ctx = np.array([100 + k] * len(reqs))
     extra = ref_engine.emulated_s - no_update.emulated_s
     assert extra == pytest.approx(ref_engine.model.prefill_s(ctx), rel=1e-9)
-
-
-# -- every engine: the protocol's control methods ------------------------------------------------
-
-
-@pytest.mark.parametrize("kind", ["hf", "exact", "emulated"])
-def test_every_cpu_engine_has_the_control_methods(kind, tok, weights):
-    """Each registered CPU engine pauses, resumes and takes weights through the protocol
-    (vllm: tests/test_vllm_engine.py, in the vLLM environment)."""
-    build = ROLLOUT_ENGINES.get(kind)
-    args = {"temperature": T, "top_p": 1.0, "seed": SEED, "batch_rows": 4, "model": {},
-            "emulated": {}, "eos_id": tok.eos_token_id, "filler_id": 7}  # fmt: skip
-    m = model(tok, 0) if build.needs_model else None
-    engine = build(args, m, tok)
-    assert engine.version == -1
-    engine.pause()
-    engine.update_weights(3, copy.deepcopy(weights[1]) if m is not None else {})
-    engine.resume()
-    assert engine.version == 3
-    if m is not None:
-        assert torch.equal(m.state_dict()["lm_head.weight"], weights[1]["lm_head.weight"])
-    if build.steps:
-        reqs = requests(tok)[:2]
-        assert engine.step(reqs, 2) == 4 and all(r.versions == [3, 3] for r in reqs)
-    if build.generates:
-        out = engine.generate([tok(PROMPTS[0]).input_ids], 2, 3, [(0, 0)])
-        assert out["versions"][out["response_mask"].bool()].eq(3).all()
 
 
 # -- the role: pause and resume arrive while generate runs -----------------------------------------

@@ -222,6 +222,7 @@ def validate_llm(cfg, min_samples: int = 1) -> None:
             SpotPoolConfig(**plain(r.spot)).check()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    check_engine("rollout", cfg, "rollout")
     from .llm.tokenizer import TOKENIZERS
 
     require(
@@ -296,6 +297,33 @@ def check_task(cfg, sample: int = 64) -> None:
     except Exception as e:
         raise ConfigError(f"task.config for {t.name}: {type(e).__name__}: {e}") from None
     TaskDataset(t.name, config, t.train_seed, size, tok, t.system_prompt, limit)
+
+
+def check_engine(kind: str, cfg, name: str) -> None:
+    """Ask the engine section ``name`` of ``cfg`` names (its ``engine`` key, a backend of
+    ``kind`` or an import path) whether it runs that section with the run's ``model``: its
+    ``check`` classmethod (:func:`~.engines.registry.check_engine`; the rollout role's:
+    :func:`~.rollout.engines.check_rollout`, which also picks the spot pool). The ranks are not
+    known yet (the plan places them at launch, where the engine is asked again).
+
+    Raises:
+        ConfigError: an unknown engine, a class missing protocol methods, or a setting the
+            engine refuses (its message, naming the setting and the fix).
+    """
+    from .engines.registry import EngineProtocolError
+    from .engines.registry import check_engine as ask
+
+    section = plain(getattr(cfg, name))
+    config = {**section, "model": model_section(cfg)}
+    try:
+        if kind == "rollout":
+            from .rollout.engines import check_rollout
+
+            check_rollout(config, None, name)
+        else:
+            ask(kind, section["engine"], config, None, name)
+    except (ValueError, EngineProtocolError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def validate_optim(section, name: str) -> None:

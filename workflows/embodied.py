@@ -50,6 +50,9 @@ class Config:
 def validate(cfg) -> None:
     """Value checks the types cannot express, before anything starts. Raises ConfigError."""
     from m2flow.workers.checkpoint import RANK_STATE
+    from m2flow.workers.engines.registry import check_engine
+
+    from m2flow.config import ConfigError
 
     a = cfg.algorithm
     validate_cluster(cfg.cluster)
@@ -63,6 +66,10 @@ def validate(cfg) -> None:
             (a.epochs >= 1 and a.mini_batch_size >= 1, "algorithm.epochs, mini_batch_size: >= 1"),
         ]
     )
+    try:  # the engine says what it cannot run
+        check_engine("actor_critic", a.engine, plain(a), None, "algorithm")
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def main(cfg) -> dict:

@@ -20,7 +20,6 @@ from typing import Optional
 
 from m2flow.workers.algos.losses import knows_loss, loss_names
 from m2flow.workers.data.config import DataConfig
-from m2flow.workers.engines.registry import TRAIN_ENGINES
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
     ModelConfig,
@@ -28,6 +27,7 @@ from m2flow.workers.recipe import (
     RolloutConfig,
     TaskConfig,
     WarmStartConfig,
+    check_engine,
     response_length,
     validate_llm,
     validate_optim,
@@ -114,19 +114,8 @@ def validate(cfg) -> None:
                 f"actor.loss={a.loss}: pick one of {', '.join(loss_names('policy'))} "
                 "(or a function's import path, module:function)",
             ),
-            (TRAIN_ENGINES.knows(a.engine), f"actor.engine must be {TRAIN_ENGINES.choices()}"),
-            (a.engine == "megatron" or a.tensor_parallel == 1, "TP needs actor.engine=megatron"),
             (a.tensor_parallel >= 1, "actor.tensor_parallel must be >= 1"),
             (a.pipeline_parallel >= 1, "actor.pipeline_parallel must be >= 1"),
-            (
-                a.engine == "megatron" or a.pipeline_parallel == 1,
-                "actor.pipeline_parallel needs actor.engine=megatron",
-            ),
-            (
-                cfg.model.num_hidden_layers % max(a.pipeline_parallel, 1) == 0,
-                f"actor.pipeline_parallel={a.pipeline_parallel} must divide "
-                f"model.num_hidden_layers={cfg.model.num_hidden_layers} (equal stages)",
-            ),
             (finite_positive(cfg.reward_service.timeout_s), "reward_service.timeout_s > 0"),
             (
                 not cfg.reward_service.url or cfg.reward.function == "auto",
@@ -134,23 +123,9 @@ def validate(cfg) -> None:
                 "scores with its own pipelines (reward_service.pipeline); leave "
                 "reward.function at auto, or unset reward_service.url",
             ),
-            (cfg.rollout.engine in ("hf", "vllm"), "rollout.engine must be hf or vllm"),
-            (
-                cfg.rollout.engine == "hf"
-                or not cfg.rollout.spot.enabled
-                or cfg.rollout.spot.engine == "exact",
-                "rollout.spot.engine=emulated models the rollout engine: use it with "
-                "rollout.engine=hf (rollout.engine=vllm runs vLLM on the spot instances)",
-            ),
-            (
-                cfg.rollout.engine == "hf"
-                or cfg.model.hidden_size // cfg.model.num_attention_heads >= 64,
-                "rollout.engine=vllm: vLLM's CPU attention needs a head dimension >= 64 "
-                f"(model.hidden_size / model.num_attention_heads = {cfg.model.hidden_size} / "
-                f"{cfg.model.num_attention_heads}); e.g. model.num_attention_heads=2",
-            ),
         ]
     )
+    check_engine("train", cfg, "actor")  # the engine says what it cannot run
 
 
 def main(cfg) -> dict:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from m2flow.workers.actor.config import ReferenceOptions
 from m2flow.workers.algos.losses import knows_loss, loss_names
 from m2flow.workers.data.config import DataConfig
-from m2flow.workers.engines.registry import TRAIN_ENGINES, VALUE_ENGINES
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
     ModelConfig,
@@ -33,6 +32,8 @@ from m2flow.workers.recipe import (
     RolloutConfig,
     TaskConfig,
     WarmStartConfig,
+    check_engine,
+    model_section,
     response_length,
     validate_llm,
     validate_optim,
@@ -116,17 +117,6 @@ class Config:
     resume: bool = False  # continue from the last checkpoint in trainer.run_dir
 
 
-def _engine_checks(name: str, section, engines) -> list[tuple[bool, str]]:
-    return [
-        (engines.knows(section.engine), f"{name}.engine must be {engines.choices()}"),
-        (
-            section.engine == "megatron" or section.tensor_parallel == 1,
-            f"{name}.tensor_parallel needs {name}.engine=megatron",
-        ),
-        (section.tensor_parallel >= 1, f"{name}.tensor_parallel must be >= 1"),
-    ]
-
-
 def validate(cfg) -> None:
     """Value checks the types cannot express, before anything starts. Raises ConfigError."""
     from m2flow.workers.checkpoint import PPO_ACTOR, RANK_STATE
@@ -149,8 +139,8 @@ def validate(cfg) -> None:
                 "reward_model.verifier_weight must be in [0, 1]",
             ),
             (0 <= f.heldout_batches < f.batches, "need 0 <= reward_fit.heldout_batches < batches"),
-            *_engine_checks("actor", cfg.actor, TRAIN_ENGINES),
-            *_engine_checks("critic", cfg.critic, VALUE_ENGINES),
+            (cfg.actor.tensor_parallel >= 1, "actor.tensor_parallel must be >= 1"),
+            (cfg.critic.tensor_parallel >= 1, "critic.tensor_parallel must be >= 1"),
             (
                 knows_loss(cfg.actor.loss, "policy"),
                 f"actor.loss={cfg.actor.loss}: pick one of {', '.join(loss_names('policy'))} "
@@ -158,6 +148,18 @@ def validate(cfg) -> None:
             ),
         ]
     )
+    # the engines say what they cannot run
+    check_engine("train", cfg, "actor")
+    check_engine("value", cfg, "critic")
+    check_engine("logprob", cfg, "reference")
+    from m2flow.workers.reward.model import check_reward_engine
+
+    try:
+        check_reward_engine(
+            cfg.reward_model.engine, {**plain(cfg.reward_model), "model": model_section(cfg)}
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.reward_model.path:
         from m2flow.workers.llm import tokenizer_spec
         from m2flow.workers.reward.model import check_reward_model

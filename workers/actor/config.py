@@ -35,7 +35,7 @@ class ActorOptions:
         threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
         seed: model init seed.
         data_parallel: one rank per device and a gradient all-reduce (streaming updates only).
-        engine: a :data:`~..engines.registry.TRAIN_ENGINES` name or ``"module:Class"``.
+        engine: a backend of kind ``train`` (:mod:`~..engines.registry`) or ``"module:Class"``.
         tensor_parallel, pipeline_parallel: the Megatron engine's TP and PP sizes.
     """
 
@@ -128,3 +128,4 @@ class ReferenceOptions:
 
     micro_batch_size: int = 0  # responses per forward; 0 = a whole chunk
     threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
+    engine: str = "torch"  # a logprob engine: torch, or module:Class (docs/concepts/engines.md)

@@ -6,7 +6,7 @@ from m2flow import Channel, Worker, group_method
 
 from ..batch import num_tokens
 from ..checkpoint import load_state, save_state
-from ..engines.registry import LOGPROB_ENGINES
+from ..engines.registry import engine_class
 from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads, torch_device
 from .config import ReferenceOptions
@@ -14,7 +14,7 @@ from .config import ReferenceOptions
 
 class ReferenceWorker(Worker):
     """A frozen copy of the policy (weights arrive once, with :meth:`sync_weights`), on the
-    logprob-only engine ``engine`` names (:data:`~..engines.registry.LOGPROB_ENGINES`).
+    logprob-only engine ``engine`` names (kind ``logprob``, :mod:`~..engines.registry`).
 
     Inference only, so data parallel: each rank takes its share of the chunks.
 
@@ -26,11 +26,10 @@ class ReferenceWorker(Worker):
             rollout's).
         options: the workflow's ``reference`` section (:class:`~.config.ReferenceOptions`:
             responses per forward, 0: a whole chunk; torch threads, 0: this rank's share of
-            its node's CPUs).
-        engine: a :data:`~..engines.registry.LOGPROB_ENGINES` name or ``"module:Class"``.
+            its node's CPUs; ``engine``, a backend of kind ``logprob`` or ``"module:Class"``).
 
     Raises:
-        ValueError: an unknown ``engine``.
+        ValueError: an unknown ``engine``, or a setting it refuses (its ``check``).
     """
 
     def __init__(
@@ -39,11 +38,12 @@ class ReferenceWorker(Worker):
         tokenizer: dict,
         options: ReferenceOptions,
         temperature: float,
-        engine: str = "torch",
     ) -> None:
         self.options = options
+        cls = engine_class("logprob", options.engine, "reference")
+        cls.check({"engine": options.engine, "model": model}, self.world_size, "reference")
         set_torch_threads(self, options.threads)
-        self.engine = LOGPROB_ENGINES.get(engine, "reference")(
+        self.engine = cls(
             model, build_tokenizer(tokenizer), device=torch_device(self.devices),
             temperature=temperature, micro_batch_size=options.micro_batch_size or None,
         )  # fmt: skip

@@ -1,7 +1,7 @@
 """Actor worker: supervised warm start, GRPO training, weight sync, checkpoints.
 
 The role composes a :class:`~..engines.train.TrainEngine` (``engine``: ``torch``, ``megatron``,
-or any registered kind, :data:`~..engines.registry.TRAIN_ENGINES`) with the GRPO algorithm:
+or any registered backend of kind ``train``, :mod:`~..engines.registry`) with the GRPO algorithm:
 advantages (:mod:`~..algos.grpo`) and the policy loss it names (``loss``,
 :data:`~..algos.losses.LOSSES`), which it hands the engine; it never branches on the engine
 kind.
@@ -23,7 +23,7 @@ from ..algos.losses import make_loss
 from ..batch import concat
 from ..chunk import step_batch, timed
 from ..engines.base import NonFiniteError
-from ..engines.train import train_engine
+from ..engines.registry import engine_class
 from ..engines.train_role import OnTrainEngine
 from ..engines.update import StreamedStep, minibatch_update
 from ..llm import build_tokenizer, compute_dtype
@@ -69,7 +69,7 @@ class ActorWorker(OnTrainEngine, Worker):
         device = torch_device(self.devices)
         self.tokenizer = build_tokenizer(tokenizer)
         self.loss = make_loss(opt.loss, "policy", **opt.loss_settings)
-        self.engine = train_engine(opt.engine)(
+        self.engine = engine_class("train", opt.engine, self.role)(
             model, self.tokenizer, device=device, rank=self.rank, world_size=self.world_size,
             dist=dist, optim=opt.optim(compute_dtype(model.get("dtype", "auto"), device)),
             seed=opt.seed, **opt.parallel,

@@ -19,7 +19,7 @@ from ..algos.ppo import explained_variance, gae, token_rewards
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
 from ..chunk import RolloutChunk
-from ..engines.registry import VALUE_ENGINES
+from ..engines.registry import engine_class
 from ..engines.update import value_update
 from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads, torch_device
@@ -27,7 +27,7 @@ from ..llm.placement import set_torch_threads, torch_device
 
 class CriticWorker(Worker):
     """Value head on the policy's trunk, initialised from the (warm-started) policy, on the
-    value variant of the engine ``engine`` names (:data:`~..engines.registry.VALUE_ENGINES`).
+    value variant of the engine ``engine`` names (kind ``value``, :mod:`~..engines.registry`).
 
     Torch engine: one rank (``data_parallel = False``); given several devices it uses them as
     one. Megatron engine (``whole_step``): one rank per device in TP x DP groups; each rank
@@ -66,7 +66,7 @@ class CriticWorker(Worker):
         group's rendezvous. Refuses a bad engine setting before any process starts."""
         from m2flow.group import normalize_placement
 
-        if VALUE_ENGINES.get(kwargs.get("engine", "torch"), "critic").one_rank_per_device:
+        if engine_class("value", kwargs.get("engine", "torch"), "critic").one_rank_per_device:
             if placement is None:
                 placement = cluster.devices_for(kwargs.get("name") or cls.__name__)
             ranks = [[d] for r in normalize_placement(placement, cluster) for d in r]
@@ -79,7 +79,9 @@ class CriticWorker(Worker):
 
     @staticmethod
     def _check(world_size: int, kwargs: dict) -> None:
-        VALUE_ENGINES.get(kwargs.get("engine", "torch"), "critic").check(world_size, kwargs)
+        engine_class("value", kwargs.get("engine", "torch"), "critic").check(
+            kwargs, world_size, "critic"
+        )
 
     def __init__(
         self,
@@ -110,7 +112,7 @@ class CriticWorker(Worker):
         optim = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, grad_clip=grad_clip,
                      nonfinite=nonfinite)  # fmt: skip
         self.loss = make_loss("value", "value", value_clip=value_clip)
-        self.engine = VALUE_ENGINES.get(engine, "critic")(
+        self.engine = engine_class("value", engine, "critic")(
             model, self.tokenizer, device=torch_device(self.devices), rank=self.rank,
             world_size=self.world_size, dist=dist, optim=optim, seed=seed,
             tensor_parallel=tensor_parallel,

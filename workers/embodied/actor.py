@@ -5,7 +5,14 @@ advantages whitened over the batch, clipped policy surrogate, clipped value loss
 ``vf_coef``, entropy bonus ``ent_coef``, global gradient clipping, Adam with ``eps=1e-5``. The
 surrogate and the value loss are the LM workflows' own functions
 (:func:`~m2flow.workers.algos.grpo.grpo_loss` with one "token" per step, and
-:func:`~m2flow.workers.algos.ppo.clipped_value_loss`).
+:func:`~m2flow.workers.algos.ppo.clipped_value_loss`), combined in
+:func:`~m2flow.workers.algos.actor_critic.actor_critic_loss`.
+
+The network and its optimizer live in an engine of kind ``actor_critic`` (``engine``, from the
+engine registry, :mod:`~m2flow.workers.engines.registry`): the role seeds and builds the
+:class:`ActorCritic` MLP, the ``torch`` engine hosts it with ``torch.optim.Adam(lr, eps=1e-5)``
+and runs each step as the role's loop did (loss, zero grads, backward, global-norm clip, step;
+:mod:`~m2flow.workers.engines.actor_critic`), so the numbers are the same as before.
 """
 
 from __future__ import annotations
@@ -16,12 +23,12 @@ import torch
 
 from m2flow import Channel, Worker, group_method
 
-from ..algos.grpo import grpo_loss
-from ..algos.ppo import clipped_value_loss, explained_variance, gae, masked_whiten
+from ..algos.actor_critic import actor_critic_loss
+from ..algos.ppo import explained_variance, gae, masked_whiten
 from ..batch import row_order, split_rows
 from ..checkpoint import load_state, save_state
+from ..engines.registry import engine_class
 from ..llm.placement import set_torch_threads, torch_device
-from ..weight_change import snapshot, update_norm
 from .config import PPOOptions
 from .policy import ActorCritic
 
@@ -36,8 +43,12 @@ class EmbodiedActorWorker(Worker):
         options: the workflow's ``algorithm`` section (:class:`~.config.PPOOptions`: Adam
             (``eps=1e-5``) learning rate and max global grad norm, GAE discount and lambda,
             ratio and value clips, loss weights, epochs and mini-batch size (0: the whole
-            batch), torch threads (0: the CPUs of the rank's devices)).
+            batch), torch threads (0: the CPUs of the rank's devices), and ``engine``, an
+            ``actor_critic`` engine (:mod:`~..engines.registry`): ``torch`` or an import path).
         seed: init and shuffling.
+
+    Raises:
+        ValueError: an unknown ``engine`` or a setting it refuses (its ``check``).
     """
 
     data_parallel = False
@@ -51,14 +62,17 @@ class EmbodiedActorWorker(Worker):
         seed: int = 0,
     ) -> None:
         o = self.options = options
+        cls = engine_class("actor_critic", o.engine, "algorithm")  # algorithm.engine
+        cls.check({"engine": o.engine}, self.world_size, "algorithm")
         set_torch_threads(self, o.threads)
         torch.manual_seed(seed)
-        self.device = torch_device(self.devices)
-        self.net = ActorCritic(obs_dim, n_actions, hidden).to(self.device)
-        self.optimizer = torch.optim.Adam(self.net.parameters(), lr=o.lr, eps=1e-5)
-        self.grad_clip, self.gamma, self.lam = o.grad_clip, o.gamma, o.lam
-        self.clip_eps, self.value_clip = o.clip_eps, o.value_clip
-        self.vf_coef, self.ent_coef = o.vf_coef, o.ent_coef
+        self.engine = cls(
+            ActorCritic(obs_dim, n_actions, hidden), device=torch_device(self.devices),
+            lr=o.lr, grad_clip=o.grad_clip, eps=1e-5,
+        )  # fmt: skip
+        self.gamma, self.lam = o.gamma, o.lam
+        self.loss = dict(clip_eps=o.clip_eps, value_clip=o.value_clip, vf_coef=o.vf_coef,
+                         ent_coef=o.ent_coef)  # fmt: skip
         self.epochs, self.mini = o.epochs, o.mini_batch_size or None
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_version = 0
@@ -96,18 +110,18 @@ class EmbodiedActorWorker(Worker):
         n = len(flat["actions"])
         ones = flat["advantages"].new_ones(n, 1)
         flat["advantages"] = masked_whiten(flat["advantages"].unsqueeze(1), ones).squeeze(1)
-        before = snapshot(self.net.parameters())
+        before = self.engine.snapshot()
         sums: dict[str, float] = defaultdict(float)
         steps = 0
         for _ in range(self.epochs):
             for idx in split_rows(row_order(n, True, self.generator), self.mini):
-                mb = {k: v[idx].to(self.device) for k, v in flat.items()}
+                mb = {k: v[idx].to(self.engine.device) for k, v in flat.items()}
                 sums_step = self._step(mb)
                 for k, v in sums_step.items():
                     sums[k] += v
                 steps += 1
         self.weight_version += 1
-        norm = update_norm(before, self.net.parameters())
+        norm = self.engine.update_norm(before)
         out = {k: v / steps for k, v in sums.items()}
         out["explained_variance"] = explained_variance(
             flat["values"], flat["returns"], ones.squeeze(1)
@@ -116,49 +130,25 @@ class EmbodiedActorWorker(Worker):
         return out
 
     def _step(self, mb: dict[str, torch.Tensor]) -> dict[str, float]:
-        dist = self.net.dist(mb["obs"])
-        logprob = dist.log_prob(mb["actions"])
-        mask = torch.ones_like(logprob).unsqueeze(1)
-        pg, m = grpo_loss(
-            logprob.unsqueeze(1), mb["logprobs"].unsqueeze(1), mb["advantages"], mask,
-            self.clip_eps, self.clip_eps,
-        )  # fmt: skip
-        vf, vm = clipped_value_loss(
-            self.net.value(mb["obs"]).unsqueeze(1), mb["values"].unsqueeze(1),
-            mb["returns"].unsqueeze(1), mask, self.value_clip,
-        )  # fmt: skip
-        entropy = dist.entropy().mean()
-        loss = pg + self.vf_coef * vf - self.ent_coef * entropy
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.grad_clip)
-        self.optimizer.step()
-        with torch.no_grad():
-            log_ratio = logprob - mb["logprobs"]
-            approx_kl = float(((log_ratio.exp() - 1) - log_ratio).mean())
-        return {
-            "loss": loss.item(),
-            "pg_loss": m["pg_loss"],
-            "clip_frac": m["clip_frac"],
-            "vf_loss": vm["vf_loss"],
-            "entropy": entropy.item(),
-            "approx_kl": approx_kl,
-            "grad_norm": float(norm),
-        }
+        out = self.engine.forward_backward(
+            mb, lambda model, b: actor_critic_loss(model, b, **self.loss)
+        )
+        return out | self.engine.optimizer_step()
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The network's weights, on CPU (copies)."""
-        return {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()}
+        return self.engine.get_weights()
 
     @group_method
     def save_checkpoint(self, path: str) -> str:
         """Network, optimizer, shuffling RNG and weight version under ``path``."""
+        net, optimizer = self.engine.checkpoint_state()
         return save_state(
             path,
             self.rank,
             {
-                "net": self.net.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "net": net,
+                "optimizer": optimizer,
                 "generator": self.generator.get_state(),
                 "weight_version": self.weight_version,
             },
@@ -168,23 +158,12 @@ class EmbodiedActorWorker(Worker):
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote."""
         state = load_state(path, self.rank)
-        self.net.load_state_dict(state["net"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.engine.load_checkpoint_state(state["net"], state["optimizer"])
         self.generator.set_state(state["generator"])
         self.weight_version = state["weight_version"]
 
     def offload(self) -> None:
-        if self.device.type == "cuda":
-            self.net.to("cpu")
-            for state in self.optimizer.state.values():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor) and k != "step":
-                        state[k] = v.cpu()
+        self.engine.offload()
 
     def onload(self) -> None:
-        if self.device.type == "cuda":
-            self.net.to(self.device)
-            for state in self.optimizer.state.values():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor) and k != "step":
-                        state[k] = v.to(self.device)
+        self.engine.onload()

@@ -39,3 +39,4 @@ class PPOOptions:
     mini_batch_size: int = 256  # environment steps per optimizer step
     grad_clip: float = 0.5  # global gradient-norm clip
     threads: int = 0  # actor's torch threads; 0 = the CPUs of its devices
+    engine: str = "torch"  # the actor's actor_critic engine: torch, or module:Class

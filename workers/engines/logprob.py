@@ -1,7 +1,7 @@
 """Logprob-only engines: a frozen causal LM that scores given responses, nothing trained.
 
 :class:`LogprobEngine` is the protocol (the PPO reference's engine); :class:`TorchLogprobEngine`
-is its ``torch`` kind, in :data:`~.registry.LOGPROB_ENGINES`: the model held in its compute
+is its ``torch`` backend (kind ``logprob`` in :mod:`.registry`): the model held in its compute
 dtype (as the rollout holds it), logprobs by the actor's own function
 (:func:`~m2flow.workers.algos.logprobs.sequence_logprobs`: same numerics), micro-batched.
 """
@@ -25,6 +25,12 @@ class LogprobEngine(Protocol):
         self, model: dict, tokenizer, *, device: torch.device, temperature: float = 1.0,
         micro_batch_size: int | None = None,
     ) -> None: ...  # fmt: skip
+
+    @classmethod
+    def check(cls, config: dict, world_size: int | None = None, role: str = "reference") -> None:
+        """Refuse a configuration (the role's options, ``model`` included) before any process
+        starts; ``ValueError`` naming the setting and the fix."""
+        ...
 
     def logprobs(self, batch) -> torch.Tensor:
         """``[B, R]`` float32 logprobs (CPU) of ``batch``'s responses (``prompt_ids``,
@@ -62,6 +68,11 @@ class TorchLogprobEngine:
         self.model = load_model(model, tokenizer, device).eval()  # in model.dtype
         self.model.requires_grad_(False)
         self.temperature, self.micro = temperature, micro_batch_size
+
+    @classmethod
+    def check(cls, config: dict, world_size: int | None = None, role: str = "reference") -> None:
+        """Nothing to refuse: any model :func:`~m2flow.workers.llm.load_model` builds, any
+        number of ranks (each scores its share)."""
 
     @torch.no_grad()
     def logprobs(self, batch) -> torch.Tensor:

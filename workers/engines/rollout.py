@@ -1,8 +1,8 @@
 """The :class:`RolloutEngine` protocol: what the rollout role and the spot pool's instances
 ask of the engine that samples responses.
 
-Kinds (``rollout.engine``, ``rollout.spot.engine``), chosen by name from
-:data:`~m2flow.workers.rollout.engines.ROLLOUT_ENGINES`: ``hf`` (the decode loop of
+Backends (``rollout.engine``, ``rollout.spot.engine``), chosen by name from kind ``rollout`` of
+the engine registry (:mod:`.registry`): ``hf`` (the decode loop of
 :mod:`~m2flow.workers.llm.generation`), ``vllm`` (in-process vLLM), ``exact`` (block-wise
 continuation with the same tokens as ``hf``), ``emulated`` (modelled time, no model), and
 ``spot``, the spot rollout pool composed over one of them (``rollout.spot.enabled``).
@@ -22,7 +22,7 @@ pull-based weights (RLBoost section 4.3) both ask of an engine.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -33,10 +33,11 @@ class RolloutEngine(Protocol):
     GRPO groups), ``step`` (block-wise streaming: the spot pool), or both; and all of the
     control methods.
 
-    Built by its registry entry as ``build(args, model, tokenizer)``: ``args`` the sampling
-    settings (``temperature``, ``top_p``, ``seed``, ``min_new_tokens``, and the kind's own:
-    ``batch_rows``, ``max_num_seqs``, ``dtype``, ``emulated``, ...), ``model`` the host's Hugging
-    Face model (``None`` for a kind whose entry has ``needs_model = False``).
+    Built by :meth:`build` (a classmethod). What it can do is declared by class attributes:
+    ``needs_model`` (the host builds a Hugging Face model for it), ``generates`` (it samples
+    whole GRPO groups, as the rollout role needs: then ``generate`` is required) and ``steps``
+    (it continues :class:`~m2flow.workers.rollout.exact.GenRequest` s block by block, as the
+    spot pool needs: then ``step`` is required); the registry checks those methods.
 
     Optional members a role reads when present: ``stream(...)`` (whole groups as they finish,
     as :meth:`generate` outputs over subsets of the prompts), ``whole_share`` (``True``: the
@@ -44,9 +45,27 @@ class RolloutEngine(Protocol):
     spot pool does), ``last_metrics()`` (a dict of the last call's counters).
     """
 
+    #: the host builds a Hugging Face model for it
+    needs_model: ClassVar[bool]
+    #: it samples whole groups (:meth:`generate`)
+    generates: ClassVar[bool]
+    #: it continues requests block by block (:meth:`step`)
+    block_steps: ClassVar[bool]
     #: the Hugging Face module it samples with (shared with the host, which loads weights into
     #: it), or ``None`` for an engine with its own copy (vLLM) or none (emulated)
     model: torch.nn.Module | None
+
+    @classmethod
+    def build(cls, args: dict, model, tokenizer) -> RolloutEngine:
+        """The engine from the role's arguments: ``args`` the sampling settings
+        (``temperature``, ``top_p``, ``seed``, ``min_new_tokens``, and the backend's own:
+        ``batch_rows``, ``max_num_seqs``, ``dtype``, ``emulated``, ...), ``model`` the host's
+        Hugging Face model (``None`` unless ``needs_model``), ``tokenizer`` the host's."""
+
+    @classmethod
+    def check(cls, config: dict, world_size: int | None = None, role: str = "rollout") -> None:
+        """Refuse a configuration (the ``rollout`` section as a dict, ``model`` included)
+        before any process starts; ``ValueError`` naming the setting and the fix."""
 
     @property
     def version(self) -> int:

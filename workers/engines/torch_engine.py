@@ -62,24 +62,23 @@ class TorchEngine(ModelEngine):
     whole_step = False
 
     @classmethod
-    def check(cls, world_size: int, kwargs: dict, role: str = "actor") -> None:
+    def check(cls, config: dict, world_size: int | None = None, role: str = "actor") -> None:
         """Refuse model-parallel knobs, and several ranks without ``data_parallel`` or with a
-        ``mini_batch_size``."""
-        if kwargs.get("tensor_parallel", 1) != 1 or kwargs.get("pipeline_parallel", 1) != 1:
-            raise ValueError(
-                f"{role}.tensor_parallel / {role}.pipeline_parallel need {role}.engine=megatron"
-            )
-        if world_size == 1:
+        ``mini_batch_size`` (``world_size`` ``None``: ranks not known yet, not checked)."""
+        for knob in ("tensor_parallel", "pipeline_parallel"):
+            if config.get(knob, 1) != 1:
+                raise ValueError(f"{role}.{knob} needs {role}.engine=megatron")
+        if world_size is None or world_size == 1:
             return
-        if not kwargs.get("data_parallel"):
+        if not config.get("data_parallel"):
             raise ValueError(
                 f"the {role} got {world_size} ranks: launch it with data_parallel=True "
                 f"({role}.data_parallel=true) for data-parallel training, or give it one rank"
             )
-        if kwargs.get("mini_batch_size"):
+        if config.get("mini_batch_size"):
             raise ValueError(
                 f"data-parallel training takes one optimizer step per step (streaming); "
-                f"mini_batch_size={kwargs['mini_batch_size']} would need the ranks to agree "
+                f"mini_batch_size={config['mini_batch_size']} would need the ranks to agree "
                 f"on every mini-batch: set {role}.mini_batch_size=0"
             )
 
@@ -188,8 +187,9 @@ class TorchValueEngine(ModelEngine):
     whole_step = False
 
     @classmethod
-    def check(cls, world_size: int, kwargs: dict, role: str = "critic") -> None:
-        if kwargs.get("tensor_parallel", 1) != 1:
+    def check(cls, config: dict, world_size: int | None = None, role: str = "critic") -> None:
+        """Refuse a tensor-parallel size (one rank holds the whole model)."""
+        if config.get("tensor_parallel", 1) != 1:
             raise ValueError(f"{role}.tensor_parallel needs {role}.engine=megatron")
 
     def __init__(

@@ -10,8 +10,8 @@ Batch units are responses (samples): ``batch`` holds ``prompt_ids``/``prompt_mas
 ``response_ids``/``response_mask`` ``[B, R]`` and what the loss reads (``advantages`` ``[B]``
 or ``[B, R]``, ``old_logprobs``, ``ref_logprobs`` ``[B, R]``, ...).
 Implementations: :class:`~.torch_engine.TorchEngine` (``torch``),
-:class:`~.megatron.policy.MegatronPolicyEngine` (``megatron``); registered in
-:data:`~.registry.TRAIN_ENGINES`. Their value-head variants (:data:`~.registry.VALUE_ENGINES`,
+:class:`~.megatron.policy.MegatronPolicyEngine` (``megatron``); registered under kind ``train``
+(:mod:`.registry`). Their value-head variants (kind ``value``, :class:`~.value.ValueEngine`:
 the critic's and the reward model's) share the mechanics (:class:`~.base.ModelEngine`).
 """
 
@@ -49,9 +49,10 @@ class TrainEngine(Protocol):
     steps: int
 
     @classmethod
-    def check(cls, world_size: int, kwargs: dict, role: str = "actor") -> None:
-        """Refuse a configuration (the role's arguments) before any process starts;
-        ``ValueError`` naming the setting and the fix."""
+    def check(cls, config: dict, world_size: int | None = None, role: str = "actor") -> None:
+        """Refuse a configuration (the role's options, ``model`` included) before any process
+        starts, for ``world_size`` ranks (``None``: not placed yet, as in a workflow's
+        ``validate``); ``ValueError`` naming the setting and the fix."""
 
     def read_step(self, parts) -> list:
         """The step's items on this rank: ``parts`` (an iterator of item lists) read to the end
@@ -127,11 +128,3 @@ class TrainEngine(Protocol):
         model=, optimizer=, grad=)`` with every flag on; :meth:`onload` is ``to(device)``)."""
 
     def onload(self) -> None: ...
-
-
-def train_engine(name: str, role: str = "actor") -> type[TrainEngine]:
-    """The :class:`TrainEngine` class registered as ``name`` (or at import path
-    ``"module:Class"``); ``ValueError`` if none is."""
-    from .registry import TRAIN_ENGINES
-
-    return TRAIN_ENGINES.get(name, role)

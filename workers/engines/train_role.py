@@ -1,8 +1,9 @@
 """What a role on a train engine gets from the engine alone: its ranks and their process group
 at launch, its weights, checkpoints and memory.
 
-:class:`OnTrainEngine` is a mixin for a :class:`m2flow.Worker` whose ``engine`` argument names a
-:data:`~.registry.TRAIN_ENGINES` kind (the GRPO and PPO actors): the role keeps the algorithm,
+:class:`OnTrainEngine` is a mixin for a :class:`m2flow.Worker` whose ``engine`` argument names
+a :mod:`.registry` backend of kind ``train`` (the GRPO and PPO actors): the role keeps the
+algorithm,
 this keeps the plumbing every such role shares, written once against
 :class:`~.train.TrainEngine`.
 """
@@ -18,7 +19,8 @@ from m2flow import group_method
 
 from .. import parallel as dp
 from ..checkpoint import load_file, save_file
-from .train import TrainEngine, train_engine
+from .registry import engine_class
+from .train import TrainEngine
 
 
 class OnTrainEngine:
@@ -45,7 +47,9 @@ class OnTrainEngine:
         """
         from m2flow.group import normalize_placement
 
-        per_device = train_engine(kwargs.get("engine", "torch"), cls.role).one_rank_per_device
+        per_device = engine_class(
+            "train", kwargs.get("engine", "torch"), cls.role
+        ).one_rank_per_device
         if (kwargs.get("data_parallel") or per_device) and placement is None:
             placement = cluster.devices_for(kwargs.get("name") or cls.__name__)
         if placement is not None:
@@ -58,7 +62,9 @@ class OnTrainEngine:
     @classmethod
     def _check(cls, world_size: int, kwargs: dict) -> None:
         """The engine's ``check`` of ``kwargs`` (the role's arguments) for ``world_size`` ranks."""
-        train_engine(kwargs.get("engine", "torch"), cls.role).check(world_size, kwargs, cls.role)
+        engine_class("train", kwargs.get("engine", "torch"), cls.role).check(
+            kwargs, world_size, cls.role
+        )
 
     # -- weights, checkpoints, memory -------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:

@@ -39,6 +39,7 @@ class RewardModelOptions:
     batch_size: int = 64  # samples per fit step
     micro_batch_size: int = 0  # samples per forward/backward; 0 = the whole batch
     threads: int = 0  # torch threads; 0 = the CPUs of the model's devices
+    engine: str = "torch"  # a one-rank value engine: torch, or module:Class
 
 
 @dataclass

@@ -23,7 +23,7 @@ from ..algos.losses import make_loss, sequence_scores
 from ..batch import concat, num_tokens
 from ..checkpoint import load_state, save_state
 from ..chunk import RolloutChunk
-from ..engines.registry import VALUE_ENGINES
+from ..engines.registry import engine_class
 from ..engines.torch_engine import refuse_nonfinite
 from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads, torch_device
@@ -60,6 +60,24 @@ def check_reward_model(path: str, tokenizer: dict) -> None:
         )
 
 
+def check_reward_engine(engine: str, config: dict) -> type:
+    """The reward model's value engine class, asked whether it runs ``config`` (the
+    ``reward_model`` section, ``model`` included) on the role's one rank.
+
+    Raises:
+        ValueError: an unknown engine, one that runs one rank per device, or a setting its
+            ``check`` refuses.
+    """
+    cls = engine_class("value", engine, "reward_model")
+    if cls.one_rank_per_device:
+        raise ValueError(
+            f"reward_model.engine={engine} runs one rank per device; the reward model runs "
+            "one rank (its fit would diverge across ranks): use reward_model.engine=torch"
+        )
+    cls.check(config, 1, "reward_model")
+    return cls
+
+
 class RewardModelWorker(Worker):
     """Scores rollout chunks: learned reward model plus verifier.
 
@@ -77,13 +95,16 @@ class RewardModelWorker(Worker):
             (:meth:`~..engines.value_model.ValueModel.from_classifier`; it scores the policy's
             token ids, so it must share the policy's tokenizer), used as it is (no
             :meth:`fit`, no weights from the policy); None: the policy's transformer with a
-            new head, fitted by :meth:`fit`.
+            new head, fitted by :meth:`fit`; ``engine``: a value engine (kind ``value``,
+            :mod:`~..engines.registry`) that runs on one rank: ``torch`` or an import path
+            (``megatron`` runs one rank per device).
         seed: init and shuffling.
         reward: the verifier: :class:`~.functions.RewardFunction` arguments (``function``,
             ``on_error``, ``penalty``; default ``auto``).
 
     Raises:
-        ValueError: ``verifier_weight`` outside [0, 1].
+        ValueError: ``verifier_weight`` outside [0, 1]; an unknown ``engine`` or one that
+            runs one rank per device, or a setting it refuses (its ``check``).
     """
 
     data_parallel = False
@@ -100,13 +121,14 @@ class RewardModelWorker(Worker):
         if not 0.0 <= o.verifier_weight <= 1.0:
             raise ValueError(f"verifier_weight must be in [0, 1], got {o.verifier_weight}")
         path, micro_batch_size = o.path, o.micro_batch_size
+        engine_cls = check_reward_engine(o.engine, {"model": model, "path": path})
         set_torch_threads(self, o.threads)
         self.tokenizer = build_tokenizer(tokenizer)
         self.reward_fn = RewardFunction(**(reward or {}))
         self._results: list[RewardResult] = []  # this call's, for its metrics
         self.pretrained = bool(path)
-        # the torch value engine (the critic's), fitted here as a reward model
-        self.engine = VALUE_ENGINES.get("torch", "reward_model")(
+        # a value engine (the critic's kind), fitted here as a reward model
+        self.engine = engine_cls(
             model, self.tokenizer, device=torch_device(self.devices), seed=seed,
             optim={"lr": o.lr, "grad_clip": o.grad_clip}, classifier=path,
         )  # fmt: skip

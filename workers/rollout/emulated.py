@@ -394,6 +394,21 @@ class EmulatedEngine:
         steps, tokens: calls to :meth:`step` that generated, and tokens generated.
     """
 
+    needs_model, generates, block_steps = False, False, True
+
+    @classmethod
+    def build(cls, args: dict, model, tokenizer) -> EmulatedEngine:
+        """From the spot pool's arguments (``emulated``: ``rollout.spot.emulated``, ``eos_id``,
+        ``filler_id``, ``seed``, ``min_new_tokens``); no model, no tokenizer."""
+        return cls.from_config(
+            args["emulated"], args["eos_id"], args["filler_id"], args["seed"],
+            args.get("min_new_tokens", 0),
+        )  # fmt: skip
+
+    @classmethod
+    def check(cls, config: dict, world_size: int | None = None, role: str = "rollout") -> None:
+        """Its settings are ``rollout.spot.emulated``'s, checked by the spot pool's config."""
+
     def __init__(
         self,
         model: ThroughputModel,

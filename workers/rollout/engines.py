@@ -1,40 +1,24 @@
-"""Rollout engines by name: the one chain through which the rollout role and the spot pool's
-instances build theirs (:class:`~m2flow.workers.engines.rollout.RolloutEngine`).
-
-An entry is ``build(args, model, tokenizer) -> engine`` with attributes ``needs_model`` (the
-host builds a Hugging Face model for it), ``generates`` (it samples whole GRPO groups, as the
-rollout role needs) and ``steps`` (it continues :class:`~.exact.GenRequest` s block by block,
-as the spot pool needs). A new kind is one module that registers its entry
-(``ROLLOUT_ENGINES.register("sglang", build)``, then set those attributes), or its import path
-``"package.module:build"``.
+"""The built-in rollout engines on the host's model, and the one chain through which the
+rollout role and the spot pool's instances build theirs: backends of kind ``rollout`` in the
+engine registry (:mod:`~m2flow.workers.engines.registry`), each a class implementing
+:class:`~m2flow.workers.engines.rollout.RolloutEngine` (built by its ``build`` classmethod;
+``needs_model``, ``generates`` and ``block_steps`` say what it needs and can do). A new backend
+is one module with such a class, registered (``register("rollout", "sglang", SglangEngine)``)
+or named by its import path ``"package.module:Class"``.
 
 ``spot`` is an engine composed over another: with ``rollout.spot.enabled`` the role's engine is
 the spot rollout pool (:class:`~.spot.pool.SpotPoolEngine`), which continues blocks with the
 configured engine when that one steps (``vllm``), else with ``rollout.spot.engine`` (``exact``
-or ``emulated``); :func:`build_rollout_engine` makes that choice.
+or ``emulated``); :func:`rollout_engine_class` makes that choice and :func:`check_rollout`
+refuses a configuration the role cannot run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from ..engines.registry import Registry
+from ..engines.registry import choices, engine_class, knows, names
 from ..llm.gate import PAUSE_TIMEOUT_S, DecodeGate
 from ..llm.generation import generate, stop_token_ids
-from .emulated import EmulatedEngine
 from .exact import ExactEngine
-
-ROLLOUT_ENGINES = Registry("rollout", {"spot": "m2flow.workers.rollout.spot.pool:build_spot_pool"})
-
-
-def _entry(name: str, *, needs_model: bool, generates: bool, steps: bool) -> Callable:
-    """Register a builder under ``name`` with what it needs and can do (module docstring)."""
-
-    def register(build: Callable) -> Callable:
-        build.needs_model, build.generates, build.steps = needs_model, generates, steps
-        return ROLLOUT_ENGINES.register(name, build)
-
-    return register
 
 
 class HfEngine:
@@ -50,6 +34,16 @@ class HfEngine:
     ``pause_generation(clear_cache=False)`` and PipelineRL keep the stale cache; AReaL's
     interruptible rollout, veRL's fully asynchronous partial rollout and slime recompute.)
     """
+
+    needs_model, generates, block_steps = True, True, False
+
+    @classmethod
+    def build(cls, args: dict, model, tokenizer) -> HfEngine:
+        return cls(model, tokenizer, args)
+
+    @classmethod
+    def check(cls, config: dict, world_size: int | None = None, role: str = "rollout") -> None:
+        """Nothing to refuse: any model the host builds."""
 
     def __init__(self, model, tokenizer, args: dict) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -89,7 +83,23 @@ class HfEngine:
 
 
 class HostExactEngine(ExactEngine):
-    """:class:`~.exact.ExactEngine` on the host's model (its weight loads are the host's)."""
+    """:class:`~.exact.ExactEngine` on the host's model (its weight loads are the host's):
+    continues blocks for the spot pool (``rollout.spot.engine=exact``)."""
+
+    needs_model, generates, block_steps = True, False, True
+
+    @classmethod
+    def build(cls, args: dict, model, tokenizer) -> HostExactEngine:
+        return cls(
+            model, stop_token_ids(tokenizer, model.generation_config), args["temperature"],
+            args["top_p"], args["seed"], args["batch_rows"], args.get("min_new_tokens", 0),
+            args.get("decode_delay_s", 0.0), args.get("version", -1),
+            args.get("pause_timeout_s", PAUSE_TIMEOUT_S),
+        )  # fmt: skip
+
+    @classmethod
+    def check(cls, config: dict, world_size: int | None = None, role: str = "rollout") -> None:
+        """Nothing to refuse: any model the host builds."""
 
     def sleep(self) -> bool:
         return False
@@ -98,73 +108,73 @@ class HostExactEngine(ExactEngine):
         return False
 
 
-@_entry("hf", needs_model=True, generates=True, steps=False)
-def build_hf(args: dict, model, tokenizer) -> HfEngine:
-    return HfEngine(model, tokenizer, args)
+def _groups() -> list[str]:
+    """The backends that sample whole groups themselves (the role's choices; ``spot``
+    composes over one of them)."""
+    return [n for n in names("rollout") if n != "spot" and engine_class("rollout", n).generates]
 
 
-@_entry("exact", needs_model=True, generates=False, steps=True)
-def build_exact(args: dict, model, tokenizer) -> HostExactEngine:
-    return HostExactEngine(
-        model, stop_token_ids(tokenizer, model.generation_config), args["temperature"],
-        args["top_p"], args["seed"], args["batch_rows"], args.get("min_new_tokens", 0),
-        args.get("decode_delay_s", 0.0), args.get("version", -1),
-        args.get("pause_timeout_s", PAUSE_TIMEOUT_S),
-    )  # fmt: skip
+def rollout_engine_class(kind: str, spot: dict | None = None, role: str = "rollout") -> type:
+    """The rollout role's engine class: ``kind`` (``rollout.engine``) from the registry, or,
+    with ``spot["enabled"]``, the spot pool (backend ``spot``) that composes over it.
+
+    Raises:
+        ValueError: an unknown kind; a kind that does not sample whole groups without the pool;
+            an engine that continues blocks itself (vllm) with ``spot.engine=emulated``.
+        EngineProtocolError: a class missing members of the protocol.
+    """
+    if not knows("rollout", kind):
+        raise ValueError(
+            f"{role}.engine={kind!r}: {role}.engine must be {choices('rollout', _groups())}"
+        )
+    cls = engine_class("rollout", kind, role)
+    if spot and spot.get("enabled"):
+        if cls.block_steps and spot.get("engine", "exact") != "exact":
+            raise ValueError(
+                f"rollout.spot.engine={spot.get('engine')} models the rollout engine: use it "
+                f"with rollout.engine=hf (rollout.engine={kind} runs {kind} on the spot "
+                "instances)"
+            )
+        return engine_class("rollout", "spot", f"{role}.spot")
+    if not cls.generates:
+        raise ValueError(
+            f"rollout.engine={kind!r} continues blocks for the spot pool only "
+            f"(rollout.spot.engine): pick an engine that samples whole groups, "
+            f"{choices('rollout', _groups())}"
+        )
+    return cls
 
 
-@_entry("vllm", needs_model=True, generates=True, steps=True)
-def build_vllm(args: dict, model, tokenizer):
-    """:class:`~.vllm_engine.VllmEngine` loading ``args["model"]["path"]`` in place, or the
-    host's model (then its weights come by the first sync or pull)."""
-    from .vllm_engine import VllmEngine
+def check_rollout(config: dict, world_size: int | None = None, role: str = "rollout") -> type:
+    """Ask the engine whether it runs ``config`` (the ``rollout`` section as a dict, ``model``
+    included): :func:`rollout_engine_class`, then the configured engine's ``check`` (and the
+    spot pool's with ``spot.enabled``). Returns the class the role builds.
 
-    kw = {k: args[k] for k in ("max_num_seqs", "dtype") if k in args}
-    engine = VllmEngine(
-        args["model"].get("path") or model.cpu(), tokenizer, args["temperature"], args["top_p"],
-        seed=args["seed"], min_new_tokens=args.get("min_new_tokens", 0),
-        pause_timeout_s=args.get("pause_timeout_s", PAUSE_TIMEOUT_S), **kw,
-    )  # fmt: skip
-    engine.model = None  # its own copy: the host loads weights into both
-    return engine
-
-
-@_entry("emulated", needs_model=False, generates=False, steps=True)
-def build_emulated(args: dict, model, tokenizer) -> EmulatedEngine:
-    return EmulatedEngine.from_config(
-        args["emulated"], args["eos_id"], args["filler_id"], args["seed"],
-        args.get("min_new_tokens", 0),
-    )  # fmt: skip
+    Raises:
+        ValueError: the first problem, naming the setting and the fix.
+    """
+    kind, spot = config.get("engine", "hf"), config.get("spot")
+    cls = rollout_engine_class(kind, spot, role)
+    engine_class("rollout", kind, role).check(config, world_size, role)
+    if cls is not engine_class("rollout", kind, role):
+        cls.check(config, world_size, role)
+    return cls
 
 
 def build_rollout_engine(kind: str, args: dict, model, tokenizer, spot: dict | None = None):
-    """The rollout role's engine: ``kind`` from :data:`ROLLOUT_ENGINES`, or, with
-    ``spot["enabled"]``, the spot pool (registry entry ``spot``) composed over the engine it
-    continues blocks with (module docstring).
+    """The rollout role's engine (:func:`rollout_engine_class`), built.
 
     Args:
-        kind: ``rollout.engine``: a registered name or ``"package.module:build"``.
-        args: the builders' arguments (sampling settings, ``model`` and ``tokenizer`` specs,
+        kind: ``rollout.engine``: a registered backend or ``"package.module:Class"``.
+        args: the engines' arguments (sampling settings, ``model`` and ``tokenizer`` specs,
             ``rank``, ``world_size``, ...).
         model, tokenizer: the host's Hugging Face model and tokenizer.
         spot: ``rollout.spot`` (:class:`~.spot.config.SpotPoolConfig` fields).
 
     Raises:
-        ValueError: an unknown kind; a kind that does not sample whole groups without the pool;
-            ``vllm`` with ``spot.engine=emulated``.
+        ValueError: as :func:`rollout_engine_class`.
     """
-    build = ROLLOUT_ENGINES.get(kind, "rollout")
+    cls = rollout_engine_class(kind, spot)
     if spot and spot.get("enabled"):
-        if getattr(build, "steps", False) and spot.get("engine", "exact") != "exact":
-            raise ValueError(
-                f"rollout.engine={kind!r} with rollout.spot.engine={spot.get('engine')!r}: the "
-                "emulated engine models the rollout engine; use rollout.engine=hf with it"
-            )
-        pool = ROLLOUT_ENGINES.get("spot", "rollout.spot")
-        return pool({**args, "engine": kind, "spot": spot}, model, tokenizer)
-    if not getattr(build, "generates", False):
-        raise ValueError(
-            f"rollout.engine={kind!r} continues blocks for the spot pool only "
-            f"(rollout.spot.engine): pick an engine that samples whole groups, hf or vllm"
-        )
-    return build(args, model, tokenizer)
+        args = {**args, "engine": kind, "spot": spot}
+    return cls.build(args, model, tokenizer)

@@ -168,6 +168,36 @@ class VllmEngine:
             without CUDA.
     """
 
+    needs_model, generates, block_steps = True, True, True
+
+    @classmethod
+    def build(cls, args: dict, model, tokenizer) -> VllmEngine:
+        """Loading ``args["model"]["path"]`` in place, or the host's model (then its weights
+        come by the first sync or pull)."""
+        kw = {k: args[k] for k in ("max_num_seqs", "dtype") if k in args}
+        engine = cls(
+            args["model"].get("path") or model.cpu(), tokenizer, args["temperature"],
+            args["top_p"], seed=args["seed"], min_new_tokens=args.get("min_new_tokens", 0),
+            pause_timeout_s=args.get("pause_timeout_s", PAUSE_TIMEOUT_S), **kw,
+        )  # fmt: skip
+        engine.model = None  # its own copy: the host loads weights into both
+        return engine
+
+    @classmethod
+    def check(cls, config: dict, world_size: int | None = None, role: str = "rollout") -> None:
+        """Refuse a head dimension under 64 (vLLM's CPU attention) for a built-in model
+        (``model`` without ``path``)."""
+        model = config.get("model") or {}
+        heads, hidden = model.get("num_attention_heads"), model.get("hidden_size")
+        if model.get("path") or not heads or not hidden:
+            return
+        if hidden // heads < 64:
+            raise ValueError(
+                f"{role}.engine=vllm: vLLM's CPU attention needs a head dimension >= 64 "
+                f"(model.hidden_size / model.num_attention_heads = {hidden} / {heads}); "
+                "e.g. model.num_attention_heads=2"
+            )
+
     def __init__(
         self,
         model: PreTrainedModel | str,

@@ -50,7 +50,7 @@ class RolloutWorker(Worker):
             not depend on the rank, chunk or plan that generated them.
         engine: ``"hf"`` (transformers ``generate``, the default) or ``"vllm"``
             (:class:`~.vllm_engine.VllmEngine`, in-process vLLM CPU; docs/results/vllm.md), or
-            any registered kind or import path (:data:`~.engines.ROLLOUT_ENGINES`): it
+            any registered backend or import path (kind ``rollout``, :mod:`~..engines.registry`): it
             samples and takes weight updates; ``self.model`` still holds the weights for
             :meth:`evaluate`. With ``spot`` the pool runs vLLM too: block-wise continuation
             (:meth:`~.vllm_engine.VllmEngine.step`) on this rank and on every spot instance

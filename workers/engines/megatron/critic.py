@@ -42,7 +42,7 @@ _HEAD = ("output_layer.weight", "output_layer.bias")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def check_config(world_size: int, kwargs: dict) -> None:
+def check_config(world_size: int | None, kwargs: dict) -> None:
     """Refuse a Megatron critic configuration before any process starts: the actor's checks
     (:func:`~.engine.check_config`) under ``critic.*`` names (the critic runs
     one pipeline stage: its config has no ``pipeline_parallel``).
@@ -347,8 +347,9 @@ class MegatronValueEngine(MegatronCritic):
     one_rank_per_device = True
 
     @classmethod
-    def check(cls, world_size: int, kwargs: dict, role: str = "critic") -> None:
-        check_config(world_size, kwargs)
+    def check(cls, config: dict, world_size: int | None = None, role: str = "critic") -> None:
+        """:func:`check_config`."""
+        check_config(world_size, config)
 
     def __init__(
         self, model: dict, tokenizer, *, device: torch.device, rank: int, world_size: int,
@@ -385,6 +386,10 @@ class MegatronValueEngine(MegatronCritic):
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         return self.gather()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Weights in the torch critic's layout (every rank the whole; keeps its shard)."""
+        self.load(state)
 
     def checkpoint_state(self) -> tuple[dict, dict] | None:
         """Gathered on rank 0 (a collective); ``None`` on the other ranks."""

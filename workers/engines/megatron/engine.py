@@ -48,8 +48,6 @@ from ...batch import row_index, split_rows
 from ...checkpoint import load_file
 from ..base import RESPONSE_KEYS, ModelEngine
 
-ENGINES = ("torch", "megatron")
-
 #: Megatron warnings that say nothing on the CPU/gloo path (no TE/Apex, CUDA tuning hints,
 #: torch's rename of the collective Megatron's TP gather calls); kept out of the run logs.
 _QUIET = (
@@ -58,11 +56,12 @@ _QUIET = (
 )
 
 
-def check_config(world_size: int, kwargs: dict, role: str = "actor") -> None:
+def check_config(world_size: int | None, kwargs: dict, role: str = "actor") -> None:
     """Refuse a Megatron configuration before any process starts.
 
     Args:
-        world_size: the group's ranks (one per device).
+        world_size: the group's ranks (one per device); ``None``: not placed yet (config
+            validation), the ranks' checks skipped.
         kwargs: the worker's arguments (``tensor_parallel``, ``pipeline_parallel``, ``model``:
             the built-in preset's fields, or ``path`` to a Hugging Face directory whose
             ``config.json`` is read here, see :func:`~.arch.hf_config_of`).
@@ -87,7 +86,7 @@ def check_config(world_size: int, kwargs: dict, role: str = "actor") -> None:
             f"-e '.[megatron]' (or set {role}.engine=torch)"
         )
     tp, pp = int(kwargs.get("tensor_parallel", 1)), int(kwargs.get("pipeline_parallel", 1))
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
+    if tp < 1 or pp < 1 or (world_size is not None and world_size % (tp * pp)):
         knobs = [f"{role}.tensor_parallel={tp}"] + [f"{role}.pipeline_parallel={pp}"] * (pp != 1)
         raise ValueError(
             f"{' x '.join(knobs)} must divide the {role}'s {world_size} ranks (one per device; "

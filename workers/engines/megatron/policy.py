@@ -32,11 +32,11 @@ class MegatronPolicyEngine:
     data_parallel = True
 
     @classmethod
-    def check(cls, world_size: int, kwargs: dict, role: str = "actor") -> None:
+    def check(cls, config: dict, world_size: int | None = None, role: str = "actor") -> None:
         """:func:`.engine.check_config`."""
         from .engine import check_config
 
-        check_config(world_size, kwargs, role)
+        check_config(world_size, config, role)
 
     def __init__(
         self, model: dict, tokenizer, *, device: torch.device, rank: int = 0,

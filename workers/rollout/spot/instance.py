@@ -5,9 +5,10 @@ Its loop (RLBoost 4.2-4.3): pull the staged weights when the manager has a newer
 engine's ``update_weights``), lease its pending requests up to its batch room, generate one
 block of tokens, report the block, drop what the manager revokes (a rebalancing move, or the
 pool paused: the requests go back with their tokens and per-token versions). The engine is
-``args["engine"]`` from :data:`~m2flow.workers.rollout.engines.ROLLOUT_ENGINES`: ``exact``
-(:class:`~m2flow.workers.rollout.exact.ExactEngine`), ``vllm`` (block-wise continuation) or
-``emulated`` (no model is built; a weight pull sleeps its modelled transfer time). If its node
+``args["engine"]``, a backend of kind ``rollout`` (:mod:`~m2flow.workers.engines.registry`):
+``exact`` (:class:`~m2flow.workers.rollout.exact.ExactEngine`), ``vllm`` (block-wise
+continuation) or ``emulated`` (no model is built; a weight pull sleeps its modelled transfer
+time). If its node
 disappears, the process dies mid-block; the manager still holds every response up to the last
 reported block and moves it to another instance.
 """
@@ -36,14 +37,14 @@ class SpotInstance:
     """
 
     def __init__(self, instance_id: str, block_tokens: int, max_batch: int, args: dict) -> None:
-        from ..engines import ROLLOUT_ENGINES
+        from ...engines.registry import engine_class
 
         self.id, self.block, self.max_batch = instance_id, block_tokens, max_batch
         self.version = -1
         self.stop = threading.Event()
-        build = ROLLOUT_ENGINES.get(args.get("engine", "exact"), "rollout.spot")
+        cls = engine_class("rollout", args.get("engine", "exact"), "rollout.spot")
         tok = self.model = None  # emulated: no model is built
-        if build.needs_model:
+        if cls.needs_model:
             import torch
 
             from ...llm import build_tokenizer, load_model
@@ -52,7 +53,7 @@ class SpotInstance:
             tok = build_tokenizer(args["tokenizer"])
             self.model = load_model(args["model"], tok)  # the host; weights come by pull
         # vllm: max_batch is its max_num_seqs
-        self.engine = build({**args, "max_num_seqs": max_batch}, self.model, tok)
+        self.engine = cls.build({**args, "max_num_seqs": max_batch}, self.model, tok)
 
     @ray.method(concurrency_group="watch")
     def watch(self) -> str:

@@ -27,7 +27,7 @@ import torch
 from m2flow import events
 from m2flow.work import Work
 
-from ..engines import ROLLOUT_ENGINES
+from ...engines.registry import engine_class
 from ..exact import GenRequest, to_generation_output
 from .config import SpotPoolConfig
 from .manager import get_manager
@@ -38,16 +38,6 @@ STEP_COUNTERS = (
     "reserved_tokens", "spot_tokens", "preemptions", "preempted_requests", "preempted_tokens",
     "migrated_samples", "migrated_tokens", "rebalanced_samples", "released", "t_seed", "n_prem",
 )  # fmt: skip
-
-
-def build_spot_pool(args: dict, model, tokenizer) -> SpotPoolEngine:
-    """The registry entry ``spot`` (:data:`~..engines.ROLLOUT_ENGINES`): ``args`` are the
-    role's engine arguments plus ``engine`` (the configured kind) and ``spot`` (``rollout.spot``
-    fields)."""
-    return SpotPoolEngine(args, model, tokenizer)
-
-
-build_spot_pool.needs_model, build_spot_pool.generates, build_spot_pool.steps = True, True, False
 
 
 class SpotPoolEngine:
@@ -65,13 +55,26 @@ class SpotPoolEngine:
     """
 
     whole_share = True  # it balances the rank's whole share of a step itself
+    needs_model, generates, block_steps = True, True, False
+
+    @classmethod
+    def build(cls, args: dict, model, tokenizer) -> SpotPoolEngine:
+        """Backend ``spot`` of kind ``rollout`` (:mod:`~m2flow.workers.engines.registry`):
+        ``args`` are the role's engine arguments plus ``engine`` (the configured backend) and
+        ``spot`` (``rollout.spot`` fields)."""
+        return cls(args, model, tokenizer)
+
+    @classmethod
+    def check(cls, config: dict, world_size: int | None = None, role: str = "rollout") -> None:
+        """``rollout.spot`` (``config["spot"]``): :meth:`~.config.SpotPoolConfig.check`."""
+        SpotPoolConfig(**(config.get("spot") or {})).check()
 
     def __init__(self, args: dict, model, tokenizer) -> None:
         self.cfg = SpotPoolConfig(**args["spot"])
         self.cfg.check()
         kind = args["engine"]
         # the configured engine when it continues blocks (vllm), else the pool's own
-        inner = kind if getattr(ROLLOUT_ENGINES.get(kind, "rollout"), "steps", False) else None
+        inner = kind if engine_class("rollout", kind).block_steps else None
         self.rank, self.name = args.get("rank", 0), args.get("name", "rollout")
         self.tokenizer = tokenizer
         inner_args = {
@@ -87,8 +90,8 @@ class SpotPoolEngine:
         self.manager = get_manager(asdict(self.cfg), args.get("world_size", 1), instance_args)
         # instances start now (during a warm start): ready when the first weights are staged
         ray.get(self.manager.start.remote(), timeout=120)
-        build = ROLLOUT_ENGINES.get(inner_args["engine"], "rollout.spot")
-        self.inner = build(inner_args, model, tokenizer)
+        inner_cls = engine_class("rollout", inner_args["engine"], "rollout.spot")
+        self.inner = inner_cls.build(inner_args, model, tokenizer)
         self.model = self.inner.model
         self._last: dict = {}
 
