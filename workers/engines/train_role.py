@@ -16,6 +16,7 @@ import torch
 
 from .. import parallel as dp
 from ..checkpoint import load_file, save_file
+from .lora import check_engine
 from .train import TrainEngine, train_engine
 
 
@@ -55,8 +56,11 @@ class OnTrainEngine:
 
     @classmethod
     def _check(cls, world_size: int, kwargs: dict) -> None:
-        """The engine's ``check`` of ``kwargs`` (the role's arguments) for ``world_size`` ranks."""
-        train_engine(kwargs.get("engine", "torch"), cls.role).check(world_size, kwargs, cls.role)
+        """The engine's ``check`` of ``kwargs`` (the role's arguments) for ``world_size`` ranks,
+        and LoRA refused on an engine without it (:func:`.lora.check_engine`)."""
+        engine = kwargs.get("engine", "torch")
+        check_engine(engine, kwargs.get("lora"), cls.role)
+        train_engine(engine, cls.role).check(world_size, kwargs, cls.role)
 
     # -- weights, checkpoints, memory -------------------------------------------------------
 
@@ -65,6 +69,18 @@ class OnTrainEngine:
         ``m2flow.sync_weights(actor, ...)``. ``RuntimeError`` on a rank holding none (Megatron:
         rank 0 holds them)."""
         return self.engine.get_weights()
+
+    def weights_for(self, dst_group: str) -> dict[str, torch.Tensor]:
+        """What a weight sync sends ``dst_group``: the engine's ``weight_payload`` (a LoRA
+        policy: the adapter alone, with the frozen base on that group's first sync), else
+        :meth:`get_weights`."""
+        payload = getattr(self.engine, "weight_payload", None)
+        if payload is None:
+            return self.get_weights()
+        sent = self.__dict__.setdefault("_base_sent", set())
+        out = payload(base=dst_group not in sent)
+        sent.add(dst_group)
+        return out
 
     def save_checkpoint(self, path: str) -> str:
         """Model, tokenizer, optimizer state, version and RNG state under ``path`` (the
