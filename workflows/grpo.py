@@ -24,6 +24,7 @@ from m2flow.workers.data.reasoning_gym import task_section
 from m2flow.workers.engines.registry import TRAIN_ENGINES
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
+    LoraConfig,
     ModelConfig,
     OptimConfig,
     RolloutConfig,
@@ -33,6 +34,7 @@ from m2flow.workers.recipe import (
     response_length,
     rollout_section,
     validate_llm,
+    validate_lora,
     validate_optim,
     warm_start_args,
 )
@@ -67,6 +69,7 @@ class ActorConfig(OptimConfig):
     engine: str = "torch"  # or "megatron": one rank per device (docs/results/megatron.md)
     tensor_parallel: int = 1  # megatron: TP size (divides the heads)
     pipeline_parallel: int = 1  # megatron: PP size (divides the layers); DP = devices / (TP*PP)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: train a LoRA adapter (torch)
 
 
 @dataclass
@@ -110,6 +113,7 @@ def validate(cfg) -> None:
     validate_trainer(cfg.trainer, cfg.resume, {"actor": TRAIN_ROLE})
     validate_llm(cfg, min_samples=2)
     validate_optim(cfg.actor, "actor")
+    validate_lora(cfg.actor.lora, cfg.actor.engine)
     a = cfg.actor
     require(
         [

@@ -113,9 +113,8 @@ def wrap(model: torch.nn.Module, options: LoraOptions, role: str = "actor") -> t
     try:
         return get_peft_model(model, config)
     except ValueError as e:
-        linear = sorted(
-            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        )
+        linears = (n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+        linear = sorted({n.rsplit(".", 1)[-1] for n in linears})
         raise ValueError(
             f"{role}.lora.target_modules={targets}: {e}; the model's linear modules are "
             f"{linear} (or give [all-linear])"
@@ -313,7 +312,9 @@ class MergedWeights:
         """
         if not is_adapter(weights):
             return weights
-        plain = {k: v.detach().cpu().clone() for k, v in weights.items() if not k.startswith(PREFIX)}
+        plain = {
+            k: v.detach().cpu().clone() for k, v in weights.items() if not k.startswith(PREFIX)
+        }
         if plain:
             self.base = plain
         if self.base is None:
