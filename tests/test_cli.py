@@ -72,6 +72,11 @@ def assert_one_line_exit_2(code: int, out: str, message: str) -> None:
         (["trainer.logger=[console,csv]"], "unknown logger 'csv'; choose from console, jsonl"),
         (["trainer.log_every=0"], "trainer.log_every must be >= 1"),
         (["trainer.tensorboard=true"], "trainer.tensorboard is now trainer.logger"),
+        (["actor.lora.rank=-1"], "actor.lora.rank=-1: give an integer >= 0"),
+        (
+            ["actor.lora.rank=4", "actor.engine=megatron"],
+            "actor.lora.rank=4 with actor.engine=megatron: that engine has no exact LoRA",
+        ),
     ],
 )
 def test_config_errors_exit_2(tmp_path, args, message):
