@@ -163,7 +163,7 @@ def test_profile_bad_arguments_exit_2_before_ray(tmp_path, args, message):
 
 def test_plan_and_reward_service_commands_are_registered():
     code, out, _ = m2flow("--help")
-    assert code == 0 and "plan" in out and "reward-service" in out
+    assert code == 0 and "plan" in out and "reward-service" in out and "export-merged" in out
 
 
 def _imports(path: Path) -> set[str]:
