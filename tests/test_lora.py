@@ -16,7 +16,7 @@ import pytest
 import torch
 from m2flow.workers.algos.grpo import grpo_advantages
 from m2flow.workers.algos.losses import make_loss
-from m2flow.workers.checkpoint import load_file, save_file
+from m2flow.workers.checkpoint import TRAIN_ROLE, load_file, save_file
 from m2flow.workers.engines import lora
 from m2flow.workers.engines.torch_engine import TorchEngine
 from m2flow.workers.engines.update import StreamedStep
@@ -159,9 +159,10 @@ def test_checkpoint_is_a_peft_directory_and_resumes_exactly(
     a = _engine(model, tok)
     _step(a, data)
     # the role's state file, written and read back (as OnTrainEngine.save_checkpoint does)
-    save_file(tmp_path / "actor_state.pt", a.save(tmp_path / "actor"))
-    state = load_file(tmp_path / "actor_state.pt")
+    save_file(tmp_path / "actor" / "actor_state.pt", a.save(tmp_path / "actor"))
+    state = load_file(tmp_path / "actor" / "actor_state.pt")
     assert (tmp_path / "actor" / "adapter_config.json").exists()
+    TRAIN_ROLE(tmp_path / "actor")  # what --resume checks before anything starts
     assert (tmp_path / "actor" / "base").is_dir() is not pretrained
     b = TorchEngine(model, tok, device=CPU, optim=OPTIM, seed=7, lora={"rank": 4})
     b.load(tmp_path / "actor", state)
