@@ -59,6 +59,12 @@ class Weights:
             f"{type(self).__name__} is not a weight source: define get_weights()"
         )
 
+    def weights_for(self, dst_group: str) -> dict[str, Any]:
+        """What :func:`sync_weights` sends the group named ``dst_group``: by default
+        :meth:`get_weights`. A source may send each destination its own payload, e.g. only what
+        changed since that destination's last sync (a LoRA adapter without its frozen base)."""
+        return self.get_weights()
+
     def load_weights(self, weights: dict[str, Any], version: int) -> None:
         """Load ``weights`` (``{name: tensor}`` from a source's :meth:`get_weights`) in place;
         ``version`` is the source's weight version (the runtime records it on return).
@@ -80,7 +86,7 @@ class Weights:
         on_device = transport == "cuda_ipc" or (collective and link["backend"] == "nccl")
         self._m2flow_call_wait += self._m2flow_acquire()
         try:
-            weights, version = self.get_weights(), self.weight_version
+            weights, version = self.weights_for(dst_group), self.weight_version
         except BaseException as e:
             if collective:  # the receivers would wait for metadata that never comes
                 weight_transport.send_error(self, dst_group, dst_world_size, e)

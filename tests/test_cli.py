@@ -72,6 +72,11 @@ def assert_one_line_exit_2(code: int, out: str, message: str) -> None:
         (["trainer.logger=[console,csv]"], "unknown logger 'csv'; choose from console, jsonl"),
         (["trainer.log_every=0"], "trainer.log_every must be >= 1"),
         (["trainer.tensorboard=true"], "trainer.tensorboard is now trainer.logger"),
+        (["actor.lora.rank=-1"], "actor.lora.rank=-1: give an integer >= 0"),
+        (
+            ["actor.lora.rank=4", "actor.engine=megatron"],
+            "actor.lora.rank=4 with actor.engine=megatron: that engine has no exact LoRA",
+        ),
     ],
 )
 def test_config_errors_exit_2(tmp_path, args, message):
@@ -158,7 +163,7 @@ def test_profile_bad_arguments_exit_2_before_ray(tmp_path, args, message):
 
 def test_plan_and_reward_service_commands_are_registered():
     code, out, _ = m2flow("--help")
-    assert code == 0 and "plan" in out and "reward-service" in out
+    assert code == 0 and "plan" in out and "reward-service" in out and "export-merged" in out
 
 
 def _imports(path: Path) -> set[str]:

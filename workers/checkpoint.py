@@ -259,7 +259,23 @@ def group_check(*required: str) -> Callable[[Path], None]:
     return check
 
 
+def train_role_check(path: Path) -> None:
+    """A train-engine role's directory: its state file, and a Hugging Face directory
+    (``config.json``, ``*.safetensors``) or a PEFT adapter directory (``adapter_config.json``,
+    ``adapter_model.safetensors``; a LoRA policy's), each file sound (:func:`check_directory`).
+
+    Raises:
+        StateFileError: the first missing or damaged file.
+    """
+    path = Path(path)
+    adapter = (path / "adapter_config.json").exists()
+    files = ("adapter_config.json", "adapter_model.safetensors") if adapter else ("config.json",)
+    check_directory(path, ("actor_state.pt", *files, "*.safetensors"))
+    if (path / "base").is_dir():  # a LoRA policy's base built from a shape
+        check_directory(path / "base", ("config.json", "model.safetensors"))
+
+
 #: the content checks of the roles' checkpoint directories (their files, above)
-TRAIN_ROLE = group_check("actor_state.pt", "config.json", "*.safetensors")
+TRAIN_ROLE = train_role_check
 PPO_ACTOR = group_check("actor_state.pt", "config.json", "*.safetensors", "rank0.pt")
 RANK_STATE = group_check("rank0.pt")

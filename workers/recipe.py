@@ -96,6 +96,29 @@ class OptimConfig:
 
 
 @dataclass
+class LoraConfig:
+    """``actor.lora``: LoRA on the policy (PEFT on the torch engine; Hu et al. 2021), read as
+    :class:`~m2flow.workers.engines.lora.LoraOptions`."""
+
+    rank: int = 0  # adapter rank r; 0 = off (full fine-tuning)
+    alpha: float = 16.0  # the update is (alpha / rank) * B A
+    dropout: float = 0.0  # dropout on the adapter's input (> 0: stochastic training forwards)
+    # linear modules adapted, by name (q_proj, v_proj, ...), or all-linear (all but the LM head)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+def validate_lora(section, engine: str, name: str = "actor") -> None:
+    """Raises ConfigError for bad ``<name>.lora`` values, or LoRA on a train engine that has
+    none (:func:`~m2flow.workers.engines.lora.check_lora`: the Megatron engine)."""
+    from .engines.lora import check_lora
+
+    try:
+        check_lora(engine, plain(section), name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+@dataclass
 class LLMTrainerConfig(TrainerConfig):
     prompts_per_step: int = 32  # global batch: prompts (x rollout.n_samples responses)
 

@@ -22,6 +22,7 @@ from m2flow.workers.algos.losses import knows_loss, loss_names
 from m2flow.workers.data.config import DataConfig
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
+    LoraConfig,
     ModelConfig,
     OptimConfig,
     RolloutConfig,
@@ -30,6 +31,7 @@ from m2flow.workers.recipe import (
     check_engine,
     response_length,
     validate_llm,
+    validate_lora,
     validate_optim,
 )
 from m2flow.workers.reward.config import RewardConfig
@@ -61,6 +63,7 @@ class ActorConfig(OptimConfig):
     engine: str = "torch"  # or "megatron": one rank per device (docs/results/megatron.md)
     tensor_parallel: int = 1  # megatron: TP size (divides the heads)
     pipeline_parallel: int = 1  # megatron: PP size (divides the layers); DP = devices / (TP*PP)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: train a LoRA adapter (torch)
 
 
 @dataclass
@@ -104,6 +107,7 @@ def validate(cfg) -> None:
     validate_trainer(cfg.trainer, cfg.resume, {"actor": TRAIN_ROLE})
     validate_llm(cfg, min_samples=2)
     validate_optim(cfg.actor, "actor")
+    validate_lora(cfg.actor.lora, cfg.actor.engine)
     a = cfg.actor
     require(
         [

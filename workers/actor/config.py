@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engines.lora import LoraOptions
+
 
 @dataclass(frozen=True)
 class ActorOptions:
@@ -37,6 +39,8 @@ class ActorOptions:
         data_parallel: one rank per device and a gradient all-reduce (streaming updates only).
         engine: a backend of kind ``train`` (:mod:`~..engines.registry`) or ``"module:Class"``.
         tensor_parallel, pipeline_parallel: the Megatron engine's TP and PP sizes.
+        lora: :class:`~..engines.lora.LoraOptions` (a dict of them is converted; ``rank`` 0:
+            full fine-tuning); needs an engine with ``supports_lora`` (``torch``).
     """
 
     lr: float = 1e-4
@@ -60,13 +64,15 @@ class ActorOptions:
     engine: str = "torch"
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    lora: LoraOptions = LoraOptions()
 
     @classmethod
     def from_kwargs(cls, kwargs: dict, role: str = "actor") -> ActorOptions:
         """The options in ``kwargs``, the rest at their defaults.
 
         Raises:
-            ValueError: a key that is no option (named, with the options there are).
+            ValueError: a key that is no option (named, with the options there are); a bad
+                ``lora`` value (:meth:`~..engines.lora.LoraOptions.from_value`).
         """
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
@@ -75,7 +81,8 @@ class ActorOptions:
                 f"the {role} has no option {', '.join(unknown)}: its options are "
                 f"{', '.join(sorted(names))} (m2flow.workers.actor.config.ActorOptions)"
             )
-        opt = cls(**{**kwargs, "betas": tuple(kwargs.get("betas", cls.betas))})
+        lora = LoraOptions.from_value(kwargs.get("lora"), role)
+        opt = cls(**{**kwargs, "betas": tuple(kwargs.get("betas", cls.betas)), "lora": lora})
         if opt.nonfinite not in ("stop", "skip"):
             raise ValueError(f"{role}.nonfinite={opt.nonfinite!r}: pick stop or skip")
         return opt
@@ -104,7 +111,14 @@ class ActorOptions:
         return {
             "data_parallel": self.data_parallel and dist, "mini_batch_size": self.mini_batch_size,
             "engine": self.engine, "model": model, "kl_coef": self.kl_coef, **self.parallel,
+            "lora": self.lora,
         }  # fmt: skip
+
+    @property
+    def engine_kwargs(self) -> dict:
+        """The engine's own keyword arguments: its parallel sizes, and ``lora`` when on (an
+        engine without LoRA support never sees the key; its ``check`` refuses it)."""
+        return {**self.parallel, **({"lora": self.lora} if self.lora.enabled else {})}
 
     def optim(self, compute_dtype: torch.dtype) -> dict:
         """The engine's ``optim``: AdamW, clipping, the sampling temperature, the shared prefix,

@@ -72,7 +72,7 @@ class ActorWorker(OnTrainEngine, Worker):
         self.engine = engine_class("train", opt.engine, self.role)(
             model, self.tokenizer, device=device, rank=self.rank, world_size=self.world_size,
             dist=dist, optim=opt.optim(compute_dtype(model.get("dtype", "auto"), device)),
-            seed=opt.seed, **opt.parallel,
+            seed=opt.seed, **opt.engine_kwargs,
         )  # fmt: skip
         self.weight_version = 0
 

@@ -59,7 +59,8 @@ class ModelEngine:
         grad_clip: float | None = 1.0, temperature: float = 1.0, shared_prefix: bool = True,
         compute_dtype: torch.dtype = torch.float32, nonfinite: str = "stop", **_,
     ) -> None:  # fmt: skip
-        """``model`` and its AdamW (``lr``, ``betas``, ``weight_decay``); ``grad_clip``: max
+        """``model`` and its AdamW (``lr``, ``betas``, ``weight_decay``) over the parameters
+        that require gradients (a LoRA model: the adapter's); ``grad_clip``: max
         global gradient norm (``None`` or <= 0: none); ``temperature``: the sampling
         temperature logprobs are computed under; ``shared_prefix``: forward each distinct
         prompt once (:func:`~..algos.logprobs.shared_prefix_logprobs`; same math); forwards run
@@ -70,9 +71,9 @@ class ModelEngine:
         self.model = model
         self._home = next(model.parameters()).device
         self.compute_dtype = compute_dtype
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
-        )
+        # frozen parameters (a LoRA model's base) get no optimizer state
+        trained = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=betas, weight_decay=weight_decay)
         self.grad_clip, self.temperature, self.nonfinite = grad_clip, temperature, nonfinite
         self.logprobs_fn = shared_prefix_logprobs if shared_prefix else sequence_logprobs
         self.steps = self.skipped = 0

@@ -13,6 +13,7 @@ import torch
 
 from .. import parallel as dp
 from ..llm import load_model
+from . import lora as lora_mod
 from .base import RESPONSE_KEYS, ModelEngine
 
 
@@ -52,6 +53,11 @@ def refuse_nonfinite(engine: ModelEngine, what: str) -> None:
 class TorchEngine(ModelEngine):
     """The policy as one Hugging Face model per rank (see :class:`~.train.TrainEngine`).
 
+    With ``lora`` (:class:`~.lora.LoraOptions`, rank > 0) the policy is a PEFT model whose
+    optimizer holds the adapter's parameters only; :meth:`get_weights` gives the merged weights,
+    :meth:`weight_payload` the adapter alone, and a checkpoint is a PEFT adapter directory
+    (:meth:`save`).
+
     With ``kl_coef > 0`` (in ``optim``) a frozen copy of the policy, in the compute dtype, is
     the reference (:meth:`infer` with ``reference=True``; refrozen by :meth:`publish` after
     the warm start). With ``world_size > 1`` the ranks join one process group (``dist``); every
@@ -60,6 +66,9 @@ class TorchEngine(ModelEngine):
 
     one_rank_per_device = False
     whole_step = False
+    supports_lora = True
+    lora: lora_mod.LoraOptions | None = None
+    base_path: str | None = None  # model.path: the pretrained base (None: built from a shape)
 
     @classmethod
     def check(cls, config: dict, world_size: int | None = None, role: str = "actor") -> None:
@@ -84,13 +93,19 @@ class TorchEngine(ModelEngine):
 
     def __init__(
         self, model: dict, tokenizer, *, device: torch.device, rank: int = 0,
-        world_size: int = 1, dist: dict | None = None, optim: dict, seed: int = 0, **parallel,
+        world_size: int = 1, dist: dict | None = None, optim: dict, seed: int = 0,
+        lora: lora_mod.LoraOptions | dict | None = None, **parallel,
     ) -> None:  # fmt: skip
         if world_size != 1:
             dp.init(rank, world_size, dist["addr"], dist["port"], device)
         self.rank, self.data_parallel = rank, world_size > 1
         # float32 master weights; forward/backward under autocast to model.dtype
-        self._setup(load_model(model, tokenizer, device, trainable=True, seed=seed), **optim)
+        policy = load_model(model, tokenizer, device, trainable=True, seed=seed)
+        lora = lora_mod.LoraOptions.from_value(lora)
+        if lora.enabled:
+            self.lora, self.base_path = lora, model.get("path")
+            policy = lora_mod.wrap(policy, lora)
+        self._setup(policy, **optim)
         self.kl_coef = optim.get("kl_coef", 0.0)
         self.ref_model: torch.nn.Module | None = None
         self.freeze_reference()
@@ -133,19 +148,44 @@ class TorchEngine(ModelEngine):
         self.freeze_reference()
 
     def get_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights in Hugging Face layout (CPU copies; LoRA: merged)."""
+        if self.lora is not None:
+            return lora_mod.merged_state_dict(self.model)
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
+    def weight_payload(self, base: bool) -> dict[str, torch.Tensor]:
+        """What a weight sync sends (:mod:`.lora`): :meth:`get_weights` without LoRA; with it
+        the adapter alone, plus the base weights if ``base`` (a destination's first sync)."""
+        if self.lora is None:
+            return self.get_weights()
+        payload = lora_mod.adapter_payload(self.model)
+        return {**lora_mod.base_state_dict(self.model), **payload} if base else payload
+
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Hugging Face layout weights into the policy (strict)."""
+        """Hugging Face layout weights into the policy (strict).
+
+        Raises:
+            ValueError: a LoRA policy (its base is frozen: load a checkpoint instead).
+        """
+        if self.lora is not None:
+            raise ValueError("a LoRA policy's base is frozen: restore a checkpoint instead")
         self.model.load_state_dict(weights)
 
     def save(self, path: Path) -> dict | None:
+        """Rank 0 writes the policy: a Hugging Face directory, or with LoRA a PEFT adapter
+        directory (``adapter_config.json``, ``adapter_model.safetensors``; ``PeftModel.
+        from_pretrained(base, path)`` loads it) whose base is ``model.path``, or, for a policy
+        built from a shape, the Hugging Face directory ``path/base`` written beside it. Returns
+        the state file's entries (optimizer: the adapter's only)."""
         reference = None if self.ref_model is None else self.ref_model.state_dict()
         if self.rank != 0:
             return None  # data-parallel ranks hold the same state
         refuse_nonfinite(self, "actor")
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
+        if self.lora is not None:
+            lora_mod.save_adapter(self.model, path, self.base_path)
+        else:
+            self.model.save_pretrained(path)
         return {
             "optimizer": self.optimizer.state_dict(),
             "trainer_steps": self.steps,
@@ -153,7 +193,10 @@ class TorchEngine(ModelEngine):
         }
 
     def load(self, path: Path, state: dict) -> None:
-        load_pretrained_weights(self.model, path)
+        if self.lora is not None:
+            lora_mod.load_adapter(self.model, path)
+        else:
+            load_pretrained_weights(self.model, path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = state["trainer_steps"]
         if state["reference"] is not None:

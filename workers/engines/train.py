@@ -34,6 +34,11 @@ class TrainEngine(Protocol):
     sampling temperature, ``shared_prefix``, ``compute_dtype``, ``nonfinite``; ``kl_coef > 0``
     keeps a frozen reference), ``parallel`` the engine's own layout knobs
     (``tensor_parallel``, ``pipeline_parallel``).
+
+    Optional members: ``supports_lora = True`` (the engine takes ``lora=``, a
+    :class:`~.lora.LoraOptions`; one without it is refused by :func:`.lora.check_engine`) and
+    ``weight_payload(base)`` (what a weight sync sends, when it is not :meth:`get_weights`:
+    a LoRA policy's adapter; :meth:`~.train_role.OnTrainEngine.weights_for`).
     """
 
     #: launch one rank per device and a process group, whatever ``data_parallel`` says

@@ -19,6 +19,7 @@ from m2flow import group_method
 
 from .. import parallel as dp
 from ..checkpoint import load_file, save_file
+from .lora import check_lora
 from .registry import engine_class
 from .train import TrainEngine
 
@@ -61,10 +62,11 @@ class OnTrainEngine:
 
     @classmethod
     def _check(cls, world_size: int, kwargs: dict) -> None:
-        """The engine's ``check`` of ``kwargs`` (the role's arguments) for ``world_size`` ranks."""
-        engine_class("train", kwargs.get("engine", "torch"), cls.role).check(
-            kwargs, world_size, cls.role
-        )
+        """The engine's ``check`` of ``kwargs`` (the role's arguments) for ``world_size`` ranks,
+        and LoRA refused on an engine without it (:func:`.lora.check_lora`)."""
+        engine = kwargs.get("engine", "torch")
+        check_lora(engine, kwargs.get("lora"), cls.role)
+        engine_class("train", engine, cls.role).check(kwargs, world_size, cls.role)
 
     # -- weights, checkpoints, memory -------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:
@@ -72,6 +74,18 @@ class OnTrainEngine:
         ``m2flow.sync_weights(actor, ...)``. ``RuntimeError`` on a rank holding none (Megatron:
         rank 0 holds them)."""
         return self.engine.get_weights()
+
+    def weights_for(self, dst_group: str) -> dict[str, torch.Tensor]:
+        """What a weight sync sends ``dst_group``: the engine's ``weight_payload`` (a LoRA
+        policy: the adapter alone, with the frozen base on that group's first sync), else
+        :meth:`get_weights`."""
+        payload = getattr(self.engine, "weight_payload", None)
+        if payload is None:
+            return self.get_weights()
+        sent = self.__dict__.setdefault("_base_sent", set())
+        out = payload(base=dst_group not in sent)
+        sent.add(dst_group)
+        return out
 
     @group_method
     def save_checkpoint(self, path: str) -> str:

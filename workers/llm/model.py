@@ -121,7 +121,10 @@ def load_model(
 
 def checkpointing(model: torch.nn.Module) -> bool:
     """Whether ``model`` recomputes activations in its backward (transformers renamed the flag
-    ``is_gradient_checkpointing`` -> ``is_activation_checkpointing`` in 5.2x; read either)."""
+    ``is_gradient_checkpointing`` -> ``is_activation_checkpointing`` in 5.2x; read either). A
+    PEFT model answers for its base model."""
+    if hasattr(model, "peft_config"):
+        model = model.get_base_model()
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
         if hasattr(type(model), name):
             return bool(getattr(model, name))

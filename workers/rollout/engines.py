@@ -15,6 +15,7 @@ refuses a configuration the role cannot run.
 
 from __future__ import annotations
 
+from ..engines.lora import apply_payload
 from ..engines.registry import choices, engine_class, knows, names
 from ..llm.gate import PAUSE_TIMEOUT_S, DecodeGate
 from ..llm.generation import generate, stop_token_ids
@@ -64,9 +65,13 @@ class HfEngine:
             gate=self.gate,
         )  # fmt: skip
 
+    #: takes a LoRA adapter alone (:func:`~..engines.lora.apply_payload`)
+    applies_adapter = True
+
     def update_weights(self, version: int, weights=None) -> None:
-        """Load ``weights`` (``None``: already in the shared model) between decode steps."""
-        apply = None if weights is None else (lambda: self.model.load_state_dict(weights))
+        """Load ``weights`` (a ``state_dict``, or a LoRA adapter payload merged into the model,
+        :mod:`~..engines.lora`; ``None``: already in the shared model) between decode steps."""
+        apply = None if weights is None else (lambda: apply_payload(self.model, weights))
         self.gate.update(version, apply)
 
     def pause(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from m2flow import Channel, Worker, control_method, group_method
@@ -9,6 +11,7 @@ from m2flow import Channel, Worker, control_method, group_method
 from ..batch import num_tokens, to_batch
 from ..chunk import RolloutChunk
 from ..data.item import PromptItem
+from ..engines.lora import MergedWeights, apply_payload, is_adapter, payload_bytes
 from ..llm import build_tokenizer, compute_dtype, load_model
 from ..llm.placement import (
     offload_module,
@@ -20,6 +23,8 @@ from ..llm.placement import (
 from ..scoring.evaluation import greedy_scores
 from ..scoring.functions import RewardFunction
 from .engines import build_rollout_engine
+
+log = logging.getLogger(__name__)
 
 
 class RolloutWorker(Worker):
@@ -60,6 +65,9 @@ class RolloutWorker(Worker):
     :meth:`generate`, a weight sync :meth:`load_weights`, and :meth:`pause` / :meth:`resume`
     reach the engine between its decode steps.
     """
+
+    weight_sync_bytes = 0  # the last weight sync's payload (its tensors' bytes)
+    _merged: MergedWeights | None = None  # merges LoRA adapters for an engine that cannot
 
     def __init__(
         self,
@@ -185,10 +193,24 @@ class RolloutWorker(Worker):
         """Load the policy's weights (``m2flow.sync_weights``) into the engine, between its
         decode steps (:meth:`~m2flow.workers.engines.rollout.RolloutEngine.update_weights`: the
         spot pool also stages them for its instances), and into ``self.model`` (the held-out
-        evaluation's) when the engine samples from a copy of its own (vLLM, emulated)."""
+        evaluation's) when the engine samples from a copy of its own (vLLM, emulated).
+
+        A LoRA adapter payload (:mod:`~..engines.lora`: the adapter alone, the base on the first
+        sync) goes to an engine that ``applies_adapter`` (``hf``) as it is; any other gets the
+        merged weights (said once, in the log). ``weight_sync_bytes``: the payload's size."""
+        self.weight_sync_bytes = payload_bytes(weights)
+        if is_adapter(weights) and not getattr(self.engine, "applies_adapter", False):
+            if self._merged is None:
+                self._merged = MergedWeights()
+                log.warning(
+                    "rollout engine %s cannot apply a LoRA adapter: it gets the merged weights "
+                    "(the adapter alone still travels; this rank merges it)",
+                    type(self.engine).__name__,
+                )
+            weights = self._merged(weights)
         self.engine.update_weights(version, weights)
         if self.engine.model is not self.model:
-            self.model.load_state_dict(weights)
+            apply_payload(self.model, weights)
 
     # -- evaluation -------------------------------------------------------------------------
 
