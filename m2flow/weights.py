@@ -179,7 +179,7 @@ def sync_weights(
     weight_transport.check_transport(transport)
     if transport == "collective":
         link = weight_transport.link_spec(src, src_rank, dst, bucket_bytes)
-        sent = src.on(src_rank).call(
+        sent = src.on(src_rank).runtime_call(
             "_m2flow_send_weights", dst.name, dst.world_size, transport, link
         )
     else:

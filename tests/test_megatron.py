@@ -306,7 +306,7 @@ def test_engine_pp2_kl_padded_micro_batches_match_torch_engine(tmp_path):
     from test_llm import loss_args, train_on_batch
 
     hf = _hf_model(tie=True)
-    reference = copy.deepcopy(hf).eval().requires_grad_(False)
+    reference = copy.deepcopy(hf).eval()  # only infer: its AdamW never steps
     batch = _batch(hf.config.vocab_size, b=10)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():  # the policy off its reference, so the KL term is not 0

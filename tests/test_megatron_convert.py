@@ -351,7 +351,7 @@ def test_llama_engine_tp2_grpo_matches_torch_engine(saved, tmp_path):
     from test_llm import loss_args, train_on_batch
 
     hf = copy.deepcopy(saved["llama"][1])
-    reference = copy.deepcopy(hf).eval().requires_grad_(False)
+    reference = copy.deepcopy(hf).eval()  # only infer: its AdamW never steps
     batch = _batch(VOCAB, b=10)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():  # the policy off its reference, so the KL term is not 0
