@@ -11,9 +11,9 @@ import time
 
 import httpx
 import pytest
-from m2flow.workers.reward.service.app import INSTANCE_HEADER, BackgroundServer
-from m2flow.workers.reward.service.client import RewardClient, RewardServiceError
-from m2flow.workers.reward.service.stream import RewardStream
+from m2flow.reward_service.app import INSTANCE_HEADER, BackgroundServer
+from m2flow.reward_service.client import RewardClient, RewardServiceError
+from m2flow.reward_service.stream import RewardStream
 from test_reward_service import TOKENS, _config
 
 RIGHT = {"response": "\\boxed{4}", "answer": "4"}
