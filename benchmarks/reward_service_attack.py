@@ -1,6 +1,6 @@
 """Attack benchmark of the reward service: hostile tenants, one live service.
 
-Starts the service on loopback as ``python -m m2flow.workers.reward.service.cli`` in a
+Starts the service on loopback as ``python -m m2flow.reward_service.cli`` in a
 subprocess (so what is measured is the service and its workers, not this script's clients)
 with two tenants, ``alice`` and ``bob``. Each row runs one attack from one tenant while the
 other tenant's correct submissions (known rewards: 1.0, 0.5, and programs that sleep so they
@@ -46,10 +46,10 @@ from pathlib import Path
 
 import httpx
 import reward_service_attack_input
-from m2flow.workers.reward.service.app import BackgroundServer
-from m2flow.workers.reward.service.client import AsyncRewardClient, RewardServiceError
-from m2flow.workers.reward.service.sandbox import isolation
-from m2flow.workers.reward.service.schemas import ServiceConfig
+from m2flow.reward_service.app import BackgroundServer
+from m2flow.reward_service.client import AsyncRewardClient, RewardServiceError
+from m2flow.reward_service.sandbox import isolation
+from m2flow.reward_service.schemas import ServiceConfig
 from reward_service_attack_flood import flood_row
 from reward_service_attack_measure import (
     Memory,

@@ -52,7 +52,7 @@ def _closed_by_peer(s: socket.socket) -> bool:
 def flood_row(scratch: str, config, tokens: dict, correct_batch) -> dict:
     """Run the flood against a service of its own (``config(scratch, port)``) and return the
     row; ``correct_batch(client, task)``: the tenant's batch (True when intact)."""
-    from m2flow.workers.reward.service.client import AsyncRewardClient
+    from m2flow.reward_service.client import AsyncRewardClient
 
     t0 = time.monotonic()
 

@@ -58,7 +58,7 @@ def workers(parent: int) -> list[int]:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             if ppid == parent:
                 with open(f"/proc/{p}/cmdline", "rb") as f:
-                    if b"reward.service.worker" in f.read():
+                    if b"reward_service.worker" in f.read():
                         out.append(int(p))
         except (OSError, ValueError, IndexError):
             pass
@@ -159,7 +159,7 @@ class Service:
 
         self.log = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "m2flow.workers.reward.service.cli", "--config", str(cfg)],
+            [sys.executable, "-m", "m2flow.reward_service.cli", "--config", str(cfg)],
             stdout=self.log, stderr=self.log if log else None, preexec_fn=limit,
         )  # fmt: skip
         end = time.monotonic() + 60

@@ -116,7 +116,7 @@ def _timed(get) -> float:
 def slow_body_row(scratch: str, config, tokens: dict, correct_batch) -> dict:
     """Run the attack against a service of its own (``config(scratch, port)``) and return
     the row; ``correct_batch(client, task)``: the victim's batch (True when intact)."""
-    from m2flow.workers.reward.service.client import AsyncRewardClient
+    from m2flow.reward_service.client import AsyncRewardClient
 
     t0 = time.monotonic()
     log = f"{scratch}/slowbody-service.log"
@@ -125,7 +125,7 @@ def slow_body_row(scratch: str, config, tokens: dict, correct_batch) -> dict:
     with open(log) as f:  # its start-up line: "... at most N connections)"
         cap = int(re.search(r"at most (\d+) connections", f.read()).group(1))
     try:
-        from m2flow.workers.reward.service.shares import shares
+        from m2flow.reward_service.shares import shares
 
         share, anonymous = shares(svc.config, cap)
     except ImportError:  # the code before the shares

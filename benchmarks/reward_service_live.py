@@ -24,10 +24,10 @@ import threading
 import time
 from pathlib import Path
 
-from m2flow.workers.reward.service.app import BackgroundServer
-from m2flow.workers.reward.service.client import AsyncRewardClient
-from m2flow.workers.reward.service.sandbox import isolation
-from m2flow.workers.reward.service.schemas import ServiceConfig
+from m2flow.reward_service.app import BackgroundServer
+from m2flow.reward_service.client import AsyncRewardClient
+from m2flow.reward_service.sandbox import isolation
+from m2flow.reward_service.schemas import ServiceConfig
 
 TOKENS = {"alice": "alice-live-token", "bob": "bob-live-token"}
 

@@ -1,8 +1,9 @@
 """The import contracts of pyproject.toml's ``[tool.importlinter]`` (docs/concepts/design.md,
 "Layers"): kept by this checkout, and each broken by an import planted in a copy of it.
 
-``scripts/lint_imports.py`` runs import-linter on the tree as it installs (workers/, scheduler/
-and workflows/ inside m2flow/); CI runs it too (.ci/run). A run takes well under a second.
+``scripts/lint_imports.py`` runs import-linter on the tree as it installs (workers/, scheduler/,
+workflows/ and reward_service/ inside m2flow/); CI runs it too (.ci/run). A run takes well under
+a second.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "lint_imports.py"
-PACKAGES = ("m2flow", "workers", "scheduler", "workflows")
+PACKAGES = ("m2flow", "workers", "scheduler", "workflows", "reward_service")
 
 
 def lint(root: Path) -> subprocess.CompletedProcess:
@@ -96,6 +97,26 @@ PLANTS = {
         "workers/llm/config.py",
         "def f():\n    from m2flow.workers.data import item  # noqa",
         "No cycles are allowed in m2flow.workers.",
+    ),
+    "the reward service imports a worker": (
+        "reward_service/pipelines.py",
+        "def f():\n    from m2flow.workers.scoring import functions  # noqa",
+        "m2flow.reward_service is not allowed to import m2flow.workers",
+    ),
+    "the reward service imports the runtime": (
+        "reward_service/app.py",
+        "def f():\n    from m2flow.channel import Channel  # noqa",
+        "m2flow.reward_service is not allowed to import m2flow.channel",
+    ),
+    "a worker imports the reward service's server": (
+        "workers/reward/worker.py",
+        "def f():\n    from m2flow.reward_service.app import BackgroundServer  # noqa",
+        "m2flow.workers is not allowed to import m2flow.reward_service.app",
+    ),
+    "the reward service imports Ray": (
+        "reward_service/pools.py",
+        "def f():\n    import ray  # noqa",
+        "m2flow.reward_service is not allowed to import ray",
     ),
     "a module outside every layer": (
         "m2flow/newcomer.py",

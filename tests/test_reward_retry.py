@@ -6,14 +6,21 @@ clients ride out a restart (the plain client's retries, :class:`RewardStream`'s 
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 
 import httpx
 import pytest
-from m2flow.workers.reward.service.app import INSTANCE_HEADER, BackgroundServer
-from m2flow.workers.reward.service.client import RewardClient, RewardServiceError
-from m2flow.workers.reward.service.stream import RewardStream
+from m2flow.reward_service.app import INSTANCE_HEADER, BackgroundServer
+from m2flow.reward_service.client import (
+    AsyncRewardClient,
+    Call,
+    RewardClient,
+    RewardServiceError,
+    _Spec,
+)
+from m2flow.reward_service.stream import RewardStream
 from test_reward_service import TOKENS, _config
 
 RIGHT = {"response": "\\boxed{4}", "answer": "4"}
@@ -44,6 +51,30 @@ def _restartable():
         return box["srv"]
 
     return box, restart
+
+
+def test_both_clients_share_one_spec_and_only_ids_make_a_submission_repeatable():
+    """The sans-I/O spec drives both clients: the same methods and signatures (awaitable in the
+    async one); the calls a method needs, and how it reads their answers, without a server."""
+    names = [n for n, f in vars(_Spec).items() if inspect.isfunction(f)]
+    assert "submit" in names and "rewards" in names
+    for name in names:
+        sync, aio = getattr(RewardClient, name), getattr(AsyncRewardClient, name)
+        assert inspect.signature(sync) == inspect.signature(aio), name
+        assert inspect.iscoroutinefunction(aio) and not inspect.iscoroutinefunction(sync), name
+    path = "/v1/tasks/t/batches/b/requests"
+    call = next(_Spec.submit(None, "t", "b", RIGHT))
+    assert call == Call("POST", path, idempotent=False, kw={"json": {"payload": RIGHT, "id": None}})
+    assert next(_Spec.submit(None, "t", "b", RIGHT, id="x")).idempotent
+    # rewards: long-polls pages from the offset reached until the batch is complete
+    op = _Spec.rewards(None, "t", "b", timeout_s=60.0)
+    first = next(op)
+    assert first.path == "/v1/tasks/t/batches/b/results" and first.kw["params"]["offset"] == 0
+    page = {"results": [{"id": "x", "reward": 1.0}], "complete": False}
+    assert op.send((page, "inst")).kw["params"]["offset"] == 1
+    with pytest.raises(StopIteration) as done:
+        op.send(({"results": [{"id": "y", "reward": 0.0}], "complete": True}, "inst"))
+    assert done.value.value == {"x": 1.0, "y": 0.0}
 
 
 def test_a_retried_request_is_scored_once_and_ids_stay_in_the_tenants_task(server):

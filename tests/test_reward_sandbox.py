@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from m2flow.workers.reward.service.pipelines import clamp_reward
-from m2flow.workers.reward.service.sandbox import Limits, isolation, run_tests
-from m2flow.workers.reward.service.verdict import plan
+from m2flow.reward_service.pipelines import clamp_reward
+from m2flow.reward_service.sandbox import Limits, isolation, run_tests
+from m2flow.reward_service.verdict import plan
 
 LIMITS = Limits(wall_s=4.0, cpu_s=2, memory_bytes=256 * 2**20)
 TESTS = ["assert f(2) == 4", "assert f(3) == 9", "assert False"]

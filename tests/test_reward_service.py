@@ -8,14 +8,14 @@ import os
 import threading
 
 import pytest
-from m2flow.workers.reward.service.app import BackgroundServer
-from m2flow.workers.reward.service.client import (
+from m2flow.reward_service.app import BackgroundServer
+from m2flow.reward_service.client import (
     AsyncRewardClient,
     RewardClient,
     RewardServiceError,
 )
-from m2flow.workers.reward.service.sandbox import isolation
-from m2flow.workers.reward.service.schemas import ServiceConfig
+from m2flow.reward_service.sandbox import isolation
+from m2flow.reward_service.schemas import ServiceConfig
 
 TOKENS = {"alice": "alice-token-123", "bob": "bob-token-4567"}
 PENALTY = -1.0
@@ -235,7 +235,7 @@ def test_pools_scale_up_on_the_hint_and_down_when_idle(server, alice):
 
 def test_cli_registers_reward_service_and_refuses_a_bad_config(tmp_path):
     import typer
-    from m2flow.workers.reward.service.cli import register
+    from m2flow.reward_service.cli import register
     from typer.testing import CliRunner
 
     app = typer.Typer()

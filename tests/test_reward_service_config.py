@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import yaml
-from m2flow.workers.reward.service.schemas import ServiceConfig
+from m2flow.reward_service.schemas import ServiceConfig
 
 from m2flow.config import ConfigError
 
@@ -82,7 +82,7 @@ def test_bad_config_is_one_line_at_start(tmp_path, case):
     cfg = tmp_path / "service.yaml"
     cfg.write_text(yaml.safe_dump(_set(BASE, key, value)))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "m2flow.workers.reward.service.cli", "--config", str(cfg),
+        [sys.executable, "-m", "m2flow.reward_service.cli", "--config", str(cfg),
          "--port", str(_free_port())],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -18,8 +18,8 @@ import sys
 import time
 
 import httpx
-from m2flow.workers.reward.service.app import BackgroundServer
-from m2flow.workers.reward.service.client import RewardClient
+from m2flow.reward_service.app import BackgroundServer
+from m2flow.reward_service.client import RewardClient
 from test_reward_service_hardening import TOKENS, _config
 
 NOFILE = 1024
@@ -69,7 +69,7 @@ def test_an_idle_connection_flood_leaves_the_service_reachable(tmp_path):
     path.write_text(cfg.model_dump_json())
     log = open(tmp_path / "service.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "m2flow.workers.reward.service.cli", "--config", str(path)],
+        [sys.executable, "-m", "m2flow.reward_service.cli", "--config", str(path)],
         stdout=log, stderr=subprocess.STDOUT, preexec_fn=_lower_nofile,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -169,7 +169,7 @@ def test_a_slow_body_gets_408_and_a_stranger_401_before_its_body(tmp_path):
 def test_the_log_filter_keeps_a_flood_of_records_short():
     import logging
 
-    from m2flow.workers.reward.service.connections import RateLimit
+    from m2flow.reward_service.connections import RateLimit
 
     f = RateLimit(burst=5, window_s=60.0)
     records = [logging.LogRecord("asyncio", 40, "x", 1, "accept failed", None, None)] * 85_000

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from m2flow.workers.reward.service.app import BackgroundServer
-from m2flow.workers.reward.service.client import RewardClient
+from m2flow.reward_service.app import BackgroundServer
+from m2flow.reward_service.client import RewardClient
 from test_reward_service import TOKENS, _config
 from test_workflow import TINY_RUN
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from m2flow.workers.reward.service.app import BackgroundServer
-from m2flow.workers.reward.service.client import RewardClient, RewardServiceError
-from m2flow.workers.reward.service.sandbox import isolation
-from m2flow.workers.reward.service.schemas import ServiceConfig
+from m2flow.reward_service.app import BackgroundServer
+from m2flow.reward_service.client import RewardClient, RewardServiceError
+from m2flow.reward_service.sandbox import isolation
+from m2flow.reward_service.schemas import ServiceConfig
 from pydantic import ValidationError
 
 TOKENS = {"alice": "alice-token-hard-1", "mallory": "mallory-token-hard-2"}
@@ -269,7 +269,7 @@ class WorkerPeak:
             for pid in _children(os.getpid()):
                 try:
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        if b"reward.service.worker" not in f.read():
+                        if b"reward_service.worker" not in f.read():
                             continue
                     with open(f"/proc/{pid}/status") as f:
                         hwm = next(ln for ln in f if ln.startswith("VmHWM"))
@@ -409,7 +409,7 @@ def test_sigterm_of_the_cli_stops_every_sandbox(tmp_path):
     cfg = tmp_path / "service.json"
     cfg.write_text(_config(str(tmp_path)).model_copy(update={"port": port}).model_dump_json())
     proc = subprocess.Popen(
-        [sys.executable, "-m", "m2flow.workers.reward.service.cli", "--config", str(cfg)],
+        [sys.executable, "-m", "m2flow.reward_service.cli", "--config", str(cfg)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )

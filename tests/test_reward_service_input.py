@@ -10,8 +10,8 @@ import json
 
 import httpx
 import pytest
-from m2flow.workers.reward.service.app import BackgroundServer
-from m2flow.workers.reward.service.client import RewardClient, RewardServiceError
+from m2flow.reward_service.app import BackgroundServer
+from m2flow.reward_service.client import RewardClient, RewardServiceError
 from test_reward_service_hardening import SQUARE, TESTS, TOKENS, _batch, _config
 
 

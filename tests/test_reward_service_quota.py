@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from m2flow.workers.reward.service.app import BackgroundServer
-from m2flow.workers.reward.service.client import RewardClient
+from m2flow.reward_service.app import BackgroundServer
+from m2flow.reward_service.client import RewardClient
 from test_reward_service_hardening import SQUARE, TESTS, TOKENS, _config, namespaces
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -127,8 +127,8 @@ def test_without_namespaces_the_harness_counts_the_scratch_quota(tmp_path):
     import subprocess
     import sys
 
-    from m2flow.workers.reward.service import harness
-    from m2flow.workers.reward.service.verdict import plan
+    from m2flow.reward_service import harness
+    from m2flow.reward_service.verdict import plan
 
     fill = FILL.replace("range(300)", "range(3000)")
     spec = {

@@ -13,11 +13,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from m2flow.reward_service.app import BackgroundServer
+from m2flow.reward_service.client import RewardClient
+from m2flow.reward_service.pipelines import math_extract, math_verify
 from m2flow.workers.llm import build_char_tokenizer
 from m2flow.workers.llm.tokenizer import decode_responses
-from m2flow.workers.reward.service.app import BackgroundServer
-from m2flow.workers.reward.service.client import RewardClient
-from m2flow.workers.reward.service.pipelines import math_extract, math_verify
 from m2flow.workers.reward.worker import RewardWorker
 from m2flow.workers.rollout.worker import RolloutWorker
 from m2flow.workers.tasks import TaskDataset

@@ -94,7 +94,7 @@ class RewardWorker(Worker):
         self.service, self.stream = service, None
         self._calls = 0  # score calls so far: the same count on every rank (group calls)
         if service:
-            from .service.stream import RewardStream
+            from m2flow.reward_service.stream import RewardStream
 
             # Not launched through launch() (no shared run id): batches are then per rank.
             self.run = service.get("run") or f"{uuid.uuid4().hex[:12]}-r{self.rank}"

@@ -1,6 +1,6 @@
 """A reward worker process: serves one request at a time for one stage.
 
-Started by the service as ``python -m m2flow.workers.reward.service.worker KIND STAGE OPTIONS``
+Started by the service as ``python -m m2flow.reward_service.worker KIND STAGE OPTIONS``
 (``OPTIONS``: JSON; the service adds ``parent_pid``, ``memory_bytes`` and ``scratch_dir``).
 It first makes sure it cannot outlive the service (``PR_SET_PDEATHSIG``: SIGKILL when the
 service's thread that started it ends) and limits its own address space to ``memory_bytes``

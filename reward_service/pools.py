@@ -98,7 +98,7 @@ class Proc:
             p = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "m2flow.workers.reward.service.worker",
+                "m2flow.reward_service.worker",
                 kind,
                 stage,
                 json.dumps(opts),

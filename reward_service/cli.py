@@ -1,7 +1,7 @@
 """``m2flow reward-service``: run the reward service (FastAPI app under uvicorn).
 
 It joins the ``m2flow`` CLI as an ``m2flow.commands`` entry point (``register``); standalone:
-``python -m m2flow.workers.reward.service.cli --config service.yaml [--port 8765]``.
+``python -m m2flow.reward_service.cli --config service.yaml [--port 8765]``.
 """
 
 from __future__ import annotations
