@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from m2flow.workers.actor.config import ReferenceOptions
+from m2flow.workers.actor.config import ActorOptions, ReferenceOptions
 from m2flow.workers.algos.losses import knows_loss, loss_names
 from m2flow.workers.critic.config import CriticOptions
 from m2flow.workers.data.config import DataConfig
@@ -193,10 +193,15 @@ def main(cfg) -> dict:
         cluster, name="critic", **lm, options=options(cfg.critic), gamma=alg.gamma, lam=alg.lam,
         kl_coef=alg.kl_coef, value_clip=alg.value_clip, epochs=alg.epochs, seed=seed,
     )  # fmt: skip
-    actor = PPOActorWorker.launch(
-        cluster, name="actor", **lm, temperature=temp, clip_eps_low=alg.clip_eps,
-        clip_eps_high=alg.clip_eps, epochs=alg.epochs, seed=seed, **plain(cfg.actor),
+    section = plain(cfg.actor)
+    whiten = section.pop("whiten_advantages")  # the PPO actor's own argument
+    opt = ActorOptions.from_kwargs(
+        section | {"temperature": temp, "clip_eps_low": alg.clip_eps,
+                   "clip_eps_high": alg.clip_eps, "seed": seed}
     )  # fmt: skip
+    actor = PPOActorWorker.launch(
+        cluster, name="actor", **lm, options=opt, epochs=alg.epochs, whiten_advantages=whiten
+    )
     names = ("prompts", "fit", "to_reward", "to_reference", "to_critic", "scores", "refs", "adv")
     prompts, fit, to_reward, to_reference, to_critic, scores, refs, adv = map(Channel.create, names)
     fanout = Fanout(to_reward, to_reference, to_critic)
