@@ -33,6 +33,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
+from m2flow.workers.actor.config import ActorOptions  # noqa: E402
 from m2flow.workers.actor.worker import ActorWorker  # noqa: E402
 from m2flow.workers.data.item import prompt_items  # noqa: E402
 from m2flow.workers.data.reasoning_gym import task_items  # noqa: E402
@@ -81,7 +82,9 @@ def main() -> None:
             "block_tokens": 4, "max_batch": 256, "batch_rows": 32, "theta": 1000,
             "micro_batch_prompts": a.prompts, "min_new_tokens": a.tokens}  # fmt: skip
     try:
-        actor = ActorWorker.launch(cluster, [0], name="actor", model=MODEL, tokenizer=TOKENIZER)
+        actor = ActorWorker.launch(
+            cluster, [0], name="actor", model=MODEL, tokenizer=TOKENIZER, options=ActorOptions()
+        )
         rollout = RolloutWorker.launch(
             cluster, [0], name="rollout", model=MODEL, tokenizer=TOKENIZER, n_samples=SAMPLES,
             max_new_tokens=a.tokens, temperature=1.0, threads=1, spot=spot,

@@ -3,8 +3,11 @@ from one channel take the optimizer step one rank takes on all of them, and stay
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from m2flow.workers.actor.config import ActorOptions
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.batch import to_batch
 from m2flow.workers.chunk import RolloutChunk
@@ -59,9 +62,11 @@ def _step(cluster, actor, chunks, name: str) -> list[dict]:
 
 def test_two_ranks_take_the_one_rank_step(cluster):
     chunks = _chunks()
-    kw = dict(model=TINY_MODEL, tokenizer=TOKENIZER, lr=1e-2, threads=1, seed=0)
-    one = ActorWorker.launch(cluster, [0], name="actor_one", **kw)
-    two = ActorWorker.launch(cluster, [0, 1], name="actor_dp", data_parallel=True, **kw)
+    kw = dict(model=TINY_MODEL, tokenizer=TOKENIZER)
+    opt = ActorOptions(lr=1e-2, threads=1, seed=0)
+    one = ActorWorker.launch(cluster, [0], name="actor_one", options=opt, **kw)
+    two = ActorWorker.launch(cluster, [0, 1], name="actor_dp",
+                             options=replace(opt, data_parallel=True), **kw)  # fmt: skip
     try:
         assert two.world_size == 2 and one.world_size == 1
         before = one.get_weights().wait(60)[0]
@@ -84,7 +89,7 @@ def test_two_ranks_take_the_one_rank_step(cluster):
         off = 0
         for n in w1:
             assert torch.equal(w_dp[0][n], w_dp[1][n]), n  # the ranks stay identical
-            torch.testing.assert_close(w_dp[0][n], w1[n], rtol=0, atol=1e-2 * kw["lr"])
+            torch.testing.assert_close(w_dp[0][n], w1[n], rtol=0, atol=1e-2 * opt.lr)
             off += int(((w_dp[0][n] - w1[n]).abs() > 1e-6).sum())
         assert off <= 1e-3 * sum(w.numel() for w in w1.values()), off
     finally:
@@ -94,12 +99,13 @@ def test_two_ranks_take_the_one_rank_step(cluster):
 
 def test_several_ranks_need_data_parallel_and_streaming(cluster):
     """Refused at launch, before any process starts."""
-    kw = dict(model=TINY_MODEL, tokenizer=TOKENIZER, threads=1)
+    kw = dict(model=TINY_MODEL, tokenizer=TOKENIZER)
     with pytest.raises(ValueError, match="data_parallel=True"):
-        ActorWorker.launch(cluster, [[0], [1]], name="actor_two", **kw)
+        ActorWorker.launch(cluster, [[0], [1]], name="actor_two",
+                           options=ActorOptions(threads=1), **kw)  # fmt: skip
     with pytest.raises(ValueError, match="mini_batch_size=0"):
-        ActorWorker.launch(cluster, [0, 1], name="actor_mb", data_parallel=True,
-                           mini_batch_size=8, **kw)  # fmt: skip
+        ActorWorker.launch(cluster, [0, 1], name="actor_mb", **kw, options=ActorOptions(
+            threads=1, data_parallel=True, mini_batch_size=8))  # fmt: skip
     assert not [g for g in cluster.groups if g.name in ("actor_two", "actor_mb")]
 
 
@@ -139,10 +145,8 @@ def test_a_new_train_engine_is_one_file(cluster):
         [0],
         name="actor_sgd",
         model=TINY_MODEL,
-        lr=0.5,
         tokenizer=TOKENIZER,
-        threads=1,
-        engine="sgd_engine:SgdEngine",
+        options=ActorOptions(lr=0.5, threads=1, engine="sgd_engine:SgdEngine"),
     )
     try:
         before = actor.get_weights().wait(60)[0]
@@ -177,8 +181,9 @@ def test_nonfinite_advantage_stops_or_skips_the_step(cluster):
     poisoned = chunks[1].batch.clone()
     poisoned["rewards"][2] = float("inf")
     bad[1] = RolloutChunk(poisoned, entries={}, weight_version=0)
-    kw = dict(model=TINY_MODEL, tokenizer=TOKENIZER, lr=1e-2, threads=1, seed=0)
-    stop = ActorWorker.launch(cluster, [0], name="actor_stop", **kw)
+    kw = dict(model=TINY_MODEL, tokenizer=TOKENIZER)
+    opt = ActorOptions(lr=1e-2, threads=1, seed=0)
+    stop = ActorWorker.launch(cluster, [0], name="actor_stop", options=opt, **kw)
     try:
         before = stop.get_weights().wait(60)[0]
         # 4 of the samples trained on together (chunks queued together are one part)
@@ -188,8 +193,8 @@ def test_nonfinite_advantage_stops_or_skips_the_step(cluster):
             _step(cluster, stop, bad, "stop")
     finally:
         stop.shutdown()
-    skip = ActorWorker.launch(cluster, [0, 1], name="actor_skip", data_parallel=True,
-                              nonfinite="skip", **kw)  # fmt: skip
+    opt = replace(opt, data_parallel=True, nonfinite="skip")
+    skip = ActorWorker.launch(cluster, [0, 1], name="actor_skip", options=opt, **kw)
     try:
         assert skip.get_weights().wait(60)[0].keys() == before.keys()
         out = _step(cluster, skip, bad, "skip")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import ray
 from helpers import wait_until
+from m2flow.workers.actor.config import ActorOptions
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import build_char_tokenizer
 from m2flow.workers.rollout.emulated import (
@@ -256,7 +257,7 @@ def pool():
     cluster = Cluster(virtual_devices_per_node=1, offload="never", spot=local)
     try:
         actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, tokenizer=TOKENIZER,
-                                   threads=1)  # fmt: skip
+                                   options=ActorOptions(threads=1))  # fmt: skip
         rollout = RolloutWorker.launch(
             cluster, [0], name="rollout", model=TINY, tokenizer=TOKENIZER, n_samples=SAMPLES,
             max_new_tokens=MAX_NEW, temperature=1.0, threads=1, spot=SPOT, seed=SEED,

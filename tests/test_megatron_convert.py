@@ -526,6 +526,7 @@ def test_unsupported_checkpoint_is_refused_at_launch(saved, name, role, match):
     process starts) on ``model.path``: one line naming the model, the supported architectures
     and the torch engine. The workers' own launch checks refuse it the same way."""
     from m2flow.workers.actor.worker import ActorWorker
+    from m2flow.workers.critic.config import CriticOptions
     from m2flow.workers.critic.worker import CriticWorker
     from m2flow.workers.engines.megatron.arch import UnsupportedModel
     from m2flow.workers.engines.megatron.engine import check_config
@@ -537,10 +538,11 @@ def test_unsupported_checkpoint_is_refused_at_launch(saved, name, role, match):
     assert "\n" not in message
     assert all(c in message for c in set(CLASSES.values()))
     print(message)
-    kw = {"engine": "megatron", "model": model}
-    check = ActorWorker._check if role == "actor" else CriticWorker._check
     with pytest.raises(UnsupportedModel, match=match):
-        check(1, kw)
+        if role == "actor":
+            ActorWorker._check(1, {"engine": "megatron", "model": model})
+        else:
+            CriticWorker._check(1, CriticOptions(engine="megatron"), model)
 
 
 def test_supported_checkpoints_pass_the_launch_checks(saved):

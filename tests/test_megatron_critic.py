@@ -33,6 +33,7 @@ if importlib.util.find_spec("megatron") is None or (
 import torch  # noqa: E402
 from m2flow.workers.algos.losses import make_loss, response_values  # noqa: E402
 from m2flow.workers.checkpoint import load_state  # noqa: E402
+from m2flow.workers.critic.config import CriticOptions  # noqa: E402
 from m2flow.workers.critic.worker import CriticWorker  # noqa: E402
 from m2flow.workers.engines.torch_engine import TorchValueEngine  # noqa: E402
 from m2flow.workers.engines.update import value_update  # noqa: E402
@@ -328,14 +329,14 @@ def test_ppo_run_with_megatron_actor_and_critic(cluster, tmp_path):
 
 def test_bad_megatron_critic_settings_are_refused(cluster, tmp_path):
     """At launch, before any process starts, and as config errors."""
-    kw = dict(model=TINY_MODEL, tokenizer=CHAR, threads=1, engine="megatron")
+    kw = dict(model=TINY_MODEL, tokenizer=CHAR, name="critic_bad")
+    tp2 = CriticOptions(threads=1, engine="megatron", tensor_parallel=2)
     with pytest.raises(ValueError, match="num_key_value_heads=1"):
-        CriticWorker.launch(cluster, [0, 1], name="critic_bad", tensor_parallel=2, **kw)
+        CriticWorker.launch(cluster, [0, 1], options=tp2, **kw)
     with pytest.raises(ValueError, match="critic.tensor_parallel=2 must divide"):
-        CriticWorker.launch(cluster, [0], name="critic_bad", tensor_parallel=2, **kw)
+        CriticWorker.launch(cluster, [0], options=tp2, **kw)
     with pytest.raises(ValueError, match="critic.engine=megatron"):
-        CriticWorker.launch(cluster, [0], name="critic_bad", model=TINY_MODEL,
-                            tokenizer=CHAR, tensor_parallel=2)  # fmt: skip
+        CriticWorker.launch(cluster, [0], options=CriticOptions(tensor_parallel=2), **kw)
     assert not [g for g in cluster.groups if g.name == "critic_bad"]
     for override, match in [
         ("critic.engine=jax", "critic.engine must be torch or megatron"),

@@ -31,6 +31,7 @@ if importlib.util.find_spec("megatron") is None or (
     )
 
 import torch  # noqa: E402
+from m2flow.workers.actor.config import ActorOptions  # noqa: E402
 from m2flow.workers.actor.worker import ActorWorker  # noqa: E402
 from m2flow.workers.engines.torch_engine import TorchEngine  # noqa: E402
 from m2flow.workers.llm import build_char_tokenizer, build_model  # noqa: E402
@@ -214,22 +215,23 @@ def test_workflow_pp2_dp2_kl_matches_torch_engine_and_restores(tmp_path, monkeyp
 
 def test_bad_megatron_settings_are_refused_at_launch(cluster):
     """Before any process starts, with the setting to change named."""
-    kw = dict(model=MODEL, tokenizer=TOKENIZER, threads=1, engine="megatron")
+    kw = dict(tokenizer=TOKENIZER, name="actor_bad")
     cases = [
-        (dict(tensor_parallel=2, pipeline_parallel=2), "x actor.pipeline_parallel=2 must divide"),
-        (dict(tensor_parallel=4), "actor.tensor_parallel=4 must divide"),
-        (dict(tensor_parallel=2, model=TINY_MODEL), "num_key_value_heads=1"),
-        (dict(pipeline_parallel=2), "model.num_hidden_layers=1 is not divisible"),
-    ]
-    for extra, match in cases:
+        (dict(tensor_parallel=2, pipeline_parallel=2), MODEL,
+         "x actor.pipeline_parallel=2 must divide"),
+        (dict(tensor_parallel=4), MODEL, "actor.tensor_parallel=4 must divide"),
+        (dict(tensor_parallel=2), TINY_MODEL, "num_key_value_heads=1"),
+        (dict(pipeline_parallel=2), MODEL, "model.num_hidden_layers=1 is not divisible"),
+    ]  # fmt: skip
+    for extra, model, match in cases:
+        opt = ActorOptions(threads=1, engine="megatron", **extra)
         with pytest.raises(ValueError, match=match):
-            ActorWorker.launch(cluster, [0, 1], name="actor_bad", **{**kw, **extra})
+            ActorWorker.launch(cluster, [0, 1], model=model, options=opt, **kw)
     with pytest.raises(ValueError, match="actor.engine"):
-        ActorWorker.launch(cluster, [0], name="actor_bad", model=MODEL, tokenizer=TOKENIZER,
-                           engine="jax")  # fmt: skip
+        ActorWorker.launch(cluster, [0], model=MODEL, options=ActorOptions(engine="jax"), **kw)
     with pytest.raises(ValueError, match="actor.tensor_parallel"):
-        ActorWorker.launch(cluster, [0], name="actor_bad", model=MODEL, tokenizer=TOKENIZER,
-                           tensor_parallel=2)  # fmt: skip
+        ActorWorker.launch(cluster, [0], model=MODEL, options=ActorOptions(tensor_parallel=2),
+                           **kw)  # fmt: skip
     assert not [g for g in cluster.groups if g.name == "actor_bad"]
 
 

@@ -43,6 +43,8 @@ def test_actor_options_typed_and_checked():
         ActorOptions.from_kwargs({"lrr": 1.0, "mini_batch": 2})
     with pytest.raises(ValueError, match="actor.nonfinite='maybe': pick stop or skip"):
         ActorOptions.from_kwargs({"nonfinite": "maybe"})
+    with pytest.raises(ValueError, match="actor.nonfinite='maybe'"):
+        ActorOptions(nonfinite="maybe")  # built directly: checked the same
     with pytest.raises(ValueError, match="loss 'ppg': pick one of grpo, gspo"):
         make_loss("ppg", "policy")
 

@@ -17,6 +17,7 @@ import time
 import pytest
 import ray
 import torch
+from m2flow.workers.actor.config import ActorOptions
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
 from m2flow.workers.rollout.exact import ExactEngine, GenRequest
@@ -66,7 +67,7 @@ def pool():
     cluster.placement = Placement(options={"rollout": {"spot": SPOT}})
     try:
         actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, tokenizer=TOKENIZER,
-                                   threads=1)  # fmt: skip
+                                   options=ActorOptions(threads=1))  # fmt: skip
         rollout = RolloutWorker.launch(
             cluster, [0], name="rollout", model=TINY, tokenizer=TOKENIZER, n_samples=SAMPLES,
             max_new_tokens=MAX_NEW, temperature=1.0, threads=1, spot={"enabled": False}, seed=7,

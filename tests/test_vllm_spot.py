@@ -24,6 +24,7 @@ os.environ["M2FLOW_WAIT_TIMEOUT"] = "300"
 
 import ray  # noqa: E402
 import torch  # noqa: E402
+from m2flow.workers.actor.config import ActorOptions  # noqa: E402
 from m2flow.workers.actor.worker import ActorWorker  # noqa: E402
 from m2flow.workers.algos.logprobs import sequence_logprobs  # noqa: E402
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model  # noqa: E402
@@ -74,7 +75,7 @@ def pool(tmp_path_factory):
     cluster.placement = Placement(options={"rollout": {"spot": SPOT}})
     try:
         actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, tokenizer=TOKENIZER,
-                                   threads=1)  # fmt: skip
+                                   options=ActorOptions(threads=1))  # fmt: skip
         rollout = RolloutWorker.launch(
             cluster, [0], name="rollout", model=TINY, tokenizer=TOKENIZER, n_samples=SAMPLES,
             max_new_tokens=MAX_NEW, temperature=TEMPERATURE, threads=1,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from m2flow.workers.actor.config import ActorOptions
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import build_char_tokenizer
 from m2flow.workers.llm.tokenizer import decode_responses
@@ -94,9 +95,11 @@ def _launch_grpo_groups(cluster, prefix: str, granularity: int):
     )  # fmt: skip
     reward = RewardWorker.launch(cluster, [0], name=f"{prefix}_reward", tokenizer=TOKENIZER)
     actor = ActorWorker.launch(
-        cluster, [0], name=f"{prefix}_actor", model=TINY_MODEL, tokenizer=TOKENIZER, lr=1e-2,
-        temperature=1.0, kl_coef=0.1, recompute_old_logprobs=True, threads=1,
-        **({"mini_batch_size": 8, "micro_batch_size": 4} if prefix == "t" else {}),
+        cluster, [0], name=f"{prefix}_actor", model=TINY_MODEL, tokenizer=TOKENIZER,
+        options=ActorOptions(
+            lr=1e-2, temperature=1.0, kl_coef=0.1, recompute_old_logprobs=True, threads=1,
+            **({"mini_batch_size": 8, "micro_batch_size": 4} if prefix == "t" else {}),
+        ),
     )  # fmt: skip
     return rollout, reward, actor
 

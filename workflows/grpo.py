@@ -133,6 +133,7 @@ def validate(cfg) -> None:
 
 
 def main(cfg) -> dict:
+    from m2flow.workers.actor.config import ActorOptions
     from m2flow.workers.actor.worker import ActorWorker
     from m2flow.workers.reward.worker import RewardWorker
     from m2flow.workers.rollout.worker import RolloutWorker
@@ -152,9 +153,12 @@ def main(cfg) -> dict:
         cluster, name="reward", tokenizer=lm["tokenizer"], service=service,
         reward=None if service else run.rewards,
     )  # fmt: skip
+    # the actor's options, built once from its section (plus the sampling temperature, the seed)
+    opt = ActorOptions.from_kwargs(
+        {**plain(cfg.actor), "temperature": cfg.rollout.temperature, "seed": seed}
+    )
     actor = ActorWorker.launch(
-        cluster, name="actor", temperature=cfg.rollout.temperature, **lm, seed=seed,
-        **plain(cfg.actor),
+        cluster, name="actor", **lm, options=opt,
     )  # fmt: skip
     prompts, rollouts, scored = (Channel.create(n) for n in ("prompts", "rollouts", "scored"))
 

@@ -22,8 +22,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from m2flow.workers.actor.config import ReferenceOptions
+from m2flow.workers.actor.config import ActorOptions, ReferenceOptions
 from m2flow.workers.algos.losses import knows_loss, loss_names
+from m2flow.workers.critic.config import CriticOptions
 from m2flow.workers.data.config import DataConfig
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
@@ -80,14 +81,6 @@ class ActorConfig(OptimConfig):
 
 
 @dataclass
-class CriticConfig(OptimConfig):
-    lr: float = 5e-4  # the head starts at 0: the critic must catch up fast
-    mini_batch_size: int = 128
-    engine: str = "torch"  # or "megatron": one rank per device (docs/results/megatron.md)
-    tensor_parallel: int = 1  # megatron: TP size; DP = the critic's devices / TP
-
-
-@dataclass
 class RewardFitConfig:
     batches: int = 18  # rollout batches (trainer.prompts_per_step prompts each) to label
     heldout_batches: int = 2  # of which held out to measure the reward model
@@ -108,7 +101,7 @@ class Config:
     reference: ReferenceOptions = field(default_factory=ReferenceOptions)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
+    critic: CriticOptions = field(default_factory=CriticOptions)
     trainer: LLMTrainerConfig = field(
         default_factory=lambda: LLMTrainerConfig(
             steps=100, prompts_per_step=64, eval_every=25, save_every=25, run_dir="runs/ppo"
@@ -197,13 +190,18 @@ def main(cfg) -> dict:
         cluster, name="reference", **lm, options=options(cfg.reference), temperature=temp
     )
     critic = CriticWorker.launch(
-        cluster, name="critic", **lm, gamma=alg.gamma, lam=alg.lam, kl_coef=alg.kl_coef,
-        value_clip=alg.value_clip, epochs=alg.epochs, seed=seed, **plain(cfg.critic),
+        cluster, name="critic", **lm, options=options(cfg.critic), gamma=alg.gamma, lam=alg.lam,
+        kl_coef=alg.kl_coef, value_clip=alg.value_clip, epochs=alg.epochs, seed=seed,
+    )  # fmt: skip
+    section = plain(cfg.actor)
+    whiten = section.pop("whiten_advantages")  # the PPO actor's own argument
+    opt = ActorOptions.from_kwargs(
+        section | {"temperature": temp, "clip_eps_low": alg.clip_eps,
+                   "clip_eps_high": alg.clip_eps, "seed": seed}
     )  # fmt: skip
     actor = PPOActorWorker.launch(
-        cluster, name="actor", **lm, temperature=temp, clip_eps_low=alg.clip_eps,
-        clip_eps_high=alg.clip_eps, epochs=alg.epochs, seed=seed, **plain(cfg.actor),
-    )  # fmt: skip
+        cluster, name="actor", **lm, options=opt, epochs=alg.epochs, whiten_advantages=whiten
+    )
     names = ("prompts", "fit", "to_reward", "to_reference", "to_critic", "scores", "refs", "adv")
     prompts, fit, to_reward, to_reference, to_critic, scores, refs, adv = map(Channel.create, names)
     fanout = Fanout(to_reward, to_reference, to_critic)

@@ -13,8 +13,10 @@ from ..engines.lora import LoraOptions
 
 @dataclass(frozen=True)
 class ActorOptions:
-    """The GRPO (and PPO) actor's optimiser, loss, batch split and engine (an unknown option
-    or ``nonfinite`` value: ``ValueError`` from :meth:`from_kwargs`).
+    """The GRPO (and PPO) actor's optimiser, loss, batch split and engine, passed whole to
+    :class:`~.worker.ActorWorker` (the workflows build it once from their ``actor`` section:
+    :meth:`from_kwargs`). A bad ``nonfinite`` value: ``ValueError``; an unknown option:
+    ``ValueError`` from :meth:`from_kwargs`.
 
     Fields:
         lr, betas, weight_decay, grad_clip: AdamW (``grad_clip``: global L2 norm; 0: none).
@@ -82,10 +84,11 @@ class ActorOptions:
                 f"{', '.join(sorted(names))} (m2flow.workers.actor.config.ActorOptions)"
             )
         lora = LoraOptions.from_value(kwargs.get("lora"), role)
-        opt = cls(**{**kwargs, "betas": tuple(kwargs.get("betas", cls.betas)), "lora": lora})
-        if opt.nonfinite not in ("stop", "skip"):
-            raise ValueError(f"{role}.nonfinite={opt.nonfinite!r}: pick stop or skip")
-        return opt
+        return cls(**{**kwargs, "betas": tuple(kwargs.get("betas", cls.betas)), "lora": lora})
+
+    def __post_init__(self) -> None:
+        if self.nonfinite not in ("stop", "skip"):
+            raise ValueError(f"actor.nonfinite={self.nonfinite!r}: pick stop or skip")
 
     @property
     def mini(self) -> int | None:

@@ -23,17 +23,18 @@ class PPOActorWorker(ActorWorker):
     Args:
         epochs: passes over each batch (PPO epochs; mini-batches shuffled when > 1).
         whiten_advantages: normalise advantages over the batch's tokens (mean 0, std 1).
-        **kwargs: :class:`ActorWorker` arguments (:class:`~.config.ActorOptions`); leave
-            ``kl_coef`` at 0 (the KL penalty is in the reward here). ``engine="megatron"``:
-            the GRPO actor's Megatron engine (TP x DP, one rank per device), each PPO epoch
-            one pass over the shuffled batch (:func:`~..engines.megatron.policy.ppo_epochs`).
+        **kwargs: :class:`ActorWorker` arguments (its ``options``,
+            :class:`~.config.ActorOptions`: leave ``kl_coef`` at 0, the KL penalty is in the
+            reward here). ``engine="megatron"``: the GRPO actor's Megatron engine (TP x DP,
+            one rank per device), each PPO epoch one pass over the shuffled batch
+            (:func:`~..engines.megatron.policy.ppo_epochs`).
 
     Raises:
         ValueError: ``data_parallel`` (the torch engine's data parallel is not wired for PPO).
     """
 
     def __init__(self, epochs: int = 1, whiten_advantages: bool = True, **kwargs) -> None:
-        if kwargs.get("data_parallel"):
+        if kwargs["options"].data_parallel:
             raise ValueError(
                 "the PPO actor trains on mini-batches of a whole batch, which data-parallel "
                 "ranks do not share yet: leave actor.data_parallel off for PPO"

@@ -48,21 +48,23 @@ class ActorWorker(OnTrainEngine, Worker):
         model: :class:`~m2flow.workers.llm.ModelConfig` fields (``path`` or a shape, ``dtype``:
             mixed precision over float32 weights, ``gradient_checkpointing``).
         tokenizer: the tokenizer spec (:func:`~m2flow.workers.llm.build_tokenizer`).
+        options: :class:`~.config.ActorOptions` (AdamW, clip range, KL, batch split,
+            ``engine`` and its parallel sizes, ...), built once by the workflow from its
+            ``actor`` section.
         dist: the process group's rendezvous ``{"addr", "port"}`` (set by :meth:`launch`).
-        **options: :class:`~.config.ActorOptions` fields (AdamW, clip range, KL, batch split,
-            ``engine`` and its parallel sizes, ...).
 
     Raises:
-        ValueError: an unknown option, an unknown ``engine`` or a setting it cannot run (its
-            ``check``).
+        ValueError: an unknown ``engine`` or a setting it cannot run (its ``check``).
     """
 
     data_parallel = False  # one rank over all its devices (see the class docstring)
     role = "actor"
     _skip: str | None = None  # this step's non-finite advantages, nonfinite="skip"
 
-    def __init__(self, model: dict, tokenizer: dict, dist: dict | None = None, **options) -> None:
-        self.options = opt = ActorOptions.from_kwargs(options)
+    def __init__(
+        self, model: dict, tokenizer: dict, options: ActorOptions, dist: dict | None = None
+    ) -> None:
+        self.options = opt = options
         self._check(self.world_size, opt.engine_check(dist, model))
         set_torch_threads(self, opt.threads)
         transformers.utils.logging.disable_progress_bar()  # no shard bars in run logs

@@ -23,6 +23,7 @@ from ..engines.registry import engine_class
 from ..engines.update import value_update
 from ..llm import build_tokenizer
 from ..llm.placement import set_torch_threads, torch_device
+from .config import CriticOptions
 
 
 class CriticWorker(Worker):
@@ -40,17 +41,13 @@ class CriticWorker(Worker):
     Args:
         model: :class:`~m2flow.workers.llm.ModelConfig` fields (the policy's shape).
         tokenizer: the tokenizer spec (:func:`~m2flow.workers.llm.build_tokenizer`).
-        lr, betas, weight_decay, grad_clip: AdamW.
+        options: the workflow's ``critic`` section (:class:`~.config.CriticOptions`: AdamW,
+            batch split, threads, ``nonfinite``, engine and its TP size).
         value_clip: PPO value clip around the old values (0: none).
         gamma, lam: GAE discount and lambda (per token).
         kl_coef: weight of the per-token KL penalty in the reward.
-        epochs: passes over each batch; mini_batch_size, micro_batch_size: responses per
-            optimizer step / per forward (0: the whole batch / mini-batch).
-        threads: torch threads (0: the CPUs of the rank's devices); seed: init and shuffling.
-        nonfinite: a NaN or infinite loss or gradient norm: ``stop`` the run, or ``skip`` the
-            optimizer step (counted as ``nonfinite_skips``).
-        engine: a value engine's name (``"torch"``, ``"megatron"``: the ``megatron`` extra).
-        tensor_parallel: Megatron TP size (divides the ranks and the model's heads).
+        epochs: passes over each batch.
+        seed: init and shuffling.
         dist: the process group's rendezvous ``{"addr", "port"}`` (set by :meth:`launch`).
 
     Raises:
@@ -60,66 +57,56 @@ class CriticWorker(Worker):
     data_parallel = False  # torch: one rank over all its devices
 
     @classmethod
-    def launch(cls, cluster, placement=None, **kwargs):
+    def launch(cls, cluster, placement=None, *, options: CriticOptions, **kwargs):
         """:meth:`Worker.launch`; for an engine that runs one rank per device, one rank per
         device of the placement (default: where the plan puts the group) and their process
         group's rendezvous. Refuses a bad engine setting before any process starts."""
         from m2flow.group import normalize_placement
 
-        if engine_class("value", kwargs.get("engine", "torch"), "critic").one_rank_per_device:
+        model = kwargs.get("model")
+        if engine_class("value", options.engine, "critic").one_rank_per_device:
             if placement is None:
                 placement = cluster.devices_for(kwargs.get("name") or cls.__name__)
             ranks = [[d] for r in normalize_placement(placement, cluster) for d in r]
-            cls._check(len(ranks), kwargs)
+            cls._check(len(ranks), options, model)
             kwargs["dist"] = dp.rendezvous(cluster, ranks)
             placement = ranks
         else:
-            cls._check(1, kwargs)
-        return super().launch(cluster, placement, **kwargs)
+            cls._check(1, options, model)
+        return super().launch(cluster, placement, options=options, **kwargs)
 
     @staticmethod
-    def _check(world_size: int, kwargs: dict) -> None:
-        engine_class("value", kwargs.get("engine", "torch"), "critic").check(
-            kwargs, world_size, "critic"
+    def _check(world_size: int, options: CriticOptions, model: dict) -> None:
+        engine_class("value", options.engine, "critic").check(
+            options.engine_check(model), world_size, "critic"
         )
 
     def __init__(
         self,
         model: dict,
         tokenizer: dict,
-        lr: float = 1e-4,
-        betas: tuple = (0.9, 0.99),
-        weight_decay: float = 0.0,
-        grad_clip: float = 1.0,
+        options: CriticOptions,
         value_clip: float = 0.2,
         gamma: float = 1.0,
         lam: float = 0.95,
         kl_coef: float = 0.05,
         epochs: int = 1,
-        mini_batch_size: int = 0,
-        micro_batch_size: int = 0,
-        threads: int = 0,
         seed: int = 0,
-        nonfinite: str = "stop",
-        engine: str = "torch",
-        tensor_parallel: int = 1,
         dist: dict | None = None,
     ) -> None:
-        kw = {"engine": engine, "tensor_parallel": tensor_parallel, "model": model}
-        self._check(self.world_size, kw)
-        set_torch_threads(self, threads)
+        self.options = options
+        self._check(self.world_size, options, model)
+        set_torch_threads(self, options.threads)
         self.tokenizer = build_tokenizer(tokenizer)
-        optim = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, grad_clip=grad_clip,
-                     nonfinite=nonfinite)  # fmt: skip
         self.loss = make_loss("value", "value", value_clip=value_clip)
-        self.engine = engine_class("value", engine, "critic")(
+        self.engine = engine_class("value", options.engine, "critic")(
             model, self.tokenizer, device=torch_device(self.devices), rank=self.rank,
-            world_size=self.world_size, dist=dist, optim=optim, seed=seed,
-            tensor_parallel=tensor_parallel,
+            world_size=self.world_size, dist=dist, optim=options.optim, seed=seed,
+            tensor_parallel=options.tensor_parallel,
         )  # fmt: skip
         self.value_clip, self.gamma, self.lam, self.kl_coef = value_clip, gamma, lam, kl_coef
         self.epochs = epochs
-        self.mini, self.micro = mini_batch_size or None, micro_batch_size or None
+        self.mini, self.micro = options.mini_batch_size or None, options.micro_batch_size or None
         self.generator = torch.Generator().manual_seed(seed)
 
     def load_weights(self, weights: dict, version: int) -> None:

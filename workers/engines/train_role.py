@@ -37,7 +37,7 @@ class OnTrainEngine:
     weight_version: int
 
     @classmethod
-    def launch(cls, cluster, placement=None, **kwargs):
+    def launch(cls, cluster, placement=None, *, options, **kwargs):
         """:meth:`Worker.launch`; one rank per device of the placement (default: where the plan
         puts the group) and their process group's rendezvous with ``data_parallel=True`` or an
         engine that runs one rank per device.
@@ -48,21 +48,22 @@ class OnTrainEngine:
         """
         from m2flow.group import normalize_placement
 
-        per_device = engine_class(
-            "train", kwargs.get("engine", "torch"), cls.role
-        ).one_rank_per_device
-        if (kwargs.get("data_parallel") or per_device) and placement is None:
+        per_device = engine_class("train", options.engine, cls.role).one_rank_per_device
+        if (options.data_parallel or per_device) and placement is None:
             placement = cluster.devices_for(kwargs.get("name") or cls.__name__)
         if placement is not None:
             ranks = normalize_placement(placement, cluster)
-            cls._check(len(ranks), kwargs)
+            # no process group yet: data_parallel as asked
+            config = options.engine_check(None, kwargs.get("model"))
+            cls._check(len(ranks), {**config, "data_parallel": options.data_parallel})
             if len(ranks) > 1 or per_device:
                 kwargs["dist"] = dp.rendezvous(cluster, ranks)
-        return super().launch(cluster, placement, **kwargs)
+        return super().launch(cluster, placement, options=options, **kwargs)
 
     @classmethod
     def _check(cls, world_size: int, kwargs: dict) -> None:
-        """The engine's ``check`` of ``kwargs`` (the role's arguments) for ``world_size`` ranks,
+        """The engine's ``check`` of ``kwargs`` (what the role's options give the engine's
+        ``check``: ``ActorOptions.engine_check``) for ``world_size`` ranks,
         and LoRA refused on an engine without it (:func:`.lora.check_lora`)."""
         engine = kwargs.get("engine", "torch")
         check_lora(engine, kwargs.get("lora"), cls.role)
