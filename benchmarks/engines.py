@@ -48,7 +48,7 @@ PAIRS = {
 def run_once(pair: str, python: str, args, run_dir: Path) -> list[dict]:
     """One workflow run; returns its GRPO step records (``metrics.jsonl``)."""
     cmd = [
-        python, "-m", "m2flow.cli", "run", str(ROOT / "workflows" / "grpo.py"),
+        python, "-m", "m2flow.run.cli", "run", str(ROOT / "workflows" / "grpo.py"),
         "-c", str(PRESET), f"task.name={args.task}", f"trainer.steps={args.steps}",
         "trainer.eval_every=100000", "trainer.save_every=100000", "task.heldout_size=2",
         f"cluster.devices_per_node={args.devices}", "actor.drop_flat_groups=false",

@@ -84,7 +84,7 @@ def run_ours(
     :func:`plan_modes.warm_start`) for ``warmup + steps`` more steps under ``plan`` (as
     ``m2flow run plan=...``; None: the default, temporal on every device); medians over the
     last ``steps``."""
-    from m2flow.workflow import run_workflow
+    from m2flow.run.workflow import run_workflow
 
     run_dir = Path(next(o for o in resumed if o.startswith("trainer.run_dir="))[16:])
     overrides = [

@@ -7,7 +7,7 @@ The planner only runs the plan it picks, so a pipelined plan it rejects is never
 ``S(rollout [0] | T(reward, actor) [1])`` (rollout on device 0; reward and actor time-sharing
 device 1) at each granularity ``m``, plus the planner's own pick. The prediction for each comes
 from the same profile and the same cost model the planner uses
-(:func:`m2flow.scheduler.cost.spatial_time` with the profile's 1-device times and per-chunk
+(:func:`m2flow.scheduler.plan.cost.spatial_time` with the profile's 1-device times and per-chunk
 overheads, plus ``step_overhead_s``). Every run resumes from one shared warm-started checkpoint
 and measures ``--steps`` steps after ``--skip``; the plans run round-robin, ``--repeats``
 times. Reported per plan: predicted and measured seconds per step (median of the steps pooled
@@ -23,11 +23,11 @@ import json
 import statistics
 from pathlib import Path
 
-from m2flow.scheduler.cost import spatial_time
+from m2flow.scheduler.plan.cost import spatial_time
 from plan_modes import ROOT, GiB, Runs, warm_start
 
-from m2flow.placement import Placement
-from m2flow.planning import load_profile, plan_from_profile
+from m2flow.core.placement import Placement
+from m2flow.run.planning import load_profile, plan_from_profile
 
 
 def _pipelined(prof, m: int) -> tuple[Placement, dict[str, float]]:

@@ -37,12 +37,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from m2flow.cluster import GiB
-from m2flow.config import ConfigError
-from m2flow.placement import Placement
-from m2flow.planning import load_profile, plan_from_profile, profile_to_file
-from m2flow.session import Session
-from m2flow.workflow import run_workflow
+from m2flow.core.cluster import GiB
+from m2flow.core.config import ConfigError
+from m2flow.core.placement import Placement
+from m2flow.run.planning import load_profile, plan_from_profile, profile_to_file
+from m2flow.run.session import Session
+from m2flow.run.workflow import run_workflow
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = str(ROOT / "workflows" / "grpo.py")  # --workflow

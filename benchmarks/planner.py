@@ -3,8 +3,8 @@
 clusters (16,384 and 65,536 devices by default).
 
 Both graphs come from the example profiles (``benchmarks/profiles/synthetic_chain3.yaml``,
-``benchmarks/profiles/ppo_4_1_1_1_1.yaml``), fitted once (:mod:`m2flow.scheduler.fit`); the
-timed call is :func:`m2flow.scheduler.planner.plan_workflow`, best of ``--repeats``:
+``benchmarks/profiles/ppo_4_1_1_1_1.yaml``), fitted once (:mod:`m2flow.scheduler.plan.fit`); the
+timed call is :func:`m2flow.scheduler.plan.planner.plan_workflow`, best of ``--repeats``:
 
 - ``auto``: the optimal plan (what ``m2flow run plan=auto`` computes);
 - ``all``: the optimal plan plus the runner-ups (``runner_ups=True``: the optimum of every
@@ -74,8 +74,8 @@ def use_scheduler(root: str | None):
         mod = importlib.util.module_from_spec(spec)
         sys.modules["m2flow.scheduler"] = mod
         spec.loader.exec_module(mod)
-    from m2flow.scheduler.planner import plan_workflow
-    from m2flow.scheduler.profile import load_profile, to_workflow
+    from m2flow.scheduler.plan.planner import plan_workflow
+    from m2flow.scheduler.plan.profile import load_profile, to_workflow
 
     return plan_workflow, load_profile, to_workflow
 

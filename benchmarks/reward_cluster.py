@@ -27,7 +27,7 @@ first rollouts staggered uniformly in ``[0, --window]`` = [0, 120] s (DistRS sec
 batches each.
 
 Reward (batch-out). Stage times are the paper's CUDA workload
-(:func:`m2flow.scheduler.reward_workload.cuda_batch`, the generator
+(:func:`m2flow.scheduler.reward.workload.cuda_batch`, the generator
 ``benchmarks/reward_service.py`` uses): ``compile`` on a CPU worker (~50 s, timeout 120 s),
 ``execute`` on a GPU worker (a few seconds, timeout 60 s), request states drifting with
 training progress ``0.3 + 0.02 * step`` (as ``cuda_tenants``); only its arrival offsets are
@@ -35,7 +35,7 @@ replaced by the rollout's finish times (record ``i`` goes to response ``i``: sta
 independent of response length). Delay bound ``D = --delay-bound`` (5 s), worker costs ``C =
 (1, 10)`` (CPU, GPU; they order Algorithm 1's search), no worker cold start.
 
-Arms (``m2flow.scheduler.reward_replay``; DistRS section 5):
+Arms (``m2flow.scheduler.reward.replay``; DistRS section 5):
 
 - *Shared*: one service, DistRS policy (Algorithm 2's estimate + Algorithm 1's search, EBF,
   timeout-aware check) at every batch arrival and completion, all six tenants' batches;
@@ -71,10 +71,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from m2flow.scheduler.reward_baselines import ZeroQueuePolicy, ideal_policy
-from m2flow.scheduler.reward_replay import ReplayResult, TenantTrace, replay
-from m2flow.scheduler.reward_scaling import DistRSPolicy
-from m2flow.scheduler.reward_workload import COSTS, RESOURCES, TIMEOUTS_S, cuda_batch
+from m2flow.scheduler.reward.baselines import ZeroQueuePolicy, ideal_policy
+from m2flow.scheduler.reward.replay import ReplayResult, TenantTrace, replay
+from m2flow.scheduler.reward.scaling import DistRSPolicy
+from m2flow.scheduler.reward.workload import COSTS, RESOURCES, TIMEOUTS_S, cuda_batch
 from m2flow.workers.rollout.emulated import ResponseLengths, throughput_preset
 from m2flow.workers.rollout.emulated_rollout import rollout_finish_times
 from rich.console import Console

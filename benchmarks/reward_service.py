@@ -1,6 +1,6 @@
 """Every experiment of DistRS section 6, replayed in simulated time on the paper's workload.
 
-The workload (:mod:`m2flow.scheduler.reward_workload`) is the CUDA reward service the paper
+The workload (:mod:`m2flow.scheduler.reward.workload`) is the CUDA reward service the paper
 evaluates: ``compile`` on a CPU worker (~50 s, timeout 120 s) then ``execute`` on a GPU worker (a
 few seconds, timeout 60 s), 2048 requests per batch, six tasks staggered within 120 s, colocated
 (idle gaps between batches) or disaggregated with one-step staleness (continuous rollout).
@@ -43,10 +43,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from m2flow.scheduler.reward_baselines import FixedPolicy, ZeroQueuePolicy, ideal_policy
-from m2flow.scheduler.reward_replay import TenantTrace, replay, replay_dedicated
-from m2flow.scheduler.reward_scaling import BatchView, DistRSPolicy
-from m2flow.scheduler.reward_workload import (
+from m2flow.scheduler.reward.baselines import FixedPolicy, ZeroQueuePolicy, ideal_policy
+from m2flow.scheduler.reward.replay import TenantTrace, replay, replay_dedicated
+from m2flow.scheduler.reward.scaling import BatchView, DistRSPolicy
+from m2flow.scheduler.reward.workload import (
     COSTS,
     RESOURCES,
     STAGES,

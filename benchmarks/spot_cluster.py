@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from m2flow.scheduler.spot_trace import generate_segment  # noqa: E402
+from m2flow.scheduler.spot.trace import generate_segment  # noqa: E402
 from m2flow.workers.rollout.emulated import ResponseLengths  # noqa: E402
 from spot_cluster_sim import (  # noqa: E402
     CAP,

@@ -6,8 +6,8 @@ RLBoost's pool with seeding off; real time on a shared machine is noisy (never o
 
 Every configuration runs the real spot pool: the rollout manager
 (``workers/rollout/spot/manager.py``, Algorithms 1 and 2), ``SpotInstance`` actors on spot
-nodes that are real ``ray start`` processes (``m2flow.spot.LocalSpotCluster``) joining and
-leaving as a trace of ``scheduler.spot_trace.generate_segment`` says, and emulated engines
+nodes that are real ``ray start`` processes (``m2flow.core.spot.LocalSpotCluster``) joining and
+leaving as a trace of ``scheduler.spot.trace.generate_segment`` says, and emulated engines
 (``workers/rollout/emulated.py``) on the instances and on the reserved cluster's rollout
 engines. What this script adds is the reserved 8xH100 cluster's side, emulated:
 
@@ -49,14 +49,14 @@ os.environ.setdefault("RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION", "0.05")
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
-from m2flow.scheduler.spot_plan import (  # noqa: E402
+from m2flow.scheduler.spot.plan import (  # noqa: E402
     Prices,
     SpotPool,
     expected_instances,
     plan_rollout,
     tail_term,
 )
-from m2flow.scheduler.spot_trace import generate_segment, instances_at  # noqa: E402
+from m2flow.scheduler.spot.trace import generate_segment, instances_at  # noqa: E402
 from m2flow.workers.rollout.emulated import (  # noqa: E402
     EmulatedEngine,
     ResponseLengths,
@@ -68,7 +68,7 @@ from m2flow.workers.rollout.spot.config import SpotPoolConfig  # noqa: E402
 from m2flow.workers.rollout.spot.manager import get_manager  # noqa: E402
 from m2flow.workers.rollout.spot.pool import seed as seed_loop  # noqa: E402
 
-from m2flow.spot import LocalSpotCluster  # noqa: E402
+from m2flow.core.spot import LocalSpotCluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "spot_cluster_live.json"
@@ -307,7 +307,7 @@ def run_config(local: LocalSpotCluster, cfg: Config, ts: float, seed: int,
         local.remove_spot(local.spot_nodes)
         # the next configuration's manager must not see these nodes as alive (GCS marks a
         # killed raylet dead only after missed heartbeats)
-        from m2flow.spot import alive_spot_nodes
+        from m2flow.core.spot import alive_spot_nodes
 
         deadline = time.monotonic() + 90
         while alive_spot_nodes() and time.monotonic() < deadline:
@@ -363,7 +363,7 @@ def step_tokens(seed: int, step: int) -> int:
 
 def plan_for(model: str, segment: str, seed: int, reserved_nodes: int, block: int,
              max_batch: int, steps: range, n_bar: float | None = None) -> dict:  # fmt: skip
-    """scheduler.spot_plan's choice from the emulator's own model: ``R`` and one instance's
+    """scheduler.spot.plan's choice from the emulator's own model: ``R`` and one instance's
     items/s from the offline engine model, ``t_train`` from :class:`TrainModel`, the expected
     instances from the segment's trace (or ``n_bar``), the paper's prices."""
     preset = throughput_preset(model)

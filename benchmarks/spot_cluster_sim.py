@@ -9,12 +9,12 @@ No Ray and no sleeping: an event heap advances a clock. What is the project's ow
   does not fit waits and loses its cache);
 - response lengths: :class:`~m2flow.workers.rollout.emulated.ResponseLengths` (keyed by
   ``(seed, step, prompt, sample)``: the same response has the same length in every system);
-- Algorithm 1: :class:`~m2flow.scheduler.spot_seeding.SeedingPolicy` (``T_seed``, ``N_prem``,
+- Algorithm 1: :class:`~m2flow.scheduler.spot.seeding.SeedingPolicy` (``T_seed``, ``N_prem``,
   memory) fed the step's measured waits and compute times;
-- Algorithm 2: :func:`~m2flow.scheduler.spot_balance.select_instance` (JSQ with Θ, delayed
-  dispatch) and :func:`~m2flow.scheduler.spot_balance.rebalance` (continuous rebalancing;
+- Algorithm 2: :func:`~m2flow.scheduler.spot.balance.select_instance` (JSQ with Θ, delayed
+  dispatch) and :func:`~m2flow.scheduler.spot.balance.rebalance` (continuous rebalancing;
   executing moves go to ``Move.dst``);
-- availability: :func:`~m2flow.scheduler.spot_trace.generate_segment` (Table 5's segments).
+- availability: :func:`~m2flow.scheduler.spot.trace.generate_segment` (Table 5's segments).
 
 What this module models (the manager's mechanisms, as the paper describes them): the step
 (seeding window on the reserved engines, then dynamic micro-batch training of finished GRPO
@@ -45,8 +45,8 @@ from collections import deque
 from pathlib import Path
 
 import numpy as np
-from m2flow.scheduler.spot_balance import rebalance, select_instance
-from m2flow.scheduler.spot_seeding import SeedingPolicy, StepStats
+from m2flow.scheduler.spot.balance import rebalance, select_instance
+from m2flow.scheduler.spot.seeding import SeedingPolicy, StepStats
 from m2flow.workers.rollout.emulated import throughput_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

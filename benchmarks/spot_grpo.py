@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from plan_modes import warm_start  # noqa: E402
 
-from m2flow.workflow import run_workflow  # noqa: E402
+from m2flow.run.workflow import run_workflow  # noqa: E402
 
 GRPO = str(ROOT / "workflows" / "grpo.py")
 PATTERN = [2, 1, 2, 0, 1, 2]  # spot instances available, one entry per trace period

@@ -1,7 +1,7 @@
 """What a mid-rollout preemption costs: token-level migration against recomputing the lost
 responses (RLBoost section 4.2; the paper reports -33 % early and -76 % mid).
 
-Setup: a local cluster (``m2flow.spot.LocalSpotCluster``) with the reserved head node and two
+Setup: a local cluster (``m2flow.core.spot.LocalSpotCluster``) with the reserved head node and two
 spot nodes, a rollout rank with the spot pool on (no seeding: the step's rollout is on the two
 spot instances), fixed-length responses (``min_new_tokens = max_new_tokens``) so every step has
 the same work. Each measured step is one of:
@@ -44,8 +44,8 @@ from m2flow.workers.rollout.worker import RolloutWorker  # noqa: E402
 from m2flow.workers.tasks import TaskDataset  # noqa: E402
 
 from m2flow import Channel, sync_weights  # noqa: E402
-from m2flow.cluster import NAMESPACE, VIRTUAL_DEVICE_RESOURCE, Cluster  # noqa: E402
-from m2flow.spot import LocalSpotCluster  # noqa: E402
+from m2flow.core.cluster import NAMESPACE, VIRTUAL_DEVICE_RESOURCE, Cluster  # noqa: E402
+from m2flow.core.spot import LocalSpotCluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

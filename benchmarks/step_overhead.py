@@ -16,7 +16,7 @@ sync's two calls included. On one device the device lock runs the groups one at
 a time, so the sum of their busy times is the step's critical path of group work, and the rest
 is what no group accounts for: the driver's own work (prompts, dispatch, waits, logging) and
 the runtime's hand-offs between groups (channel round trips, lock grants, end-of-step markers,
-call returns). The profiler's ``step_overhead_s`` (:mod:`m2flow.profiler`) is the same
+call returns). The profiler's ``step_overhead_s`` (:mod:`m2flow.run.profiler`) is the same
 quantity less the groups' switch costs (zero here: virtual devices do not offload).
 
 Every run resumes from one shared warm-started checkpoint (warm-started once, here, with the
@@ -54,7 +54,7 @@ COMMON = [
 def _child(args) -> None:
     """In a fresh process: one run; writes its per-step records as JSON to ``args.result``."""
     import m2flow
-    from m2flow.workflow import run_workflow
+    from m2flow.run.workflow import run_workflow
 
     overrides = json.loads(args.overrides)
     t0 = time.time()

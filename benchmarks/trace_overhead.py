@@ -47,7 +47,7 @@ WORKFLOWS = {
 
 
 def one_run(workflow: str, overrides: list[str], steps: int, traced: bool, run_dir: Path):
-    from m2flow.workflow import run_workflow
+    from m2flow.run.workflow import run_workflow
 
     os.environ["M2FLOW_TRACE"] = "1" if traced else "0"
     session = run_workflow(
@@ -64,7 +64,7 @@ def worker_cost_per_event(n: int = 2000, repeats: int = 9) -> float:
     decide it)."""
     import pickle
 
-    from m2flow import events
+    from m2flow.core import events
 
     events.enable(True)
     per = []

@@ -40,7 +40,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from m2flow import Cluster, Worker, group_method, sync_weights  # noqa: E402
-from m2flow.weight_transport import BUCKET_BYTES  # noqa: E402
+from m2flow.core.weight_transport import BUCKET_BYTES  # noqa: E402
 
 # ~98M parameters: Qwen2 layout (GQA, biased q/k/v, SwiGLU MLP, untied lm_head off).
 FULL = {"vocab": 32000, "hidden": 768, "intermediate": 2048, "layers": 12, "heads": 12, "kv": 2}

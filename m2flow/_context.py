@@ -4,10 +4,10 @@ Names a module needs to find the run's actors (:data:`NAMESPACE`, :data:`LOCK_SE
 :func:`here`, :func:`wait_name_free`) and what this process hosts (:func:`current_worker`, set
 once by the worker; :func:`current_session`, set by ``with Session(...)``). They live here,
 below every other runtime module and importing none, so that the runtime's import graph has no
-loop: a channel or a lock asks "which worker am I" here, not of :mod:`m2flow.worker`, which
-imports them. The public paths stay: ``m2flow.cluster.NAMESPACE``,
-``m2flow.lock.LOCK_SERVICE_NAME``, ``m2flow.worker.current_worker``,
-``m2flow.session.current_session``, ``m2flow.spot.here``.
+loop: a channel or a lock asks "which worker am I" here, not of :mod:`m2flow.core.worker`, which
+imports them. The public paths stay: ``m2flow.core.cluster.NAMESPACE``,
+``m2flow.core.lock.LOCK_SERVICE_NAME``, ``m2flow.core.worker.current_worker``,
+``m2flow.run.session.current_session``, ``m2flow.core.spot.here``.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 NAMESPACE = "m2flow"  # the Ray namespace of every named actor of a run
 LOCK_SERVICE_NAME = "m2flow:locks"  # the run's LockService (device locks and death records)
 
-_worker: Any = None  # the m2flow.worker.Worker this process hosts, if any
-_session: Any = None  # the open m2flow.session.Session, if any
+_worker: Any = None  # the m2flow.core.worker.Worker this process hosts, if any
+_session: Any = None  # the open m2flow.run.session.Session, if any
 _session_guard = threading.Lock()
 
 
 def current_worker():
-    """The :class:`~m2flow.worker.Worker` this process hosts, or ``None`` in the driver."""
+    """The :class:`~m2flow.core.worker.Worker` this process hosts, or ``None`` in the driver."""
     return _worker
 
 
@@ -35,7 +35,7 @@ def set_current_worker(worker) -> None:
 
 
 def current_session():
-    """The open :class:`~m2flow.session.Session` of this process, if any."""
+    """The open :class:`~m2flow.run.session.Session` of this process, if any."""
     return _session
 
 

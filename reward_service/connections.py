@@ -38,7 +38,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from m2flow.config import ConfigError
+from m2flow.core.config import ConfigError
 
 #: descriptors kept for everything but connections (listening socket, event loop, journal,
 #: logs, imports) ...

@@ -10,7 +10,7 @@ ends with exactly one result: nothing is dropped or left pending (a crashed work
 ``error`` result with the penalty).
 
 Scaling (DistRS section 5.2): at each batch announcement and completion the policy
-(:class:`~m2flow.scheduler.reward_scaling.DistRSPolicy`, Algorithm 2 + 1) sets the worker count
+(:class:`~m2flow.scheduler.reward.scaling.DistRSPolicy`, Algorithm 2 + 1) sets the worker count
 of every stage of the pipeline from the active batches and their tasks' histories. Scale-up
 starts processes right away, so announcing a batch before its first response is ready hides
 their start-up (cold start). Scale-down stops idle workers at once and busy ones when their
@@ -41,9 +41,9 @@ import heapq
 import time
 import uuid
 
-from m2flow.scheduler.reward_sim import RequestRecord, ebf_priority
+from m2flow.scheduler.reward.sim import RequestRecord, ebf_priority
 
-from m2flow.config import ConfigError
+from m2flow.core.config import ConfigError
 
 from .budget import QueueBudget, payload_bytes
 from .journal import ResultJournal

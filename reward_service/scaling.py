@@ -1,7 +1,7 @@
 """The scaling half of the reward service engine (DistRS section 5.2).
 
 At each batch announcement and completion, :meth:`Scaling.rescale` schedules a decision of
-every stage's worker count (:class:`~m2flow.scheduler.reward_scaling.DistRSPolicy`,
+every stage's worker count (:class:`~m2flow.scheduler.reward.scaling.DistRSPolicy`,
 Algorithm 2 + 1) from the active batches and their tasks' histories; the floor (>= 1 worker
 per stage while a batch is active) is applied at once. One decision runs at a time per
 pipeline, outside the event loop, on a snapshot of the state; events that arrive meanwhile
@@ -15,7 +15,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from m2flow.scheduler.reward_scaling import BatchView, DistRSPolicy
+from m2flow.scheduler.reward.scaling import BatchView, DistRSPolicy
 
 if TYPE_CHECKING:
     from .pools import Pool

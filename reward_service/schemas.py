@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from m2flow.config import ConfigError
+from m2flow.core.config import ConfigError
 
 from .pipelines import PIPELINES, check_options
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 
-from m2flow.config import ConfigError
+from m2flow.core.config import ConfigError
 
 
 def bearer(value: str | bytes | None) -> str | None:

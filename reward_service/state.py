@@ -7,7 +7,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from m2flow.scheduler.reward_sim import RequestRecord
+from m2flow.scheduler.reward.sim import RequestRecord
 
 
 class ServiceError(Exception):

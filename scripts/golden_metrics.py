@@ -1,7 +1,7 @@
 """Golden metrics: short deterministic workflow runs whose every logged number must stay the same
 across a refactor (issue 31: "the golden metrics ... byte-identical before and after each move").
 
-Each case runs a built-in workflow through :func:`m2flow.workflow.run_workflow` in a temporary
+Each case runs a built-in workflow through :func:`m2flow.run.workflow.run_workflow` in a temporary
 run directory, on one virtual device with one torch thread per worker (so no rank races for
 prompts and no thread count changes a reduction), and keeps every step's record of its
 ``metrics.jsonl`` minus wall-clock fields (``time``, ``*_s``, ``tokens_per_s``, ``seconds``,
@@ -153,7 +153,7 @@ def records(run_dir: Path) -> list[dict]:
 
 def run_case(name: str, scratch: Path) -> list[dict]:
     """Run case ``name`` in a fresh run directory under ``scratch``; its records."""
-    from m2flow.workflow import run_workflow
+    from m2flow.run.workflow import run_workflow
 
     workflow, files, overrides = CASES[name]
     for attempt in range(6):  # a loaded machine can time Ray's start-up out: start again

@@ -66,7 +66,7 @@ step() {
   tail -n 3 "$OUT/$name.log" | sed 's/^/   | /'
 }
 
-run() { "$PY" -m m2flow.cli run "$@"; }
+run() { "$PY" -m m2flow.run.cli run "$@"; }
 
 step gpu_tests 150 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu.py
 step grpo 120 run workflows/grpo.py trainer.steps=150 trainer.eval_every=50 \

@@ -34,7 +34,7 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 
 def on_page_content(html: str, page, config, files) -> str:
-    """Docstrings name objects with Sphinx roles (``:class:`~m2flow.group.WorkerGroup```);
+    """Docstrings name objects with Sphinx roles (``:class:`~m2flow.core.group.WorkerGroup```);
     show them as code, the ``~`` form by its last name, as Sphinx would."""
 
     def code(m: re.Match) -> str:
@@ -61,7 +61,7 @@ def cli_reference() -> str:
     from typer.main import get_command
     from typer.testing import CliRunner
 
-    from m2flow.cli import app
+    from m2flow.run.cli import app
 
     runner = CliRunner()
     group = get_command(app)
@@ -87,7 +87,7 @@ def config_reference(workflow: str) -> str:
     """A table per top-level section of ``workflow``'s config: key, default, meaning."""
     from omegaconf import OmegaConf
 
-    from m2flow.program import load_workflow, resolve_workflow
+    from m2flow.run.program import load_workflow, resolve_workflow
 
     module = load_workflow(resolve_workflow(workflow))
     defaults = OmegaConf.to_container(OmegaConf.structured(module.Config), resolve=True)

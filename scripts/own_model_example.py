@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> Path:
     from m2flow.workers.llm import build_model, build_tokenizer, save_checkpoint, tokenizer_spec
     from m2flow.workers.recipe import rollout_section, warm_start_args
 
-    from m2flow.recipe import plain
-    from m2flow.workflow import prepare
+    from m2flow.run.recipe import plain
+    from m2flow.run.workflow import prepare
 
     # The main job's own configuration: its task, model shape, warm start and seed.
     with tempfile.TemporaryDirectory() as tmp:

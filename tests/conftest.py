@@ -92,7 +92,7 @@ def cluster(request):
     import ray
 
     import m2flow
-    import m2flow.channel
+    import m2flow.core.channel
 
     if ray.is_initialized():  # a session leaked by an earlier module: start clean
         ray.shutdown()
@@ -104,8 +104,8 @@ def cluster(request):
     try:
         yield c
     finally:
-        c.shutdown()  # also forgets this session's channels (m2flow.channel registry)
-        assert not m2flow.channel.created_channels()
+        c.shutdown()  # also forgets this session's channels (m2flow.core.channel registry)
+        assert not m2flow.core.channel.created_channels()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 

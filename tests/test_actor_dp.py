@@ -174,7 +174,7 @@ def test_nonfinite_advantage_stops_or_skips_the_step(cluster):
     the step's update is dropped (weights unchanged) and counted, and the next step trains.
     Data parallel too: the ranks skip together (a rank that got only finite chunks must not
     step alone)."""
-    from m2flow.group import WorkerError
+    from m2flow.core.group import WorkerError
 
     chunks = _chunks()
     bad = [chunks[0], *chunks[1:]]

@@ -1,11 +1,11 @@
-"""Channel balance policies (scheduler/balance.py), pure: which consumer is served first
+"""Channel balance policies (scheduler/runtime/balance.py), pure: which consumer is served first
 (serve_order), how many items FIFO takes (fifo_count), and the item-choosing policies."""
 
 from __future__ import annotations
 
 import itertools
 
-from m2flow.scheduler.balance import (
+from m2flow.scheduler.runtime.balance import (
     QueuedItem,
     all_queued,
     fifo,

@@ -7,11 +7,11 @@ import time
 
 import pytest
 from helpers import wait_until
-from m2flow.scheduler.balance import QueuedItem, largest_first
+from m2flow.scheduler.runtime.balance import QueuedItem, largest_first
 
 from m2flow import Channel, Worker, WorkerError, group_method
-from m2flow.channel import _needs_object_store
-from m2flow.trace import Edge, workflow_graph
+from m2flow.core.channel import _needs_object_store
+from m2flow.run.trace import Edge, workflow_graph
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ import ray
 from helpers import EventLog, wait_until
 
 from m2flow import Channel, Worker, WorkerError, group_method
-from m2flow.channel_codec import pack, unpack
+from m2flow.core.channel_codec import pack, unpack
 
 pytestmark = pytest.mark.e2e
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from checkout_guard import CHECKOUT, CHECKOUT_RUNS, CheckoutGuard
 
-from m2flow.recipe import Checkpoints
-from m2flow.workflow import prepare
+from m2flow.run.recipe import Checkpoints
+from m2flow.run.workflow import prepare
 
 WORKFLOWS = {name: CHECKOUT / "workflows" / f"{name}.py" for name in ("grpo", "ppo", "embodied")}
 #: the tests that failed on README's test command after the main job (6 of 658; test_ppo's after

@@ -10,7 +10,7 @@ import torch
 from m2flow.workers.chunk import RolloutChunk
 from tensordict import TensorDict
 
-from m2flow.channel_codec import needs_object_store, pack, unpack
+from m2flow.core.channel_codec import needs_object_store, pack, unpack
 
 
 def _chunk(version: int = 3) -> RolloutChunk:

@@ -26,7 +26,7 @@ def m2flow(*args: str, cwd: Path | None = None, timeout: float = 120) -> tuple[i
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="m2flow-cli-test-") as tmp:
         proc = subprocess.run(
-            [sys.executable, "-m", "m2flow.cli", *args],
+            [sys.executable, "-m", "m2flow.run.cli", *args],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -192,7 +192,7 @@ def test_layers_import_only_downwards():
             if n.split(".")[0] in ("ray", "torch", "m2flow") and not n.startswith("m2flow.sch")
         ]
         assert not bad, f"scheduler/{f.name} imports {bad}"
-    code = "import sys, m2flow.cli; sys.exit('torch' in sys.modules or 'ray' in sys.modules)"
+    code = "import sys, m2flow.run.cli; sys.exit('torch' in sys.modules or 'ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -298,7 +298,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from m2flow.recipe import ClusterConfig, validate_cluster
+from m2flow.run.recipe import ClusterConfig, validate_cluster
 
 Path(os.environ["M2FLOW_TEST_MARK"]).write_text("imported")
 
@@ -318,7 +318,7 @@ def main(cfg):
 
 CHECK = """
 import sys
-from m2flow.cli import app
+from m2flow.run.cli import app
 try:
     app(sys.argv[1:])
 except SystemExit as e:

@@ -1,5 +1,5 @@
 """A collapsed cycle split across devices: the cost model of
-:mod:`m2flow.scheduler.cycle` on hand-computed cases, its validation, the exact split search,
+:mod:`m2flow.scheduler.plan.cycle` on hand-computed cases, its validation, the exact split search,
 the planner's choice between time-sharing and splitting, plan documents and timelines, the
 profile's ``cycles:`` and the placement's ``sub_batches``. (Brute-force agreement with a
 splittable cycle: ``tests/test_planner.py``.)"""
@@ -11,10 +11,9 @@ import math
 import numpy as np
 import pytest
 import yaml
-from m2flow.scheduler.cost import INF
-from m2flow.scheduler.cycle import CycleCost, CycleError, split_table
-from m2flow.scheduler.plan import Plan
-from m2flow.scheduler.planner import (
+from m2flow.scheduler.plan.cost import INF
+from m2flow.scheduler.plan.cycle import CycleCost, CycleError, split_table
+from m2flow.scheduler.plan.planner import (
     Component,
     CycleSplit,
     Leaf,
@@ -22,11 +21,12 @@ from m2flow.scheduler.planner import (
     Workflow,
     plan_workflow,
 )
-from m2flow.scheduler.profile import ProfileError, profile_from_dict, to_workflow
-from m2flow.scheduler.search import split_min
-from m2flow.scheduler.timeline import step_timeline
+from m2flow.scheduler.plan.profile import ProfileError, profile_from_dict, to_workflow
+from m2flow.scheduler.plan.search import split_min
+from m2flow.scheduler.plan.timeline import step_timeline
+from m2flow.scheduler.plan.tree import Plan
 
-from m2flow.placement import Placement, from_plan
+from m2flow.core.placement import Placement, from_plan
 
 
 def test_shared_time_adds_the_hand_offs():
@@ -333,7 +333,7 @@ def test_measured_embodied_profile_splits_the_cycle():
     faster than time-sharing; on 1 device it cannot split."""
     from pathlib import Path
 
-    from m2flow.scheduler.profile import load_profile
+    from m2flow.scheduler.plan.profile import load_profile
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "profiles" / "embodied_3dev.yaml"
     prof = load_profile(path)

@@ -20,9 +20,9 @@ from m2flow.workers.data.splits import run_data
 from m2flow.workers.llm import build_char_tokenizer, build_qwen2_tokenizer
 from m2flow.workers.tasks import TaskDataset
 
-from m2flow.config import ConfigError
-from m2flow.recipe import Checkpoints
-from m2flow.workflow import prepare
+from m2flow.core.config import ConfigError
+from m2flow.run.recipe import Checkpoints
+from m2flow.run.workflow import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "workflows" / "grpo.py"

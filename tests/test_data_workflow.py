@@ -24,9 +24,9 @@ from safetensors.torch import load_file
 from test_workflow import ALPHABET, COMPARED, ROUNDED, TINY_MODEL, TINY_RUN, TOKENIZER, _records
 
 from m2flow import Channel, Fanout
-from m2flow.group import WorkerError
-from m2flow.recipe import Checkpoints
-from m2flow.workflow import run_workflow
+from m2flow.core.group import WorkerError
+from m2flow.run.recipe import Checkpoints
+from m2flow.run.workflow import run_workflow
 
 pytestmark = pytest.mark.e2e
 

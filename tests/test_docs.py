@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from m2flow.workflow import load_workflow, resolve_workflow, run_workflow
+from m2flow.run.workflow import load_workflow, resolve_workflow, run_workflow
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "docs" / "examples" / "squares.py"

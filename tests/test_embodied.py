@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from m2flow.scheduler.planner import Component, Workflow, condense
+from m2flow.scheduler.plan.planner import Component, Workflow, condense
 from m2flow.workers.embodied.policy import ActorCritic
 
-from m2flow.config import ConfigError
-from m2flow.placement import Placement
-from m2flow.trace import workflow_graph
-from m2flow.workflow import prepare, run_workflow
+from m2flow.core.config import ConfigError
+from m2flow.core.placement import Placement
+from m2flow.run.trace import workflow_graph
+from m2flow.run.workflow import prepare, run_workflow
 
 pytestmark = pytest.mark.e2e
 
@@ -115,7 +115,7 @@ def test_resumed_run_matches_an_uninterrupted_one(cluster, tmp_path):
 
 
 def test_bad_environment_is_a_clear_error(cluster, tmp_path):
-    from m2flow.group import WorkerError
+    from m2flow.core.group import WorkerError
 
     with pytest.raises(WorkerError, match="actions must be Discrete"):
         run_workflow(EMBODIED, ["env.id=Pendulum-v1", f"trainer.run_dir={tmp_path}"])

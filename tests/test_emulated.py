@@ -34,8 +34,8 @@ from m2flow.workers.rollout.worker import RolloutWorker
 from test_spot import metrics, pool_step
 
 from m2flow import sync_weights
-from m2flow.cluster import NAMESPACE, VIRTUAL_DEVICE_RESOURCE, Cluster
-from m2flow.spot import LocalSpotCluster
+from m2flow.core.cluster import NAMESPACE, VIRTUAL_DEVICE_RESOURCE, Cluster
+from m2flow.core.spot import LocalSpotCluster
 
 EOS, FILL = 2, 7
 

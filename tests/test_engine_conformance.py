@@ -24,8 +24,8 @@ from m2flow.workers.rollout.engines import build_rollout_engine
 from m2flow.workers.rollout.exact import GenRequest
 from tensordict import TensorDict
 
-from m2flow.config import ConfigError
-from m2flow.workflow import prepare
+from m2flow.core.config import ConfigError
+from m2flow.run.workflow import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 GRPO = ROOT / "workflows" / "grpo.py"

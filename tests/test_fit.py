@@ -1,4 +1,4 @@
-"""Fits of time/memory over device counts (scheduler/fit.py): recovery, extrapolation, choice,
+"""Fits of time/memory over device counts (scheduler/plan/fit.py): recovery, extrapolation, choice,
 the 1- and 2-point rules, non-negative predictions, bad input."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from m2flow.scheduler.fit import fit, fit_scaling
+from m2flow.scheduler.plan.fit import fit, fit_scaling
 
 NS = (1, 2, 4, 8, 16)
 

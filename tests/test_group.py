@@ -317,7 +317,7 @@ def test_invalid_placement(cluster):
 
 def test_not_a_worker_class(cluster):
     with pytest.raises(TypeError):
-        m2flow.group.launch(dict, cluster, [0])
+        m2flow.core.group.launch(dict, cluster, [0])
 
 
 def test_duplicate_group_name(cluster, echo):

@@ -54,32 +54,37 @@ def plant(root: Path, path: str, code: str) -> None:
 # (file, planted code, a line the broken contract's report must hold)
 PLANTS = {
     "planner imports the runtime": (
-        "scheduler/cost.py",
-        "from m2flow.cluster import GiB  # noqa",
-        "m2flow.scheduler is not allowed to import m2flow.cluster",
+        "scheduler/plan/cost.py",
+        "from m2flow.core.cluster import GiB  # noqa",
+        "m2flow.scheduler is not allowed to import m2flow.core:",
     ),
     "runtime imports a worker": (
-        "m2flow/channel_codec.py",
+        "m2flow/core/channel_codec.py",
         "def f():\n    import m2flow.workers.batch  # noqa",
-        "m2flow.channel_codec is not allowed to import m2flow.workers",
+        "m2flow.core is not allowed to import m2flow.workers: - m2flow.core.channel_codec",
     ),
     "core imports the run layer": (
-        "m2flow/group.py",
-        "def f():\n    from m2flow.workflow import run_workflow  # noqa",
-        "m2flow.group is not allowed to import m2flow.workflow",
+        "m2flow/core/group.py",
+        "def f():\n    from m2flow.run.workflow import run_workflow  # noqa",
+        "m2flow.core is not allowed to import m2flow.run: - m2flow.core.group",
     ),
     "process context imports the core": (
         "m2flow/_context.py",
-        "def f():\n    from m2flow.worker import Worker  # noqa",
-        "m2flow._context is not allowed to import m2flow.worker",
+        "def f():\n    from m2flow.core.worker import Worker  # noqa",
+        "m2flow._context is not allowed to import m2flow.core: - m2flow._context -> m2flow.core.worker",
     ),
     "loop inside the core": (
-        "m2flow/liveness.py",
-        "def f():\n    from m2flow.lock import get_lock_service  # noqa",
+        "m2flow/core/liveness.py",
+        "def f():\n    from m2flow.core.lock import get_lock_service  # noqa",
         "No cycles are allowed in m2flow.",
     ),
+    "loop between the planner's subpackages": (
+        "scheduler/spot/plan.py",
+        "def f():\n    from m2flow.scheduler.plan.profile import load_profile  # noqa",
+        "No cycles are allowed in m2flow.scheduler.",
+    ),
     "planner imports torch": (
-        "scheduler/cost.py",
+        "scheduler/plan/cost.py",
         "import torch  # noqa",
         "m2flow.scheduler is not allowed to import torch",
     ),
@@ -105,8 +110,8 @@ PLANTS = {
     ),
     "the reward service imports the runtime": (
         "reward_service/app.py",
-        "def f():\n    from m2flow.channel import Channel  # noqa",
-        "m2flow.reward_service is not allowed to import m2flow.channel",
+        "def f():\n    from m2flow.core.channel import Channel  # noqa",
+        "m2flow.reward_service is not allowed to import m2flow.core:",
     ),
     "a worker imports the reward service's server": (
         "workers/reward/worker.py",

@@ -177,7 +177,7 @@ def test_cli_killed_actor_one_paragraph_exit_1_and_resume(tmp_path):
     """SIGKILL the GRPO actor mid-run (as the kernel OOM killer would): exit 1 with one
     paragraph; the last checkpoint is complete and ``--resume`` finishes the run."""
     run_dir = tmp_path / "grpo"
-    cmd = [sys.executable, "-m", "m2flow.cli", "run", str(GRPO), *TINY,
+    cmd = [sys.executable, "-m", "m2flow.run.cli", "run", str(GRPO), *TINY,
            f"trainer.run_dir={run_dir}"]  # fmt: skip
     proc = subprocess.Popen(
         [*cmd, "trainer.steps=200"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -213,7 +213,7 @@ def test_cli_failure_says_resume_only_when_a_checkpoint_exists(tmp_path):
     over (not "continue with --resume"); one that raises at step 3 names the checkpoint of
     step 2, which --resume continues from."""
     run_dir = tmp_path / "fails"
-    cmd = [sys.executable, "-m", "m2flow.cli", "run", str(MEMHOG), f"trainer.run_dir={run_dir}"]
+    cmd = [sys.executable, "-m", "m2flow.run.cli", "run", str(MEMHOG), f"trainer.run_dir={run_dir}"]
     early = subprocess.run([*cmd, "fail_at_step=1"], capture_output=True, text=True, timeout=300)
     out = early.stdout + early.stderr
     assert early.returncode == 1 and "counter-broke-at-step-1" in out, out
@@ -242,7 +242,7 @@ def test_cli_out_of_memory_one_paragraph_exit_1_and_resume(tmp_path):
     threshold = min(0.95, (total - available + margin) / total)
     env = _env(RAY_memory_usage_threshold=f"{threshold:.4f}", RAY_memory_monitor_refresh_ms="100")
     run_dir = tmp_path / "memhog"
-    cmd = [sys.executable, "-m", "m2flow.cli", "run", str(MEMHOG), f"trainer.run_dir={run_dir}"]
+    cmd = [sys.executable, "-m", "m2flow.run.cli", "run", str(MEMHOG), f"trainer.run_dir={run_dir}"]
     hog = subprocess.run(
         [*cmd, "hog_at_step=3"], capture_output=True, text=True, timeout=300, env=env
     )

@@ -1,10 +1,10 @@
-"""Device-lock grant order (scheduler/lock_order.py), by hand-checkable cases: priority and
+"""Device-lock grant order (scheduler/runtime/lock_order.py), by hand-checkable cases: priority and
 arrival (rule 1), producers before their consumers (rule 2, also transitively and around
 cycles), no starvation of a multi-device request (rule 3), held devices."""
 
 from __future__ import annotations
 
-from m2flow.scheduler.lock_order import LockRequest, grants, reaches, upstream_first
+from m2flow.scheduler.runtime.lock_order import LockRequest, grants, reaches, upstream_first
 
 
 def req(group: str, devices=(0,), priority: int = 0, seq: int = 0) -> LockRequest:

@@ -190,7 +190,7 @@ def test_grpo_smoke_with_lora_saves_a_peft_adapter_and_exports_merged(cluster, t
     whose logits equal the adapted model's."""
     from peft import PeftModel
 
-    from m2flow.workflow import run_workflow
+    from m2flow.run.workflow import run_workflow
 
     run_dir = tmp_path / "run"
     overrides = ["actor.lora.rank=4", "trainer.steps=2", f"trainer.run_dir={run_dir}",
@@ -202,7 +202,7 @@ def test_grpo_smoke_with_lora_saves_a_peft_adapter_and_exports_merged(cluster, t
     assert adapted.peft_config["default"].r == 4
     out = tmp_path / "merged"
     proc = subprocess.run(
-        [sys.executable, "-m", "m2flow.cli", "export-merged", str(run_dir), str(out)],
+        [sys.executable, "-m", "m2flow.run.cli", "export-merged", str(run_dir), str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -216,7 +216,7 @@ def test_grpo_smoke_with_lora_saves_a_peft_adapter_and_exports_merged(cluster, t
     with torch.no_grad():
         assert (plain(ids).logits - want).abs().max() > 1e-6  # the adapter changed the model
     again = subprocess.run(
-        [sys.executable, "-m", "m2flow.cli", "export-merged", str(run_dir), str(out)],
+        [sys.executable, "-m", "m2flow.run.cli", "export-merged", str(run_dir), str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert again.returncode == 2 and "exists and is not empty" in again.stderr

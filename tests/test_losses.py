@@ -186,7 +186,7 @@ def test_nonfinite_key_is_validated_before_anything_starts(tmp_path):
              ("actor.loss=ppg", "actor.loss=ppg: pick one of grpo, gspo")]  # fmt: skip
     for override, said in cases:
         res = subprocess.run(
-            [sys.executable, "-m", "m2flow.cli", "run", str(ROOT / "workflows" / "grpo.py"),
+            [sys.executable, "-m", "m2flow.run.cli", "run", str(ROOT / "workflows" / "grpo.py"),
              override, f"trainer.run_dir={tmp_path / 'run'}"],
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip

@@ -41,9 +41,9 @@ from m2flow.workers.engines.value_model import ValueModel  # noqa: E402
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer  # noqa: E402
 from test_ppo import PPO, TINY_MODEL, TINY_RUN, _records  # noqa: E402
 
-from m2flow.config import ConfigError  # noqa: E402
-from m2flow.placement import Placement  # noqa: E402
-from m2flow.workflow import prepare, run_workflow  # noqa: E402
+from m2flow.core.config import ConfigError  # noqa: E402
+from m2flow.core.placement import Placement  # noqa: E402
+from m2flow.run.workflow import prepare, run_workflow  # noqa: E402
 
 pytestmark = [
     pytest.mark.e2e,

@@ -39,9 +39,9 @@ from megatron_probes import ProbedRollout, ShardedActor  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_workflow import ALPHABET, GRPO, ROOT, TINY_MODEL, TINY_RUN, TOKENIZER, _records  # noqa: E402
 
-from m2flow.config import ConfigError  # noqa: E402
-from m2flow.placement import Placement  # noqa: E402
-from m2flow.workflow import prepare, run_workflow  # noqa: E402
+from m2flow.core.config import ConfigError  # noqa: E402
+from m2flow.core.placement import Placement  # noqa: E402
+from m2flow.run.workflow import prepare, run_workflow  # noqa: E402
 
 pytestmark = [
     pytest.mark.e2e,

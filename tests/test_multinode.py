@@ -13,11 +13,11 @@ import ray
 
 import m2flow
 from m2flow import Worker, group_method
-from m2flow.cluster import VIRTUAL_DEVICE_RESOURCE
+from m2flow.core.cluster import VIRTUAL_DEVICE_RESOURCE
 
 pytestmark = pytest.mark.e2e
 
-# Same loopback address as the embedded m2flow session (see m2flow.cluster._LOOPBACK).
+# Same loopback address as the embedded m2flow session (see m2flow.core.cluster._LOOPBACK).
 NODE_IP = "127.0.0.2"
 
 

@@ -1,15 +1,15 @@
-"""Placement from a plan (m2flow/placement.py): each group gets only the devices its leaf uses,
+"""Placement from a plan (m2flow/core/placement.py): each group gets only the devices its leaf uses,
 idle devices stay out of every group, and plan files keep that."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from m2flow.scheduler.planner import Component, Workflow, plan_workflow
-from m2flow.scheduler.profile import load_profile
+from m2flow.scheduler.plan.planner import Component, Workflow, plan_workflow
+from m2flow.scheduler.plan.profile import load_profile
 
-from m2flow.placement import Placement, from_plan
-from m2flow.planning import plan_from_profile
+from m2flow.core.placement import Placement, from_plan
+from m2flow.run.planning import plan_from_profile
 
 
 def _slow_chain():

@@ -1,4 +1,4 @@
-"""``m2flow plan PROFILE.yaml`` (m2flow/plan_cli.py) on a Typer app of its own: the printed
+"""``m2flow plan PROFILE.yaml`` (m2flow/run/plan_cli.py) on a Typer app of its own: the printed
 tree/table/runner-ups, --json, --gantt, --nodes, and exit code 2 with one line on bad input."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from m2flow.placement import Placement
-from m2flow.plan_cli import register
+from m2flow.core.placement import Placement
+from m2flow.run.plan_cli import register
 
 PROFILES = Path(__file__).resolve().parents[1] / "benchmarks" / "profiles"
 PPO = str(PROFILES / "ppo_4_1_1_1_1.yaml")

@@ -16,18 +16,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from m2flow.scheduler import planner as planner_module
-from m2flow.scheduler import search as search_module
-from m2flow.scheduler import tables as tables_module
-from m2flow.scheduler.cost import (
+from m2flow.scheduler.plan import planner as planner_module
+from m2flow.scheduler.plan import search as search_module
+from m2flow.scheduler.plan import tables as tables_module
+from m2flow.scheduler.plan.cost import (
     convex_minorant,
     divisors,
     flow_shop_time,
     pipelined_time,
     spatial_time,
 )
-from m2flow.scheduler.cycle import CycleCost
-from m2flow.scheduler.planner import (
+from m2flow.scheduler.plan.cycle import CycleCost
+from m2flow.scheduler.plan.planner import (
     DEFAULT_SLACK,
     Component,
     CycleSplit,
@@ -41,9 +41,9 @@ from m2flow.scheduler.planner import (
     plan_workflow,
     predicted_time,
 )
-from m2flow.scheduler.profile import load_profile, to_workflow
-from m2flow.scheduler.search import split_query
-from m2flow.scheduler.timeline import step_timeline
+from m2flow.scheduler.plan.profile import load_profile, to_workflow
+from m2flow.scheduler.plan.search import split_query
+from m2flow.scheduler.plan.timeline import step_timeline
 
 PROFILES = Path(__file__).resolve().parents[1] / "benchmarks" / "profiles"
 
@@ -157,7 +157,7 @@ class _Cycle:
 def _brute_cycle(cyc, n, cap, shared, idle, slack):
     """A cycle node on n devices: time-shared (no composition, hand-offs ``R * g_sh`` added)
     or split (a spatial composition): every leader/follower device split and every sub-batch
-    count, scalar arithmetic of the formula in :mod:`m2flow.scheduler.cycle`."""
+    count, scalar arithmetic of the formula in :mod:`m2flow.scheduler.plan.cycle`."""
     cc, sw = cyc.cost, (cyc.switch_cost if shared else 0.0)
     out = {}
     t = _leaf_best(list(cyc.members), n, cap, idle, slack, cc.round_trips * cc.shared_gap_s)

@@ -13,9 +13,9 @@ from m2flow.workers.algos.ppo import clipped_value_loss, gae, token_rewards
 from m2flow.workers.llm import build_char_tokenizer, build_model
 from run_dirs import stopped_copy
 
-from m2flow.placement import Placement
-from m2flow.trace import workflow_graph
-from m2flow.workflow import run_workflow
+from m2flow.core.placement import Placement
+from m2flow.run.trace import workflow_graph
+from m2flow.run.workflow import run_workflow
 
 pytestmark = pytest.mark.e2e
 
@@ -164,7 +164,7 @@ def test_resumed_run_matches_an_uninterrupted_one(cluster, tmp_path):
 
 def test_bad_value_exits_2(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "m2flow.cli", "run", str(PPO), f"trainer.run_dir={tmp_path}"]
+        [sys.executable, "-m", "m2flow.run.cli", "run", str(PPO), f"trainer.run_dir={tmp_path}"]
         + ["reward_fit.batches=2", "reward_fit.heldout_batches=2"],
         capture_output=True,
         text=True,

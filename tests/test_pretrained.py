@@ -35,8 +35,8 @@ from m2flow.workers.llm.model import checkpointing, load_backbone
 from m2flow.workers.recipe import ModelConfig, validate_model
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from m2flow.config import ConfigError, load_config
-from m2flow.placement import Placement
+from m2flow.core.config import ConfigError, load_config
+from m2flow.core.placement import Placement
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "workflows" / "grpo.py"
@@ -255,7 +255,7 @@ def test_an_unset_generation_length_comes_from_the_model(tmp_path, llama_dir, wo
     from m2flow.workers.data.config import prompt_limit
     from m2flow.workers.recipe import rollout_section
 
-    from m2flow.workflow import prepare
+    from m2flow.run.workflow import prepare
 
     def section(*over):
         cfg = prepare(ROOT / "workflows" / f"{workflow}.py",
@@ -289,7 +289,7 @@ def test_grpo_from_a_model_directory_saves_loadable_checkpoints(
     """The runner with ``model.path``: no warm start (a pretrained model starts from its
     weights), held-out accuracy at step 0, two GRPO steps, and a checkpoint that
     ``AutoModelForCausalLM.from_pretrained`` loads as the directory's architecture."""
-    from m2flow.workflow import run_workflow
+    from m2flow.run.workflow import run_workflow
 
     run_dir = tmp_path / "run"
     overrides = [
@@ -364,7 +364,7 @@ def test_reward_model_from_a_classifier_scores_like_it(tmp_path):
 
 
 def test_reward_model_path_is_checked_before_start(tmp_path, llama_dir):
-    from m2flow.workflow import prepare
+    from m2flow.run.workflow import prepare
 
     tok = build_char_tokenizer()
     base = [f"model.path={llama_dir}", f"trainer.run_dir={tmp_path / 'run'}"]
@@ -394,7 +394,7 @@ def test_ppo_from_directories_with_your_reward_model(cluster, llama_dir, tmp_pat
     model from ``reward_model.path``: no warm start, no reward-model fit, the reward model's
     weights untouched by the steps. On one device: one rank per group, each loading its
     directory (the GRPO test above loads on two ranks)."""
-    from m2flow.workflow import run_workflow
+    from m2flow.run.workflow import run_workflow
 
     tok = build_char_tokenizer()
     rm_dir = _save_classifier(tmp_path / "rm", tok)

@@ -1,4 +1,4 @@
-"""Profile documents (scheduler/profile.py): the schema, round trip, validation errors, and
+"""Profile documents (scheduler/plan/profile.py): the schema, round trip, validation errors, and
 the workflow the planner gets from one."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from m2flow.scheduler.planner import plan_workflow
-from m2flow.scheduler.profile import (
+from m2flow.scheduler.plan.planner import plan_workflow
+from m2flow.scheduler.plan.profile import (
     ProfileError,
     load_profile,
     profile_from_dict,

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from m2flow.scheduler.profile import save_profile
+from m2flow.scheduler.plan.profile import save_profile
 from test_workflow import TINY_RUN
 
-from m2flow.config import ConfigError
-from m2flow.planning import load_profile, plan_from_profile, report
-from m2flow.profiler import _chunked_placement, profile
+from m2flow.core.config import ConfigError
+from m2flow.run.planning import load_profile, plan_from_profile, report
+from m2flow.run.profiler import _chunked_placement, profile
 
 pytestmark = pytest.mark.e2e
 
@@ -75,7 +75,7 @@ def test_profile_measures_the_traced_graph(grpo_profile):
 def test_planned_run_reports_predicted_and_measured(cluster, grpo_profile, tmp_path, mode):
     """Plan the profile on the cluster's 2 devices, run the runner on that plan, and get the
     predicted-vs-measured report; groups land where the plan put them."""
-    from m2flow.workflow import run_workflow
+    from m2flow.run.workflow import run_workflow
 
     _, path, _, _ = grpo_profile
     run_dir = tmp_path / mode

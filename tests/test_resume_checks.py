@@ -26,9 +26,9 @@ from m2flow.workers.checkpoint import StateFileError, load_state, save_state
 from m2flow.workers.embodied.env_state import restore_vector_env, vector_env_state
 from test_cli import RAY_STARTED, assert_one_line_exit_2, m2flow
 
-from m2flow.config import ConfigError
-from m2flow.runlock import RunDirBusy, hold_run_dir
-from m2flow.workflow import prepare
+from m2flow.core.config import ConfigError
+from m2flow.run.runlock import RunDirBusy, hold_run_dir
+from m2flow.run.workflow import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "workflows" / "grpo.py"
@@ -68,7 +68,7 @@ def finished(tmp_path_factory) -> Path:
     """A finished 2-step GRPO run (checkpoints of steps 1 and 2), run by ``m2flow run``."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "m2flow.cli", "run", str(GRPO), *TINY_RUN, "trainer.steps=2",
+        [sys.executable, "-m", "m2flow.run.cli", "run", str(GRPO), *TINY_RUN, "trainer.steps=2",
          f"trainer.run_dir={run_dir}"],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
@@ -236,7 +236,7 @@ def test_checkpoint_beyond_trainer_steps_is_refused(finished, tmp_path):
 def _start_holding(run_dir: Path, gate: Path) -> subprocess.Popen:
     """``m2flow run`` of the holding workflow, waited for until it holds ``run_dir``'s lock."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "m2flow.cli", "run", str(HOLD), f"trainer.run_dir={run_dir}",
+        [sys.executable, "-m", "m2flow.run.cli", "run", str(HOLD), f"trainer.run_dir={run_dir}",
          f"gate={gate}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

@@ -31,8 +31,8 @@ from m2flow.workers.scoring.functions import (
 from m2flow.workers.tasks import TaskDataset
 from test_cli import assert_one_line_exit_2, m2flow
 
-from m2flow.config import ConfigError
-from m2flow.workflow import prepare
+from m2flow.core.config import ConfigError
+from m2flow.run.workflow import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "workflows" / "grpo.py"

@@ -10,16 +10,16 @@ import random
 
 import numpy as np
 import pytest
-from m2flow.scheduler.reward_baselines import ZeroQueuePolicy, ideal_policy
-from m2flow.scheduler.reward_replay import TenantTrace, replay, replay_dedicated
-from m2flow.scheduler.reward_scaling import (
+from m2flow.scheduler.reward.baselines import ZeroQueuePolicy, ideal_policy
+from m2flow.scheduler.reward.replay import TenantTrace, replay, replay_dedicated
+from m2flow.scheduler.reward.scaling import (
     BatchView,
     DistRSPolicy,
     estimate_jobs,
     search_workers,
 )
-from m2flow.scheduler.reward_sim import RequestRecord, SimJob, Workload, simulate
-from m2flow.scheduler.reward_workload import COSTS, TIMEOUTS_S, cuda_batch, cuda_tenants
+from m2flow.scheduler.reward.sim import RequestRecord, SimJob, Workload, simulate
+from m2flow.scheduler.reward.workload import COSTS, TIMEOUTS_S, cuda_batch, cuda_tenants
 
 R = RequestRecord
 

@@ -7,14 +7,14 @@ import random
 
 import numpy as np
 import pytest
-from m2flow.scheduler.reward_replay import TenantTrace, replay
-from m2flow.scheduler.reward_scaling import (
+from m2flow.scheduler.reward.replay import TenantTrace, replay
+from m2flow.scheduler.reward.scaling import (
     BatchView,
     DistRSPolicy,
     estimate_jobs,
     single_task_workers,
 )
-from m2flow.scheduler.reward_sim import (
+from m2flow.scheduler.reward.sim import (
     RequestRecord,
     SimJob,
     earliest_completion,

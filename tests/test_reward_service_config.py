@@ -13,7 +13,7 @@ import pytest
 import yaml
 from m2flow.reward_service.schemas import ServiceConfig
 
-from m2flow.config import ConfigError
+from m2flow.core.config import ConfigError
 
 BASE = {
     "tenants": {"alice": {"token": "alice-config-token"}},

@@ -11,7 +11,7 @@ from m2flow.reward_service.client import RewardClient
 from test_reward_service import TOKENS, _config
 from test_workflow import TINY_RUN
 
-from m2flow.workflow import run_workflow
+from m2flow.run.workflow import run_workflow
 
 pytestmark = pytest.mark.e2e
 

@@ -26,7 +26,7 @@ from test_reward_service import TOKENS, _config
 from test_workflow import ALPHABET, TASK, TINY_MODEL, TOKENIZER
 
 from m2flow import Channel
-from m2flow.placement import Placement
+from m2flow.core.placement import Placement
 
 pytestmark = pytest.mark.e2e
 

@@ -18,9 +18,9 @@ from m2flow.workers.llm.generation import generate
 from m2flow.workers.reward.config import RewardModelOptions
 from tensordict import TensorDict
 
-from m2flow.config import ConfigError, load_config
-from m2flow.recipe import options
-from m2flow.workflow import load_workflow, resolve_workflow
+from m2flow.core.config import ConfigError, load_config
+from m2flow.run.recipe import options
+from m2flow.run.workflow import load_workflow, resolve_workflow
 
 TINY = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from m2flow.config import ConfigError
-from m2flow.loggers import LOGGERS
-from m2flow.runlog import RunLog
+from m2flow.core.config import ConfigError
+from m2flow.run.loggers import LOGGERS
+from m2flow.run.runlog import RunLog
 
 
 def _records(path):

@@ -27,9 +27,9 @@ from m2flow.workers.tasks import TaskDataset
 from prompts import task_prompts
 
 from m2flow import Channel, sync_weights
-from m2flow.cluster import NAMESPACE, VIRTUAL_DEVICE_RESOURCE, Cluster
-from m2flow.placement import Placement
-from m2flow.spot import LocalSpotCluster
+from m2flow.core.cluster import NAMESPACE, VIRTUAL_DEVICE_RESOURCE, Cluster
+from m2flow.core.placement import Placement
+from m2flow.core.spot import LocalSpotCluster
 
 pytestmark = pytest.mark.e2e
 

@@ -30,7 +30,7 @@ import pytest
 from safetensors.torch import load_file
 from test_workflow import GRPO, TINY_RUN, _records
 
-from m2flow.workflow import run_workflow
+from m2flow.run.workflow import run_workflow
 
 pytestmark = pytest.mark.e2e
 

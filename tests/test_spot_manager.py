@@ -219,9 +219,9 @@ def test_a_plans_values_start_algorithm_1_which_keeps_adapting(cluster):
 
 def test_the_trainers_waits_reach_algorithm_1_as_a_run_event(cluster):
     """``t_train^wait`` from the run event the actor publishes at the end of its update
-    (``m2flow.events.TRAINER_WAITS``; no runner call): the manager reads it when the weights
+    (``m2flow.core.events.TRAINER_WAITS``; no runner call): the manager reads it when the weights
     end the step. A value published before the pool opened the bus belongs to no step of it."""
-    from m2flow import events
+    from m2flow.core import events
 
     async def scenario():
         events.open_bus()

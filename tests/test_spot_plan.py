@@ -1,4 +1,4 @@
-"""Plans that place rollout on a spot pool (m2flow.scheduler.spot_plan, m2flow.planning,
+"""Plans that place rollout on a spot pool (m2flow.scheduler.spot.plan, m2flow.run.planning,
 ``m2flow plan --spot-trace/--price/--objective``): the model's optimum, the reserved-only
 fallback, moving a rollout-bound workflow to a cheap pool, YAML round trips, clear errors."""
 
@@ -12,19 +12,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from m2flow.scheduler.profile import (
+from m2flow.scheduler.plan.profile import (
     ProfileError,
     load_profile,
     profile_from_dict,
     save_profile,
 )
-from m2flow.scheduler.spot_plan import Prices, SpotPlanError, SpotPool, plan_rollout, tail_term
+from m2flow.scheduler.spot.plan import Prices, SpotPlanError, SpotPool, plan_rollout, tail_term
 from typer.testing import CliRunner
 
-from m2flow.cli import app
-from m2flow.config import ConfigError
-from m2flow.placement import Placement, PlacementError, merge_options
-from m2flow.planning import plan_from_profile, plan_with_remote
+from m2flow.core.config import ConfigError
+from m2flow.core.placement import Placement, PlacementError, merge_options
+from m2flow.run.cli import app
+from m2flow.run.planning import plan_from_profile, plan_with_remote
 
 GiB = 1 << 30
 B, N = 128, 8
@@ -198,8 +198,8 @@ def test_spot_plan_from_a_profiler_written_profile(tmp_path):
     """A profile as ``m2flow profile`` writes it (no ``spot:`` section) plans spot rollout:
     instances assumed like one reserved device at the rollout's measured 1-device rate, said
     on stderr; ``--gantt`` draws the chosen spot plan, its spot row included."""
-    from m2flow.plan_gantt import chart_rows, spot_parts
-    from m2flow.planning import load_profile
+    from m2flow.run.plan_gantt import chart_rows, spot_parts
+    from m2flow.run.planning import load_profile
 
     trace = tmp_path / "t.csv"
     trace.write_text("t_s,instances\n0,8\n100,8\n")

@@ -1,7 +1,7 @@
-"""Every process a local spot cluster starts (``m2flow.spot.LocalSpotCluster``: the head and
+"""Every process a local spot cluster starts (``m2flow.core.spot.LocalSpotCluster``: the head and
 spot nodes run as ``ray start`` in sessions of their own, so a terminal's signals miss them)
 ends with the driver: on a normal exit without ``shutdown``, on an error, on SIGINT, on
-SIGTERM and on SIGKILL (when nothing of the driver runs: ``m2flow.reaper``), while a trace
+SIGTERM and on SIGKILL (when nothing of the driver runs: ``m2flow.core.reaper``), while a trace
 flaps a node every 0.3 s (a node may be starting at that moment).
 
 Processes are counted by a marker in their environment, which every process the driver
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 
 DRIVER = """
 import sys, time
-from m2flow.spot import LocalSpotCluster
+from m2flow.core.spot import LocalSpotCluster
 
 local = LocalSpotCluster(1, {"m2flow_virtual_device": 1}, spot_cpus=1)
 local.add_spot(1)
@@ -137,7 +137,7 @@ def test_a_spot_run_touches_nothing_outside_its_run_directory(tmp_path, depth):
         env = {**os.environ, "TMPDIR": machine, "RAY_USAGE_STATS_ENABLED": "0"}
         env.pop("RAY_TMPDIR", None)
         proc = subprocess.run(
-            [sys.executable, "-m", "m2flow.cli", "run", HANDOFF, "cluster.spot.nodes=1",
+            [sys.executable, "-m", "m2flow.run.cli", "run", HANDOFF, "cluster.spot.nodes=1",
              "trainer.steps=1", f"trainer.run_dir={run_dir}"],
             env=env, capture_output=True, text=True, timeout=600,
         )  # fmt: skip

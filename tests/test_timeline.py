@@ -15,10 +15,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from m2flow import events
-from m2flow.cli import app
-from m2flow.measured import machine, provenance_warnings
-from m2flow.tracefile import TraceWriter, read_trace
+from m2flow.core import events
+from m2flow.core.tracefile import TraceWriter, read_trace
+from m2flow.run.cli import app
+from m2flow.run.measured import machine, provenance_warnings
 
 VIRTUAL_DEVICES = 1  # both groups on one device: they hand it over
 HANDOFF = str(Path(__file__).resolve().parent / "workflows" / "handoff.py")
@@ -43,8 +43,8 @@ def _profile(path: Path, measured_on: dict | None) -> Path:
 @pytest.fixture(scope="module")
 def planned_run(cluster, tmp_path_factory):
     """A 4-step run planned (temporal) from a profile measured on another machine."""
-    from m2flow.planning import report
-    from m2flow.workflow import run_workflow
+    from m2flow.run.planning import report
+    from m2flow.run.workflow import run_workflow
 
     tmp = tmp_path_factory.mktemp("timeline")
     foreign = {**machine(), "host": "elsewhere", "cpu": "a faster CPU"}
@@ -120,7 +120,7 @@ def test_timeline_command_prints_the_per_group_difference_and_draws(planned_run)
 
 
 def test_no_trace_when_off_or_profiling(tmp_path, monkeypatch):
-    from m2flow.session import Session
+    from m2flow.run.session import Session
 
     monkeypatch.setenv("M2FLOW_TRACE", "0")
     off = Session()
@@ -194,7 +194,7 @@ def test_provenance_warnings():
 
 
 def test_profile_keeps_where_it_was_measured(tmp_path):
-    from m2flow.scheduler.profile import ProfileError, load_profile, save_profile
+    from m2flow.scheduler.plan.profile import ProfileError, load_profile, save_profile
 
     prof = load_profile(_profile(tmp_path / "p.yaml", machine()))
     assert prof.measured_on == machine(prof.measured_on["load_1m"])

@@ -18,9 +18,9 @@ from m2flow.workers.llm.tokenizer import QWEN2_CHAT_TEMPLATE, QWEN2_SPECIALS, _q
 from m2flow.workers.tasks import TaskDataset, extract_answer, task_dataset
 from transformers import PreTrainedTokenizerFast
 
-from m2flow.config import ConfigError
-from m2flow.placement import Placement
-from m2flow.workflow import prepare, run_workflow
+from m2flow.core.config import ConfigError
+from m2flow.core.placement import Placement
+from m2flow.run.workflow import prepare, run_workflow
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "workflows" / "grpo.py"

@@ -23,7 +23,7 @@ import torch
 from m2flow.workers.llm import build_char_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from m2flow.cli import app
+from m2flow.run.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "workflows" / "grpo.py"
@@ -73,7 +73,7 @@ def assert_refused(result: tuple[int, list[str]], run_dir: Path, *messages: str)
     for message in messages:
         assert message in lines[0], lines
     assert not ray.is_initialized(), "a user's bad file must be refused before Ray starts"
-    # the run directory's lock (m2flow.runlock) may be taken before the data are read in main()
+    # the run directory's lock (m2flow.run.runlock) may be taken before the data are read in main()
     written = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
     assert written in ([], [".lock"]), f"nothing may run, but {run_dir} holds {written}"
 
@@ -219,7 +219,7 @@ def test_undamaged_and_sharded_directories_pass_the_checks(model_dir, tmp_path):
     not."""
     from m2flow.workers.llm.model_dir import check_model_directory
 
-    from m2flow.workflow import prepare
+    from m2flow.run.workflow import prepare
 
     prepare(str(GRPO), [f"model.path={model_dir}", f"trainer.run_dir={tmp_path / 'run'}"])
     sharded = tmp_path / "sharded"

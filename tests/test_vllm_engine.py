@@ -31,7 +31,7 @@ from m2flow.workers.rollout.vllm_engine import (  # noqa: E402
     request_seeds,
 )
 
-from m2flow.workflow import run_workflow  # noqa: E402
+from m2flow.run.workflow import run_workflow  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -37,10 +37,10 @@ from prompts import task_prompts  # noqa: E402
 from test_vllm_engine import LOGPROB_ATOL, SHORT_RUN, TINY  # noqa: E402
 
 from m2flow import Channel, sync_weights  # noqa: E402
-from m2flow.cluster import NAMESPACE, VIRTUAL_DEVICE_RESOURCE, Cluster  # noqa: E402
-from m2flow.placement import Placement  # noqa: E402
-from m2flow.spot import LocalSpotCluster  # noqa: E402
-from m2flow.workflow import run_workflow  # noqa: E402
+from m2flow.core.cluster import NAMESPACE, VIRTUAL_DEVICE_RESOURCE, Cluster  # noqa: E402
+from m2flow.core.placement import Placement  # noqa: E402
+from m2flow.core.spot import LocalSpotCluster  # noqa: E402
+from m2flow.run.workflow import run_workflow  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -11,8 +11,9 @@ import pytest
 import ray
 import torch
 
-from m2flow import Worker, WorkerError, group_method, sync_weights, weight_ipc
-from m2flow.weight_transport import close_links, plan_buckets
+from m2flow import Worker, WorkerError, group_method, sync_weights
+from m2flow.core import weight_ipc
+from m2flow.core.weight_transport import close_links, plan_buckets
 
 pytestmark = pytest.mark.e2e
 

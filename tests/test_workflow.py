@@ -24,9 +24,9 @@ from run_dirs import stopped_copy
 from safetensors.torch import load_file
 
 from m2flow import Channel, Fanout, sync_weights
-from m2flow.config import ConfigError
-from m2flow.placement import Placement
-from m2flow.workflow import load_workflow, prepare, resolve_workflow, run_workflow
+from m2flow.core.config import ConfigError
+from m2flow.core.placement import Placement
+from m2flow.run.workflow import load_workflow, prepare, resolve_workflow, run_workflow
 
 pytestmark = pytest.mark.e2e
 

@@ -3,7 +3,7 @@ code, and checked before a run resumes.
 
 - ``save_state(path, rank, state)`` writes ``<path>/rank<rank>.pt`` for workers whose state is
   not a Hugging Face model directory; ``load_state`` reads it back. The run's
-  :class:`~m2flow.recipe.Checkpoints` gives each group its own ``path``.
+  :class:`~m2flow.run.recipe.Checkpoints` gives each group its own ``path``.
 - Every state file holds tensors and plain values only (``None``, bools, numbers, strings,
   and tuples, lists and dicts of them): optimizer state dicts, ``torch`` RNG states and
   ``random.getstate()`` are such values as they are; numpy arrays, numpy scalars and numpy
@@ -11,8 +11,8 @@ code, and checked before a run resumes.
   ``torch.load(weights_only=True)`` (:func:`load_file`): a file holding any other object is
   refused unloaded, since unpickling it could run code.
 - :func:`group_check` builds the per-group content check a workflow hands to
-  :func:`m2flow.recipe.validate_trainer`, so that a damaged checkpoint is named before Ray starts
-  (the runtime calls it without importing this package).
+  :func:`m2flow.run.recipe.validate_trainer`, so that a damaged checkpoint is named before Ray
+  starts (the runtime calls it without importing this package).
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def check_directory(path: str | Path, required: tuple[str, ...] = ()) -> None:
 
 def group_check(*required: str) -> Callable[[Path], None]:
     """The content check of one group's checkpoint directory, for
-    :func:`m2flow.recipe.validate_trainer`: :func:`check_directory` with ``required``.
+    :func:`m2flow.run.recipe.validate_trainer`: :func:`check_directory` with ``required``.
 
     The roles' files: a train-engine role (the GRPO actor) ``"<role>_state.pt"``,
     ``"*.safetensors"`` and ``"config.json"`` (its Hugging Face directory); a :func:`save_state`

@@ -25,7 +25,7 @@ class RolloutChunk(NamedTuple):
 
     A ``NamedTuple``, so that channels send it by object-store reference: a channel item that
     holds tensors goes through the object store when it is a tensor, a dict, a list or a tuple
-    of them (:func:`m2flow.channel_codec.needs_object_store` looks no deeper); any other type
+    of them (:func:`m2flow.core.channel_codec.needs_object_store` looks no deeper); any other type
     (a dataclass) would be pickled into the channel actor's mailbox, tensors and all.
 
     Fields:

@@ -1,6 +1,6 @@
 """Config sections and helpers shared by the LLM workflows (GRPO, PPO).
 
-Runner-level sections (cluster, trainer, checkpoints) are in :mod:`m2flow.recipe`; these are
+Runner-level sections (cluster, trainer, checkpoints) are in :mod:`m2flow.run.recipe`; these are
 the LLM ones: the reasoning-gym task, the tiny model, the supervised warm start, rollout
 sampling, the optimiser settings every trained model shares. The ``data`` section is
 :class:`~m2flow.workers.data.config.DataConfig`, the ``reward`` section
@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from m2flow.config import ConfigError
-from m2flow.recipe import TrainerConfig, finite_positive, plain, require
+from m2flow.core.config import ConfigError
+from m2flow.run.recipe import TrainerConfig, finite_positive, plain, require
 
 from .data.config import check_data, from_files, prompt_limit
 from .data.reasoning_gym import task_config

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from m2flow import sync_weights
-from m2flow.recipe import Checkpoints, plain, start_cluster
-from m2flow.runlog import RunLog
+from m2flow.run.recipe import Checkpoints, plain, start_cluster
+from m2flow.run.runlog import RunLog
 
 from .data.item import prompt_items
 from .data.reasoning_gym import task_section
@@ -59,7 +59,7 @@ class LLMRun:
             function's spec; ``sampler``: the training prompts' order.
         rollout_args: the ``rollout`` section (``max_new_tokens`` resolved).
         cluster: the started cluster; ``checkpoints``: the run directory's checkpoints.
-        log: the run's :class:`~m2flow.runlog.RunLog` while :meth:`train` runs.
+        log: the run's :class:`~m2flow.run.runlog.RunLog` while :meth:`train` runs.
 
     Raises:
         ConfigError, ValueError: bad data or model settings (before any worker starts).

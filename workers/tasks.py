@@ -34,7 +34,7 @@ import reasoning_gym
 from reasoning_gym.utils import SYSTEM_PROMPTS
 from reasoning_gym.utils import extract_answer as _rg_extract_answer
 
-from m2flow.config import ConfigError
+from m2flow.core.config import ConfigError
 
 #: ``task.system_prompt`` default: reasoning-gym's "direct" prompt (answer in <answer> tags).
 DEFAULT_SYSTEM_PROMPT = "direct"

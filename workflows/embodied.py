@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from m2flow.workers.embodied.config import EnvOptions, PolicyOptions, PPOOptions
 
-from m2flow.recipe import (
+from m2flow.run.recipe import (
     Checkpoints,
     ClusterConfig,
     TrainerConfig,
@@ -52,7 +52,7 @@ def validate(cfg) -> None:
     from m2flow.workers.checkpoint import RANK_STATE
     from m2flow.workers.engines.registry import check_engine
 
-    from m2flow.config import ConfigError
+    from m2flow.core.config import ConfigError
 
     a = cfg.algorithm
     validate_cluster(cfg.cluster)
@@ -78,7 +78,7 @@ def main(cfg) -> dict:
     from m2flow.workers.embodied.policy import PolicyWorker
 
     from m2flow import Channel, sync_weights
-    from m2flow.runlog import RunLog
+    from m2flow.run.runlog import RunLog
 
     tr = cfg.trainer
     cluster = start_cluster(cfg.cluster, tr.run_dir)
@@ -143,6 +143,6 @@ def main(cfg) -> dict:
 
 
 if __name__ == "__main__":
-    from m2flow.cli import run_as_script
+    from m2flow.run.cli import run_as_script
 
     run_as_script(__file__)

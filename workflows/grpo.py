@@ -36,7 +36,7 @@ from m2flow.workers.recipe import (
 )
 from m2flow.workers.reward.config import RewardConfig
 
-from m2flow.recipe import (
+from m2flow.run.recipe import (
     ClusterConfig,
     finite_positive,
     plain,
@@ -197,6 +197,6 @@ def main(cfg) -> dict:
 
 
 if __name__ == "__main__":
-    from m2flow.cli import run_as_script
+    from m2flow.run.cli import run_as_script
 
     run_as_script(__file__)

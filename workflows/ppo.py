@@ -42,8 +42,8 @@ from m2flow.workers.recipe import (
 from m2flow.workers.reward.config import RewardConfig, RewardModelOptions
 from m2flow.workers.scoring.functions import merge_reward_metrics
 
-from m2flow.config import ConfigError
-from m2flow.recipe import (
+from m2flow.core.config import ConfigError
+from m2flow.run.recipe import (
     ClusterConfig,
     options,
     plain,
@@ -262,6 +262,6 @@ def _step_metrics(cfg, seconds: float, calls: dict, g_out, r_out, c_out, a_out) 
 
 
 if __name__ == "__main__":
-    from m2flow.cli import run_as_script
+    from m2flow.run.cli import run_as_script
 
     run_as_script(__file__)

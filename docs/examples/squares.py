@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from m2flow.config import ConfigError
-from m2flow.recipe import ClusterConfig, TrainerConfig, require, start_cluster
+from m2flow.core.config import ConfigError
+from m2flow.run.recipe import ClusterConfig, TrainerConfig, require, start_cluster
 
 
 @dataclass
@@ -40,7 +40,7 @@ def main(cfg) -> dict:
     # Imported here, not at the top: loading the file for --show-config or the config checks
     # then starts nothing heavy. Worker classes may also live at the file's top level.
     from m2flow import Channel, Worker, group_method
-    from m2flow.runlog import RunLog
+    from m2flow.run.runlog import RunLog
 
     class Squarer(Worker):
         # One rank over all the group's devices; the default (True) is one rank per device,

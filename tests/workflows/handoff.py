@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from m2flow import Channel, Worker, group_method, sync_weights
-from m2flow.recipe import ClusterConfig, TrainerConfig, start_cluster
+from m2flow.run.recipe import ClusterConfig, TrainerConfig, start_cluster
 
 
 class Gen(Worker):
@@ -64,7 +64,7 @@ class Config:
 
 
 def main(cfg) -> dict:
-    from m2flow.runlog import RunLog
+    from m2flow.run.runlog import RunLog
 
     tr = cfg.trainer
     cluster = start_cluster(cfg.cluster, tr.run_dir)

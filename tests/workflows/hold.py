@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from m2flow.recipe import TrainerConfig, validate_trainer
+from m2flow.run.recipe import TrainerConfig, validate_trainer
 
 
 @dataclass

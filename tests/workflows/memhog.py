@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from m2flow import Worker, group_method
-from m2flow.recipe import (
+from m2flow.run.recipe import (
     Checkpoints,
     ClusterConfig,
     TrainerConfig,
@@ -64,7 +64,7 @@ def validate(cfg) -> None:
 
 
 def main(cfg) -> dict:
-    from m2flow.runlog import RunLog
+    from m2flow.run.runlog import RunLog
 
     tr = cfg.trainer
     cluster = start_cluster(cfg.cluster, tr.run_dir)

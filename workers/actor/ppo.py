@@ -4,7 +4,7 @@ rewards (RLHF-style PPO; the KL penalty to the reference is in the critic's rewa
 from __future__ import annotations
 
 import torch
-from m2flow.scheduler.balance import all_queued
+from m2flow.scheduler.runtime.balance import all_queued
 
 from m2flow import Channel, group_method
 

@@ -13,9 +13,10 @@ import contextlib
 
 import torch
 import transformers
-from m2flow.scheduler.balance import all_queued
+from m2flow.scheduler.runtime.balance import all_queued
 
-from m2flow import Channel, Worker, events, group_method
+from m2flow import Channel, Worker, group_method
+from m2flow.core import events
 
 from .. import parallel as dp
 from ..algos.grpo import grpo_advantages
@@ -113,7 +114,7 @@ class ActorWorker(OnTrainEngine, Worker):
             arrived chunks (chunks queued together are one part); ``input_waits``: the
             ``[t0, t1]`` wall-clock (``time.time()``) seconds it waited for chunks (the
             trainer's idle time that the spot pool's Algorithm 1 reads, RLBoost 4.1), also
-            published as the run event :data:`m2flow.events.TRAINER_WAITS` before it returns.
+            published as the run event :data:`m2flow.core.events.TRAINER_WAITS` before it returns.
         """
         waits: list[list[float]] = []
         parts = timed(inp.stream(balance=all_queued, target_weight=1), waits)
@@ -133,7 +134,7 @@ class ActorWorker(OnTrainEngine, Worker):
 
     def _published(self, out: dict) -> dict:
         """``out``, after its ``input_waits`` went out as a run event (read by the spot pool's
-        manager, if the run has one: :func:`m2flow.events.publish`)."""
+        manager, if the run has one: :func:`m2flow.core.events.publish`)."""
         wait = {"group": self.group_name, "rank": self.rank, "waits": out["input_waits"]}
         events.publish(events.TRAINER_WAITS, wait)
         return out

@@ -61,7 +61,7 @@ class CriticWorker(Worker):
         """:meth:`Worker.launch`; for an engine that runs one rank per device, one rank per
         device of the placement (default: where the plan puts the group) and their process
         group's rendezvous. Refuses a bad engine setting before any process starts."""
-        from m2flow.group import normalize_placement
+        from m2flow.core.group import normalize_placement
 
         model = kwargs.get("model")
         if engine_class("value", options.engine, "critic").one_rank_per_device:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from m2flow.config import ConfigError
-from m2flow.recipe import plain, require
+from m2flow.core.config import ConfigError
+from m2flow.run.recipe import plain, require
 
 from ..llm.config import max_positions, resolved_max_new_tokens
 from .item import OVERLONG

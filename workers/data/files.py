@@ -21,7 +21,7 @@ them all. A JSON/JSONL file is first read as text (UTF-8, no lone surrogate:
 :func:`check_json_text`). Rows are checked as they are built: a missing prompt or ground
 truth, a prompt of another type, an empty prompt, message prompts without a chat template, a
 prompt too long to fit in characters (before tokenizing: :func:`char_limit`), characters the
-tokenizer cannot encode: each a :class:`~m2flow.config.ConfigError` naming the file, the row
+tokenizer cannot encode: each a :class:`~m2flow.core.config.ConfigError` naming the file, the row
 and the fix.
 """
 
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from m2flow.config import ConfigError
+from m2flow.core.config import ConfigError
 
 from .item import PromptItem, limit_prompts
 

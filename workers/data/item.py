@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from m2flow.config import ConfigError
+from m2flow.core.config import ConfigError
 
 #: ``data.overlong_prompts`` values: stop before the run starts, or drop (counted, logged).
 OVERLONG = ("error", "drop")

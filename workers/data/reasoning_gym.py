@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from m2flow.recipe import plain
+from m2flow.run.recipe import plain
 
 from ..tasks import DEFAULT_SYSTEM_PROMPT, TaskDataset
 from .config import prompt_limit

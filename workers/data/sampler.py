@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from m2flow.config import ConfigError
+from m2flow.core.config import ConfigError
 
 
 class PromptSampler:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from m2flow.config import ConfigError
-from m2flow.recipe import plain
+from m2flow.core.config import ConfigError
+from m2flow.run.recipe import plain
 
 from .config import file_keys, from_files, prompt_limit
 from .files import load_items

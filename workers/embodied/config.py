@@ -2,7 +2,7 @@
 ``workflows/embodied.py``, typed once here (defaults included) and passed whole to
 :class:`~.env.EnvWorker`, :class:`~.policy.PolicyWorker` and
 :class:`~.actor.EmbodiedActorWorker`. Unknown keys and ill-typed values are refused when the
-workflow's configuration is loaded (:func:`m2flow.config.load_config`)."""
+workflow's configuration is loaded (:func:`m2flow.core.config.load_config`)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ once, so every step of a trajectory has a fresh action). A rollout is a loop of 
 trips: observations to the policy group, actions back under this rank's key. That loop is the
 env -> policy -> env cycle of the workflow graph (RLinf section 3, embodied RL).
 
-When the plan splits that cycle across devices in sub-batches (``m2flow.scheduler.cycle``),
+When the plan splits that cycle across devices in sub-batches (``m2flow.scheduler.plan.cycle``),
 the rank's call granularity (:meth:`~m2flow.Worker.chunk_size`, items = simulators) splits its
 simulators into sub-batches of that many: while the policy computes the actions of one
 sub-batch, this rank steps another (RLinf section 5.1.2, embodied pipelining). Each
@@ -210,5 +210,5 @@ class EnvWorker(Worker):
     @group_method(collect="rank0")
     def share_items(self) -> int:
         """Simulators on this rank: the items a plan's sub-batches split (``m2flow profile``
-        reads it to cost the env <-> policy cycle split, :mod:`m2flow.profiler`)."""
+        reads it to cost the env <-> policy cycle split, :mod:`m2flow.run.profiler`)."""
         return self.num_envs

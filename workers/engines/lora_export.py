@@ -34,7 +34,7 @@ def actor_directory(run_dir: str | Path, step: int | None = None, group: str = "
     Raises:
         ValueError: no complete checkpoint (or none at ``step``), or no ``group`` in it.
     """
-    from m2flow.recipe import Checkpoints
+    from m2flow.run.recipe import Checkpoints
 
     found = dict(Checkpoints(run_dir).complete())
     if not found:

@@ -46,7 +46,7 @@ class OnTrainEngine:
             ValueError: an unknown ``engine``, or a setting it cannot run (its ``check``),
                 before any process starts.
         """
-        from m2flow.group import normalize_placement
+        from m2flow.core.group import normalize_placement
 
         per_device = engine_class("train", options.engine, cls.role).one_rank_per_device
         if (options.data_parallel or per_device) and placement is None:

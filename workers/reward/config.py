@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from m2flow.config import ConfigError
-from m2flow.recipe import require
+from m2flow.core.config import ConfigError
+from m2flow.run.recipe import require
 
 from ..scoring.builtins import BUILTINS, dispatch
 from ..scoring.functions import (

@@ -15,7 +15,7 @@ comparisons instead; no humans here). The reward of a sample is then
 from __future__ import annotations
 
 import torch
-from m2flow.scheduler.balance import all_queued
+from m2flow.scheduler.runtime.balance import all_queued
 
 from m2flow import Channel, Worker, group_method
 

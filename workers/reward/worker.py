@@ -9,9 +9,10 @@ from collections import deque
 from contextlib import nullcontext
 
 import torch
-from m2flow.scheduler.balance import all_queued
+from m2flow.scheduler.runtime.balance import all_queued
 
-from m2flow import Channel, Worker, events, group_method
+from m2flow import Channel, Worker, group_method
+from m2flow.core import events
 
 from ..batch import num_tokens
 from ..chunk import RolloutChunk

@@ -63,7 +63,7 @@ class SpotInstance:
 
     @ray.method(concurrency_group="loop")
     def run(self) -> None:
-        from m2flow.cluster import NAMESPACE
+        from m2flow.core.cluster import NAMESPACE
 
         mgr = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
         executing = []

@@ -26,7 +26,7 @@ policies in :mod:`m2flow.scheduler.spot`; the manager applies them:
   from its idle and compute times: ``n_bar`` is the spot instance count integrated up to the
   step's end (a count held all step gives exactly that integer, so the memory of lines 11-14
   fires); the trainer's idle time is what the trainer reports (its waits for micro-batches,
-  outside the reserved ranks' generation: the run event :data:`m2flow.events.TRAINER_WAITS`,
+  outside the reserved ranks' generation: the run event :data:`m2flow.core.events.TRAINER_WAITS`,
   which the manager reads from the run's event bus at the step's end, or
   :meth:`RolloutManager.trainer_waits`), else the waits of a trainer that collects itself.
 - **weights** (4.3): staged once per update (one object-store copy); an instance pulls the
@@ -54,7 +54,7 @@ from collections import defaultdict, deque
 import ray
 from m2flow.scheduler.spot import SeedingPolicy, ThroughputProfile, rebalance, select_instance
 
-from m2flow import events
+from m2flow.core import events
 
 from ..exact import GenRequest
 from .config import SpotPoolConfig
@@ -337,7 +337,8 @@ class RolloutManager:
 
     async def _read_trainer_waits(self) -> None:
         """Take the trainer's waits published since the last read (the run event
-        :data:`m2flow.events.TRAINER_WAITS`) into this step's record (:meth:`trainer_waits`)."""
+        :data:`m2flow.core.events.TRAINER_WAITS`) into this step's record
+        (:meth:`trainer_waits`)."""
         if self._bus is None:
             return
         if not isinstance(self._bus_seen, int):
@@ -490,7 +491,7 @@ class RolloutManager:
     async def _pool_loop(self) -> None:
         """Start a spot instance on every preemptible node without one, up to N_prem; release
         idle instances beyond it (Algorithm 1 lowered N_prem: they would only cost)."""
-        from m2flow.spot import alive_spot_nodes
+        from m2flow.core.spot import alive_spot_nodes
 
         while True:
             self._integrate()
@@ -590,8 +591,8 @@ class RolloutManager:
 
 def get_manager(cfg: dict, n_reserved: int, instance_args: dict):
     """The run's rollout manager (named; created by the first caller)."""
-    from m2flow.cluster import NAMESPACE
-    from m2flow.spot import here
+    from m2flow.core.cluster import NAMESPACE
+    from m2flow.core.spot import here
 
     actor = ray.remote(num_cpus=0, max_concurrency=1000)(RolloutManager)
     return actor.options(

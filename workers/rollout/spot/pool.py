@@ -24,8 +24,8 @@ from dataclasses import asdict
 import ray
 import torch
 
-from m2flow import events
-from m2flow.work import Work
+from m2flow.core import events
+from m2flow.core.work import Work
 
 from ...engines.registry import engine_class
 from ..exact import GenRequest, to_generation_output

@@ -1,0 +1,530 @@
+"""``m2flow plan``: print the plan the planner picks for a profile (or a workflow, profiled
+first), with the runner-ups, and optionally a Gantt chart of one predicted step.
+
+    m2flow plan grpo_profile.yaml --devices 64
+    m2flow plan workflows/grpo.py --devices 8 cluster.devices_per_node=2
+    m2flow plan benchmarks/profiles/ppo_4_1_1_1_1.yaml --devices 1024 --nodes 128 --json
+    m2flow plan benchmarks/profiles/synthetic_chain3.yaml -n 16 --mode hybrid --gantt step.png
+
+Output: the composition tree, a table of components (device range, device count, nodes,
+granularity of outgoing edges, predicted seconds, predicted peak memory), the profile's fits,
+the predicted step time and throughput, and the runner-up plans (the best plan of each other
+mode and of each other top-level split) with their predicted times. ``--json`` prints one JSON
+document instead (for tools).
+
+Idle devices: by default a component given n devices may use fewer when it is no faster on more
+(a small model whose profile slows down past one device), so the plan may leave devices idle;
+they are printed under the tree (``idle: [5, 8)``) and listed as ``idle_devices`` in the JSON.
+A component also uses the fewest devices whose predicted time is within ``--slack`` (a
+fraction, default 0.01) of its fastest: a nearly flat fit would otherwise take every spare
+device for a fraction of a percent. ``--slack 0`` plans the exact minimum; ``--no-idle`` plans
+as RLinf does, every device used.
+
+``--nodes K``: ``--devices N`` counts all devices, ``N / K`` per node, numbered node-major (as
+the cluster numbers them). Each rank of a group holds one device, so no rank ever spans nodes
+and the planner's split needs no node constraint; the profile's times already include the
+communication they measured (the planner models no separate inter-node cost). So ``K`` is
+checked (``N % K == 0``) and reported: each component's node range.
+
+``--save`` and ``--gantt`` write into an existing directory (a missing one is refused).
+
+Spot rollout (RLBoost): when the profile has a ``spot:`` pool (:mod:`m2flow.scheduler.plan.profile`)
+the plan also says where rollout runs -- reserved only, spot, or seeded (reserved for
+``T_seed``, then spot) -- with ``T_seed``, the cap ``N_prem``, the predicted step time and the
+cost per step, and the runner-ups (reserved-only, spot without seeding) with theirs
+(:mod:`m2flow.scheduler.spot.plan` states the model). ``--spot-trace trace.csv`` sets the
+expected instances to the trace's time-weighted mean, ``--price reserved=10.47,spot=2.66``
+the $ per device-hour, ``--objective time|cost|tokens_per_dollar`` what the choice optimises.
+
+    m2flow plan benchmarks/profiles/spot_rlboost_8b.yaml -n 8 --spot-trace a.csv --objective cost
+
+Bad input (a missing or invalid profile, a component missing from it, memory infeasible at
+every split, fewer devices than a component's minimum, more than ``MAX_DEVICES`` (65,536)
+devices, a bad mode or node count, a ``--save``/``--gantt`` path that cannot be written)
+prints one line on stderr and exits 2. A profile at ``seconds: 0`` everywhere plans (a
+component that costs nothing); a 0 s predicted step prints its throughput as unbounded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.tree import Tree
+
+from ..core.cluster import GiB
+
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+
+def _is_workflow(target: str) -> bool:
+    return target.endswith(".py") or not (target.endswith((".yaml", ".yml", ".json")))
+
+
+def _prices(text: str | None):
+    """``reserved=10.47,spot=2.66`` -> :class:`~m2flow.scheduler.spot.plan.Prices` (None: the
+    profile's)."""
+    from ..core.config import ConfigError
+    from ..scheduler.spot.plan import Prices, SpotPlanError
+
+    if text is None:
+        return None
+    try:
+        pairs = dict(kv.split("=", 1) for kv in text.split(","))
+        return Prices(**{k.strip(): float(v) for k, v in pairs.items()})
+    except (ValueError, TypeError, SpotPlanError) as e:
+        raise ConfigError(
+            f"--price {text!r}: write reserved=<$ per device-hour>,spot=<$ per device-hour> ({e})"
+        ) from None
+
+
+def _plan(target, devices, nodes, mode, memory_gb, overrides, allow_idle=True, slack=None,
+          trace=None, prices=None, objective="time"):  # fmt: skip
+    """``(profile, PlanResult, Placement, SpotPlan | None)``; raises ConfigError/ValueError on
+    bad input."""
+    from ..core.config import ConfigError
+    from ..scheduler.plan.planner import MAX_DEVICES, MODES
+    from ..scheduler.plan.profile import ProfileError, load_profile
+    from ..scheduler.spot.plan import OBJECTIVES, expected_instances
+    from ..scheduler.spot.trace import TraceError, load_trace
+    from .planning import plan_with_remote, profile_to_file
+    from .program import resolve_workflow
+
+    if mode not in MODES:
+        raise ConfigError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
+    if devices < 1:
+        raise ConfigError(f"--devices {devices}: give at least 1 device")
+    if devices > MAX_DEVICES:
+        raise ConfigError(
+            f"--devices {devices}: at most {MAX_DEVICES} (MAX_DEVICES: the planner keeps a "
+            "table over every device count 0..N, so its memory and time grow with N)"
+        )
+    if nodes < 1 or devices % nodes:
+        raise ConfigError(
+            f"--devices {devices} must split evenly over --nodes {nodes} (devices per node = "
+            "devices / nodes)"
+        )
+    if slack is not None and not 0.0 <= slack < 1.0:
+        raise ConfigError(
+            f"--slack {slack}: give a fraction in [0, 1) of the fastest time, e.g. 0.01"
+        )
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"--objective {objective!r}: choose one of {', '.join(OBJECTIVES)}")
+    if memory_gb is not None and not memory_gb > 0:
+        raise ConfigError(f"--memory-gb {memory_gb}: give a positive capacity (GiB per device)")
+    path = Path(target)
+    expected = "a workflow (.py file or built-in name, profiled first) or a profile file " \
+        "(.yaml, .yml, .json)"  # fmt: skip
+    if path.is_dir():
+        raise ConfigError(f"{target} is a directory: m2flow plan takes {expected}")
+    if _is_workflow(target):
+        try:
+            resolve_workflow(target)
+        except ConfigError:
+            raise ConfigError(f"{target!r} is not a file: m2flow plan takes {expected}") from None
+        path = Path(f"m2flow-profile-{Path(target).stem}.yaml")
+        err.print(f"profiling {target} first (saved to {path}; plan it again from there)")
+        profile_to_file(target, overrides, [], path, log=err.print)
+    elif overrides:
+        raise ConfigError(f"overrides {overrides} apply to a workflow, not to a profile file")
+    try:
+        prof = load_profile(path)
+    except ProfileError as e:
+        msg = str(e) if str(path) in str(e) else f"profile {str(path)!r}: {e}"
+        raise ConfigError(msg) from None
+    capacity = memory_gb * GiB if memory_gb else (prof.device_memory_bytes or math.inf)
+    options = {"runner_ups": True, "allow_idle": allow_idle}
+    if slack is not None:
+        options["slack"] = slack
+    n_bar = None
+    if trace is not None or prices is not None or objective != "time":
+        if prof.spot is None:
+            prof = _with_default_spot(prof, path)
+        if trace is not None:
+            try:
+                n_bar = expected_instances(load_trace(trace))
+            except (TraceError, OSError) as e:
+                raise ConfigError(f"--spot-trace {str(trace)!r}: {e}") from None
+    result, placement, spot = plan_with_remote(
+        prof, devices, capacity, mode, objective, n_bar, _prices(prices), **options
+    )
+    return prof, result, placement, spot
+
+
+def _with_default_spot(prof, path: Path):
+    """``prof`` with a ``spot:`` pool assumed from its own measurements, for a profile that
+    has none (a profiler-written one): instances like one reserved device, each running the
+    ``rollout`` component at its measured 1-device rate, weights synced for free. Says so on
+    stderr.
+
+    Raises:
+        ConfigError: no ``rollout`` component to take the pool's rate from (the keys to add
+            are named).
+    """
+    from dataclasses import replace
+
+    from ..core.config import ConfigError
+    from ..scheduler.spot.plan import SpotPool
+
+    comp = prof.components.get("rollout")
+    one = comp.time_fit()(1) if comp is not None else 0.0
+    if not one > 0:
+        raise ConfigError(
+            f"--spot-trace/--price/--objective need a spot pool: add to profile {str(path)!r} "
+            "spot: {component: <the rollout group>, instance_items_per_s: <one instance's "
+            "items/s>} (optional: devices_per_instance, weight_sync_s; "
+            "m2flow.scheduler.plan.profile)"
+        )
+    rate = prof.batch_size / one
+    err.print(
+        f"spot: profile {escape(str(path))} has no spot: section; assumed instances like one "
+        f"reserved device: rollout at its measured 1-device rate, {rate:.3g} {prof.item}s/s "
+        "each, weight sync 0 s (write a spot: section to set them; m2flow.scheduler.plan.profile)",
+        highlight=False,
+    )
+    return replace(prof, spot=SpotPool(component="rollout", instance_items_per_s=rate))
+
+
+def _nodes(devs: range, per_node: int) -> str:
+    a, b = devs.start // per_node, (devs.stop - 1) // per_node
+    return str(a) if a == b else f"{a}-{b}"
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / GiB:.2f}"
+
+
+def components(result, per_node: int) -> dict[str, dict]:
+    """Per component of the best plan: devices, nodes, outgoing granularity, seconds, bytes."""
+    plan = result.plan
+    mem, times, gran = plan.memory(), plan.breakdown(), result.edge_granularity()
+    used = {c: u for lf in plan.leaves() for c, u in zip(lf.components, lf.component_devices)}
+    out_doc = {}
+    for name, rng in plan.placement().items():
+        out_doc[name] = {
+            "devices": [rng.start, rng.stop],
+            "num_devices": len(rng),
+            "devices_used": used.get(name, len(rng)),
+            "nodes": _nodes(rng, per_node),
+            "granularity_out": {d: m for (s, d), m in gran.items() if s == name},
+            "time_s": times[name],
+            "memory_bytes": mem.get(name),
+        }
+    return out_doc
+
+
+def _tree(plan, label: str) -> Tree:
+    from ..scheduler.plan.tree import CycleSplit, Leaf, Spatial
+
+    def head(node) -> str:
+        span = f"[{node.devices.start}, {node.devices.stop})"
+        if isinstance(node, Leaf):
+            tag = ", time-shared" if node.shared else ""
+            return f"[bold]{node.name}[/] {node.time:.4g} s on {span}{tag}"
+        if isinstance(node, CycleSplit):
+            return (
+                f"[cyan]cycle {node.name} split[/] {node.time:.4g} s on {span}: "
+                f"{len(node.upstream.devices)}+{len(node.downstream.devices)}, "
+                f"{node.chunks} sub-batches of {node.granularity}, {node.round_trips:g} round trips"
+            )
+        if isinstance(node, Spatial):
+            return (
+                f"[cyan]spatial[/] {node.time:.4g} s on {span}: split "
+                f"{len(node.upstream.devices)}+{len(node.downstream.devices)}, "
+                f"m={node.granularity} ({node.chunks} chunks)"
+            )
+        return f"[magenta]temporal[/] {node.time:.4g} s on {span}"
+
+    def add(parent: Tree, node) -> None:
+        branch = parent.add(head(node))
+        for child in node._children():
+            add(branch, child)
+
+    root = Tree(label)
+    add(root, plan)
+    return root
+
+
+def _components_table(comps: dict, nodes: int) -> Table:
+    t = Table(title="components")
+    cols = ["component", "devices", "#"] + (["nodes"] if nodes > 1 else [])
+    cols += ["granularity (out)", "predicted s", "memory GiB"]
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("component", "devices") else "right")
+    for name, c in comps.items():
+        n = str(c["num_devices"])
+        if c["devices_used"] != c["num_devices"]:
+            n += f" (uses {c['devices_used']})"
+        outs = ", ".join(f"{d}: {m}" for d, m in c["granularity_out"].items()) or "-"
+        row = [name, f"[{c['devices'][0]}, {c['devices'][1]})", n]
+        row += [c["nodes"]] if nodes > 1 else []
+        row += [outs, f"{c['time_s']:.4f}", _gib(c["memory_bytes"])]
+        t.add_row(*row)
+    return t
+
+
+def _fits(prof) -> dict[str, dict]:
+    """Per component: the time and memory fits, the device counts measured and the held-out
+    error (leave-one-out, from 3 device counts on; ``None`` below: an exact fit of two
+    points checks nothing)."""
+    from ..scheduler.plan.profile import fits
+
+    doc = {}
+    for name, (tf, mf) in fits(prof).items():
+        counts = sorted({int(n) for n, _ in tf.points})
+        doc[name] = {
+            "time": {"model": tf.model, "formula": tf.formula(), "error": tf.error},
+            "memory": {"model": mf.model, "formula": mf.formula(), "error": mf.error},
+            "note": tf.note,
+            "error_kind": tf.error_kind,
+            "device_counts": counts,
+            "held_out_error": tf.error if tf.error_kind == "loo" else None,
+        }
+    return doc
+
+
+def _fit_quality(f: dict) -> str:
+    """``4.2% held out`` from 3 device counts on; below, no error is known (two points fit
+    a two-parameter model exactly: its residual of ~1e-15 says nothing)."""
+    if f["held_out_error"] is not None:
+        return f"{100 * f['held_out_error']:.2g}% held out"
+    return "none: exact fit" if len(f["device_counts"]) == 2 else "none: 1 point"
+
+
+def _fits_table(fit_doc: dict) -> Table:
+    t = Table(title="profile fits (n = devices)")
+    for col in ("component", "time model", "seconds", "measured n", "error", "memory model"):
+        t.add_column(col, justify="right" if col in ("error", "measured n") else "left")
+    for name, f in fit_doc.items():
+        counts = ", ".join(map(str, f["device_counts"]))
+        t.add_row(name, f["time"]["model"], f["time"]["formula"], counts, _fit_quality(f),
+                  f["memory"]["model"])  # fmt: skip
+    return t
+
+
+def extrapolation_warning(fit_doc: dict, devices: int) -> str:
+    """A warning when ``devices`` lies beyond the device counts the profile measured (the
+    fits extrapolate there, unchecked); ``""`` within them."""
+    top = min((max(f["device_counts"]) for f in fit_doc.values()), default=devices)
+    if devices <= top:
+        return ""
+    return (
+        f"warning: planning {devices} devices from a profile measured on at most {top}: the "
+        "fits extrapolate beyond that, unchecked; profile more device counts (m2flow profile "
+        f"... --devices 1 --devices 2 --devices 4 ... on a cluster of up to {devices})"
+    )
+
+
+def _ranges(rs) -> str:
+    return ", ".join(f"[{r.start}, {r.stop})" for r in rs)
+
+
+def _idle_line(result) -> str:
+    idle = result.idle()
+    if not idle:
+        return ""
+    count = sum(len(r) for r in idle)
+    why = "predicted faster" if result.slack == 0 else f"more than {result.slack:.0%} faster"
+    return (
+        f"idle: {_ranges(idle)} ({count} of {result.num_devices} devices): no component is "
+        f"{why} on more of them (--no-idle uses every device)"
+    )
+
+
+def _shown(runner_ups, limit: int) -> list:
+    """The fastest ``limit`` runner-ups, plus the fastest of every kind (each mode's best)."""
+    firsts = {}
+    for p in runner_ups:
+        firsts.setdefault(p.kind(), p)
+    keep = {id(p) for p in runner_ups[:limit]} | {id(p) for p in firsts.values()}
+    return [p for p in runner_ups if id(p) in keep]
+
+
+def _write(path: Path, write) -> None:
+    """``write(path)``; a path that cannot be written (a missing parent directory: a typo
+    would otherwise create a tree; a parent that is a file; no permission) prints one line and
+    exits 2."""
+    try:
+        if not path.parent.is_dir():
+            raise OSError(f"{path.parent} is not a directory: create it first")
+        write(path)
+    except (OSError, ValueError) as e:
+        err.print(f"[bold red]error:[/] cannot write {escape(str(path))}: {escape(str(e))}",
+                  highlight=False)  # fmt: skip
+        raise typer.Exit(2) from None
+
+
+def _throughput(prof, step: float) -> str:
+    """Items per second, or why there is none: a profile measured at ``seconds: 0`` (below the
+    profiler's 1 us resolution) can predict a 0 s step, which bounds nothing."""
+    if step > 0:
+        return f"throughput {prof.batch_size / step:.3f} {prof.item}s/s"
+    return "throughput unbounded: the profile predicts 0 s for this plan's components"
+
+
+def plan(
+    target: str = typer.Argument(..., help="profile YAML, or a workflow (profiled first)"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="workflow overrides key=value"),
+    devices: int = typer.Option(..., "--devices", "-n", help="devices to plan for (all nodes)"),
+    nodes: int = typer.Option(1, "--nodes", help="nodes the devices are spread over evenly"),
+    mode: str = typer.Option("auto", "--mode", help="auto|temporal|spatial|hybrid"),
+    memory_gb: Optional[float] = typer.Option(
+        None, "--memory-gb", help="memory per device, GiB (default: the profile's)"
+    ),
+    gantt_png: Optional[Path] = typer.Option(None, "--gantt", help="draw one predicted step"),
+    save: Optional[Path] = typer.Option(
+        None, "--save", help="write a plan file for plan=FILE (into an existing directory)"
+    ),
+    as_json: bool = typer.Option(False, "--json", help="print JSON only"),
+    idle: bool = typer.Option(
+        True, "--idle/--no-idle", help="let a component use fewer devices when that is faster"
+    ),
+    slack: Optional[float] = typer.Option(
+        None,
+        "--slack",
+        help="use the fewest devices within this fraction of a component's fastest time "
+        "(default 0.01; 0: exact)",
+    ),
+    spot_trace: Optional[Path] = typer.Option(
+        None, "--spot-trace", help="spot availability CSV (t_s,instances): expected instances"
+    ),
+    price: Optional[str] = typer.Option(
+        None, "--price", help="$ per device-hour: reserved=10.47,spot=2.66 (default: profile's)"
+    ),
+    objective: str = typer.Option(
+        "time", "--objective", help="spot choice optimises: time|cost|tokens_per_dollar"
+    ),
+) -> None:
+    """Print the plan for N devices: tree, components, prediction, runner-ups."""
+    from ..core.config import ConfigError
+
+    global out, err
+    # Fresh consoles per call: one built at import fixes its width from COLUMNS as it was then.
+    out, err = Console(soft_wrap=True), Console(stderr=True, soft_wrap=True)
+    try:
+        prof, result, placement, spot = _plan(
+            target, devices, nodes, mode, memory_gb, overrides or [], idle, slack, spot_trace,
+            price, objective,
+        )  # fmt: skip
+    except (ConfigError, ValueError) as e:
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        raise typer.Exit(2) from None
+    overhead = float(prof.step_overhead_s or 0.0)
+    step = placement.predicted_step_s
+    per_node = devices // nodes
+    comps = components(result, per_node)
+    fit_doc = _fits(prof)
+    warning = extrapolation_warning(fit_doc, devices)
+    if warning:
+        err.print(f"[yellow]{escape(warning)}[/]", highlight=False)
+    if save is not None:
+        _write(save, placement.save)
+    if gantt_png is not None:
+        from .plan_gantt import gantt, spot_parts
+
+        parts = None
+        if spot is not None and spot.best.mode != "reserved":
+            opts = {"allow_idle": idle, **({} if slack is None else {"slack": slack})}
+            parts = spot_parts(prof, devices, result.capacity, mode, **opts)
+        _write(gantt_png, lambda path: gantt(result, prof, path, spot, parts))
+    if as_json:
+        doc = result.to_dict()
+        doc.update(
+            workflow=prof.workflow,
+            item=prof.item,
+            nodes=nodes,
+            devices_per_node=per_node,
+            step_overhead_s=overhead,
+            predicted_step_s=step,
+            throughput_items_per_s=prof.batch_size / step if step > 0 else None,
+            components=comps,
+            fits=fit_doc,
+            warnings=[warning] if warning else [],
+            spot=None if spot is None else spot.to_dict(),
+        )
+        print(json.dumps(doc, indent=2))
+        return
+    out.print(
+        f"[bold]{prof.workflow}[/]: {devices} devices"
+        + (f" on {nodes} nodes ({per_node} per node)" if nodes > 1 else "")
+        + f", mode {mode}, batch {prof.batch_size} {prof.item}s per step, "
+        + f"memory {_gib(result.capacity) if math.isfinite(result.capacity) else 'unlimited'}"
+        + (" GiB per device" if math.isfinite(result.capacity) else ""),
+        highlight=False,
+    )
+    out.print(_tree(result.plan, f"plan ({result.plan.kind()}): {result.plan.shape()}"))
+    if _idle_line(result):
+        out.print(_idle_line(result), highlight=False)
+    out.print(_components_table(comps, nodes))
+    out.print(_fits_table(fit_doc))
+    extra = f" + unattributed {overhead:.4f} s" if overhead else ""
+    reserved_step = result.time + overhead
+    svc = placement.remote.get("reward_service")
+    if svc:
+        reserved_step += svc["tail_s"] + svc["extra_delay_s"]
+        extra += f" + reward service {svc['tail_s'] + svc['extra_delay_s']:.4f} s"
+    out.print(
+        f"predicted step: [bold]{reserved_step:.4f} s[/] (plan {result.time:.4f} s{extra}); "
+        + _throughput(prof, reserved_step),
+        highlight=False,
+    )
+    if result.runner_ups:
+        t = Table(title="runner-ups")
+        for col in ("kind", "plan", "devices used", "predicted s", "vs best"):
+            t.add_column(col, justify="left" if col in ("kind", "plan") else "right")
+        n = result.num_devices
+        for p in _shown(result.runner_ups, 10):
+            used = n - sum(len(r) for r in p.idle(n))
+            t.add_row(
+                p.kind(),
+                p.shape(),
+                f"{used}/{n}",
+                f"{p.time + overhead:.4f}",
+                f"{p.time / result.time:.3f}x" if result.time > 0 else "-",
+            )
+        out.print(t)
+    if svc:
+        out.print(
+            f"{svc['component']}: on the reward service, off the reserved devices (tail "
+            f"{svc['tail_s']:.3f} s + extra delay {svc['extra_delay_s']:.3f} s per step, included "
+            "in the prediction)",
+            highlight=False,
+        )
+    if spot is not None:
+        out.print(_spot_table(spot, prof))
+        if spot.best.mode != "reserved":
+            out.print(
+                f"predicted step with spot rollout: [bold]{step:.4f} s[/] "
+                f"(the tree above is the reserved-only plan; {placement.tree.splitlines()[0]})",
+                highlight=False,
+            )
+    if gantt_png is not None:
+        out.print(f"Gantt chart: {gantt_png}", highlight=False)
+    if save is not None:
+        out.print(f"plan file: {save} (run it with plan={save})", highlight=False)
+
+
+def _spot_table(spot, prof) -> Table:
+    t = Table(title=f"rollout: reserved or spot (objective {spot.objective})")
+    for col in ("", "rollout", "T_seed s", "N_prem", "instances", "step s", "$/step",
+                f"{prof.item}s/$"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("", "rollout") else "right")
+    for label, c in [("chosen", spot.best)] + [("runner-up", c) for c in spot.runner_ups]:
+        t.add_row(
+            label, c.mode, "-" if c.t_seed is None else f"{c.t_seed:.3f}", str(c.n_prem),
+            f"{c.instances:.2f}", f"{c.step_s:.4f}", f"{c.cost_per_step:.4f}",
+            "inf" if math.isinf(c.items_per_dollar) else f"{c.items_per_dollar:.2f}",
+        )  # fmt: skip
+    return t
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``plan`` to the ``m2flow`` Typer app."""
+    app.command("plan")(plan)
