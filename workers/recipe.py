@@ -120,7 +120,7 @@ def validate_lora(section, engine: str, name: str = "actor") -> None:
 
 @dataclass
 class OffPolicyConfig:
-    """``actor.off_policy``: the policy loss's off-policy correction (docs/concepts/m2flow.md),
+    """``actor.off_policy``: the policy loss's off-policy correction (docs/concepts/engines.md),
     read as :class:`~m2flow.workers.actor.config.OffPolicyOptions`."""
 
     correction: str = "none"  # none | tis | mis | decoupled

@@ -18,7 +18,7 @@ from ..engines.lora import LoraOptions
 @dataclass(frozen=True)
 class OffPolicyOptions:
     """``actor.off_policy``: how the policy loss corrects for data sampled by another policy
-    than the trainer's (:mod:`~..algos.off_policy`, docs/concepts/m2flow.md).
+    than the trainer's (:mod:`~..algos.off_policy`, docs/concepts/engines.md).
 
     Fields:
         correction: ``none`` (today's on-policy loss; the rollout's logprobs are the old
