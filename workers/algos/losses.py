@@ -23,6 +23,11 @@ The call an engine makes, once per micro-batch::
 It returns the scalar loss (backpropagated as it is) and metrics: floats, means over this
 micro-batch's units (:meth:`Loss.units`).
 
+Policy losses registered with ``off_policy=True`` (``grpo``, ``gspo``) take an ``off_policy``
+setting (``actor.off_policy``): each token's surrogate term is weighted by the correction's
+importance weight between ``old_logprobs`` and the rollout's ``behav_logprobs``
+(:mod:`.off_policy`).
+
 Sources: each function's docstring. Shapes: ``B`` responses, ``P`` prompt and ``R`` response
 tokens; logprobs are natural-log, float32.
 """
