@@ -119,6 +119,26 @@ def validate_lora(section, engine: str, name: str = "actor") -> None:
 
 
 @dataclass
+class OffPolicyConfig:
+    """``actor.off_policy``: the policy loss's off-policy correction (docs/concepts/engines.md),
+    read as :class:`~m2flow.workers.actor.config.OffPolicyOptions`."""
+
+    correction: str = "none"  # none | tis | mis | decoupled
+    clip: float = 2.0  # C: tis truncates at C; mis keeps [1/C, C]; decoupled drops > C (0: none)
+    level: str = "token"  # token | sequence (a weight per response: product of token ratios)
+    low: Optional[float] = None  # mis's lower bound (None: 1/clip)
+    high: Optional[float] = None  # mis's upper bound (None: clip)
+    allow_uncorrected: bool = False  # asynchronous training without a correction
+
+
+def validate_off_policy(section) -> None:
+    """Raises ConfigError for bad ``actor.off_policy`` values (naming the key)."""
+    from .actor.config import OffPolicyOptions
+
+    OffPolicyOptions.from_value(plain(section))
+
+
+@dataclass
 class LLMTrainerConfig(TrainerConfig):
     prompts_per_step: int = 32  # global batch: prompts (x rollout.n_samples responses)
 

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from m2flow.workers.algos.losses import knows_loss, loss_names
+from m2flow.workers.algos.off_policy import METRIC_PREFIXES as OFF_POLICY_METRICS
 from m2flow.workers.data.config import DataConfig
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
     LoraConfig,
     ModelConfig,
+    OffPolicyConfig,
     OptimConfig,
     RolloutConfig,
     TaskConfig,
@@ -32,6 +34,7 @@ from m2flow.workers.recipe import (
     response_length,
     validate_llm,
     validate_lora,
+    validate_off_policy,
     validate_optim,
 )
 from m2flow.workers.reward.config import RewardConfig
@@ -64,6 +67,8 @@ class ActorConfig(OptimConfig):
     tensor_parallel: int = 1  # megatron: TP size (divides the heads)
     pipeline_parallel: int = 1  # megatron: PP size (divides the layers); DP = devices / (TP*PP)
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: train a LoRA adapter (torch)
+    # none: on-policy (today's loss); tis | mis | decoupled: weigh tokens by pi_old / pi_behav
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
 
 
 @dataclass
@@ -108,6 +113,7 @@ def validate(cfg) -> None:
     validate_llm(cfg, min_samples=2)
     validate_optim(cfg.actor, "actor")
     validate_lora(cfg.actor.lora, cfg.actor.engine)
+    validate_off_policy(cfg.actor.off_policy)
     a = cfg.actor
     require(
         [
@@ -186,6 +192,9 @@ def main(cfg) -> dict:
             **{k: a_out[k] for k in ("loss", "clip_frac", "grad_norm")},
             # steps whose update a NaN/inf dropped (actor.nonfinite=skip); absent if none
             **{k: a_out[k] for k in ("nonfinite_skips",) if k in a_out},
+            # actor.off_policy.correction != none: importance weights, logprob mismatch,
+            # staleness (workers/algos/off_policy.py); absent without a correction
+            **{k: v for k, v in a_out.items() if k.startswith(OFF_POLICY_METRICS)},
             "weight_version": version,
             # the spot pool's counters (rollout.spot.enabled): tokens by reserved and spot
             # engines, preemptions, migrations, T_seed, N_prem

@@ -4,11 +4,109 @@ the run's seed) gives :class:`~.worker.ActorWorker`, typed and checked in one pl
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
+from m2flow.config import ConfigError
+
+from ..algos.off_policy import CORRECTION_NAMES, LEVELS
 from ..engines.lora import LoraOptions
+
+
+@dataclass(frozen=True)
+class OffPolicyOptions:
+    """``actor.off_policy``: how the policy loss corrects for data sampled by another policy
+    than the trainer's (:mod:`~..algos.off_policy`, docs/concepts/engines.md).
+
+    Fields:
+        correction: ``none`` (today's on-policy loss; the rollout's logprobs are the old
+            ones), ``tis`` (truncated importance sampling, Yao et al. 2025), ``mis`` (masked,
+            IcePop) or ``decoupled`` (AReaL's decoupled PPO). Any but ``none`` recomputes the
+            old (proximal) logprobs under the trainer's weights and weighs each token by
+            ``pi_old / pi_behav`` against the rollout's logprobs.
+        clip: ``C``: ``tis`` truncates at ``C``; ``mis`` keeps ``[1/C, C]`` (unless
+            ``low``/``high``); ``decoupled`` drops tokens above ``C`` (``0``: no cap). 2.0 by
+            default: veRL's rollout-correction threshold.
+        level: ``token`` (a weight per token) or ``sequence`` (per response: the product of
+            its token ratios).
+        low, high: ``mis``'s bounds (``None``: ``1/C`` and ``C``).
+        allow_uncorrected: accept asynchronous training (a staleness bound >= 1) with
+            ``correction=none``; read by the staleness bound's checks.
+    """
+
+    correction: str = "none"
+    clip: float = 2.0
+    level: str = "token"
+    low: float | None = None
+    high: float | None = None
+    allow_uncorrected: bool = False
+
+    @classmethod
+    def from_value(cls, value, role: str = "actor") -> OffPolicyOptions:
+        """The options from a dict (the config section), ``None`` (defaults) or options.
+
+        Raises:
+            ConfigError: an unknown key (named, with the options there are), or a bad value
+                (checked when built: the message names ``actor.off_policy.<key>`` and the fix).
+        """
+        if isinstance(value, OffPolicyOptions):
+            return value
+        value = dict(value or {})
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ConfigError(
+                f"{role}.off_policy has no option {', '.join(unknown)}: its options are "
+                f"{', '.join(names)}"
+            )
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        opt, key = self, "actor.off_policy"
+
+        def number(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if opt.correction not in CORRECTION_NAMES:
+            raise ConfigError(
+                f"{key}.correction={opt.correction!r}: pick one of {', '.join(CORRECTION_NAMES)}"
+            )
+        if opt.level not in LEVELS:
+            raise ConfigError(f"{key}.level={opt.level!r}: pick one of {', '.join(LEVELS)}")
+        if (
+            not number(opt.clip)
+            or opt.clip < 0
+            or (opt.clip == 0 and opt.correction != "decoupled")
+        ):
+            raise ConfigError(
+                f"{key}.clip={opt.clip!r}: give a number > 0 (2.0: veRL's cap; 0 means no cap "
+                "for correction=decoupled only)"
+            )
+        for name in ("low", "high"):
+            bound = getattr(opt, name)
+            if bound is not None and (not number(bound) or bound < 0):
+                raise ConfigError(
+                    f"{key}.{name}={bound!r}: give a number >= 0, or null (1/clip, clip)"
+                )
+        low = 1.0 / opt.clip if opt.low is None and opt.clip else opt.low
+        high = opt.clip if opt.high is None else opt.high
+        if low is not None and high is not None and low > high:
+            raise ConfigError(f"{key}.low={low} > {key}.high={high}: give low <= high")
+        if not isinstance(opt.allow_uncorrected, bool):
+            raise ConfigError(f"{key}.allow_uncorrected={opt.allow_uncorrected!r}: true or false")
+
+    @property
+    def enabled(self) -> bool:
+        """A correction is on (the loss reads the rollout's logprobs as ``behav_logprobs``)."""
+        return self.correction != "none"
+
+    @property
+    def settings(self) -> dict:
+        """The loss's ``off_policy`` setting (:func:`~..algos.losses.off_policy_weights`)."""
+        return {"correction": self.correction, "clip": self.clip, "level": self.level,
+                "low": self.low, "high": self.high}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -43,6 +141,8 @@ class ActorOptions:
         tensor_parallel, pipeline_parallel: the Megatron engine's TP and PP sizes.
         lora: :class:`~..engines.lora.LoraOptions` (a dict of them is converted; ``rank`` 0:
             full fine-tuning); needs an engine with ``supports_lora`` (``torch``).
+        off_policy: :class:`OffPolicyOptions` (a dict of them is converted): the off-policy
+            correction of the policy loss (``none`` by default).
     """
 
     lr: float = 1e-4
@@ -67,6 +167,7 @@ class ActorOptions:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     lora: LoraOptions = LoraOptions()
+    off_policy: OffPolicyOptions = OffPolicyOptions()
 
     @classmethod
     def from_kwargs(cls, kwargs: dict, role: str = "actor") -> ActorOptions:
@@ -75,6 +176,7 @@ class ActorOptions:
         Raises:
             ValueError: a key that is no option (named, with the options there are); a bad
                 ``lora`` value (:meth:`~..engines.lora.LoraOptions.from_value`).
+            ConfigError: a bad ``off_policy`` value (:meth:`OffPolicyOptions.from_value`).
         """
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
@@ -84,11 +186,15 @@ class ActorOptions:
                 f"{', '.join(sorted(names))} (m2flow.workers.actor.config.ActorOptions)"
             )
         lora = LoraOptions.from_value(kwargs.get("lora"), role)
-        return cls(**{**kwargs, "betas": tuple(kwargs.get("betas", cls.betas)), "lora": lora})
+        off_policy = OffPolicyOptions.from_value(kwargs.get("off_policy"), role)
+        return cls(**{**kwargs, "betas": tuple(kwargs.get("betas", cls.betas)), "lora": lora,
+                      "off_policy": off_policy})  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.nonfinite not in ("stop", "skip"):
             raise ValueError(f"actor.nonfinite={self.nonfinite!r}: pick stop or skip")
+        if isinstance(self.off_policy, dict):  # built directly with a plain section
+            object.__setattr__(self, "off_policy", OffPolicyOptions.from_value(self.off_policy))
 
     @property
     def mini(self) -> int | None:
@@ -133,9 +239,11 @@ class ActorOptions:
 
     @property
     def loss_settings(self) -> dict:
-        """The policy loss's settings (:func:`~..algos.losses.make_loss`)."""
+        """The policy loss's settings (:func:`~..algos.losses.make_loss`); ``off_policy`` only
+        with a correction on."""
+        off = {"off_policy": self.off_policy.settings} if self.off_policy.enabled else {}
         return {"clip_eps_low": self.clip_eps_low, "clip_eps_high": self.clip_eps_high,
-                "kl_coef": self.kl_coef}  # fmt: skip
+                "kl_coef": self.kl_coef, **off}  # fmt: skip
 
 
 @dataclass

@@ -21,6 +21,7 @@ from m2flow.core import events
 from .. import parallel as dp
 from ..algos.grpo import grpo_advantages
 from ..algos.losses import make_loss
+from ..algos.off_policy import OffPolicyStats
 from ..batch import concat
 from ..chunk import step_batch, timed
 from ..engines.base import NonFiniteError
@@ -72,6 +73,8 @@ class ActorWorker(OnTrainEngine, Worker):
         device = torch_device(self.devices)
         self.tokenizer = build_tokenizer(tokenizer)
         self.loss = make_loss(opt.loss, "policy", **opt.loss_settings)
+        off = opt.off_policy
+        self._off_policy = OffPolicyStats(off.correction, off.clip, off.level, off.low, off.high)
         self.engine = engine_class("train", opt.engine, self.role)(
             model, self.tokenizer, device=device, rank=self.rank, world_size=self.world_size,
             dist=dist, optim=opt.optim(compute_dtype(model.get("dtype", "auto"), device)),
@@ -107,9 +110,16 @@ class ActorWorker(OnTrainEngine, Worker):
         producer's end of step. Advantages are group-normalised rewards (DeepSeekMath GRPO,
         section 4.1.2); the loss is the PPO clipped surrogate with an optional k3 KL.
 
+        With an off-policy correction (``options.off_policy``) the old logprobs are
+        recomputed, the rollout's are the behaviour ones, and the loss weighs each token by
+        the correction (:mod:`~..algos.off_policy`).
+
         Returns:
             engine metrics (``loss``, ``clip_frac``, ``grad_norm``, ...), ``samples``,
             ``stale`` (samples generated with an older weight version than the actor's);
+            with a correction, the off-policy metrics
+            (:meth:`~..algos.off_policy.OffPolicyStats.result`: ``is_weight_mean``, ...,
+            ``mismatch_kl_k3``, ``staleness_max``, ``staleness_mean``, ``staleness_lag_<k>``);
             streaming (no ``mini_batch_size``): ``parts``, the forward/backward passes over
             arrived chunks (chunks queued together are one part); ``input_waits``: the
             ``[t0, t1]`` wall-clock (``time.time()``) seconds it waited for chunks (the
@@ -147,6 +157,7 @@ class ActorWorker(OnTrainEngine, Worker):
         if not len(data["response_ids"]):
             return {}
         data = self._logprobs(data)
+        self._add_off_policy(data)
         with self._named_step():
             return minibatch_update(self.engine, data, self.loss, self.options.mini,
                                     self.options.micro, epochs, generator)  # fmt: skip
@@ -160,6 +171,15 @@ class ActorWorker(OnTrainEngine, Worker):
         if "old_logprobs" not in data:
             data = dict(data, old_logprobs=self.engine.infer(data, None, micro))
         return data
+
+    def _add_off_policy(self, data: dict) -> None:
+        """With a correction on: count ``data``'s importance weights, logprob mismatch and
+        staleness (trained at this actor's weight version) into the step's metrics."""
+        if self.options.off_policy.enabled:
+            self._off_policy.add(
+                data["old_logprobs"], data["behav_logprobs"], data["response_mask"],
+                data.get("versions"), self.weight_version if "versions" in data else None,
+            )  # fmt: skip
 
     @contextlib.contextmanager
     def _named_step(self):
@@ -187,7 +207,9 @@ class ActorWorker(OnTrainEngine, Worker):
                 stale += sum(c.stale_samples(self.weight_version) for c in chunks)
                 data = self._training_data(batch)  # whole GRPO groups: a chunk is whole prompts
                 if len(data["advantages"]) and self._skip is None:
-                    trained += step.add(self._logprobs(data))
+                    data = self._logprobs(data)
+                    self._add_off_policy(data)
+                    trained += step.add(data)
                     n_parts += 1
             metrics = step.finish(skip=self._skip is not None)  # data parallel: the global step
         # A data-parallel rank that got no chunk still took the global step: report it.
@@ -201,7 +223,11 @@ class ActorWorker(OnTrainEngine, Worker):
         data = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
         data["advantages"] = grpo_advantages(batch["rewards"], batch["group_index"])
         self._check_advantages(data["advantages"], batch["rewards"])
-        if not self.options.recompute_old_logprobs:
+        if self.options.off_policy.enabled:  # old: recomputed; the rollout's: behaviour
+            data["behav_logprobs"] = batch["logprobs"]
+            if "versions" in batch.keys():
+                data["versions"] = batch["versions"]
+        elif not self.options.recompute_old_logprobs:
             data["old_logprobs"] = batch["logprobs"]
         if self.options.drop_flat_groups:
             keep = data["advantages"] != 0
@@ -229,6 +255,8 @@ class ActorWorker(OnTrainEngine, Worker):
         self._skip = self._skip or cause
 
     def _finish(self, metrics: dict, samples: int, trained: int, stale: int) -> dict:
+        metrics = {**metrics, **self._off_policy.result()}  # {} without a correction
+        self._off_policy.reset()
         self.weight_version += 1
         self._skip = None
         skips = metrics.pop("nonfinite_skips", 0)

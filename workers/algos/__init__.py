@@ -9,7 +9,12 @@
   :func:`masked_whiten`, :func:`explained_variance`);
 - :mod:`.losses`: every loss a train engine minimises, by name (:data:`LOSSES`: ``grpo``,
   ``gspo``, ``sft``, ``value``, ``score_bce``), bound to its settings by :func:`make_loss`
-  (``actor.loss=...``); the engines call them, never define one.
+  (``actor.loss=...``); the engines call them, never define one;
+- :mod:`.off_policy`: off-policy corrections (truncated and masked importance sampling,
+  AReaL's decoupled PPO) as per-token weights the policy losses apply
+  (``actor.off_policy.correction``), and the step's importance-weight, mismatch and
+  staleness metrics (:data:`CORRECTIONS`, :func:`correction_weights`,
+  :func:`decoupled_ppo_loss`, :class:`OffPolicyStats`).
 
 A new algorithm (RLOO, a DAPO variant) is one more module here. Exports are lazy: importing
 :mod:`.ppo` or :mod:`.grpo` does not import transformers.
@@ -32,6 +37,11 @@ _EXPORTS = {
     "make_loss": ".losses",
     "register_loss": ".losses",
     "gspo_loss": ".losses",
+    "CORRECTIONS": ".off_policy",
+    "correction_weights": ".off_policy",
+    "decoupled_ppo_loss": ".off_policy",
+    "off_policy_metrics": ".off_policy",
+    "OffPolicyStats": ".off_policy",
 }
 
 __all__ = sorted(_EXPORTS)

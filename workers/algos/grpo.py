@@ -57,6 +57,7 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     num_tokens: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with GRPO advantages, token-mean aggregated, optional k3 KL.
 
@@ -75,6 +76,9 @@ def grpo_loss(
         num_tokens: denominator of the token mean. Default: the tokens in this batch. With
             gradient accumulation pass the token count of the whole mini-batch so that the sum
             of micro-batch losses equals the mini-batch loss.
+        weights: ``[B, R]`` per-token weights (no gradient) multiplying the surrogate term,
+            an off-policy correction's (:mod:`.off_policy`): ``loss = sum_t mask_t [w_t pg_t
+            + kl_coef k3_t] / num_tokens``. ``None``: none (the same numbers bit for bit).
 
     Returns:
         ``(loss, metrics)``: scalar loss tensor; metrics (floats, token means over this batch):
@@ -88,6 +92,8 @@ def grpo_loss(
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
     pg = -torch.minimum(unclipped, clipped)
+    if weights is not None:
+        pg = pg * weights.detach()
     per_token = pg
     n_local = mask.sum().clamp(min=1.0)
     metrics: dict[str, float] = {}

@@ -23,6 +23,11 @@ The call an engine makes, once per micro-batch::
 It returns the scalar loss (backpropagated as it is) and metrics: floats, means over this
 micro-batch's units (:meth:`Loss.units`).
 
+Policy losses registered with ``off_policy=True`` (``grpo``, ``gspo``) take an ``off_policy``
+setting (``actor.off_policy``): each token's surrogate term is weighted by the correction's
+importance weight between ``old_logprobs`` and the rollout's ``behav_logprobs``
+(:mod:`.off_policy`).
+
 Sources: each function's docstring. Shapes: ``B`` responses, ``P`` prompt and ``R`` response
 tokens; logprobs are natural-log, float32.
 """
@@ -37,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .grpo import grpo_loss, k3_kl
+from .off_policy import correction_weights
 from .ppo import clipped_value_loss
 
 #: what an engine's forward gives a loss
@@ -58,6 +64,8 @@ class LossEntry:
         temperature: the forward's temperature; ``None``: the engine's (the sampling one).
         full_forward: one forward over ``prompt | response`` even where the engine would
             forward each distinct prompt once (its rows have distinct prompts).
+        off_policy: it applies an off-policy correction (:mod:`.off_policy`) given as its
+            ``off_policy`` setting (a policy loss reading ``behav_logprobs``).
     """
 
     fn: Callable
@@ -68,6 +76,7 @@ class LossEntry:
     metrics: tuple[str, ...] = ()
     temperature: float | None = None
     full_forward: bool = False
+    off_policy: bool = False
 
 
 #: name -> :class:`LossEntry`
@@ -127,7 +136,7 @@ def make_loss(name: str, kind: str | None = None, **settings) -> Loss:
 
     Raises:
         ValueError: an unknown name, or one of another kind than ``kind``; the message names
-            the losses of that kind.
+            the losses of that kind; an ``off_policy`` setting for a loss that applies none.
     """
     entry = LOSSES.get(name)
     if entry is None and ":" in name:
@@ -141,6 +150,12 @@ def make_loss(name: str, kind: str | None = None, **settings) -> Loss:
         raise ValueError(
             f"loss {name!r}: pick one of {', '.join(loss_names(kind))} "
             "(or a function's import path, 'package.module:function')"
+        )
+    if settings.get("off_policy") and not entry.off_policy:
+        raise ValueError(
+            f"loss {name!r} applies no off-policy correction: with actor.off_policy.correction="
+            f"{settings['off_policy']['correction']} pick one that does "
+            f"({', '.join(n for n, e in LOSSES.items() if e.off_policy)})"
         )
     return Loss(name, entry, dict(settings))
 
@@ -167,6 +182,27 @@ def response_values(out: torch.Tensor, mb: dict) -> torch.Tensor:
     return out[:, p - 1 : -1] * mb["response_mask"]
 
 
+def off_policy_weights(mb: dict, off_policy: dict | None) -> torch.Tensor | None:
+    """The ``[b, R]`` weights of the correction ``off_policy`` names
+    (:func:`~.off_policy.correction_weights`'s keywords: ``correction``, ``clip``, ``level``,
+    ``low``, ``high``) between ``mb["old_logprobs"]`` (the trainer's, recomputed) and
+    ``mb["behav_logprobs"]`` (the rollout's); ``None`` without a correction.
+
+    Raises:
+        ValueError: a correction and no ``behav_logprobs`` in ``mb``.
+    """
+    if not off_policy:
+        return None
+    if "behav_logprobs" not in mb:
+        raise ValueError(
+            f"off-policy correction {off_policy['correction']!r} needs the rollout's behaviour "
+            "logprobs in the batch (behav_logprobs)"
+        )
+    return correction_weights(
+        mb["old_logprobs"], mb["behav_logprobs"], mb["response_mask"], **off_policy
+    ).weights
+
+
 def sequence_scores(out: torch.Tensor, mb: dict) -> torch.Tensor:
     """``[b]`` head output (a logit) at the last real token of ``prompt | response`` (the EOS
     when the response has one): a reward model's score of the whole sample."""
@@ -178,12 +214,12 @@ def sequence_scores(out: torch.Tensor, mb: dict) -> torch.Tensor:
 
 
 @register_loss(
-    "grpo", "policy", keys=("advantages", "old_logprobs", "ref_logprobs"),
-    metrics=("pg_loss", "clip_frac", "ratio_mean"),
+    "grpo", "policy", keys=("advantages", "old_logprobs", "ref_logprobs", "behav_logprobs"),
+    metrics=("pg_loss", "clip_frac", "ratio_mean"), off_policy=True,
 )  # fmt: skip
 def clipped_policy_loss(
     logprobs: torch.Tensor, mb: dict, normalizer: float, clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.2, kl_coef: float = 0.0,
+    clip_eps_high: float = 0.2, kl_coef: float = 0.0, off_policy: dict | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
     """The token-level clipped surrogate (PPO, Schulman et al., 2017, eq. 7) with GRPO's
     group-relative advantages and k3 KL (DeepSeekMath, Shao et al., 2024, eqs. 3-4), DAPO's
@@ -196,6 +232,12 @@ def clipped_policy_loss(
     ``mb``: ``advantages`` ``[b]`` or ``[b, R]``, ``old_logprobs`` ``[b, R]``, and
     ``ref_logprobs`` ``[b, R]`` with ``kl_coef > 0``. Metrics (token means): ``pg_loss``,
     ``clip_frac``, ``ratio_mean``, ``kl`` (with a reference).
+
+    ``off_policy`` (``actor.off_policy``): the surrogate term of each token is multiplied by
+    the correction's weight (:func:`off_policy_weights`; ``mb["behav_logprobs"]`` ``[b, R]``,
+    the rollout's): ``tis``/``mis`` as Yao et al. 2025 and IcePop, and with ``old_logprobs``
+    the recomputed proximal policy, ``decoupled`` is AReaL's decoupled PPO
+    (:func:`~.off_policy.decoupled_ppo_loss`).
     """
     return grpo_loss(
         logprobs,
@@ -207,16 +249,18 @@ def clipped_policy_loss(
         ref_logprobs=mb.get("ref_logprobs"),
         kl_coef=kl_coef,
         num_tokens=normalizer,
+        weights=off_policy_weights(mb, off_policy),
     )
 
 
 @register_loss(
-    "gspo", "policy", unit="sequences", keys=("advantages", "old_logprobs", "ref_logprobs"),
-    metrics=("pg_loss", "clip_frac", "ratio_mean"),
+    "gspo", "policy", unit="sequences",
+    keys=("advantages", "old_logprobs", "ref_logprobs", "behav_logprobs"),
+    metrics=("pg_loss", "clip_frac", "ratio_mean"), off_policy=True,
 )  # fmt: skip
 def gspo_loss(
     logprobs: torch.Tensor, mb: dict, normalizer: float, clip_eps_low: float = 3e-4,
-    clip_eps_high: float = 4e-4, kl_coef: float = 0.0,
+    clip_eps_high: float = 4e-4, kl_coef: float = 0.0, off_policy: dict | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
     """GSPO's sequence-level clipped objective (Zheng et al., 2025, "Group Sequence Policy
     Optimization", eqs. 5-7; its token form GSPO-token, eqs. 13-14, which takes per-token
@@ -233,6 +277,8 @@ def gspo_loss(
 
     ``mb`` as :func:`clipped_policy_loss`. Metrics (sequence means): ``pg_loss``,
     ``clip_frac`` (share of sequences clipped), ``ratio_mean`` (mean ``s_i``), ``kl``.
+    ``off_policy``: each token's surrogate term times the correction's weight, as
+    :func:`clipped_policy_loss`.
     """
     mask = mb["response_mask"].float()
     adv = mb["advantages"]
@@ -244,6 +290,9 @@ def gspo_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    weights = off_policy_weights(mb, off_policy)
+    if weights is not None:
+        per_token = per_token * weights
     metrics: dict[str, float] = {}
     n = float(max(len(mask), 1))
     with torch.no_grad():
