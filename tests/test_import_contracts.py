@@ -71,7 +71,8 @@ PLANTS = {
     "process context imports the core": (
         "m2flow/_context.py",
         "def f():\n    from m2flow.core.worker import Worker  # noqa",
-        "m2flow._context is not allowed to import m2flow.core: - m2flow._context -> m2flow.core.worker",
+        "m2flow._context is not allowed to import m2flow.core: "
+        "- m2flow._context -> m2flow.core.worker",
     ),
     "loop inside the core": (
         "m2flow/core/liveness.py",

@@ -33,8 +33,8 @@ from m2flow.workers.engines.update import StreamedStep, minibatch_update
 from m2flow.workers.llm import build_char_tokenizer
 from test_llm import _params_close, _rollout_batch, tiny_model
 
-from m2flow.config import ConfigError
-from m2flow.workflow import prepare
+from m2flow.core.config import ConfigError
+from m2flow.run.workflow import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "workflows" / "grpo.py"
@@ -345,7 +345,7 @@ def test_smoke_run_logs_the_off_policy_metrics(tmp_path):
     args = ["run", str(GRPO), "-c", "smoke", "trainer.steps=2", "warm_start.steps=5",
             "actor.off_policy.correction=tis", f"trainer.run_dir={run_dir}"]  # fmt: skip
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "m2flow.cli", *args], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "m2flow.run.cli", *args], capture_output=True,
                           text=True, timeout=300, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m2flow.config import ConfigError
+from m2flow.core.config import ConfigError
 
 from ..algos.off_policy import CORRECTION_NAMES, LEVELS
 from ..engines.lora import LoraOptions
