@@ -47,7 +47,8 @@ seconds across devices (default 0, as the synchronous plan assumes); ``--lengths
 lognormal:MEDIAN,SIGMA,CAP`` (tokens) or ``--lengths FILE`` (one length a line) gives the
 response-length tail partial rollouts can fill (without it: none).
 
-    m2flow plan benchmarks/profiles/ppo_4_1_1_1_1.yaml -n 64 --staleness --lengths lognormal:2000,1,16384
+    m2flow plan benchmarks/profiles/ppo_4_1_1_1_1.yaml -n 64 --staleness \\
+        --lengths lognormal:2000,1,16384
 
 Bad input (a missing or invalid profile, a component missing from it, memory infeasible at
 every split, fewer devices than a component's minimum, more than ``MAX_DEVICES`` (65,536)

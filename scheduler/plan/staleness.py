@@ -76,7 +76,7 @@ import numpy as np
 from .cost import INF, divisors
 from .planner import DEFAULT_SLACK, Workflow, condense, plan_workflow
 from .tables import Planner
-from .tree import CycleSplit, Leaf, Plan, PlanError, Spatial
+from .tree import CycleSplit, Plan, PlanError, Spatial
 
 DEFAULT_MAX_STALENESS = 4
 DEFAULT_STALENESS_SLACK = 0.05
@@ -143,6 +143,7 @@ class StalenessPlan:
 
     def to_dict(self) -> dict:
         """JSON-ready: rows, chosen, tail, note."""
+
         def row(r: Row) -> dict:
             return {"k": r.k, "placement": r.placement, "step_s": r.step_s,
                     "items_per_s": r.items_per_s, "mean_staleness": r.mean_staleness}  # fmt: skip
@@ -246,7 +247,8 @@ def _stages(node: Plan) -> list[Plan]:
 
 def _rollout_time(node: Plan, rollout: set[str]) -> float:
     if isinstance(node, CycleSplit):
-        return node.time if set(c for lf in node.leaves() for c in lf.components) <= rollout else 0.0
+        names = {c for lf in node.leaves() for c in lf.components}
+        return node.time if names <= rollout else 0.0
     return sum(
         t for lf in node.leaves() for c, t in zip(lf.components, lf.component_times) if c in rollout
     )
@@ -283,7 +285,9 @@ def rollout_node(workflow: Workflow, rollout: Sequence[str] | None = None) -> se
     if rollout:
         bad = set(rollout) - names
         if bad:
-            raise PlanError(f"rollout components {sorted(bad)} are not in the workflow {sorted(names)}")
+            raise PlanError(
+                f"rollout components {sorted(bad)} are not in the workflow {sorted(names)}"
+            )
         return set(rollout)
     nodes, edges = condense(workflow)
     sources = [i for i in range(len(nodes)) if not any(v == i for _, v in edges)]
@@ -418,11 +422,9 @@ def plan_staleness(
                     sync_s, overhead_s, float(rr[i]), True,
                 ))  # fmt: skip
         if spot is not None:
-            cands.append(Pipeline(
-                "spot", spot.step_s,
-                (Stage("spot pool", spot.rollout_s, spot.rollout_s), Stage("reserved", spot.train_s)),
-                spot.sync_s, 0.0, spot.rollout_s, True,
-            ))  # fmt: skip
+            pool = Stage("spot pool", spot.rollout_s, spot.rollout_s)
+            cands.append(Pipeline("spot", spot.step_s, (pool, Stage("reserved", spot.train_s)),
+                                  spot.sync_s, 0.0, spot.rollout_s, True))  # fmt: skip
         for pipe in cands:
             step = period(pipe, k, tail)
             x = batch / step if step > 0 else math.inf
