@@ -244,3 +244,22 @@ def test_cli_bad_staleness_input_is_one_line_exit_2(app, args, words):
     res = run(app, str(CHAIN), "-n", "8", "--staleness", *args)
     assert res.exit_code == 2
     assert words in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_two_steady_state_steps_drawn(app, tmp_path):
+    from m2flow.run.plan_gantt import async_chart_rows
+
+    prof = load_profile(PPO)
+    sp = plan_staleness(to_workflow(prof), 64, prof.device_memory_bytes, tail=0.6, sync_s=0.5)
+    rows, bars, end, title = async_chart_rows(sp)
+    pipe = sp.pipelines[(sp.chosen.k, sp.chosen.placement)]
+    assert rows == [st.name for st in pipe.stages] and f"K={sp.chosen.k}" in title
+    assert end == pytest.approx(2 * sp.chosen.step_s)  # two periods (no overhead here)
+    for i in range(len(rows)):  # a stage never works on two batches at once
+        spans = sorted((a, z) for r, kind, _, a, z in bars if r == i)
+        assert all(z1 <= a2 + 1e-9 for (_, z1), (a2, _) in zip(spans, spans[1:]))
+        assert sum(z - a for a, z in spans) <= end + 1e-9
+    png = tmp_path / "async.png"
+    res = run(app, str(CHAIN), "-n", "16", "--staleness", "--gantt", str(png))
+    assert res.exit_code == 0, res.stderr
+    assert png.stat().st_size > 0 and "two steady-state steps" in res.stdout

@@ -45,7 +45,9 @@ K within ``--staleness-slack`` (default 0.05) of the best throughput
 (:mod:`m2flow.scheduler.plan.staleness` states the model). ``--sync-s`` is the weight update's
 seconds across devices (default 0, as the synchronous plan assumes); ``--lengths
 lognormal:MEDIAN,SIGMA,CAP`` (tokens) or ``--lengths FILE`` (one length a line) gives the
-response-length tail partial rollouts can fill (without it: none).
+response-length tail partial rollouts can fill (without it: none). ``--gantt`` with
+``--staleness`` draws two consecutive steady-state steps of the chosen pipeline instead of the
+synchronous step.
 
     m2flow plan benchmarks/profiles/ppo_4_1_1_1_1.yaml -n 64 --staleness \\
         --lengths lognormal:2000,1,16384
@@ -462,7 +464,12 @@ def plan(
         if spot is not None and spot.best.mode != "reserved":
             opts = {"allow_idle": idle, **({} if slack is None else {"slack": slack})}
             parts = spot_parts(prof, devices, result.capacity, mode, **opts)
-        _write(gantt_png, lambda path: gantt(result, prof, path, spot, parts))
+        if stale is not None:
+            from .plan_gantt import async_gantt
+
+            _write(gantt_png, lambda path: async_gantt(stale, prof, path))
+        else:
+            _write(gantt_png, lambda path: gantt(result, prof, path, spot, parts))
     if as_json:
         doc = result.to_dict()
         doc.update(
@@ -539,10 +546,8 @@ def plan(
     if stale is not None:
         _print_staleness(stale, prof)
     if gantt_png is not None:
-        out.print(f"Gantt chart: {gantt_png}", highlight=False)
-        if stale is not None:
-            out.print("(the chart is the synchronous step; two steps of the asynchronous "
-                      "pipeline are not drawn yet)", highlight=False)  # fmt: skip
+        extra = " (two steady-state steps of the chosen K)" if stale is not None else ""
+        out.print(f"Gantt chart: {gantt_png}{extra}", highlight=False)
     if save is not None:
         out.print(f"plan file: {save} (run it with plan={save})", highlight=False)
 

@@ -191,11 +191,17 @@ def _u(tail: float, k: int) -> float:
     return 0.0 if k == 0 else min(tail, k / (k + 1))
 
 
+def stage_busy(pipe: Pipeline, k: int, tail: float = 0.0) -> list[float]:
+    """Each stage's compute seconds per step at bound ``k``, ``T_i - u_K R_i`` (sync
+    excluded)."""
+    u = _u(tail, k)
+    return [st.busy_s - u * st.rollout_s for st in pipe.stages]
+
+
 def _bounds(pipe: Pipeline, k: int, tail: float) -> tuple[float, float, float]:
     """(latency bound, rollout stage's busy, slowest other stage's busy), overhead excluded."""
-    u = _u(tail, k)
     lat = pipe.latency_s / (k + 1)
-    busy = [st.busy_s - u * st.rollout_s + pipe.sync_s for st in pipe.stages]
+    busy = [b + pipe.sync_s for b in stage_busy(pipe, k, tail)]
     roll = max((b for b, st in zip(busy, pipe.stages) if st.rollout_s > 0), default=0.0)
     rest = max((b for b, st in zip(busy, pipe.stages) if st.rollout_s <= 0), default=0.0)
     return lat, roll, rest
@@ -262,13 +268,13 @@ def pipeline_of(
     time (the ``rollout`` components'), latency ``plan.time + S`` with ``S = sync_s`` when
     rollout has devices of its own, else ``colocated_sync_s``."""
     stages, rs, dedicated = [], 0.0, False
-    for i, st in enumerate(_stages(plan)):
+    for st in _stages(plan):
         names = {c for lf in st.leaves() for c in lf.components}
         r = _rollout_time(st, rollout)
         if r > 0 or names & rollout:
             rs = max(rs, r)
             dedicated = dedicated or names <= rollout
-        stages.append(Stage(f"stage {i}", float(st.time), r))
+        stages.append(Stage(st.shape(), float(st.time), r))
     s = sync_s if dedicated else colocated_sync_s
     return Pipeline(label or plan.kind(), float(plan.time) + s, tuple(stages), s, overhead_s,
                     rs, dedicated, plan)  # fmt: skip
