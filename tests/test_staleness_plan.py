@@ -84,7 +84,8 @@ def brute_force(wf, n, cap, max_k, tail, sync, slack, overhead=0.0):
             rows.append((k, wf.batch_size / period(pipe, k, tail)))
         u = 0.0 if k == 0 else min(tail, k / (k + 1))
         for r, t, lat in splits:  # the model, written out: latency bound, then each stage
-            step = overhead + max((lat + sync) / (k + 1), r * (1 - u) + sync, t + sync)
+            step = overhead + min(lat + sync, max((lat + sync) / (k + 1), r * (1 - u) + sync,
+                                                  t + sync))  # fmt: skip
             rows.append((k, wf.batch_size / step))
     best = max(x for _, x in rows)
     k_star = min(k for k, x in rows if x >= (1 - slack) * best)
@@ -263,3 +264,35 @@ def test_two_steady_state_steps_drawn(app, tmp_path):
     res = run(app, str(CHAIN), "-n", "16", "--staleness", "--gantt", str(png))
     assert res.exit_code == 0, res.stderr
     assert png.stat().st_size > 0 and "two steady-state steps" in res.stdout
+
+
+def test_spot_pool_row(app, tmp_path):
+    import yaml
+
+    comp = lambda s: {"points": [{"devices": 1, "seconds": 7 * s, "memory_bytes": 4e10},  # noqa: E731
+                                 {"devices": 8, "seconds": s, "memory_bytes": 2e10}]}  # fmt: skip
+    doc = {
+        "workflow": "grpo", "batch_size": 128, "item": "prompt",
+        "edges": [{"src": "rollout", "dst": "actor", "items_per_step": 128}],
+        "components": {"rollout": comp(120.0), "actor": comp(60.0)},
+        "spot": {"instance_items_per_s": 0.3, "devices_per_instance": 2,
+                 "expected_instances": 6.53, "weight_sync_s": 2.0},
+    }  # fmt: skip
+    path = tmp_path / "spot.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    rows = {}
+    for lengths in ([], ["--lengths", "lognormal:500,1,4096"]):
+        res = run(app, str(path), "-n", "8", "--memory-gb", "80", "--staleness", "--json",
+                  *lengths)  # fmt: skip
+        assert res.exit_code == 0, res.stderr
+        out = json.loads(res.stdout)
+        assert out["spot"]["best"]["mode"] != "reserved"
+        spot = [r for r in out["staleness"]["rows"] if r["placement"] == "spot"]
+        assert [r["k"] for r in spot] == [0, 1, 2, 3, 4]
+        assert spot[0]["step_s"] == pytest.approx(out["spot"]["best"]["step_s"])  # the spot model
+        assert all(b["step_s"] <= a["step_s"] + 1e-12 for a, b in zip(spot, spot[1:]))
+        rows[bool(lengths)] = spot
+    # The spot model already streams rollout into training: without a tail, asynchrony has
+    # nothing left to overlap; with one, partial rollouts fill it.
+    assert rows[False][4]["step_s"] == pytest.approx(rows[False][0]["step_s"])
+    assert rows[True][2]["step_s"] < 0.97 * rows[True][0]["step_s"]

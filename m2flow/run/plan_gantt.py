@@ -128,9 +128,18 @@ def async_gantt(sp, prof, path: Path) -> None:
     batches = {b for _, kind, b, _, _ in bars if kind == "compute"}
     batches = sorted(batches, key=lambda x: int(x[1:]))
     color = {b: PALETTE[i % len(PALETTE)] for i, b in enumerate(batches)}
-    _draw(rows, bars, end, title, color, path, "seconds, two consecutive steps",
-          f"{end / 2:.4g} s per step (bN: batch N)", sync_label="weight sync",
-          plan_kinds=False)
+    _draw(
+        rows,
+        bars,
+        end,
+        title,
+        color,
+        path,
+        "seconds, two consecutive steps",
+        f"{end / 2:.4g} s per step (bN: batch N)",
+        sync_label="weight sync",
+        plan_kinds=False,
+    )
 
 
 def gantt(result, prof, path: Path, spot=None, parts=None) -> None:
@@ -139,8 +148,16 @@ def gantt(result, prof, path: Path, spot=None, parts=None) -> None:
     rows, bars, end, title = chart_rows(result, prof, spot, parts)
     names = list(prof.components)
     color = {n: PALETTE[i % len(PALETTE)] for i, n in enumerate(names)}
-    _draw(rows, bars, end, title, color, path, "seconds within one predicted step",
-          f"{end:.4g} s per step on {result.num_devices} reserved devices")
+    _draw(
+        rows,
+        bars,
+        end,
+        title,
+        color,
+        path,
+        "seconds within one predicted step",
+        f"{end:.4g} s per step on {result.num_devices} reserved devices",
+    )
 
 
 def _draw(rows, bars, end, title, color, path, xlabel, subtitle,

@@ -428,9 +428,12 @@ def staleness_from_profile(
         if choice is not None and choice.instances > 0 and rest.components:
             plain = {k: v for k, v in options.items() if k != "runner_ups"}
             train = plan_from_profile(rest, num_devices, capacity, mode, **plain)[1]
+            alone = _sub_profile(prof, {prof.spot.component})
+            r_all = plan_from_profile(alone, num_devices, capacity, "auto", **plain)[0].time
             rate = choice.instances * prof.spot.instance_items_per_s
             pool_row = SpotPipeline(choice.step_s, prof.batch_size / rate,
-                                    train.predicted_step_s, prof.spot.weight_sync_s)  # fmt: skip
+                                    train.predicted_step_s, prof.spot.weight_sync_s,
+                                    r_all)  # fmt: skip
     try:
         return plan_staleness(
             to_workflow(prof), num_devices, capacity if capacity else float("inf"),

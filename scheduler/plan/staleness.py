@@ -23,6 +23,9 @@ for it, counted on every stage, which overstates it for stages that take no part
 
     P_K = o + max( (L + S) / (K + 1),  max_i (T_i - u_K R_i + S) ).
 
+A bound K permits every schedule a smaller one does, so the synchronous step caps it:
+``P_K = min(o + L + S, P_K)`` (it binds only for a spot pool, whose seeded synchronous step
+can beat the pool rolling out alone; a plan's stages are each at most its latency).
 ``K = 0``: ``P_0 = o + L + S``, today's prediction (plus the sync, 0 by default). With
 ``K >= 1`` on disjoint devices rollout of steps s+1..s+K overlaps training of step s and the
 period falls to ``max(rollout, train + sync)`` once ``K`` covers the latency (veRL's one-step
@@ -156,12 +159,30 @@ class StalenessPlan:
 class SpotPipeline:
     """Rollout on a spot pool (:mod:`m2flow.scheduler.spot.plan`): ``step_s`` its K = 0 step
     (the spot model's best, sync included), ``rollout_s`` the pool's batch time ``B / (n r)``,
-    ``train_s`` the reserved devices' plan of the rest, ``sync_s`` the pool's weight push."""
+    ``train_s`` the reserved devices' plan of the rest, ``sync_s`` the pool's weight push,
+    ``reserved_rollout_s`` rollout's batch time on all reserved devices (``R``; 0: no seeding).
+
+    With K >= 1 the reserved devices seed ``T`` of every step's rollout and train; the pool
+    rolls out the rest. Both are stages: reserved busy ``T + t_train``, pool
+    ``B (1 - T / R) / (n r)``, their rollout parts shrinking by ``u_K``; ``T`` balances them
+    (the spot model's crossing, without the sync both pay), clamped to ``[0, R]``."""
 
     step_s: float
     rollout_s: float
     train_s: float
     sync_s: float
+    reserved_rollout_s: float = 0.0
+
+    def stages(self, u: float = 0.0) -> tuple[Stage, Stage]:
+        """(pool, reserved) stages at the seeding window that balances them when the tail
+        share ``u`` of rollout is filled: ``T (1 - u) + t_train = B (1 - T / R)(1 - u) / (n r)``."""
+        r, pool = self.reserved_rollout_s, self.rollout_s
+        t = 0.0
+        if r > 0:
+            t = (pool * (1.0 - u) - self.train_s) / ((1.0 - u) * (1.0 + pool / r))
+            t = min(max(t, 0.0), r)
+        left = pool * (1.0 - t / r) if r > 0 else pool
+        return Stage("spot pool", left, left), Stage("reserved", t + self.train_s, t)
 
 
 def tail_share(lengths: Sequence[float]) -> float:
@@ -209,16 +230,15 @@ def _bounds(pipe: Pipeline, k: int, tail: float) -> tuple[float, float, float]:
 
 def period(pipe: Pipeline, k: int, tail: float = 0.0) -> float:
     """Steady-state step time (s) of ``pipe`` at bound ``k`` with tail share ``tail``:
-    ``o + max((L + S) / (K + 1), max_i (T_i - u_K R_i + S))`` (module docstring). Nonincreasing
-    in ``k``; ``period(pipe, 0) = o + L + S``.
+    ``o + min(L + S, max((L + S) / (K + 1), max_i (T_i - u_K R_i + S)))`` (module docstring).
+    Nonincreasing in ``k``; ``period(pipe, 0) = o + L + S``.
 
     Raises:
         ValueError: ``k < 0`` or ``tail`` outside [0, 1).
     """
     if k < 0 or not 0.0 <= tail < 1.0:
         raise ValueError(f"need k >= 0 and tail in [0, 1); got k={k}, tail={tail}")
-    lat, roll, rest = _bounds(pipe, k, tail)
-    return pipe.overhead_s + max(lat, roll, rest)
+    return pipe.overhead_s + min(pipe.latency_s, max(_bounds(pipe, k, tail)))
 
 
 def mean_staleness(pipe: Pipeline, k: int, tail: float = 0.0, samples: int = 256) -> float:
@@ -231,6 +251,8 @@ def mean_staleness(pipe: Pipeline, k: int, tail: float = 0.0, samples: int = 256
         return min(float(k), u / (2.0 * (1.0 - u)))
     lat, roll, rest = _bounds(pipe, k, tail)
     p = max(lat, roll, rest)
+    if p >= pipe.latency_s:  # the synchronous schedule is as fast: run it (no lag)
+        return 0.0
     r = pipe.rollout_s
     if not p > 0 or not r > 0:
         return 0.0
@@ -428,9 +450,9 @@ def plan_staleness(
                     sync_s, overhead_s, float(rr[i]), True,
                 ))  # fmt: skip
         if spot is not None:
-            pool = Stage("spot pool", spot.rollout_s, spot.rollout_s)
-            cands.append(Pipeline("spot", spot.step_s, (pool, Stage("reserved", spot.train_s)),
-                                  spot.sync_s, 0.0, spot.rollout_s, True))  # fmt: skip
+            pool, res = spot.stages(_u(tail, k))
+            cands.append(Pipeline("spot", spot.step_s, (pool, res), spot.sync_s, 0.0,
+                                  max(pool.busy_s, res.rollout_s), True))  # fmt: skip
         for pipe in cands:
             step = period(pipe, k, tail)
             x = batch / step if step > 0 else math.inf
