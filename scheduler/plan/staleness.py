@@ -21,17 +21,17 @@ period P, at ``a_j - (K + 1) P + d``; it needs ``R`` to reach ``a_j``. So
 ``T_i - u_K R_i + S`` per step (the *throughput bound*; ``S``: both sides of the update wait
 for it, counted on every stage, which overstates it for stages that take no part). Hence
 
-    P_K = o + max( (L + S) / (K + 1),  max_i (T_i - u_K R_i + S) ).
+    P_K = o + min( L + S,  max( (L + S) / (K + 1),  max_i (T_i - u_K R_i + S) ) ).
 
-A bound K permits every schedule a smaller one does, so the synchronous step caps it:
-``P_K = min(o + L + S, P_K)`` (it binds only for a spot pool, whose seeded synchronous step
-can beat the pool rolling out alone; a plan's stages are each at most its latency).
+The ``min``: a bound K permits every schedule a smaller one does, so the synchronous step caps
+the period (it binds only for a spot pool, whose seeded synchronous step can beat the pool
+rolling out alone; a plan's stages each take at most its latency).
 ``K = 0``: ``P_0 = o + L + S``, today's prediction (plus the sync, 0 by default). With
 ``K >= 1`` on disjoint devices rollout of steps s+1..s+K overlaps training of step s and the
 period falls to ``max(rollout, train + sync)`` once ``K`` covers the latency (veRL's one-step
-off-policy and fully asynchronous trainers; AReaL section 4). On a collocated (temporal)
-placement there is one stage, ``T = L``, and asynchrony saves only ``u_K R``: rollout and
-training cannot overlap on the same devices.
+off-policy and fully asynchronous trainers, AReaL: the figures issue 32 quotes). On a
+collocated (temporal) placement there is one stage, ``T = L``, and asynchrony saves only
+``u_K R``: rollout and training cannot overlap on the same devices.
 
 **The long tail** ``u``: the share of the rollout's device time left idle while the longest
 responses finish. With the whole batch decoded at once and a decode step costing the same
@@ -41,7 +41,8 @@ rollouts (on by default when ``K >= 1``, issue 32 item 2) refill freed slots wit
 steps' prompts, but a response can only span K + 1 rollouts' worth of decode, so the rollout
 phase cannot fall below ``R / (K + 1)``: ``u_K = min(u, K / (K + 1))`` (0 at K = 0). This is why
 K = 1 buys the overlap and K >= 2 the tail (veRL: streaming ~1.6x, partial rollouts the rest,
-2.35-2.67x in all; a SkyRL run at K = 0..4 gained 34 %, 9 %, 4 %, 12 %). A profile without
+2.35-2.67x in all; a SkyRL run at K = 0..4 gained 34 %, 9 %, 4 %, 12 %; as issue 32 quotes
+them). A profile without
 a length distribution (every shipped one) has ``u = 0``: the rollout time is what was measured
 and there is no tail to fill.
 
@@ -50,7 +51,7 @@ the updates published in between, ``ceil((tau + d) / P) - 1`` (at most K). Rollo
 devices (or on a stage of a pipeline of several) spreads batch j's tokens uniformly over
 ``R``: right before ``a_j`` when it is the
 bottleneck (lag ~1 whenever the other stages take a comparable time), right after admission
-when it has slack (it runs ahead to the bound: lag ~K, as AReaL observes without a bound).
+when it has slack (it runs ahead to the bound: lag ~K, why an unbounded trainer drifts).
 One stage (collocated): a batch's tokens spread over the ``1 / (1 - u_K)`` rollout phases its
 longest response spans, mean lag ``u_K / (2 (1 - u_K))``.
 
