@@ -8,14 +8,18 @@ timed call is :func:`m2flow.scheduler.plan.planner.plan_workflow`, best of ``--r
 
 - ``auto``: the optimal plan (what ``m2flow run plan=auto`` computes);
 - ``all``: the optimal plan plus the runner-ups (``runner_ups=True``: the optimum of every
-  mode and of every top-level split; what ``m2flow plan`` computes).
+  mode and of every top-level split; what ``m2flow plan`` computes);
+- ``staleness``: the rows of every (K, placement) for K = 0..4 and the choice
+  (:func:`m2flow.scheduler.plan.staleness.plan_staleness`: the best plan of every mode plus the
+  disaggregated split searched per K; what ``m2flow plan --staleness`` adds, issue 32 item 4).
 
 Large clusters (``--large``) are planned once each, in a fresh Python process per (graph,
 size), so that each peak is its own: ``peak_rss_mb`` is the process's peak resident memory
 (``ru_maxrss``), ``plan_peak_mb`` that minus the resident memory before planning (imports and
 the fitted profile: what planning itself added), after ``auto`` and then after ``all``.
 
-Targets at 1024 devices: chain <= 0.05 s, PPO <= 0.5 s; PPO at 16,384 devices <= 5 s. RLinf
+Targets at 1024 devices: chain <= 0.05 s, PPO <= 0.5 s, PPO with the staleness dimension
+<= 1 s; PPO at 16,384 devices <= 5 s. RLinf
 reports 5.98 s for its planner on a 3-node graph at 1024 devices (RLinf paper, planner
 overhead; printed for reference, a different machine and implementation).
 
@@ -58,6 +62,7 @@ CASES = {
 }
 TARGET_S = {"chain3": 0.05, "ppo_4_1_1_1_1": 0.5}  # at 1024 devices, "auto"
 TARGET_LARGE_S = {("ppo_4_1_1_1_1", 16384): 5.0}
+TARGET_STALENESS_S = {"ppo_4_1_1_1_1": 1.0}  # at 1024 devices, K = 0..4
 RLINF_3NODE_1024_S = 5.98
 COMPARE = "chain3:1024,ppo_4_1_1_1_1:1024,ppo_4_1_1_1_1:16384"
 
@@ -80,13 +85,14 @@ def use_scheduler(root: str | None):
     return plan_workflow, load_profile, to_workflow
 
 
-def best_of(repeats: int, *args, **kwargs) -> tuple[float, object]:
-    """Fastest of ``repeats`` calls of ``plan_workflow(*args, **kwargs)`` (seconds, result)."""
-    plan_workflow = use_scheduler(None)[0]
+def best_of(repeats: int, *args, fn=None, **kwargs) -> tuple[float, object]:
+    """Fastest of ``repeats`` calls of ``fn(*args, **kwargs)`` (seconds, result; ``fn``:
+    ``plan_workflow`` by default)."""
+    fn = fn or use_scheduler(None)[0]
     best, out = float("inf"), None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        out = plan_workflow(*args, **kwargs)
+        out = fn(*args, **kwargs)
         best = min(best, time.perf_counter() - t0)
     return best, out
 
@@ -275,6 +281,8 @@ def main() -> None:
         serve(args.serve or None)
         return
     plan_workflow, load_profile, to_workflow = use_scheduler(None)
+    from m2flow.scheduler.plan.staleness import plan_staleness
+
     counts = [n for n in (2**i for i in range(3, 21)) if n <= args.max_devices]
     rows = []
     for name, path in CASES.items():
@@ -284,6 +292,7 @@ def main() -> None:
         for n in counts:
             t_auto, plan = best_of(args.repeats, wf, n, cap)
             t_all, res = best_of(args.repeats, wf, n, cap, runner_ups=True)
+            t_st, st = best_of(args.repeats, wf, n, cap, fn=plan_staleness, max_staleness=4)
             rows.append(
                 {
                     "graph": name,
@@ -292,13 +301,15 @@ def main() -> None:
                     "devices": n,
                     "plan_s": t_auto,
                     "plan_with_runner_ups_s": t_all,
+                    "plan_staleness_s": t_st,
+                    "staleness_choice": {"k": st.chosen.k, "placement": st.chosen.placement},
                     "runner_ups": len(res.runner_ups),
                     "predicted_step_s": plan.time,
                     "plan": plan.shape(),
                 }
             )
     table = Table(title=f"planner time (best of {args.repeats})")
-    for col in ("graph", "devices", "auto s", "all s", "step s", "plan"):
+    for col in ("graph", "devices", "auto s", "all s", "staleness s", "step s", "plan"):
         table.add_column(col, justify="left" if col in ("graph", "plan") else "right")
     for r in rows:
         table.add_row(
@@ -306,6 +317,7 @@ def main() -> None:
             str(r["devices"]),
             f"{r['plan_s']:.4f}",
             f"{r['plan_with_runner_ups_s']:.4f}",
+            f"{r['plan_staleness_s']:.4f}",
             f"{r['predicted_step_s']:.3f}",
             r["plan"],
         )
@@ -319,6 +331,15 @@ def main() -> None:
             ok = "met" if at[0]["plan_s"] <= limit else "MISSED"
             console.print(
                 f"{name} at 1024 devices: {at[0]['plan_s']:.4f} s (target {limit} s: {ok})"
+            )
+    for name, limit in TARGET_STALENESS_S.items():
+        at = [r for r in rows if r["graph"] == name and r["devices"] == 1024]
+        if at:
+            t, base = at[0]["plan_staleness_s"], at[0]["plan_s"]
+            targets[f"{name}_staleness"] = {"limit_s": limit, "plan_s": t}
+            console.print(
+                f"{name} at 1024 devices with staleness K=0..4: {t:.4f} s, {t / base:.2f}x auto "
+                f"(target {limit} s: {'met' if t <= limit else 'MISSED'})"
             )
     console.print(f"RLinf reference: {RLINF_3NODE_1024_S} s for a 3-node graph at 1024 devices")
     large_rows = large([int(x) for x in args.large.split(",") if x], console)

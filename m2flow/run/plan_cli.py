@@ -38,6 +38,20 @@ the $ per device-hour, ``--objective time|cost|tokens_per_dollar`` what the choi
 
     m2flow plan benchmarks/profiles/spot_rlboost_8b.yaml -n 8 --spot-trace a.csv --objective cost
 
+Bounded staleness (issue 32 item 4): ``--staleness`` adds one row per ``(K, placement)`` for
+K in ``0..--max-staleness`` (default 4): the asynchronous pipeline's predicted step time,
+throughput and mean staleness (versions over trained tokens), the choice marked: the smallest
+K within ``--staleness-slack`` (default 0.05) of the best throughput
+(:mod:`m2flow.scheduler.plan.staleness` states the model). ``--sync-s`` is the weight update's
+seconds across devices (default 0, as the synchronous plan assumes); ``--lengths
+lognormal:MEDIAN,SIGMA,CAP`` (tokens) or ``--lengths FILE`` (one length a line) gives the
+response-length tail partial rollouts can fill (without it: none). ``--gantt`` with
+``--staleness`` draws two consecutive steady-state steps of the chosen pipeline instead of the
+synchronous step.
+
+    m2flow plan benchmarks/profiles/ppo_4_1_1_1_1.yaml -n 64 --staleness \\
+        --lengths lognormal:2000,1,16384
+
 Bad input (a missing or invalid profile, a component missing from it, memory infeasible at
 every split, fewer devices than a component's minimum, more than ``MAX_DEVICES`` (65,536)
 devices, a bad mode or node count, a ``--save``/``--gantt`` path that cannot be written)
@@ -401,6 +415,19 @@ def plan(
     objective: str = typer.Option(
         "time", "--objective", help="spot choice optimises: time|cost|tokens_per_dollar"
     ),
+    staleness: bool = typer.Option(
+        False, "--staleness", help="rows per (K, placement) of the asynchronous pipeline"
+    ),
+    max_staleness: int = typer.Option(4, "--max-staleness", help="largest K (versions)"),
+    staleness_slack: float = typer.Option(
+        0.05, "--staleness-slack", help="smallest K within this fraction of the best items/s"
+    ),
+    sync_s: float = typer.Option(
+        0.0, "--sync-s", help="seconds per weight update across devices (with --staleness)"
+    ),
+    lengths: Optional[str] = typer.Option(
+        None, "--lengths", help="response lengths: lognormal:MEDIAN,SIGMA,CAP or a file"
+    ),
 ) -> None:
     """Print the plan for N devices: tree, components, prediction, runner-ups."""
     from ..core.config import ConfigError
@@ -413,6 +440,10 @@ def plan(
             target, devices, nodes, mode, memory_gb, overrides or [], idle, slack, spot_trace,
             price, objective,
         )  # fmt: skip
+        stale = None
+        if staleness:
+            stale = _staleness(prof, devices, result.capacity, mode, spot, idle, slack,
+                               max_staleness, staleness_slack, sync_s, lengths)  # fmt: skip
     except (ConfigError, ValueError) as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
@@ -433,7 +464,12 @@ def plan(
         if spot is not None and spot.best.mode != "reserved":
             opts = {"allow_idle": idle, **({} if slack is None else {"slack": slack})}
             parts = spot_parts(prof, devices, result.capacity, mode, **opts)
-        _write(gantt_png, lambda path: gantt(result, prof, path, spot, parts))
+        if stale is not None:
+            from .plan_gantt import async_gantt
+
+            _write(gantt_png, lambda path: async_gantt(stale, prof, path))
+        else:
+            _write(gantt_png, lambda path: gantt(result, prof, path, spot, parts))
     if as_json:
         doc = result.to_dict()
         doc.update(
@@ -449,6 +485,8 @@ def plan(
             warnings=[warning] if warning else [],
             spot=None if spot is None else spot.to_dict(),
         )
+        if stale is not None:
+            doc["staleness"] = stale.to_dict()
         print(json.dumps(doc, indent=2))
         return
     out.print(
@@ -505,10 +543,74 @@ def plan(
                 f"(the tree above is the reserved-only plan; {placement.tree.splitlines()[0]})",
                 highlight=False,
             )
+    if stale is not None:
+        _print_staleness(stale, prof)
     if gantt_png is not None:
-        out.print(f"Gantt chart: {gantt_png}", highlight=False)
+        extra = " (two steady-state steps of the chosen K)" if stale is not None else ""
+        out.print(f"Gantt chart: {gantt_png}{extra}", highlight=False)
     if save is not None:
         out.print(f"plan file: {save} (run it with plan={save})", highlight=False)
+
+
+def _lengths(text: str | None):
+    """``--lengths``: ``(lengths, source)``; ``(None, "")`` without it."""
+    from ..core.config import ConfigError
+    from ..scheduler.plan.staleness import capped_lognormal
+
+    if text is None:
+        return None, ""
+    try:
+        if text.startswith("lognormal:"):
+            median, sigma, cap = (float(x) for x in text.split(":", 1)[1].split(","))
+            return capped_lognormal(median, sigma, cap), f"capped lognormal {text[10:]}"
+        vals = [float(x) for x in Path(text).read_text().split()]
+        if not vals or min(vals) < 0:
+            raise ValueError("give at least one length, none negative")
+        return vals, f"{len(vals)} lengths from {text}"
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"--lengths {text!r}: write lognormal:MEDIAN,SIGMA,CAP (tokens) or a file of "
+            f"lengths, one a line ({e})"
+        ) from None
+
+
+def _staleness(prof, devices, capacity, mode, spot, idle, slack, max_k, k_slack, sync_s,
+               lengths):  # fmt: skip
+    """The :class:`~m2flow.scheduler.plan.staleness.StalenessPlan`; ConfigError on bad input."""
+    from ..core.config import ConfigError
+    from .planning import staleness_from_profile
+
+    if max_k < 0:
+        raise ConfigError(f"--max-staleness {max_k}: give a whole number >= 0 (model versions)")
+    if not 0.0 <= k_slack < 1.0:
+        raise ConfigError(f"--staleness-slack {k_slack}: give a fraction in [0, 1), e.g. 0.05")
+    if not sync_s >= 0:
+        raise ConfigError(f"--sync-s {sync_s}: give seconds >= 0")
+    vals, source = _lengths(lengths)
+    opts = {"allow_idle": idle, **({} if slack is None else {"slack": slack})}
+    return staleness_from_profile(
+        prof, devices, capacity, mode, spot, max_staleness=max_k, staleness_slack=k_slack,
+        sync_s=sync_s, lengths=vals, length_source=source, **opts,
+    )  # fmt: skip
+
+
+def _print_staleness(sp, prof) -> None:
+    base = max((r.items_per_s for r in sp.rows if r.k == 0), default=0.0)
+    t = Table(title="asynchronous pipeline: bounded staleness K (model versions)")
+    for col in ("", "K", "placement", "step s", f"{prof.item}s/s", "vs best K=0", "mean staleness"):
+        t.add_column(col, justify="left" if col in ("", "placement") else "right")
+    for r in sp.rows:
+        mark = "[bold green]chosen[/]" if r == sp.chosen else ""
+        gain = f"{r.items_per_s / base:.3f}x" if base > 0 and math.isfinite(base) else "-"
+        t.add_row(mark, str(r.k), r.placement, f"{r.step_s:.4f}", f"{r.items_per_s:.3f}", gain,
+                  f"{r.mean_staleness:.2f}")  # fmt: skip
+    out.print(t)
+    c = sp.chosen
+    out.print(
+        f"staleness: K={c.k} on {c.placement}: {c.step_s:.4f} s per step, {c.items_per_s:.3f} "
+        f"{prof.item}s/s (the smallest K within the slack of the best); {sp.note}",
+        highlight=False,
+    )
 
 
 def _spot_table(spot, prof) -> Table:

@@ -10,6 +10,7 @@ what the seeding left, at ``instances x instance_items_per_s`` items per second.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 PALETTE = [
@@ -90,15 +91,81 @@ def chart_rows(result, prof, spot=None, parts=None):
     return rows, bars, end, title
 
 
+def async_chart_rows(sp, steps: int = 2):
+    """Two consecutive steady-state steps of the chosen asynchronous pipeline
+    (:class:`~m2flow.scheduler.plan.staleness.StalenessPlan`), as :func:`chart_rows` returns
+    them: one row per stage; stage i works on batch j from ``c_i + j P`` for its compute
+    (``T_i - u_K R_i``), then the weight sync (``S``), ``c_i`` the previous stages' compute
+    (a stage takes a batch once the one before finished it, unchunked), ``P`` the period
+    without the unattributed overhead. Bars carry the batch index as their component
+    (``b3``)."""
+    from ..scheduler.plan.staleness import period, stage_busy
+
+    c = sp.chosen
+    pipe = sp.pipelines[(c.k, c.placement)]
+    busy = stage_busy(pipe, c.k, sp.tail)
+    p = period(pipe, c.k, sp.tail) - pipe.overhead_s
+    end = steps * p
+    rows = [st.name for st in pipe.stages]
+    bars: list[tuple[int, str, str, float, float]] = []
+    start = 0.0
+    for i, b in enumerate(busy):
+        first = math.floor(-start / p) - 1 if p > 0 else 0
+        for j in range(first, first + steps + 3):
+            t0 = start + j * p
+            for kind, a, z in (("compute", t0, t0 + b), ("sync", t0 + b, t0 + b + pipe.sync_s)):
+                a, z = max(a, 0.0), min(z, end)
+                if z > a:
+                    bars.append((i, kind, f"b{j}", a, z))
+        start += b
+    title = f"K={c.k} on {c.placement}, steady state"
+    return rows, bars, end, title
+
+
+def async_gantt(sp, prof, path: Path) -> None:
+    """Draw :func:`async_chart_rows` into ``path`` (PNG by the suffix)."""
+    rows, bars, end, title = async_chart_rows(sp)
+    batches = {b for _, kind, b, _, _ in bars if kind == "compute"}
+    batches = sorted(batches, key=lambda x: int(x[1:]))
+    color = {b: PALETTE[i % len(PALETTE)] for i, b in enumerate(batches)}
+    _draw(
+        rows,
+        bars,
+        end,
+        title,
+        color,
+        path,
+        "seconds, two consecutive steps",
+        f"{end / 2:.4g} s per step (bN: batch N)",
+        sync_label="weight sync",
+        plan_kinds=False,
+    )
+
+
 def gantt(result, prof, path: Path, spot=None, parts=None) -> None:
     """Draw one predicted step (:func:`chart_rows`) into ``path`` (matplotlib, Agg; PNG by
     the suffix)."""
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
     rows, bars, end, title = chart_rows(result, prof, spot, parts)
     names = list(prof.components)
     color = {n: PALETTE[i % len(PALETTE)] for i, n in enumerate(names)}
+    _draw(
+        rows,
+        bars,
+        end,
+        title,
+        color,
+        path,
+        "seconds within one predicted step",
+        f"{end:.4g} s per step on {result.num_devices} reserved devices",
+    )
+
+
+def _draw(rows, bars, end, title, color, path, xlabel, subtitle,
+          sync_label="weight sync to spot", plan_kinds=True):  # fmt: skip
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    names = list(color)
     fig = Figure(figsize=(11, 1.4 + 0.55 * len(rows)))
     ax = fig.add_subplot()
     groups: dict[tuple, list] = {}
@@ -110,16 +177,17 @@ def gantt(result, prof, path: Path, spot=None, parts=None) -> None:
         ax.broken_barh(spans, (y - 0.4, 0.8), linewidth=0.3, **kw)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(list(reversed(rows)))
-    ax.set_xlabel("seconds within one predicted step")
+    ax.set_xlabel(xlabel)
     ax.set_xlim(0, end * 1.01 or 1.0)  # a 0 s step (profile at seconds: 0) still draws
-    ax.set_title(f"{title}: {end:.4g} s per step on {result.num_devices} reserved devices")
+    ax.set_title(f"{title}: {subtitle}")
     used = {c for _, _, c, _, _ in bars}
     kinds = {k for _, k, _, _, _ in bars}
     handles = [Patch(facecolor=color[c], label=c) for c in names if c in used]
-    handles += [Patch(label="switch (offload+onload)", **STYLE["switch"])]
-    handles += [Patch(label="per-chunk overhead", **STYLE["overhead"])]
+    if plan_kinds:
+        handles += [Patch(label="switch (offload+onload)", **STYLE["switch"])]
+        handles += [Patch(label="per-chunk overhead", **STYLE["overhead"])]
     if "sync" in kinds:
-        handles += [Patch(label="weight sync to spot", **STYLE["sync"])]
+        handles += [Patch(label=sync_label, **STYLE["sync"])]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -368,3 +368,80 @@ def _trace_report(session: Session, placement: Placement, out: dict, skip: int) 
     out["warnings"] = provenance_warnings(placement.plan, n, out["machine"])
     lines += [f"warning: {w}" for w in out["warnings"]]
     return lines
+
+
+def staleness_from_profile(
+    prof,
+    num_devices: int,
+    capacity: float | None,
+    mode: str = "auto",
+    spot=None,
+    *,
+    max_staleness: int | None = None,
+    staleness_slack: float | None = None,
+    sync_s: float = 0.0,
+    lengths=None,
+    length_source: str = "",
+    **options,
+):
+    """Issue 32 item 4: the asynchronous pipeline's rows per (K, placement) and the chosen one
+    (:func:`m2flow.scheduler.plan.staleness.plan_staleness`) for a profile.
+
+    Args:
+        spot: the :class:`~m2flow.scheduler.spot.plan.SpotPlan` of :func:`plan_with_remote`
+            (adds a ``spot`` row: the pool rolls out, the reserved devices train).
+        max_staleness / staleness_slack: ``plan.max_staleness`` (default 4) and
+            ``plan.staleness_slack`` (default 0.05).
+        sync_s: seconds per weight update across devices (the profile measures none).
+        lengths: response lengths (tokens) for the tail share; ``None``: no tail (``u = 0``).
+        options: the planner's ``allow_idle`` and ``slack``.
+
+    Raises:
+        ConfigError: no feasible plan or a bad argument (the message says which).
+    """
+    from ..scheduler.plan.planner import PlanError
+    from ..scheduler.plan.profile import to_workflow
+    from ..scheduler.plan.staleness import (
+        DEFAULT_MAX_STALENESS,
+        DEFAULT_STALENESS_SLACK,
+        SpotPipeline,
+        plan_staleness,
+        tail_share,
+    )
+
+    overhead = float(prof.step_overhead_s or 0.0)
+    svc = prof.reward_service
+    if svc is not None:
+        prof = _sub_profile(prof, set(prof.components) - {svc.component}, keep_spot=True)
+        overhead += svc.added_s
+    tail = tail_share(lengths) if lengths is not None else 0.0
+    note = (
+        f"tail share u = {tail:.3f} of the rollout ({length_source})"
+        if lengths is not None
+        else "the profile has no response-length distribution: rollout time as measured, "
+        "no tail to fill (u = 0; --lengths sets one)"
+    )
+    pool_row = None
+    if spot is not None and prof.spot is not None:
+        choice = next((c for c in (spot.best, *spot.runner_ups) if c.mode != "reserved"), None)
+        rest = _sub_profile(prof, set(prof.components) - {prof.spot.component})
+        if choice is not None and choice.instances > 0 and rest.components:
+            plain = {k: v for k, v in options.items() if k != "runner_ups"}
+            train = plan_from_profile(rest, num_devices, capacity, mode, **plain)[1]
+            alone = _sub_profile(prof, {prof.spot.component})
+            r_all = plan_from_profile(alone, num_devices, capacity, "auto", **plain)[0].time
+            rate = choice.instances * prof.spot.instance_items_per_s
+            pool_row = SpotPipeline(choice.step_s, prof.batch_size / rate,
+                                    train.predicted_step_s, prof.spot.weight_sync_s,
+                                    r_all)  # fmt: skip
+    try:
+        return plan_staleness(
+            to_workflow(prof), num_devices, capacity if capacity else float("inf"),
+            max_staleness=DEFAULT_MAX_STALENESS if max_staleness is None else max_staleness,
+            slack=DEFAULT_STALENESS_SLACK if staleness_slack is None else staleness_slack,
+            tail=tail, sync_s=sync_s, overhead_s=overhead, spot=pool_row,
+            allow_idle=options.get("allow_idle", True), plan_slack=options.get("slack", 0.01),
+            mode=mode, note=note,
+        )  # fmt: skip
+    except (PlanError, ValueError) as e:
+        raise ConfigError(f"staleness plan on {num_devices} devices: {e}") from None
