@@ -49,6 +49,9 @@ class ElasticGroup:
         preempt_grace_s: seconds a dead rank's node has to be marked dead for the death to
             count as a preemption (:func:`m2flow.core.liveness.preempted`).
         lock_service: the run's lock service (default: the one running, else a new one).
+        concurrency_groups: Ray concurrency groups of the ranks' own methods (name -> threads),
+            besides the runtime's: e.g. ``{"loop": 1}`` for a method that runs for the rank's
+            life, so that other calls (``__ray_call__``) still reach it.
 
     Raises:
         TypeError: ``worker_cls`` is not a Worker subclass.
@@ -60,6 +63,7 @@ class ElasticGroup:
         worker_cls: type,
         preempt_grace_s: float = PREEMPT_GRACE_S,
         lock_service=None,
+        concurrency_groups: dict[str, int] | None = None,
     ) -> None:
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"{worker_cls!r} is not a subclass of m2flow.Worker")
@@ -74,9 +78,8 @@ class ElasticGroup:
         self.lock_service = lock_service
         self.members: dict[int, Member] = {}
         self._ranks = itertools.count()
-        self._actor_cls = ray.remote(
-            concurrency_groups={IO_GROUP: 8, WATCH_GROUP: 1, CONTROL_GROUP: 1}
-        )(_actor_class(worker_cls))
+        groups = {**(concurrency_groups or {}), IO_GROUP: 8, WATCH_GROUP: 1, CONTROL_GROUP: 1}
+        self._actor_cls = ray.remote(concurrency_groups=groups)(_actor_class(worker_cls))
 
     def add(self, node_id: str, num_cpus: float = 0.0, **init_kwargs) -> Member:
         """Start a new rank on node ``node_id`` (hex; it dies with the node). Returns at once:

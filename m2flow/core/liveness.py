@@ -69,7 +69,8 @@ class Loss:
     def describe(self) -> str:
         d = self.death
         how = "preempted" if self.preempted else "crashed"
-        return f"worker group '{d.group}' rank {d.rank} on node {d.node} {how}: {d.cause}"
+        node = f"{d.node} ({self.node_id[:8]})" if self.node_id else d.node
+        return f"worker group '{d.group}' rank {d.rank} on node {node} {how}: {d.cause}"
 
     def event(self) -> dict:
         """The :data:`~m2flow.core.events.WORKER_LOST` value: ``{"group", "rank", "key",

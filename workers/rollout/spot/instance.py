@@ -29,6 +29,8 @@ from .names import MANAGER_NAME
 
 #: the elastic group of the spot instances (a death names it with the instance's rank)
 GROUP = "rollout.spot"
+#: the instances' own Ray concurrency group: :meth:`SpotInstance.run`, for the process's life
+LOOP_GROUP = "loop"
 
 
 class SpotInstance(Worker):
@@ -64,6 +66,7 @@ class SpotInstance(Worker):
         # vllm: max_batch is its max_num_seqs
         self.engine = cls.build({**args, "max_num_seqs": max_batch}, self.model, tok)
 
+    @ray.method(concurrency_group=LOOP_GROUP)
     def run(self) -> None:
         """The pull loop (module docstring), for the life of the process; an exception ends it
         (the manager names the error and retires the instance)."""

@@ -26,7 +26,7 @@ from m2flow.core import events
 from m2flow.core.elastic import ElasticGroup
 from m2flow.core.liveness import death_cause
 
-from .instance import GROUP, SpotInstance
+from .instance import GROUP, LOOP_GROUP, SpotInstance
 from .records import InstanceRecord
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,8 @@ class InstanceLives:
     def _open_group(self) -> None:
         """The elastic group of the instances and the loss events' cursor (first call)."""
         if self.group is None:
-            self.group = ElasticGroup(GROUP, SpotInstance, self.cfg.preempt_grace_s)
+            self.group = ElasticGroup(GROUP, SpotInstance, self.cfg.preempt_grace_s,
+                                      concurrency_groups={LOOP_GROUP: 1})  # fmt: skip
             self._lost_seen = self._bus.last.remote()
 
     async def _pool_loop(self) -> None:
@@ -97,7 +98,7 @@ class InstanceLives:
             lost = await self._wait_lost(m.key, self.cfg.preempt_grace_s + 30.0)
             if lost is None:  # no liveness record (e.g. it died before it registered)
                 lost = {"preempted": False, "describe": f"{where} died: {death_cause(e)}"}
-            self._gone(inst, lost["preempted"], lost["describe"])
+            self._gone(inst, lost["preempted"], f"{inst.id}: {lost['describe']}")
             return
         except Exception as e:  # noqa: BLE001 (ray.exceptions.RayTaskError: the loop raised)
             lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
