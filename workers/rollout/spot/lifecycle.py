@@ -30,7 +30,7 @@ from .instance import GROUP, LOOP_GROUP, SpotInstance
 from .records import InstanceRecord
 
 log = logging.getLogger(__name__)
-_LOST_POLL_S = 0.1  # seconds between reads of the run's WORKER_LOST events
+_LOST_POLL_S = 0.2  # seconds between reads of the run's WORKER_LOST events
 _KEEP_ERRORS = 20  # named instance errors kept for metrics()
 
 
