@@ -27,6 +27,7 @@ from m2flow.workers.rollout.emulated import (
     TokenRuns,
     throughput_preset,
 )
+from m2flow.workers.rollout.engines import HfEngine
 from m2flow.workers.rollout.exact import GenRequest
 from m2flow.workers.rollout.spot.config import SpotPoolConfig
 from m2flow.workers.rollout.spot.names import MANAGER_NAME
@@ -228,7 +229,35 @@ def test_config_selects_and_checks_the_emulated_engine():
         with pytest.raises(ValueError, match=msg):
             SpotPoolConfig(engine="emulated", emulated=bad).check()
     with pytest.raises(ValueError, match="engine"):
-        SpotPoolConfig(engine="vllm").check()
+        SpotPoolConfig(engine="nonesuch").check()
+
+
+class SpotCapableEngine(EmulatedEngine):
+    """An engine of a third party that continues requests block by block (``block_steps``)."""
+
+
+class GroupsOnlyEngine(HfEngine):
+    """An engine of a third party that samples whole groups only (no ``step``)."""
+
+
+def test_spot_engine_is_asked_of_the_registry_not_a_fixed_list():
+    """``rollout.spot.engine`` is any rollout engine that serves spot instances, as its class
+    says (``block_steps``): built-ins and engines by import path alike; one that cannot is
+    refused naming the engine, why, and the engines to pick instead."""
+    for name in ("exact", "emulated", "test_emulated:SpotCapableEngine"):
+        cls = SpotPoolConfig(engine=name).check_engine()
+        assert cls.block_steps, name
+        SpotPoolConfig(engine=name).check()
+    for name, path in [("hf", "m2flow.workers.rollout.engines.HfEngine"),
+                       ("test_emulated:GroupsOnlyEngine", "test_emulated.GroupsOnlyEngine"),
+                       ("spot", "m2flow.workers.rollout.spot.pool.SpotPoolEngine")]:  # fmt: skip
+        with pytest.raises(ValueError) as e:
+            SpotPoolConfig(engine=name).check()
+        msg = str(e.value)
+        assert f"rollout.spot.engine={name!r} ({path}) cannot serve spot instances" in msg, msg
+        assert "block_steps is False" in msg and "Set rollout.spot.engine to " in msg, msg
+        assert "exact" in msg.split("Set")[1] and "emulated" in msg.split("Set")[1], msg
+        assert " hf " not in msg.split("Set")[1], msg  # the fix lists only engines that can
 
 
 # -- the real pool with emulated engines ------------------------------------------------------

@@ -16,8 +16,10 @@ nothing, and :func:`span` then costs one attribute test).
 Run events (:func:`publish`, :func:`open_bus`) are the other half: values one process of a run
 publishes under a topic and another reads, without the runner in between -- e.g. the trainer's
 waits for input (topic :data:`TRAINER_WAITS`), which the spot pool's rollout manager reads for
-its Algorithm 1. They go through one small named actor, the run's event bus, which exists once a
-reader opened it; a publish with no bus is a no-op (a run without readers pays a name lookup).
+its Algorithm 1, or a preemptible worker's death (topic :data:`WORKER_LOST`), which the pool
+reads to migrate that instance's requests. They go through one small named actor, the run's
+event bus, which exists once a reader opened it; a publish with no bus is a no-op (a run
+without readers pays a name lookup).
 
 Event kinds (``cat`` of the trace): ``call`` (a group method on one rank), ``lock_wait``
 (acquiring the rank's device locks, including offloading the previous holders and onloading
@@ -130,6 +132,9 @@ BUS_NAME = "m2flow:run_events"  # the run's event bus, a named actor in m2flow's
 #: topic of a trainer rank's waits for input in one update: ``{"group", "rank", "waits"}``,
 #: ``waits`` a list of ``[t0, t1]`` wall-clock (``time.time()``) seconds
 TRAINER_WAITS = "trainer_waits"
+#: topic of a preemptible worker's death (:mod:`m2flow.core.liveness`, published by the lock
+#: service): :meth:`m2flow.core.liveness.Loss.event`'s dict, ``preempted`` or crashed, the cause
+WORKER_LOST = "worker_lost"
 BUS_KEEP = 10_000  # values a topic keeps (the oldest go first)
 
 
@@ -194,4 +199,17 @@ def publish(topic: str, value: Any, timeout: float = 60.0) -> bool:
     except ValueError:  # no reader in this run
         return False
     ray.get(bus.publish.remote(topic, value), timeout=timeout)
+    return True
+
+
+async def publish_async(topic: str, value: Any) -> bool:
+    """:func:`publish` from a coroutine (an async actor's event loop): awaits the bus instead
+    of blocking on it. Returns False, publishing nothing, when no reader opened a bus."""
+    import ray
+
+    try:
+        bus = ray.get_actor(BUS_NAME, namespace=NAMESPACE)
+    except ValueError:  # no reader in this run
+        return False
+    await bus.publish.remote(topic, value)
     return True

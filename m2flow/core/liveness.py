@@ -11,6 +11,14 @@ and raises :class:`WorkerDied` naming the dead worker, instead of waiting out it
 This is fail-fast, as ``torchrun`` does: one dead worker ends the run, which ``--resume``
 continues from its last checkpoint. Groups stopped on purpose (``WorkerGroup.shutdown``)
 unregister first and are not deaths.
+
+*Preemptible* members (the ranks of an :class:`~m2flow.core.elastic.ElasticGroup`, e.g. the
+spot pool's instances on spot nodes) are watched the same way, but their death is expected and
+stops no wait: the service records it as a :class:`Loss`, *preempted* when the member's node is
+gone (Ray says the node died, or the node is marked dead within :data:`PREEMPT_GRACE_S`) and
+*crashed* otherwise (the node lives on: out of memory, ``kill -9``, a segfault), with the same
+one-line cause, and publishes it as the run event :data:`m2flow.core.events.WORKER_LOST` for
+the member's owner to act on (the spot pool migrates the instance's requests).
 """
 
 from __future__ import annotations
@@ -22,6 +30,10 @@ from dataclasses import dataclass
 from .._context import LOCK_SERVICE_NAME, NAMESPACE, current_worker
 
 POLL_S = 1.0  # seconds between liveness checks while waiting
+#: seconds a dead preemptible member's node has to be marked dead for the death to count as a
+#: preemption (Ray marks a lost node dead after its missed health checks: ~15 s by default)
+PREEMPT_GRACE_S = 30.0
+_NODE_POLL_S = 0.25  # node liveness polls while classifying a preemptible member's death
 
 _registry = None  # the driver's handle of the LockService (per Ray session)
 _registry_session: str | None = None
@@ -42,6 +54,31 @@ class Death:
         return (
             f"worker group '{self.group}' rank {self.rank} on node {self.node} died: {self.cause}"
         )
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A preemptible member that died (:meth:`~m2flow.core.lock.LockService.losses`): its
+    :class:`Death` (``cause`` from :func:`death_cause`) and whether it was ``preempted`` (its
+    node is gone) rather than crashed (its node lives on)."""
+
+    death: Death
+    preempted: bool
+    node_id: str = ""  # Ray node id (hex) of the member's node
+
+    def describe(self) -> str:
+        d = self.death
+        how = "preempted" if self.preempted else "crashed"
+        node = f"{d.node} ({self.node_id[:8]})" if self.node_id else d.node
+        return f"worker group '{d.group}' rank {d.rank} on node {node} {how}: {d.cause}"
+
+    def event(self) -> dict:
+        """The :data:`~m2flow.core.events.WORKER_LOST` value: ``{"group", "rank", "key",
+        "node", "node_id", "cause", "preempted", "time", "describe"}``."""
+        d = self.death
+        return {"group": d.group, "rank": d.rank, "key": f"{d.group}:{d.rank}", "node": d.node,
+                "node_id": self.node_id, "cause": d.cause, "preempted": self.preempted,
+                "time": d.time, "describe": self.describe()}  # fmt: skip
 
 
 class WorkerDied(RuntimeError):
@@ -82,6 +119,40 @@ def death_cause(error: BaseException) -> str:
         return f"the process exited ({m.group(1)})"
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     return first[:200]
+
+
+def node_lost(cause: str) -> bool:
+    """Whether :func:`death_cause`'s ``cause`` says the process's node was lost."""
+    return cause.startswith("its node was lost")
+
+
+def node_alive(node_id: str) -> bool:
+    """Whether Ray lists node ``node_id`` (hex) as alive (a GCS query: blocking)."""
+    import ray
+
+    return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
+
+
+async def preempted(node_id: str, cause: str, grace_s: float = PREEMPT_GRACE_S) -> bool:
+    """Whether a preemptible member that died with ``cause`` on node ``node_id`` was preempted:
+    its cause says its node was lost, or the node is marked dead within ``grace_s`` seconds
+    (the member's process can be reported dead before its node is). ``False``: its node lives
+    on, so the process ended for another reason (a crash). Coroutine: the node is polled every
+    0.25 s off the event loop."""
+    import asyncio
+
+    if node_lost(cause):
+        return True
+    if not node_id:
+        return False
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + grace_s
+    while True:
+        if not await loop.run_in_executor(None, node_alive, node_id):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(_NODE_POLL_S)
 
 
 def registry():

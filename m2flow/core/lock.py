@@ -24,7 +24,10 @@ no lock-order deadlock).
   (:meth:`LockService.add_dependency`); the grant order reads them.
 - Registry and liveness: every worker of the run registers here, locking or not. The service
   keeps one watch call open on each (:mod:`m2flow.core.liveness`): when a process dies its locks and
-  residency are freed and the death is recorded for every waiter to see.
+  residency are freed and the death is recorded for every waiter to see. A *preemptible*
+  member's death (registered with ``preempt_grace_s``: an elastic group's rank on a spot node)
+  is recorded apart, as preempted or crashed, and published as a run event; no wait fails
+  for it (:mod:`m2flow.core.liveness`).
   Every wait has a deadline and fails with a message naming the holder.
 """
 
@@ -41,7 +44,8 @@ import ray
 from m2flow.scheduler.runtime.lock_order import LockRequest, grants
 
 from .._context import LOCK_SERVICE_NAME, NAMESPACE, here
-from .liveness import Death, death_cause
+from . import events
+from .liveness import Death, Loss, death_cause, preempted
 
 
 @dataclass
@@ -53,6 +57,8 @@ class _Registered:
     launch_index: int
     node: str
     watch: asyncio.Task | None = None
+    preempt_grace_s: float | None = None  # preemptible: its death is a Loss, not a Death
+    node_id: str = ""
 
 
 @dataclass
@@ -76,6 +82,7 @@ class LockService:
         # (death, when its group was shut down or None), oldest first: kept after a shutdown
         # so a wait that started before the death still hears of it (liveness.check)
         self.died: list[list] = []
+        self.lost: list[Loss] = []  # preemptible members' deaths, oldest first (last 1000)
         self.retired_actors: set[str] = set()  # actors of shut-down groups: never register
         self.reserved: dict[int, tuple[str, int]] = {}  # device -> (worker key, release number)
         self.revoking: set[str] = set()  # workers asked to give up their reservation
@@ -99,13 +106,19 @@ class LockService:
         launch_index: int,
         node: str = "",
         watch: bool = True,
+        preempt_grace_s: float | None = None,
+        node_id: str = "",
     ) -> None:
         """Declare a worker; it starts resident (loaded) on its devices. With ``watch`` its
-        death is recorded (``False`` for workers expected to disappear, e.g. on preemptible
-        nodes). A rank of a group already shut down (it started late) is ignored."""
+        death is recorded. With ``preempt_grace_s`` (seconds) it is *preemptible*: its death
+        is expected and fails no wait; it is recorded as a :class:`~m2flow.core.liveness.Loss`
+        (preempted if its node ``node_id`` is gone within that grace, else crashed) and
+        published as the run event :data:`~m2flow.core.events.WORKER_LOST`. A rank of a
+        group already shut down (it started late) is ignored."""
         if handle._actor_id.hex() in self.retired_actors:
             return
-        w = _Registered(group, rank, list(devices), handle, launch_index, node)
+        w = _Registered(group, rank, list(devices), handle, launch_index, node,
+                        preempt_grace_s=preempt_grace_s, node_id=node_id)  # fmt: skip
         self.workers[key] = w
         for d in devices:
             self.resident[d].add(key)
@@ -119,9 +132,27 @@ class LockService:
             raise
         except Exception as e:  # noqa: BLE001 (whatever Ray says, the process is gone)
             if self.workers.get(key) is w:
-                cause = death_cause(e)
-                self.died.append([Death(w.group, w.rank, w.node, cause, time.time()), None])
+                death = Death(w.group, w.rank, w.node, death_cause(e), time.time())
                 self._forget(key)
+                if w.preempt_grace_s is None:
+                    self.died.append([death, None])
+                else:
+                    await self._lose(death, w)
+
+    async def _lose(self, death: Death, w: _Registered) -> None:
+        """Record a preemptible member's death as preempted or crashed, and publish it."""
+        was_preempted = await preempted(w.node_id, death.cause, w.preempt_grace_s)
+        loss = Loss(death, was_preempted, w.node_id)
+        self.lost = [*self.lost[-999:], loss]
+        try:
+            await events.publish_async(events.WORKER_LOST, loss.event())
+        except Exception:  # noqa: BLE001 (the bus is gone: the run is ending; losses() has it)
+            pass
+
+    async def losses(self) -> list[Loss]:
+        """Preemptible members that died, oldest first (the last 1000): preempted or crashed,
+        with the cause."""
+        return list(self.lost)
 
     async def unregister(self, keys: list[str], actor_ids: list[str] = ()) -> None:
         """Forget stopped workers: free their locks and residency, stop watching them, mark

@@ -61,6 +61,9 @@ class WorkerContext:
         cpus: CPUs of this rank's devices (its share of the node's CPUs).
         node: address of the node the rank runs on.
         trace: record the rank's runtime events (:mod:`m2flow.core.events`).
+        preempt_grace_s: set for a preemptible rank (an elastic group's, on a spot node): its
+            death fails no wait; see :meth:`~m2flow.core.lock.LockService.register`.
+        node_id: the Ray node id (hex) of the rank's node (preemptible ranks).
     """
 
     group: str
@@ -73,6 +76,8 @@ class WorkerContext:
     cpus: float = 1.0
     node: str = ""
     trace: bool = False
+    preempt_grace_s: float | None = None
+    node_id: str = ""
 
 
 @dataclass
@@ -178,7 +183,7 @@ class Worker(Mailbox, Residency, Weights):
         ray.get(
             ctx.lock_service.register.remote(
                 self.worker_key, ctx.group, ctx.rank, self.device_ids, me, ctx.launch_index,
-                ctx.node,
+                ctx.node, preempt_grace_s=ctx.preempt_grace_s, node_id=ctx.node_id,
             ),
             timeout=wait_timeout(),
         )  # fmt: skip

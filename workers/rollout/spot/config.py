@@ -48,7 +48,13 @@ class SpotPoolConfig:
     # request), a slower device's pace on a tiny model; tokens and logprobs do not change
     decode_delay_s: float = 0.0
     timeout_s: float = 1800.0  # longest wait for a step's responses
-    engine: str = "exact"  # "exact" (ExactEngine) or "emulated" (sleeps by a throughput model)
+    # a dead instance whose node is marked dead within this many seconds was preempted, else it
+    # crashed (m2flow.core.liveness.preempted; Ray marks a lost node dead in ~15 s by default)
+    preempt_grace_s: float = 30.0
+    # the spot instances' engine: a rollout backend that continues requests block by block
+    # (block_steps): "exact" (ExactEngine), "emulated" (sleeps by a throughput model), "vllm",
+    # a registered one or an import path (m2flow.workers.engines.registry)
+    engine: str = "exact"
     emulated: EmulatedEngineConfig = field(default_factory=EmulatedEngineConfig)
 
     def __post_init__(self) -> None:
@@ -71,7 +77,7 @@ class SpotPoolConfig:
             (self.migration in ("tokens", "recompute"), "rollout.spot.migration: tokens|recompute"),
             (self.min_new_tokens >= 0, "rollout.spot.min_new_tokens must be >= 0"),
             (0 <= self.decode_delay_s < 60, "rollout.spot.decode_delay_s must be in [0, 60)"),
-            (self.engine in ("exact", "emulated"), "rollout.spot.engine: exact|emulated"),
+            (self.preempt_grace_s >= 0, "rollout.spot.preempt_grace_s must be >= 0"),
         ]
         e = self.emulated
         if self.engine == "emulated":
@@ -88,3 +94,37 @@ class SpotPoolConfig:
         for ok, msg in bad:
             if not ok:
                 raise ValueError(msg)
+        self.check_engine()
+
+    def check_engine(self) -> type:
+        """The spot instances' engine class, asked of the registry: one that continues
+        requests block by block (its ``block_steps``), as an instance drives it. Returns it.
+
+        Raises:
+            ValueError: an unknown engine, or one that cannot serve spot instances (named, with
+                the engines that can).
+            EngineProtocolError: the class misses members of the rollout protocol.
+        """
+        from ...engines.registry import choices, engine_class, names
+
+        cls = engine_class("rollout", self.engine, "rollout.spot")
+        if not getattr(cls, "block_steps", False):
+            able = [n for n in names("rollout") if _serves_spot(n)]
+            raise ValueError(
+                f"rollout.spot.engine={self.engine!r} ({cls.__module__}.{cls.__qualname__}) "
+                "cannot serve spot instances: it does not continue requests block by block "
+                "(its block_steps is False; an instance calls step(requests, block)). Set "
+                f"rollout.spot.engine to {choices('rollout', able)} with block_steps = True"
+            )
+        return cls
+
+
+def _serves_spot(name: str) -> bool:
+    """Whether the registered rollout backend ``name`` can serve spot instances (one that does
+    not import, e.g. vllm without the package, is left out of messages)."""
+    from ...engines.registry import engine_class
+
+    try:
+        return bool(getattr(engine_class("rollout", name), "block_steps", False))
+    except Exception:  # noqa: BLE001 (an optional backend's import failing)
+        return False

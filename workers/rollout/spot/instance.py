@@ -8,24 +8,36 @@ pool paused: the requests go back with their tokens and per-token versions). The
 ``args["engine"]``, a backend of kind ``rollout`` (:mod:`~m2flow.workers.engines.registry`):
 ``exact`` (:class:`~m2flow.workers.rollout.exact.ExactEngine`), ``vllm`` (block-wise
 continuation) or ``emulated`` (no model is built; a weight pull sleeps its modelled transfer
-time). If its node
-disappears, the process dies mid-block; the manager still holds every response up to the last
-reported block and moves it to another instance.
+time).
+
+Instances are the ranks of one :class:`~m2flow.core.elastic.ElasticGroup` (``rollout.spot``),
+m2flow workers under the runtime's liveness watch as *preemptible* members: if its node
+disappears, the process dies mid-block and the lock service records a preemption (a crash if
+the node lives on), published as the run event ``WORKER_LOST``; the manager still holds every
+response up to the last reported block and moves it to another instance.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 
 import ray
 
+from m2flow.core.worker import Worker
+
 from .names import MANAGER_NAME
 
+#: the elastic group of the spot instances (a death names it with the instance's rank)
+GROUP = "rollout.spot"
+#: the instances' own Ray concurrency group: :meth:`SpotInstance.run`, for the process's life
+LOOP_GROUP = "loop"
 
-@ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={"loop": 1, "watch": 1})
-class SpotInstance:
-    """Args:
+
+class SpotInstance(Worker):
+    """One spot instance: a rank of the elastic group :data:`GROUP` (started by the manager's
+    pool loop with :meth:`~m2flow.core.elastic.ElasticGroup.add`), driven by :meth:`run`.
+
+    Args:
     instance_id: its name at the manager.
     block_tokens: tokens generated between reports.
     max_batch: requests executing at once.
@@ -41,7 +53,6 @@ class SpotInstance:
 
         self.id, self.block, self.max_batch = instance_id, block_tokens, max_batch
         self.version = -1
-        self.stop = threading.Event()
         cls = engine_class("rollout", args.get("engine", "exact"), "rollout.spot")
         tok = self.model = None  # emulated: no model is built
         if cls.needs_model:
@@ -55,19 +66,15 @@ class SpotInstance:
         # vllm: max_batch is its max_num_seqs
         self.engine = cls.build({**args, "max_num_seqs": max_batch}, self.model, tok)
 
-    @ray.method(concurrency_group="watch")
-    def watch(self) -> str:
-        """Blocks for the life of the process (the manager's liveness sentinel)."""
-        self.stop.wait()
-        return self.id
-
-    @ray.method(concurrency_group="loop")
+    @ray.method(concurrency_group=LOOP_GROUP)
     def run(self) -> None:
+        """The pull loop (module docstring), for the life of the process; an exception ends it
+        (the manager names the error and retires the instance)."""
         from m2flow.core.cluster import NAMESPACE
 
         mgr = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
         executing = []
-        while not self.stop.is_set():
+        while True:
             version, refs = ray.get(mgr.current_weights.remote())
             if version != self.version and refs:
                 # emulated (no model): the modelled pull of the weights' bytes

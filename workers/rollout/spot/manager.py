@@ -10,11 +10,13 @@ policies in :mod:`m2flow.scheduler.spot`; the manager applies them:
 - **lease**: an instance pulls its pending requests when it has batch room (they become
   executing) and reports each block of tokens back (``report``), so the manager always holds
   every response up to its last block.
-- **migration**: an instance that dies (its node was preempted or removed) fails the watch call
-  the manager keeps open on it; its pending and executing requests go back to the queue with
-  their tokens and logprobs, and another instance continues them. No request is lost or
-  duplicated: a request is on one instance at a time, and a report from an instance that no
-  longer holds it is ignored.
+- **migration**: the spot instances are an elastic worker group under the runtime's liveness
+  watch (:mod:`.lifecycle`); an instance that dies -- its node was preempted or removed, or it
+  crashed (named in :meth:`RolloutManager.metrics`'s ``errors``) -- is reported by the run
+  event ``WORKER_LOST``, never failing the run; its pending and executing requests go back to
+  the queue with their tokens and logprobs, and another instance continues them. No request is
+  lost or duplicated: a request is on one instance at a time, and a report from an instance
+  that no longer holds it is ignored.
 - **rebalancing** (Algorithm 2, CONTINUOUSLB): pending requests move to idle instances;
   executing ones beyond the batching plateau ``B`` of the previous step's online throughput
   profile are revoked at the busiest instance's next report and go, with their tokens, to the
@@ -58,16 +60,17 @@ from m2flow.core import events
 
 from ..exact import GenRequest
 from .config import SpotPoolConfig
-from .instance import SpotInstance
+from .lifecycle import InstanceLives
 from .names import MANAGER_NAME
 from .records import InstanceRecord, StepRecord
 
 _POLL_S = 0.05
 
 
-class RolloutManager:
+class RolloutManager(InstanceLives):
     """See the module docstring. Created by :func:`get_manager`; all methods are coroutines on
-    one event loop (no locks needed)."""
+    one event loop (no locks needed). The spot instances' lives: :class:`~.lifecycle.
+    InstanceLives`."""
 
     def __init__(self, cfg: dict, n_reserved: int, instance_args: dict) -> None:
         self.cfg = SpotPoolConfig(**cfg)
@@ -101,6 +104,10 @@ class RolloutManager:
         self._tasks: list[asyncio.Task] = []
         self._bus = None  # the run's event bus (the trainer's waits arrive there)
         self._bus_seen = None  # the last event number read (a ref to it until the first read)
+        self.group = None  # the spot instances' elastic group (opened with the bus)
+        self._lost: dict[str, dict] = {}  # member key -> its WORKER_LOST event, unhandled
+        self._lost_seen = None  # the last WORKER_LOST event number read (as _bus_seen)
+        self.errors: list[str] = []  # instances lost to crashes or loop errors, named
 
     async def start(self) -> None:
         """Start the background loops now: spot instances start on the nodes there are and
@@ -114,12 +121,14 @@ class RolloutManager:
         if self._bus is None:  # events published before now belong to no step of this pool
             self._bus = events.open_bus()
             self._bus_seen = self._bus.last.remote()
+            self._open_group()
         if not self._tasks:
             loop = asyncio.get_running_loop()
             self._tasks = [
                 loop.create_task(self._dispatch_loop()),
                 loop.create_task(self._rebalance_loop()),
                 loop.create_task(self._pool_loop()),
+                loop.create_task(self._lost_loop()),
             ]
 
     # -- weights and steps ----------------------------------------------------------------
@@ -292,7 +301,7 @@ class RolloutManager:
         return sum(
             1
             for i in self.instances.values()
-            if i.kind == "spot" and i.version == self.version >= 0
+            if i.kind == "spot" and i.accepting and i.version == self.version >= 0
         )
 
     async def collect(self, owner: int, min_groups: int, timeout: float) -> list[list[GenRequest]]:
@@ -369,19 +378,19 @@ class RolloutManager:
                         1 for r in i.executing if r in self.requests and self.requests[r].tokens
                     ),
                     "node": i.node,
+                    "key": "" if i.member is None else i.member.key,  # in the liveness registry
                 }
                 for i in self.instances.values()
             },  # fmt: skip
             "partial": sum(1 for r in self.requests.values() if r.tokens and not r.done),
+            "errors": list(self.errors),  # instances lost to a crash or a loop error, named
             "steps": self.history[-1:],
         }
 
     async def shutdown(self) -> None:
         for t in self._tasks:
             t.cancel()
-        for inst in list(self.instances.values()):
-            if inst.handle is not None:
-                ray.kill(inst.handle, no_restart=True)
+        await self._retire_all()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -488,83 +497,10 @@ class RolloutManager:
             if moves:
                 self._changed()
 
-    async def _pool_loop(self) -> None:
-        """Start a spot instance on every preemptible node without one, up to N_prem; release
-        idle instances beyond it (Algorithm 1 lowered N_prem: they would only cost)."""
-        from m2flow.core.spot import alive_spot_nodes
-
-        while True:
-            self._integrate()
-            spot = [i for i in self.instances.values() if i.kind == "spot"]
-            for inst in list(reversed(spot)):  # newest first
-                if len(spot) <= self.policy.n_prem:
-                    break
-                if inst.handle is not None and not inst.pending and not inst.executing:
-                    self._integrate()
-                    del self.instances[inst.id]  # before the kill: _watch sees it gone
-                    spot.remove(inst)
-                    self.stats["released"] += 1
-                    ray.kill(inst.handle, no_restart=True)
-            used = {i.node for i in spot}
-            for node in alive_spot_nodes():
-                if len(spot) >= self.policy.n_prem:
-                    break
-                if node in used:
-                    continue
-                iid = f"spot:{node[:8]}"
-                handle = SpotInstance.options(
-                    name=None,
-                    scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                        node, soft=False
-                    ),
-                ).remote(iid, self.cfg.block_tokens, self.cfg.max_batch, self.instance_args)
-                self._integrate()
-                inst = self.instances[iid] = InstanceRecord(iid, "spot", handle, node)
-                spot.append(inst)
-                asyncio.get_event_loop().create_task(self._watch(inst, handle.run.remote()))
-            await asyncio.sleep(0.5)
-
     def _integrate(self) -> float:
         """``n_bar``'s integral up to now at the spot count held (:meth:`StepRecord.
         integrate`). Returns now (monotonic)."""
         return self.cur.integrate(sum(1 for i in self.instances.values() if i.kind == "spot"))
-
-    async def _watch(self, inst: InstanceRecord, run) -> None:
-        """Until the instance's process dies (its watch call fails) or its loop ends (``run``
-        raised: an error, not a preemption; the instance is killed), then requeue its work."""
-        calls = [asyncio.wrap_future(inst.handle.watch.remote().future()),
-                 asyncio.wrap_future(run.future())]  # fmt: skip
-        done, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
-        for f in done:
-            f.exception()  # retrieved: a dead instance's error is expected here
-        for f in pending:
-            f.cancel()
-        # A dead process fails both calls, in either order: ``run`` failing with an actor
-        # error is the process dying (a preemption), not its loop raising.
-        run_err = calls[1].exception() if calls[1] in done else None
-        died = calls[0] in done or isinstance(run_err, ray.exceptions.RayActorError)
-        loop_ended = not died
-        if loop_ended:
-            ray.kill(inst.handle, no_restart=True)
-        if self.instances.get(inst.id) is not inst:
-            return
-        self._integrate()
-        del self.instances[inst.id]
-        if loop_ended:
-            self.stats["instance_errors"] += 1
-        elif inst.version >= 0:
-            self.stats["preemptions"] += 1
-            held = [
-                self.requests[r] for r in (*inst.pending, *inst.executing) if r in self.requests
-            ]
-            self.stats["preempted_requests"] += len(held)
-            self.stats["preempted_tokens"] += sum(len(r.tokens) for r in held)
-        else:  # died before it pulled weights (e.g. its node was already gone)
-            self.stats["failed_starts"] += 1
-        for rid in [*inst.pending, *inst.executing]:
-            if rid in self.requests:
-                self._requeue(rid, migrated=True)
-        self._changed()
 
     def _end_step(self) -> None:
         """Algorithm 1 after a step (definitions in docs/results/spot.md)."""

@@ -21,7 +21,8 @@ class InstanceRecord:
     id: str
     kind: str  # "spot" or "reserved"
     handle: object = None  # the SpotInstance actor (spot only)
-    node: str = ""
+    node: str = ""  # Ray node id (hex)
+    member: object = None  # its m2flow.core.elastic.Member (spot only)
     version: int = -1
     pending: deque = field(default_factory=deque)  # request ids assigned, not leased yet
     executing: set = field(default_factory=set)  # request ids leased
