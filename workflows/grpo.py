@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from m2flow.workers.algos.losses import knows_loss, loss_names
 from m2flow.workers.data.config import DataConfig
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
@@ -108,6 +107,8 @@ def validate(cfg) -> None:
     validate_llm(cfg, min_samples=2)
     validate_optim(cfg.actor, "actor")
     validate_lora(cfg.actor.lora, cfg.actor.engine)
+    from m2flow.workers.algos.losses import knows_loss, loss_names  # heavy: torch
+
     a = cfg.actor
     require(
         [

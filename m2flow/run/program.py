@@ -76,8 +76,10 @@ def resolve_preset(spec: str | Path) -> Path:
     )
 
 
-def load_workflow(path: Path) -> ModuleType:
-    """Import a workflow program by path; its classes pickle by value for Ray workers.
+def load_workflow(path: Path, *, pickle_by_value: bool = True) -> ModuleType:
+    """Import a workflow program by path; its classes pickle by value for Ray workers
+    (with ``pickle_by_value=False``, not yet: :func:`prepare` registers it after the config
+    checks, so that a config error is found without importing Ray, ~1 s).
 
     Raises:
         ConfigError: the file does not parse or fails at import (the line and the error), or
@@ -97,13 +99,18 @@ def load_workflow(path: Path) -> ModuleType:
     except ImportError as e:
         del sys.modules[name]
         raise ConfigError(f"{path}: cannot import {e.name or ''}: {e}") from None
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(module)
+    if pickle_by_value:
+        _pickle_by_value(module)
     for attr in ("Config", "main"):
         if not hasattr(module, attr):
             raise ConfigError(f"{path} is not a workflow: it defines no '{attr}'")
     return module
+
+
+def _pickle_by_value(module: ModuleType) -> None:
+    import ray.cloudpickle  # heavy (~1 s): imported once the config is known to be good
+
+    ray.cloudpickle.register_pickle_by_value(module)
 
 
 def prepare(
@@ -125,7 +132,7 @@ def prepare(
     path = resolve_workflow(workflow)
     files = [resolve_preset(f) for f in config_files]
     check_cluster_early(overrides, files)  # before the workflow's imports (seconds)
-    module = load_workflow(path)
+    module = load_workflow(path, pickle_by_value=False)
     renamed = {**RENAMED, **getattr(module, "RENAMED", {})}
     for o in overrides:
         key = o.split("=", 1)[0]
@@ -134,6 +141,7 @@ def prepare(
     cfg = load_config(module.Config, list(overrides), files)
     if validate and hasattr(module, "validate"):
         module.validate(cfg)
+    _pickle_by_value(module)
     return module, cfg
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..engines.lora import LoraOptions
+
+if TYPE_CHECKING:  # the options import no torch: the workflows' config checks read them
+    import torch
 
 
 @dataclass(frozen=True)
