@@ -78,8 +78,8 @@ def resolve_preset(spec: str | Path) -> Path:
 
 def load_workflow(path: Path, *, pickle_by_value: bool = True) -> ModuleType:
     """Import a workflow program by path; its classes pickle by value for Ray workers
-    (with ``pickle_by_value=False``, not yet: :func:`prepare` registers it after the config
-    checks, so that a config error is found without importing Ray, ~1 s).
+    (with ``pickle_by_value=False``, not yet: :func:`prepare` leaves that to
+    :func:`run_prepared`, so that checking a config imports no Ray, ~1 s).
 
     Raises:
         ConfigError: the file does not parse or fails at import (the line and the error), or
@@ -108,7 +108,7 @@ def load_workflow(path: Path, *, pickle_by_value: bool = True) -> ModuleType:
 
 
 def _pickle_by_value(module: ModuleType) -> None:
-    import ray.cloudpickle  # heavy (~1 s): imported once the config is known to be good
+    import ray.cloudpickle  # heavy (~1 s): imported when the workflow runs
 
     ray.cloudpickle.register_pickle_by_value(module)
 
@@ -141,7 +141,6 @@ def prepare(
     cfg = load_config(module.Config, list(overrides), files)
     if validate and hasattr(module, "validate"):
         module.validate(cfg)
-    _pickle_by_value(module)
     return module, cfg
 
 
@@ -224,6 +223,7 @@ def run_prepared(
             this run holds until it returns (:mod:`m2flow.run.runlock`).
         WorkerError: a worker failed or died during the run.
     """
+    _pickle_by_value(module)  # its classes travel to the Ray workers by value
     with hold_run_dir_of(cfg), Session(placement=placement, max_steps=max_steps) as session:
         try:
             session.result = module.main(cfg)
