@@ -196,6 +196,38 @@ def test_layers_import_only_downwards():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+#: what a config error is found without: each takes seconds to import (torch ~2 s,
+#: reasoning_gym ~2 s, transformers ~1 s, Ray ~1 s), paid by every CLI test that exits 2
+HEAVY = ("torch", "transformers", "reasoning_gym", "ray", "numpy", "peft", "vllm", "megatron")
+
+CONFIG_ERRORS = """
+import sys
+from m2flow.core.config import ConfigError
+from m2flow.run.workflow import prepare
+for wf in sys.argv[1:]:
+    try:
+        prepare(wf, ["trainer.log_every=0"])
+    except ConfigError as e:
+        print(wf, "refused:", e)
+print("heavy:", sorted(m for m in HEAVY if m in sys.modules))
+"""
+
+
+def test_a_config_error_imports_no_heavy_package():
+    """Loading each built-in workflow and running its checks up to a bad value imports none of
+    :data:`HEAVY`: they load where a dataset, tokenizer, model or checkpoint file is built (and
+    Ray once the config is good), so the CLI's exit 2 takes ~1 s, not ~5 s."""
+    flows = [str(ROOT / "workflows" / f"{w}.py") for w in ("grpo", "ppo", "embodied")]
+    code = f"HEAVY = {HEAVY!r}\n{CONFIG_ERRORS}"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *flows], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    for wf in flows:
+        assert f"{wf} refused: trainer.log_every must be >= 1" in proc.stdout, proc.stdout
+    assert "heavy: []" in proc.stdout, proc.stdout
+
+
 SERVICE_OK = 'tenants: {a: {token: "aaaaaaaaaa"}}\npipelines: {m: {kind: math}}\n'
 
 

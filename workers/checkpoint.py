@@ -24,12 +24,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 #: numpy bit generators a saved numpy RNG may name (numpy's own)
 _BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
-_PLAIN_LEAVES = (type(None), bool, int, float, str, bytes, torch.Tensor, torch.dtype)
+_PLAIN_LEAVES = (type(None), bool, int, float, str, bytes)  # and torch.Tensor, torch.dtype
 _NOT_OURS = "this file was not written by m2flow, or was changed since"
 
 
@@ -57,6 +54,8 @@ def save_file(f: str | Path, state: Any) -> Path:
     Raises:
         TypeError: anything else in ``state`` (the message names where).
     """
+    import torch  # heavy (~2 s): imported when a file is written or read
+
     check_plain(state, Path(f).name)
     torch.save(state, f)
     return Path(f)
@@ -88,6 +87,8 @@ def load_file(f: str | Path, *, mmap: bool = False) -> Any:
         StateFileError: not a regular file, damaged, or holding other objects (one line
             naming the file; the file's objects are never constructed).
     """
+    import torch  # heavy: as in save_file
+
     f = Path(f)
     if not f.is_file():  # a FIFO or device would block or never end
         raise StateFileError(f"{f} is not a regular file")
@@ -131,7 +132,9 @@ def unpickling_refused(where: str) -> Iterator[None]:
 def check_plain(value: Any, where: str = "value") -> None:
     """Raise ``TypeError`` naming the first part of ``value`` that is not a tensor or a plain
     value (what ``torch.load(weights_only=True)`` reads back)."""
-    if isinstance(value, _PLAIN_LEAVES):
+    import torch  # heavy: as in save_file
+
+    if isinstance(value, (*_PLAIN_LEAVES, torch.Tensor, torch.dtype)):
         return
     if isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
@@ -160,6 +163,9 @@ def to_plain(value: Any) -> Any:
     Raises:
         TypeError: an array torch cannot hold (strings, objects).
     """
+    import numpy as np  # heavy, as in save_file
+    import torch
+
     if isinstance(value, np.random.Generator):
         return {"numpy_rng": to_plain(value.bit_generator.state)}
     if isinstance(value, (np.ndarray, np.generic)):
@@ -181,6 +187,9 @@ def from_plain(value: Any) -> Any:
     Raises:
         ValueError: a numpy RNG state of a bit generator numpy does not have.
     """
+    import numpy as np  # heavy, as in save_file
+    import torch
+
     if isinstance(value, dict) and len(value) == 1:
         key, inner = next(iter(value.items()))
         if key == "numpy" and isinstance(inner, torch.Tensor):

@@ -30,10 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import reasoning_gym
-from reasoning_gym.utils import SYSTEM_PROMPTS
-from reasoning_gym.utils import extract_answer as _rg_extract_answer
-
 from m2flow.core.config import ConfigError
 
 #: ``task.system_prompt`` default: reasoning-gym's "direct" prompt (answer in <answer> tags).
@@ -52,6 +48,8 @@ def system_prompt_text(system_prompt: str) -> str:
     """``task.system_prompt`` as text: a name of reasoning-gym's ``SYSTEM_PROMPTS``
     (``default``, ``direct``, ``simple``, ...) gives that prompt; ``""`` none (the chat
     template's own default system turn, if it has one); anything else is used verbatim."""
+    from reasoning_gym.utils import SYSTEM_PROMPTS  # heavy (~2 s): imported when data is built
+
     return SYSTEM_PROMPTS.get(system_prompt, system_prompt)
 
 
@@ -68,6 +66,8 @@ def chat_prompt(tokenizer, question: str, system_prompt: str = DEFAULT_SYSTEM_PR
 def extract_answer(response: str) -> str:
     """The answer in a response: the last ``<answer>...</answer>`` (reasoning-gym's
     ``extract_answer``, inner whitespace stripped), else the whole response stripped."""
+    from reasoning_gym.utils import extract_answer as _rg_extract_answer  # heavy: on first use
+
     found = _rg_extract_answer(response, tag_name="answer")
     return response.strip() if found is None else found
 
@@ -119,6 +119,8 @@ class TaskDataset:
         self.seed = seed
         self.tokenizer, self.system_prompt = tokenizer, system_prompt
         self.chat = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+        import reasoning_gym  # heavy (~2 s): imported when a dataset is built
+
         self.dataset = reasoning_gym.create_dataset(name, seed=seed, size=size, **self.config)
         # Items are generated once: reasoning-gym regenerates on every __getitem__.
         self.items = [self._item(self.dataset[i]) for i in range(size)]
@@ -187,6 +189,8 @@ class TaskDataset:
 
 @functools.cache
 def score_fn(source_dataset: str):
+    import reasoning_gym  # heavy (~2 s): imported when a task is scored
+
     return reasoning_gym.get_score_answer_fn(source_dataset)
 
 

@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from m2flow.workers.algos.losses import knows_loss, loss_names
-from m2flow.workers.algos.off_policy import METRIC_PREFIXES as OFF_POLICY_METRICS
 from m2flow.workers.data.config import DataConfig
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
@@ -114,6 +112,8 @@ def validate(cfg) -> None:
     validate_optim(cfg.actor, "actor")
     validate_lora(cfg.actor.lora, cfg.actor.engine)
     validate_off_policy(cfg.actor.off_policy)
+    from m2flow.workers.algos.losses import knows_loss, loss_names  # heavy: torch
+
     a = cfg.actor
     require(
         [
@@ -141,6 +141,7 @@ def validate(cfg) -> None:
 def main(cfg) -> dict:
     from m2flow.workers.actor.config import ActorOptions
     from m2flow.workers.actor.worker import ActorWorker
+    from m2flow.workers.algos.off_policy import METRIC_PREFIXES as OFF_POLICY_METRICS
     from m2flow.workers.reward.worker import RewardWorker
     from m2flow.workers.rollout.worker import RolloutWorker
     from m2flow.workers.scoring.functions import merge_reward_metrics

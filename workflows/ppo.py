@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, field
 
 from m2flow.workers.actor.config import ActorOptions, ReferenceOptions
-from m2flow.workers.algos.losses import knows_loss, loss_names
 from m2flow.workers.critic.config import CriticOptions
 from m2flow.workers.data.config import DataConfig
 from m2flow.workers.recipe import (
@@ -122,6 +121,8 @@ def validate(cfg) -> None:
     validate_llm(cfg)
     validate_optim(cfg.actor, "actor")
     validate_optim(cfg.critic, "critic")
+    from m2flow.workers.algos.losses import knows_loss, loss_names  # heavy: torch
+
     require(
         [
             (0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma and algorithm.lam: [0, 1]"),

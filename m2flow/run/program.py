@@ -76,8 +76,10 @@ def resolve_preset(spec: str | Path) -> Path:
     )
 
 
-def load_workflow(path: Path) -> ModuleType:
-    """Import a workflow program by path; its classes pickle by value for Ray workers.
+def load_workflow(path: Path, *, pickle_by_value: bool = True) -> ModuleType:
+    """Import a workflow program by path; its classes pickle by value for Ray workers
+    (with ``pickle_by_value=False``, not yet: :func:`prepare` leaves that to
+    :func:`run_prepared`, so that checking a config imports no Ray, ~1 s).
 
     Raises:
         ConfigError: the file does not parse or fails at import (the line and the error), or
@@ -97,13 +99,18 @@ def load_workflow(path: Path) -> ModuleType:
     except ImportError as e:
         del sys.modules[name]
         raise ConfigError(f"{path}: cannot import {e.name or ''}: {e}") from None
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(module)
+    if pickle_by_value:
+        _pickle_by_value(module)
     for attr in ("Config", "main"):
         if not hasattr(module, attr):
             raise ConfigError(f"{path} is not a workflow: it defines no '{attr}'")
     return module
+
+
+def _pickle_by_value(module: ModuleType) -> None:
+    import ray.cloudpickle  # heavy (~1 s): imported when the workflow runs
+
+    ray.cloudpickle.register_pickle_by_value(module)
 
 
 def prepare(
@@ -125,7 +132,7 @@ def prepare(
     path = resolve_workflow(workflow)
     files = [resolve_preset(f) for f in config_files]
     check_cluster_early(overrides, files)  # before the workflow's imports (seconds)
-    module = load_workflow(path)
+    module = load_workflow(path, pickle_by_value=False)
     renamed = {**RENAMED, **getattr(module, "RENAMED", {})}
     for o in overrides:
         key = o.split("=", 1)[0]
@@ -216,6 +223,7 @@ def run_prepared(
             this run holds until it returns (:mod:`m2flow.run.runlock`).
         WorkerError: a worker failed or died during the run.
     """
+    _pickle_by_value(module)  # its classes travel to the Ray workers by value
     with hold_run_dir_of(cfg), Session(placement=placement, max_steps=max_steps) as session:
         try:
             session.result = module.main(cfg)

