@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from m2flow.core.config import ConfigError
 
-from ..algos.off_policy import CORRECTION_NAMES, LEVELS
 from ..engines.lora import LoraOptions
 
 if TYPE_CHECKING:  # the options import no torch: the workflows' config checks read them
@@ -66,6 +65,8 @@ class OffPolicyOptions:
         return cls(**value)
 
     def __post_init__(self) -> None:
+        from ..algos.off_policy import CORRECTION_NAMES, LEVELS  # heavy: the module imports torch
+
         opt, key = self, "actor.off_policy"
 
         def number(x) -> bool:
@@ -169,7 +170,7 @@ class ActorOptions:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     lora: LoraOptions = LoraOptions()
-    off_policy: OffPolicyOptions = OffPolicyOptions()
+    off_policy: OffPolicyOptions = field(default_factory=OffPolicyOptions)  # built: imports torch
 
     @classmethod
     def from_kwargs(cls, kwargs: dict, role: str = "actor") -> ActorOptions:
