@@ -65,7 +65,7 @@ def pool():
     cluster = Cluster(virtual_devices_per_node=1, offload="never", spot=local)
     # The runner's rollout has the pool off; the plan turns it on (Placement.options, what a
     # spot plan of m2flow plan / plan=auto sets), as a plan does without the runner changing.
-    cluster.placement = Placement(options={"rollout": {"spot": SPOT}})
+    cluster.placement = Placement(options={"rollout": {"options": {"spot": SPOT}}})
     try:
         actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, tokenizer=TOKENIZER,
                                    options=ActorOptions(threads=1))  # fmt: skip

@@ -73,7 +73,7 @@ def pool(tmp_path_factory):
     local = LocalSpotCluster(2, {VIRTUAL_DEVICE_RESOURCE: 1}, spot_cpus=1)
     local.add_spot(2)
     cluster = Cluster(virtual_devices_per_node=1, offload="never", spot=local)
-    cluster.placement = Placement(options={"rollout": {"spot": SPOT}})
+    cluster.placement = Placement(options={"rollout": {"options": {"spot": SPOT}}})
     try:
         actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, tokenizer=TOKENIZER,
                                    options=ActorOptions(threads=1))  # fmt: skip
