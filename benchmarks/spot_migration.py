@@ -39,6 +39,7 @@ from m2flow.workers.data.item import prompt_items  # noqa: E402
 from m2flow.workers.data.reasoning_gym import task_items  # noqa: E402
 from m2flow.workers.data.sampler import PromptSampler  # noqa: E402
 from m2flow.workers.llm import build_char_tokenizer  # noqa: E402
+from m2flow.workers.rollout.config import RolloutOptions  # noqa: E402
 from m2flow.workers.rollout.spot.names import MANAGER_NAME  # noqa: E402
 from m2flow.workers.rollout.worker import RolloutWorker  # noqa: E402
 from m2flow.workers.tasks import TaskDataset  # noqa: E402
@@ -85,10 +86,11 @@ def main() -> None:
         actor = ActorWorker.launch(
             cluster, [0], name="actor", model=MODEL, tokenizer=TOKENIZER, options=ActorOptions()
         )
+        opts = RolloutOptions(n_samples=SAMPLES, max_new_tokens=a.tokens, temperature=1.0,
+                              threads=1, spot=spot)  # fmt: skip
         rollout = RolloutWorker.launch(
-            cluster, [0], name="rollout", model=MODEL, tokenizer=TOKENIZER, n_samples=SAMPLES,
-            max_new_tokens=a.tokens, temperature=1.0, threads=1, spot=spot,
-        )  # fmt: skip
+            cluster, [0], name="rollout", model=MODEL, tokenizer=TOKENIZER, options=opts
+        )
         sync_weights(actor, rollout)
         mgr = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
         ready = lambda: ray.get(mgr.spot_ready.remote()) >= 2  # noqa: E731

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> Path:
     from m2flow.workers.data.reasoning_gym import task_section, task_split
     from m2flow.workers.engines.torch_engine import TorchEngine
     from m2flow.workers.llm import build_model, build_tokenizer, save_checkpoint, tokenizer_spec
-    from m2flow.workers.recipe import rollout_section, warm_start_args
+    from m2flow.workers.recipe import rollout_options, warm_start_args
 
     from m2flow.run.recipe import plain
     from m2flow.run.workflow import prepare
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> Path:
     )  # fmt: skip
     # the main job's response cap, as a model directory carries it: an unset
     # rollout.max_new_tokens is taken from here (else half the 64-token context)
-    model.generation_config.max_new_tokens = rollout_section(cfg)[0]["max_new_tokens"]
+    model.generation_config.max_new_tokens = rollout_options(cfg)[0].max_new_tokens
     save_checkpoint(a.out / "model", model, tokenizer)
     for name, items in (("train", train), ("val", heldout)):
         with open(a.out / f"{name}.jsonl", "w") as f:

@@ -18,6 +18,7 @@ from m2flow.workers.data.item import prompt_items
 from m2flow.workers.llm import build_char_tokenizer
 from m2flow.workers.llm.tokenizer import decode_responses
 from m2flow.workers.reward.worker import RewardWorker
+from m2flow.workers.rollout.config import RolloutOptions
 from m2flow.workers.rollout.worker import RolloutWorker
 from run_dirs import stopped_copy
 from safetensors.torch import load_file
@@ -106,8 +107,8 @@ def test_reward_worker_scores_with_the_file_function(cluster, tmp_path):
     tok = build_char_tokenizer(ALPHABET)
     items, _ = load_items(str(write(tmp_path, "t.jsonl", verl_rows(4, "train"))), tok)
     rollout = RolloutWorker.launch(
-        cluster, [0], name="f_rollout", model=TINY_MODEL, tokenizer=TOKENIZER, n_samples=4,
-        max_new_tokens=4, temperature=1.0, threads=1,
+        cluster, [0], name="f_rollout", model=TINY_MODEL, tokenizer=TOKENIZER,
+        options=RolloutOptions(n_samples=4, max_new_tokens=4, temperature=1.0, threads=1),
     )  # fmt: skip
     spec = {"function": f"{fn}:compute_score", "on_error": "raise", "penalty": 0.0, "timeout_s": 3}
     reward = RewardWorker.launch(cluster, [0], name="f_reward", tokenizer=TOKENIZER, reward=spec)

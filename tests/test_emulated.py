@@ -17,6 +17,7 @@ from helpers import wait_until
 from m2flow.workers.actor.config import ActorOptions
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import build_char_tokenizer
+from m2flow.workers.rollout.config import RolloutOptions
 from m2flow.workers.rollout.emulated import (
     LLAMA31_8B,
     LLAMA33_70B,
@@ -287,10 +288,11 @@ def pool():
     try:
         actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, tokenizer=TOKENIZER,
                                    options=ActorOptions(threads=1))  # fmt: skip
+        opts = RolloutOptions(n_samples=SAMPLES, max_new_tokens=MAX_NEW, temperature=1.0,
+                              threads=1, spot=SPOT)  # fmt: skip
         rollout = RolloutWorker.launch(
-            cluster, [0], name="rollout", model=TINY, tokenizer=TOKENIZER, n_samples=SAMPLES,
-            max_new_tokens=MAX_NEW, temperature=1.0, threads=1, spot=SPOT, seed=SEED,
-        )  # fmt: skip
+            cluster, [0], name="rollout", model=TINY, tokenizer=TOKENIZER, options=opts, seed=SEED
+        )
         assert sync_weights(actor, rollout) == 0
         mgr = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
         yield local, rollout, mgr

@@ -253,7 +253,7 @@ def test_an_unset_generation_length_comes_from_the_model(tmp_path, llama_dir, wo
     context, and a note says which; with data files, the built-in 6 and a note. A value the
     user sets is kept without a note, and the prompt limit follows the value taken."""
     from m2flow.workers.data.config import prompt_limit
-    from m2flow.workers.recipe import rollout_section
+    from m2flow.workers.recipe import rollout_options
 
     from m2flow.run.workflow import prepare
 
@@ -261,8 +261,8 @@ def test_an_unset_generation_length_comes_from_the_model(tmp_path, llama_dir, wo
         cfg = prepare(ROOT / "workflows" / f"{workflow}.py",
                       [f"trainer.run_dir={tmp_path / 'run'}", *over])[1]  # fmt: skip
         assert cfg.rollout.max_new_tokens is None or over  # unset stays None in the config
-        args, note = rollout_section(cfg)
-        return args["max_new_tokens"], note, prompt_limit(cfg)
+        opts, note = rollout_options(cfg)
+        return opts.max_new_tokens, note, prompt_limit(cfg)
 
     assert section() == (6, "", 64 - 6)  # the main job's: unchanged, nothing printed
     n, note, limit = section(f"model.path={llama_dir}")

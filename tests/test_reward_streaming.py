@@ -19,6 +19,7 @@ from m2flow.reward_service.pipelines import math_extract, math_verify
 from m2flow.workers.llm import build_char_tokenizer
 from m2flow.workers.llm.tokenizer import decode_responses
 from m2flow.workers.reward.worker import RewardWorker
+from m2flow.workers.rollout.config import RolloutOptions
 from m2flow.workers.rollout.worker import RolloutWorker
 from m2flow.workers.tasks import TaskDataset
 from prompts import task_prompts
@@ -90,7 +91,8 @@ def rig(cluster):
     try:
         rig.rollout = RolloutWorker.launch(
             cluster, [0], name="s_rollout", model=TINY_MODEL, tokenizer=TOKENIZER,
-            n_samples=SAMPLES, max_new_tokens=4, temperature=1.0, threads=1,
+            options=RolloutOptions(n_samples=SAMPLES, max_new_tokens=4, temperature=1.0,
+                                   threads=1),
         )  # fmt: skip
         rig.reward = RewardWorker.launch(
             cluster, [1], name="s_reward", tokenizer=TOKENIZER, service=service

@@ -1,6 +1,7 @@
 """What the roles compose, without Ray: the actor's typed options, the workflows' role sections
-as the roles' options, the step's batch in a fixed order, the reference's logprob-only engine
-(the actor's logprob function, micro-batched)."""
+as the roles' options, the rollout's options as its engines check them, the step's batch in a
+fixed order, the reference's logprob-only engine (the actor's logprob function,
+micro-batched)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from m2flow.workers.engines.torch_engine import TorchEngine
 from m2flow.workers.llm import build_char_tokenizer, build_model
 from m2flow.workers.llm.generation import generate
 from m2flow.workers.reward.config import RewardModelOptions
+from m2flow.workers.rollout.config import RolloutOptions
+from m2flow.workers.rollout.engines import check_rollout
+from m2flow.workers.rollout.spot.config import SpotPoolConfig
 from tensordict import TensorDict
 
 from m2flow.core.config import ConfigError, load_config
@@ -62,6 +66,8 @@ def _chunk(gid: int, version: int, rows: int = 2) -> RolloutChunk:
     [
         ("ppo", "reference", ReferenceOptions),
         ("ppo", "reward_model", RewardModelOptions),
+        ("ppo", "rollout", RolloutOptions),
+        ("grpo", "rollout", RolloutOptions),
         ("embodied", "env", EnvOptions),
         ("embodied", "policy", PolicyOptions),
         ("embodied", "algorithm", PPOOptions),
@@ -77,6 +83,28 @@ def test_workflow_section_is_the_roles_options(workflow, section, cls):
         load_config(config, [f"{section}.thread=3"])
     with pytest.raises(ConfigError, match=f"bad value for '{section}.threads'"):
         load_config(config, [f"{section}.threads=many"])
+
+
+def test_rollout_options_asked_of_the_engine():
+    """The rollout role's options as its launch hands them to the engines' checks
+    (:func:`check_rollout`): the spot pool's own settings when it is on, the configured engine's
+    otherwise; a direct launch's ``spot`` dict becomes the pool's config."""
+    model = {**TINY, "dtype": "float32"}
+    opt = RolloutOptions(spot={"enabled": True, "theta": 0})
+    assert isinstance(opt.spot, SpotPoolConfig) and opt.spot.theta == 0
+    with pytest.raises(ValueError, match="rollout.spot.theta must be >= 1"):
+        check_rollout(opt.engine_check(model), 1)
+    assert check_rollout(RolloutOptions().engine_check(model), 1) is engine_class("rollout", "hf")
+    with pytest.raises(ValueError, match="rollout.engine='exact' continues blocks"):
+        check_rollout(RolloutOptions(engine="exact").engine_check(model), 1)
+    # vLLM's own check reads the model: a head dimension of 8 is refused
+    with pytest.raises(ValueError, match="rollout.engine=vllm: vLLM's CPU attention"):
+        check_rollout(RolloutOptions(engine="vllm").engine_check(model), 1)
+    spot = {"enabled": True, "engine": "emulated"}
+    with pytest.raises(
+        ValueError, match="models the rollout engine: use it with rollout.engine=hf"
+    ):
+        check_rollout(RolloutOptions(engine="vllm", spot=spot).engine_check(model), 1)
 
 
 def test_step_batch_orders_by_key_and_counts_stale():

@@ -343,12 +343,13 @@ def test_rollout_role_resume_arrives_while_its_generate_waits(cluster, tok):
     decode step; ``resume`` reaches it there (queued behind generate, it never would), and
     the step completes with every sample, labelled with the weights' version (-1: the
     initial weights, never synced)."""
+    from m2flow.workers.rollout.config import RolloutOptions
     from m2flow.workers.rollout.worker import RolloutWorker
 
     spec = {"name": "char", "alphabet": ALPHABET}
+    opts = RolloutOptions(n_samples=SAMPLES, max_new_tokens=MAX_NEW, threads=1)
     rollout = RolloutWorker.launch(cluster, [0], name="rollout", model=TINY, tokenizer=spec,
-                                   n_samples=SAMPLES, max_new_tokens=MAX_NEW, threads=1,
-                                   seed=SEED)  # fmt: skip
+                                   options=opts, seed=SEED)  # fmt: skip
     try:
         rollout.pause().wait(timeout=60)
         inp, out = Channel.create("prompts"), Channel.create("rollouts")

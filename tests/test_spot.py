@@ -20,6 +20,7 @@ import torch
 from m2flow.workers.actor.config import ActorOptions
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
+from m2flow.workers.rollout.config import RolloutOptions
 from m2flow.workers.rollout.exact import ExactEngine, GenRequest
 from m2flow.workers.rollout.spot.names import MANAGER_NAME
 from m2flow.workers.rollout.worker import RolloutWorker
@@ -64,14 +65,14 @@ def pool():
     cluster = Cluster(virtual_devices_per_node=1, offload="never", spot=local)
     # The runner's rollout has the pool off; the plan turns it on (Placement.options, what a
     # spot plan of m2flow plan / plan=auto sets), as a plan does without the runner changing.
-    cluster.placement = Placement(options={"rollout": {"spot": SPOT}})
+    cluster.placement = Placement(options={"rollout": {"options": {"spot": SPOT}}})
     try:
         actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, tokenizer=TOKENIZER,
                                    options=ActorOptions(threads=1))  # fmt: skip
+        opts = RolloutOptions(n_samples=SAMPLES, max_new_tokens=MAX_NEW, temperature=1.0, threads=1)
         rollout = RolloutWorker.launch(
-            cluster, [0], name="rollout", model=TINY, tokenizer=TOKENIZER, n_samples=SAMPLES,
-            max_new_tokens=MAX_NEW, temperature=1.0, threads=1, spot={"enabled": False}, seed=7,
-        )  # fmt: skip
+            cluster, [0], name="rollout", model=TINY, tokenizer=TOKENIZER, options=opts, seed=7
+        )
         cluster.placement = None
         assert sync_weights(actor, rollout) == 0
         mgr = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)

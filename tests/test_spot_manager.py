@@ -187,7 +187,7 @@ def test_a_plans_values_start_algorithm_1_which_keeps_adapting(cluster):
     doc["prices"] = {"reserved": 10.47, "spot": 0.01}
     _, placement, sp = _plan(doc, objective="time")
     assert sp.best.mode == "spot", sp.best
-    opts = placement.options["rollout"]["spot"]
+    opts = placement.options["rollout"]["options"]["spot"]
 
     async def scenario():
         m = RolloutManager(opts, n_reserved=1, instance_args={})

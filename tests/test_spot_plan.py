@@ -19,6 +19,8 @@ from m2flow.scheduler.plan.profile import (
     save_profile,
 )
 from m2flow.scheduler.spot.plan import Prices, SpotPlanError, SpotPool, plan_rollout, tail_term
+from m2flow.workers.rollout.config import RolloutOptions
+from m2flow.workers.rollout.spot.config import SpotPoolConfig
 from typer.testing import CliRunner
 
 from m2flow.core.config import ConfigError
@@ -117,7 +119,7 @@ def test_cheap_available_pool_takes_rollout_of_a_rollout_bound_workflow():
         assert sp.best.mode in ("spot", "seeded"), (objective, sp)
         reserved = next(c for c in sp.runner_ups if c.mode == "reserved")
         assert sp.best.step_s < result.time and sp.best.cost_per_step < reserved.cost_per_step
-        opts = placement.options["rollout"]["spot"]
+        opts = placement.options["rollout"]["options"]["spot"]
         assert opts["enabled"] and opts["n_prem_init"] == sp.best.n_prem >= 1
         assert "seeding" not in opts and "n_prem_max" not in opts  # Algorithm 1 adapts both
         assert opts["t_seed_init"] == pytest.approx(sp.best.t_seed)
@@ -172,7 +174,7 @@ def test_cli_prints_the_choice_and_saves_the_spot_options(tmp_path):
     assert r.exit_code == 0, r.output
     assert "rollout: reserved or spot" in r.output and "runner-up" in r.output
     saved = Placement.load(tmp_path / "plan.yaml")
-    assert saved.options["rollout"]["spot"]["enabled"] is True
+    assert saved.options["rollout"]["options"]["spot"]["enabled"] is True
 
 
 @pytest.mark.parametrize(
@@ -278,6 +280,17 @@ def test_plan_options_merge_into_the_runner_kwargs():
     assert runner["spot"] == {"enabled": False, "theta": 8}  # not modified
     with pytest.raises(PlacementError, match="another workflow"):
         merge_options({"spot": 1}, {"spot": {"enabled": True}})
+    # a role's typed options: the plan's dict reaches into its fields (nested records too)
+    runner = {"options": RolloutOptions(n_samples=8, spot={"theta": 4})}
+    plan = {"options": {"spot": {"enabled": True, "t_seed_init": 3.0}}}
+    merged = merge_options(runner, plan)["options"]
+    assert isinstance(merged, RolloutOptions) and isinstance(merged.spot, SpotPoolConfig)
+    assert (merged.n_samples, merged.spot.enabled, merged.spot.theta) == (8, True, 4)
+    assert merged.spot.t_seed_init == 3.0 and not runner["options"].spot.enabled  # a copy
+    with pytest.raises(PlacementError, match="options.spots: the runner's options"):
+        merge_options(runner, {"options": {"spots": {"enabled": True}}})
+    with pytest.raises(PlacementError, match="another workflow"):
+        merge_options(runner, {"options": 1})
 
 
 def _service_doc(**svc) -> dict:

@@ -28,6 +28,7 @@ from m2flow.workers.actor.config import ActorOptions  # noqa: E402
 from m2flow.workers.actor.worker import ActorWorker  # noqa: E402
 from m2flow.workers.algos.logprobs import sequence_logprobs  # noqa: E402
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model  # noqa: E402
+from m2flow.workers.rollout.config import RolloutOptions  # noqa: E402
 from m2flow.workers.rollout.exact import GenRequest, to_generation_output  # noqa: E402
 from m2flow.workers.rollout.spot.names import MANAGER_NAME  # noqa: E402
 from m2flow.workers.rollout.vllm_engine import VllmEngine  # noqa: E402
@@ -72,15 +73,15 @@ def pool(tmp_path_factory):
     local = LocalSpotCluster(2, {VIRTUAL_DEVICE_RESOURCE: 1}, spot_cpus=1)
     local.add_spot(2)
     cluster = Cluster(virtual_devices_per_node=1, offload="never", spot=local)
-    cluster.placement = Placement(options={"rollout": {"spot": SPOT}})
+    cluster.placement = Placement(options={"rollout": {"options": {"spot": SPOT}}})
     try:
         actor = ActorWorker.launch(cluster, [0], name="actor", model=TINY, tokenizer=TOKENIZER,
                                    options=ActorOptions(threads=1))  # fmt: skip
+        opts = RolloutOptions(n_samples=SAMPLES, max_new_tokens=MAX_NEW,
+                              temperature=TEMPERATURE, threads=1, engine="vllm")  # fmt: skip
         rollout = RolloutWorker.launch(
-            cluster, [0], name="rollout", model=TINY, tokenizer=TOKENIZER, n_samples=SAMPLES,
-            max_new_tokens=MAX_NEW, temperature=TEMPERATURE, threads=1,
-            spot={"enabled": False}, seed=SEED, engine="vllm",
-        )  # fmt: skip
+            cluster, [0], name="rollout", model=TINY, tokenizer=TOKENIZER, options=opts, seed=SEED
+        )
         cluster.placement = None
         assert sync_weights(actor, rollout) == 0
         mgr = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)

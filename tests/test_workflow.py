@@ -16,6 +16,7 @@ from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import build_char_tokenizer
 from m2flow.workers.llm.tokenizer import decode_responses
 from m2flow.workers.reward.worker import RewardWorker
+from m2flow.workers.rollout.config import RolloutOptions
 from m2flow.workers.rollout.worker import RolloutWorker
 from m2flow.workers.scoring.functions import RewardFunction
 from m2flow.workers.tasks import TaskDataset
@@ -91,7 +92,7 @@ def _launch_grpo_groups(cluster, prefix: str, granularity: int):
     cluster.placement = Placement(default_granularity=granularity)
     rollout = RolloutWorker.launch(
         cluster, [0], name=f"{prefix}_rollout", model=TINY_MODEL, tokenizer=TOKENIZER,
-        n_samples=4, max_new_tokens=4, temperature=1.0, threads=1,
+        options=RolloutOptions(n_samples=4, max_new_tokens=4, temperature=1.0, threads=1),
     )  # fmt: skip
     reward = RewardWorker.launch(cluster, [0], name=f"{prefix}_reward", tokenizer=TOKENIZER)
     actor = ActorWorker.launch(

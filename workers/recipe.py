@@ -4,7 +4,8 @@ Runner-level sections (cluster, trainer, checkpoints) are in :mod:`m2flow.run.re
 the LLM ones: the reasoning-gym task, the tiny model, the supervised warm start, rollout
 sampling, the optimiser settings every trained model shares. The ``data`` section is
 :class:`~m2flow.workers.data.config.DataConfig`, the ``reward`` section
-:class:`~m2flow.workers.reward.config.RewardConfig`.
+:class:`~m2flow.workers.reward.config.RewardConfig`, the ``rollout`` section
+:class:`~m2flow.workers.rollout.config.RolloutOptions`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from m2flow.core.config import ConfigError
-from m2flow.run.recipe import TrainerConfig, finite_positive, plain, require
+from m2flow.run.recipe import TrainerConfig, finite_positive, options, plain, require
 
 from .data.config import check_data, from_files, prompt_limit
 from .data.reasoning_gym import task_config
@@ -22,7 +23,7 @@ from .llm.config import DTYPES, default_max_new_tokens
 from .llm.config import ModelConfig as LMShape
 from .llm.tokenizer import tokenizer_spec
 from .reward.config import check_reward
-from .rollout.spot.config import SpotPoolConfig
+from .rollout.config import RolloutOptions
 
 
 @dataclass
@@ -64,21 +65,6 @@ class WarmStartConfig:
     target_accuracy: Optional[float] = 0.15  # greedy accuracy on the val split
     eval_every: int = 10  # supervised steps between validation checks
     time_budget_s: Optional[float] = 360.0  # stop after this many seconds; None: no limit
-
-
-@dataclass
-class RolloutConfig:
-    n_samples: int = 16  # GRPO group size (responses per prompt)
-    # Response cap in tokens (EOS included). None: 6 for the built-in model; with model.path
-    # the max_new_tokens of its generation_config.json, else half its context (at most 1024),
-    # said on the console.
-    max_new_tokens: Optional[int] = None
-    temperature: float = 0.7  # 1.0 samples too far from the greedy policy to learn from
-    top_p: float = 1.0  # nucleus sampling: smallest token set of this probability; 1 = off
-    shared_prefix: bool = True  # prefill each prompt once per group, not once per sample
-    threads: int = 0  # torch threads; 0 = the rank's share of its node's CPUs
-    # the RLBoost spot rollout pool (docs/how-to/spot.md)
-    spot: SpotPoolConfig = field(default_factory=SpotPoolConfig)
 
 
 @dataclass
@@ -152,19 +138,20 @@ def model_section(cfg) -> dict:
     return model
 
 
-def rollout_section(cfg) -> tuple[dict, str]:
-    """``plain(cfg.rollout)`` with ``max_new_tokens`` resolved
-    (:func:`~.llm.config.default_max_new_tokens` when unset), and a console note saying where
-    an unset one came from when the run brings its own model (``model.path``) or data files;
-    ``""`` otherwise (set by the user, or the built-in model on its own task)."""
-    args = plain(cfg.rollout)
-    if args["max_new_tokens"] is not None:
-        return args, ""
-    args["max_new_tokens"], why = default_max_new_tokens(plain(cfg.model))
+def rollout_options(cfg) -> tuple[RolloutOptions, str]:
+    """The ``rollout`` section as :class:`~.rollout.config.RolloutOptions` (the rollout role's,
+    passed whole) with ``max_new_tokens`` resolved (:func:`~.llm.config.default_max_new_tokens`
+    when unset), and a console note saying where an unset one came from when the run brings its
+    own model (``model.path``) or data files; ``""`` otherwise (set by the user, or the built-in
+    model on its own task)."""
+    opts = options(cfg.rollout)
+    if opts.max_new_tokens is not None:
+        return opts, ""
+    opts.max_new_tokens, why = default_max_new_tokens(plain(cfg.model))
     if not (cfg.model.path or from_files(cfg)):
-        return args, ""
-    return args, (
-        f"rollout.max_new_tokens: {args['max_new_tokens']} ({why}); set "
+        return opts, ""
+    return opts, (
+        f"rollout.max_new_tokens: {opts.max_new_tokens} ({why}); set "
         "rollout.max_new_tokens=N to change it"
     )
 
@@ -260,12 +247,7 @@ def validate_llm(cfg, min_samples: int = 1) -> None:
         ]
     )
     validate_model(cfg.model)
-    if r.spot.enabled:
-        try:
-            SpotPoolConfig(**plain(r.spot)).check()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    check_engine("rollout", cfg, "rollout")
+    check_engine("rollout", cfg, "rollout")  # rollout.spot too: the spot pool's check
     from .llm.tokenizer import TOKENIZERS
 
     require(

@@ -7,7 +7,7 @@ and the first evaluation, resuming from a checkpoint, and each step's tail (eval
 ``trainer.eval_every`` steps, save every ``trainer.save_every``, log, advance the bar)::
 
     run = LLMRun(cfg)                        # data, rewards, sampler, cluster
-    rollout = RolloutWorker.launch(run.cluster, ..., heldout=run.data.heldout)
+    rollout = RolloutWorker.launch(run.cluster, ..., options=run.rollout, heldout=...)
     ...
     def step(n: int) -> StepRecord:          # the algorithm's step
         ...
@@ -30,7 +30,7 @@ from .data.reasoning_gym import task_section
 from .data.sampler import PromptSampler, load_sampler
 from .data.splits import run_data
 from .llm import build_tokenizer, tokenizer_spec
-from .recipe import model_section, rollout_section, warm_start_args
+from .recipe import model_section, rollout_options, warm_start_args
 from .reward.config import reward_spec
 
 
@@ -57,7 +57,8 @@ class LLMRun:
         task: the reasoning-gym task section (the warm start's; ``None`` once skipped).
         data: the run's prompts (:func:`~.data.splits.run_data`); ``rewards``: the reward
             function's spec; ``sampler``: the training prompts' order.
-        rollout_args: the ``rollout`` section (``max_new_tokens`` resolved).
+        rollout: the ``rollout`` section as the role's
+            :class:`~.rollout.config.RolloutOptions` (``max_new_tokens`` resolved).
         cluster: the started cluster; ``checkpoints``: the run directory's checkpoints.
         log: the run's :class:`~m2flow.run.runlog.RunLog` while :meth:`train` runs.
 
@@ -74,7 +75,7 @@ class LLMRun:
         self.rewards = reward_spec(cfg.reward, self.data.data_sources())
         self.sampler = PromptSampler(len(self.data.train), self.tr.seed, cfg.data.shuffle)
         self.cluster = start_cluster(cfg.cluster, self.tr.run_dir)
-        self.rollout_args, self._length_note = rollout_section(cfg)  # max_new_tokens resolved
+        self.rollout, self._length_note = rollout_options(cfg)  # max_new_tokens resolved
         self.checkpoints = Checkpoints(self.tr.run_dir)
         self.log: RunLog | None = None
         self._rollout = None

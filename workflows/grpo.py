@@ -25,7 +25,6 @@ from m2flow.workers.recipe import (
     ModelConfig,
     OffPolicyConfig,
     OptimConfig,
-    RolloutConfig,
     TaskConfig,
     WarmStartConfig,
     check_engine,
@@ -36,6 +35,7 @@ from m2flow.workers.recipe import (
     validate_optim,
 )
 from m2flow.workers.reward.config import RewardConfig
+from m2flow.workers.rollout.config import RolloutOptions
 
 from m2flow.run.recipe import (
     ClusterConfig,
@@ -70,11 +70,6 @@ class ActorConfig(OptimConfig):
 
 
 @dataclass
-class GRPORolloutConfig(RolloutConfig):
-    engine: str = "hf"  # or "vllm": vLLM's CPU build in process (vllm extra; docs/results/vllm.md)
-
-
-@dataclass
 class RewardServiceConfig:
     url: Optional[str] = None  # None: score in process; "http://127.0.0.1:8765": the service
     token: str = ""  # this tenant's bearer token from the service's config
@@ -90,7 +85,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    rollout: GRPORolloutConfig = field(default_factory=GRPORolloutConfig)
+    rollout: RolloutOptions = field(default_factory=RolloutOptions)  # passed whole
     actor: ActorConfig = field(default_factory=ActorConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     reward_service: RewardServiceConfig = field(default_factory=RewardServiceConfig)
@@ -152,8 +147,8 @@ def main(cfg) -> dict:
     run = LLMRun(cfg)  # data, rewards, prompt sampler, cluster; the warm start and the tail
     tr, cluster, lm, seed = cfg.trainer, run.cluster, run.lm, cfg.trainer.seed
     rollout = RolloutWorker.launch(
-        cluster, name="rollout", heldout=run.data.heldout, reward=run.rewards, **lm, seed=seed,
-        **run.rollout_args,
+        cluster, name="rollout", **lm, options=run.rollout, heldout=run.data.heldout,
+        reward=run.rewards, seed=seed,
     )  # fmt: skip
     service = plain(cfg.reward_service) if cfg.reward_service.url else None
     reward = RewardWorker.launch(

@@ -29,7 +29,6 @@ from m2flow.workers.recipe import (
     LLMTrainerConfig,
     ModelConfig,
     OptimConfig,
-    RolloutConfig,
     TaskConfig,
     WarmStartConfig,
     check_engine,
@@ -39,6 +38,7 @@ from m2flow.workers.recipe import (
     validate_optim,
 )
 from m2flow.workers.reward.config import RewardConfig, RewardModelOptions
+from m2flow.workers.rollout.config import RolloutOptions
 from m2flow.workers.scoring.functions import merge_reward_metrics
 
 from m2flow.core.config import ConfigError
@@ -93,7 +93,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n_samples=4))
+    rollout: RolloutOptions = field(default_factory=lambda: RolloutOptions(n_samples=4))
     reward: RewardConfig = field(default_factory=RewardConfig)  # the verifier
     reward_model: RewardModelOptions = field(default_factory=RewardModelOptions)
     reward_fit: RewardFitConfig = field(default_factory=RewardFitConfig)
@@ -178,8 +178,8 @@ def main(cfg) -> dict:
     tr, alg, cluster, lm, seed = cfg.trainer, cfg.algorithm, run.cluster, run.lm, cfg.trainer.seed
     temp, n = cfg.rollout.temperature, tr.prompts_per_step
     rollout = RolloutWorker.launch(
-        cluster, name="rollout", **lm, heldout=run.data.heldout, reward=run.rewards, seed=seed,
-        **run.rollout_args,
+        cluster, name="rollout", **lm, options=run.rollout, heldout=run.data.heldout,
+        reward=run.rewards, seed=seed,
     )  # fmt: skip
     rm = options(cfg.reward_model)
     if rm.path:  # workers load it from their own working directory

@@ -19,6 +19,7 @@ plain temporal default (every group on every device, every edge coalesced).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,9 +51,10 @@ class Placement:
         sub_batches: cycle member -> items per sub-batch of the leader's share when the plan
             splits the cycle across devices, ``None`` when the members time-share.
         options: group name -> constructor keyword arguments the plan sets, deep-merged over
-            the runner's at launch (:func:`merge_options`): how a plan turns on the spot
-            rollout pool (``{"rollout": {"spot": {"enabled": True, "t_seed_init": ...}}}``)
-            without a line of the runner changing.
+            the runner's at launch (:func:`merge_options`; a dict reaches into a role's typed
+            options): how a plan turns on the spot rollout pool (``{"rollout": {"options":
+            {"spot": {"enabled": True, "t_seed_init": ...}}}}``) without a line of the runner
+            changing.
         remote: what the plan runs off the reserved devices, for reports (the spot choice:
             mode, ``t_seed``, ``n_prem``, cost per step; :mod:`m2flow.scheduler.spot.plan`).
         plan: what draws the predicted step next to the measured one (``m2flow timeline``):
@@ -248,19 +250,26 @@ def _brief(value: Any) -> str:
 
 
 def merge_options(kwargs: dict, options: dict | None) -> dict:
-    """``kwargs`` with ``options`` deep-merged over it (a nested dict updates the runner's
-    dict key by key; anything else replaces). Neither argument is modified.
+    """``kwargs`` with ``options`` deep-merged over it: a nested dict updates the runner's
+    dict, or the fields of its dataclass (a role's typed options, e.g. ``{"options": {"spot":
+    {...}}}`` over the rollout's ``options=RolloutOptions(...)``), key by key; anything else
+    replaces. Neither argument is modified.
 
     Raises:
-        PlacementError: an option replaces a runner's dict with a non-dict (or the reverse),
-            which is a plan written for another runner.
+        PlacementError: an option replaces a runner's dict or dataclass with a non-dict (or
+            the reverse), or names a field the dataclass lacks: a plan written for another
+            runner.
     """
     out = dict(kwargs)
     for key, value in (options or {}).items():
         old = out.get(key)
-        if isinstance(value, dict) and isinstance(old, dict):
+        if isinstance(value, dict) and _is_record(old):
+            out[key] = _merge_record(key, old, value)
+        elif isinstance(value, dict) and isinstance(old, dict):
             out[key] = merge_options(old, value)
-        elif isinstance(value, dict) != isinstance(old, dict) and old is not None:
+        elif isinstance(value, dict) != (isinstance(old, dict) or _is_record(old)) and (
+            old is not None
+        ):
             raise PlacementError(
                 f"plan option {key}={value!r} does not fit the runner's {key}={old!r}: the plan "
                 "was made for another workflow; re-plan it for this one"
@@ -268,6 +277,23 @@ def merge_options(kwargs: dict, options: dict | None) -> dict:
         else:
             out[key] = value
     return out
+
+
+def _is_record(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _merge_record(key: str, record: Any, options: dict) -> Any:
+    """``record`` (a dataclass instance) with ``options`` merged over its fields, a copy."""
+    names = {f.name for f in dataclasses.fields(record)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise PlacementError(
+            f"plan option {key}.{unknown[0]}: the runner's {key} ({type(record).__name__}) has "
+            f"no such field; the plan was made for another workflow; re-plan it for this one"
+        )
+    fields = {n: getattr(record, n) for n in options}
+    return dataclasses.replace(record, **merge_options(fields, options))
 
 
 def _on_cycle(group: str, edges: list) -> bool:

@@ -227,9 +227,10 @@ def plan_with_remote(
     spot_placement.groups[comp] = list(range(num_devices))
     # The plan's T_seed and N_prem are Algorithm 1's starting point; it adapts both each
     # step ("spot" mode starts at T_seed = 0, and line 9 may still open a window).
+    # the rollout role's options (RolloutOptions.spot), merged field by field at launch
     spot_placement.options = {
-        comp: {"spot": {"enabled": True, "t_seed_init": float(best.t_seed or 0.0),
-                        "n_prem_init": best.n_prem}}
+        comp: {"options": {"spot": {"enabled": True, "t_seed_init": float(best.t_seed or 0.0),
+                                    "n_prem_init": best.n_prem}}}
     }  # fmt: skip
     spot_placement.remote = placement.remote
     spot_placement.predicted_step_s = best.step_s

@@ -19,7 +19,9 @@ from ..engines.lora import apply_payload
 from ..engines.registry import choices, engine_class, knows, names
 from ..llm.gate import PAUSE_TIMEOUT_S, DecodeGate
 from ..llm.generation import generate, stop_token_ids
+from .config import RolloutOptions
 from .exact import ExactEngine
+from .spot.config import SpotPoolConfig
 
 
 class HfEngine:
@@ -134,11 +136,13 @@ def rollout_engine_class(kind: str, spot: dict | None = None, role: str = "rollo
         )
     cls = engine_class("rollout", kind, role)
     if spot and spot.get("enabled"):
-        if cls.block_steps and spot.get("engine", "exact") != "exact":
+        # the pool continues with the configured engine: another spot.engine would be ignored
+        if cls.block_steps and spot.get("engine", SpotPoolConfig.engine) != SpotPoolConfig.engine:
+            stepless = [n for n in _groups() if not engine_class("rollout", n).block_steps]
             raise ValueError(
                 f"rollout.spot.engine={spot.get('engine')} models the rollout engine: use it "
-                f"with rollout.engine=hf (rollout.engine={kind} runs {kind} on the spot "
-                "instances)"
+                f"with rollout.engine={' or '.join(stepless)} (rollout.engine={kind} runs "
+                f"{kind} on the spot instances)"
             )
         return engine_class("rollout", "spot", f"{role}.spot")
     if not cls.generates:
@@ -158,7 +162,7 @@ def check_rollout(config: dict, world_size: int | None = None, role: str = "roll
     Raises:
         ValueError: the first problem, naming the setting and the fix.
     """
-    kind, spot = config.get("engine", "hf"), config.get("spot")
+    kind, spot = config.get("engine", RolloutOptions.engine), config.get("spot")
     cls = rollout_engine_class(kind, spot, role)
     engine_class("rollout", kind, role).check(config, world_size, role)
     if cls is not engine_class("rollout", kind, role):

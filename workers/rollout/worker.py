@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 
 import torch
 
@@ -13,6 +14,7 @@ from ..chunk import RolloutChunk
 from ..data.item import PromptItem
 from ..engines.lora import MergedWeights, apply_payload, is_adapter, payload_bytes
 from ..llm import build_tokenizer, compute_dtype, load_model
+from ..llm.config import resolved_max_new_tokens
 from ..llm.placement import (
     offload_module,
     onload_module,
@@ -22,7 +24,8 @@ from ..llm.placement import (
 )
 from ..scoring.evaluation import greedy_scores
 from ..scoring.functions import RewardFunction
-from .engines import build_rollout_engine
+from .config import RolloutOptions
+from .engines import build_rollout_engine, check_rollout
 
 log = logging.getLogger(__name__)
 
@@ -36,30 +39,27 @@ class RolloutWorker(Worker):
             ``dtype``.
         tokenizer: the tokenizer spec, ``{"name": "char", "alphabet": str}`` or
             ``{"name": "qwen2"}`` (:func:`~m2flow.workers.llm.build_tokenizer`).
-        n_samples: responses per prompt (GRPO group size).
-        max_new_tokens: response cap in tokens (EOS included).
-        temperature, top_p: sampling parameters.
+        options: :class:`~.config.RolloutOptions`, the workflow's ``rollout`` section:
+            ``n_samples`` (GRPO group size), ``max_new_tokens`` (``None``: the model's default,
+            :func:`~..llm.config.resolved_max_new_tokens`), ``temperature``, ``top_p``,
+            ``shared_prefix`` (prefill each prompt once for its ``n_samples`` samples),
+            ``threads`` (0: this rank's share of its node's CPUs), ``engine`` (a registered
+            backend of kind ``rollout``, :mod:`~..engines.registry`, or an import path: it
+            samples and takes weight updates; ``self.model`` still holds the weights for
+            :meth:`evaluate`) and ``spot`` (with ``enabled``, the engine is the spot rollout
+            pool composed over the configured one: RLBoost, docs/results/spot.md,
+            :func:`~.engines.build_rollout_engine`). The engine is asked at launch whether it
+            runs them on this group's ranks (its ``check``, :func:`~.engines.check_rollout`).
         heldout: the held-out prompts :meth:`evaluate` decodes (ranks take shards).
         reward: :class:`~..scoring.functions.RewardFunction` arguments: how :meth:`evaluate`
             scores (default: ``auto``).
-        shared_prefix: prefill each prompt once for its ``n_samples`` samples
-            (:func:`.generation.prefill_shared`) instead of once per sample.
-        threads: torch intra-op threads; 0 = this rank's share of its node's CPUs.
-        spot: :class:`~m2flow.workers.rollout.spot.config.SpotPoolConfig` fields: with ``enabled``,
-            the engine is the spot rollout pool composed over the configured one (RLBoost;
-            docs/results/spot.md; :func:`~.engines.build_rollout_engine`): each step's rollout
-            goes through the pool, this rank seeding for ``T_seed`` seconds, spot instances
-            continuing.
         seed: the run seed: token ``t`` of sample ``j`` of prompt ``p`` in step ``s`` is drawn
             from a counter keyed by ``(seed, s, p, j, t)`` (:mod:`~..llm.sampling`), so responses do
             not depend on the rank, chunk or plan that generated them.
-        engine: ``"hf"`` (transformers ``generate``, the default) or ``"vllm"``
-            (:class:`~.vllm_engine.VllmEngine`, in-process vLLM CPU; docs/results/vllm.md), or
-            any registered backend or import path (kind ``rollout``, :mod:`~..engines.registry`): it
-            samples and takes weight updates; ``self.model`` still holds the weights for
-            :meth:`evaluate`. With ``spot`` the pool runs vLLM too: block-wise continuation
-            (:meth:`~.vllm_engine.VllmEngine.step`) on this rank and on every spot instance
-            (not with ``spot.engine="emulated"``, which models the engine instead).
+
+    Raises:
+        ValueError: an engine that does not run the options (its message names the setting
+            and the fix).
 
     The role holds no engine branches: whatever the engine (the pool included), a step is
     :meth:`generate`, a weight sync :meth:`load_weights`, and :meth:`pause` / :meth:`resume`
@@ -73,35 +73,31 @@ class RolloutWorker(Worker):
         self,
         model: dict,
         tokenizer: dict,
-        n_samples: int = 16,
-        max_new_tokens: int = 6,
-        temperature: float = 0.7,
-        top_p: float = 1.0,
+        options: RolloutOptions,
         heldout: list[PromptItem] | None = None,
         reward: dict | None = None,
-        shared_prefix: bool = True,
-        threads: int = 0,
-        spot: dict | None = None,
         seed: int = 0,
-        engine: str = "hf",
     ) -> None:
-        set_torch_threads(self, threads)
+        o = self.options = options
+        check_rollout(o.engine_check(model), self.world_size)  # the engine says what it refuses
+        set_torch_threads(self, o.threads)
         self.device = torch_device(self.devices)
         self.tokenizer = build_tokenizer(tokenizer)
         # Weights in model.dtype (inference only); sync_weights casts the actor's into them.
         self.model = load_model(model, self.tokenizer, self.device).eval()
-        self.n_samples, self.max_new_tokens = n_samples, max_new_tokens
-        self.temperature, self.top_p = temperature, top_p
+        self.n_samples = o.n_samples
+        self.max_new_tokens = resolved_max_new_tokens(model, o.max_new_tokens)
         self.heldout = heldout
         self.reward = RewardFunction(**(reward or {}))
         self.seed = seed
         args = {
-            "model": model, "tokenizer": tokenizer, "temperature": temperature, "top_p": top_p,
-            "seed": seed, "shared_prefix": shared_prefix,
+            "model": model, "tokenizer": tokenizer, "temperature": o.temperature,
+            "top_p": o.top_p, "seed": seed, "shared_prefix": o.shared_prefix,
             "dtype": str(compute_dtype(model.get("dtype", "auto"), self.device)).split(".")[-1],
             "rank": self.rank, "world_size": self.world_size, "name": self.worker_key,
         }  # fmt: skip
-        self.engine = build_rollout_engine(engine, args, self.model, self.tokenizer, spot)
+        spot = asdict(o.spot)
+        self.engine = build_rollout_engine(o.engine, args, self.model, self.tokenizer, spot)
         self.model.to(self.device)  # (vLLM was built from a CPU copy)
 
     # -- generation -------------------------------------------------------------------------
