@@ -17,6 +17,7 @@ import time
 import pytest
 import ray
 import torch
+from helpers import wait_until
 from m2flow.workers.actor.config import ActorOptions
 from m2flow.workers.actor.worker import ActorWorker
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
@@ -42,16 +43,6 @@ TOKENIZER = {"name": "char", "alphabet": ALPHABET}  # the character tokenizer's 
 SAMPLES, MAX_NEW, ROWS = 4, 24, 16
 SPOT = {"enabled": True, "t_seed_init": 0.3, "block_tokens": 4, "micro_batch_prompts": 2,
         "theta": 4, "max_batch": 32, "batch_rows": ROWS, "n_prem_max": 2}  # fmt: skip
-
-
-def wait_until(predicate, timeout: float, what: str, poll: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(poll)
 
 
 @pytest.fixture(scope="module")

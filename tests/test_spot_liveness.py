@@ -24,6 +24,7 @@ from dataclasses import asdict
 
 import pytest
 import ray
+from helpers import wait_until
 from m2flow.workers.rollout.emulated import EmulatedEngine
 from m2flow.workers.rollout.exact import GenRequest
 from m2flow.workers.rollout.spot.config import EmulatedEngineConfig, SpotPoolConfig
@@ -44,16 +45,6 @@ INSTANCE = {"engine": "emulated", "emulated": EMULATED, "eos_id": 0, "filler_id"
 POOL = {"enabled": True, "engine": "emulated", "t_seed_init": 0.0, "block_tokens": 16,
         "max_batch": 4, "theta": 4, "n_prem_init": 2, "preempt_grace_s": 10.0,
         "rebalance": False}  # fmt: skip
-
-
-def wait_until(predicate, timeout: float, what: str, poll: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(poll)
 
 
 @pytest.fixture(scope="module")

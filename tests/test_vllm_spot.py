@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 
 pytest.importorskip("vllm")
 # A vLLM engine start (import, profiling) took 20-130 s on the loaded 2-core box: conftest's
@@ -51,16 +52,6 @@ TOKENIZER = {"name": "char", "alphabet": ALPHABET}  # the spec workers take
 SAMPLES, MAX_NEW, BLOCK, TEMPERATURE, SEED = 4, 32, 4, 1.0, 7
 SPOT = {"enabled": True, "t_seed_init": 0.3, "block_tokens": BLOCK, "micro_batch_prompts": 2,
         "theta": 4, "max_batch": 8, "n_prem_max": 2}  # fmt: skip
-
-
-def wait_until(predicate, timeout: float, what: str, poll: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(poll)
 
 
 @pytest.fixture
