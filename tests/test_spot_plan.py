@@ -337,3 +337,16 @@ def test_bad_reward_service_section_is_a_profile_error(svc, needle):
     doc["reward_service"] = {"component": "reward", **svc}
     with pytest.raises(ProfileError, match=needle):
         profile_from_dict(doc)
+
+
+def test_a_plan_option_the_worker_does_not_take_is_refused_in_the_driver():
+    """A plan saved before the rollout's options were typed (``rollout: {spot: ...}``) names
+    the option and the fix before any actor starts, not as a TypeError inside one."""
+    from m2flow.workers.rollout.worker import RolloutWorker
+
+    from m2flow.core.group import _check_plan_options
+
+    kwargs = {"options": RolloutOptions(), "spot": {"enabled": True}}
+    with pytest.raises(PlacementError, match=r"rollout\.spot: RolloutWorker takes no .*re-plan"):
+        _check_plan_options(RolloutWorker, "rollout", kwargs, {"spot": {"enabled": True}})
+    _check_plan_options(RolloutWorker, "rollout", kwargs, {"options": {"spot": {}}})  # taken

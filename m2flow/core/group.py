@@ -12,6 +12,7 @@ and the remote traceback, without waiting for the other ranks.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import statistics
 import time
@@ -30,7 +31,7 @@ from .calls import CallContext, channels_in
 from .cluster import Cluster
 from .mailbox import IO_GROUP
 from .methods import RUNTIME_CALLS, collect, undeclared
-from .placement import merge_options
+from .placement import PlacementError, merge_options
 from .tracefile import drain_groups
 from .work import flush_puts
 from .worker import (
@@ -422,6 +423,26 @@ class GroupCall:
         return self.wait_result().time(reduce, busy)
 
 
+def _check_plan_options(worker_cls: type, name: str, kwargs: dict, options: dict) -> None:
+    """Refuse, in the driver, plan options the worker's ``__init__`` does not take (a plan made
+    for another runner, or before a role's options were typed): a ``TypeError`` inside the
+    actor would name neither the plan nor the fix.
+
+    Raises:
+        PlacementError: an option names no parameter of ``worker_cls.__init__``.
+    """
+    params = inspect.signature(worker_cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(k for k in options if k not in params)
+    if unknown:
+        raise PlacementError(
+            f"plan option {name}.{unknown[0]}: {worker_cls.__name__} takes no argument "
+            f"{unknown[0]!r} (it takes {', '.join(k for k in params if k != 'self')}); the plan "
+            "was made for another workflow or an earlier version: re-plan it"
+        )
+
+
 def launch(
     worker_cls: type,
     cluster: Cluster,
@@ -438,6 +459,7 @@ def launch(
     name = name or worker_cls.__name__
     if cluster.placement is not None and name in cluster.placement.options:
         init_kwargs = merge_options(init_kwargs, cluster.placement.options[name])
+        _check_plan_options(worker_cls, name, init_kwargs, cluster.placement.options[name])
     if placement is None:
         devices = cluster.devices_for(name)
         placement = devices if worker_cls.data_parallel else [devices]
