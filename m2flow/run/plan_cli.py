@@ -73,6 +73,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from ..core.cluster import GiB
+from .plan_staleness import print_staleness, staleness_rows
 
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
@@ -442,7 +443,7 @@ def plan(
         )  # fmt: skip
         stale = None
         if staleness:
-            stale = _staleness(prof, devices, result.capacity, mode, spot, idle, slack,
+            stale = staleness_rows(prof, devices, result.capacity, mode, spot, idle, slack,
                                max_staleness, staleness_slack, sync_s, lengths)  # fmt: skip
     except (ConfigError, ValueError) as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
@@ -544,73 +545,12 @@ def plan(
                 highlight=False,
             )
     if stale is not None:
-        _print_staleness(stale, prof)
+        print_staleness(out, stale, prof)
     if gantt_png is not None:
         extra = " (two steady-state steps of the chosen K)" if stale is not None else ""
         out.print(f"Gantt chart: {gantt_png}{extra}", highlight=False)
     if save is not None:
         out.print(f"plan file: {save} (run it with plan={save})", highlight=False)
-
-
-def _lengths(text: str | None):
-    """``--lengths``: ``(lengths, source)``; ``(None, "")`` without it."""
-    from ..core.config import ConfigError
-    from ..scheduler.plan.staleness import capped_lognormal
-
-    if text is None:
-        return None, ""
-    try:
-        if text.startswith("lognormal:"):
-            median, sigma, cap = (float(x) for x in text.split(":", 1)[1].split(","))
-            return capped_lognormal(median, sigma, cap), f"capped lognormal {text[10:]}"
-        vals = [float(x) for x in Path(text).read_text().split()]
-        if not vals or min(vals) < 0:
-            raise ValueError("give at least one length, none negative")
-        return vals, f"{len(vals)} lengths from {text}"
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"--lengths {text!r}: write lognormal:MEDIAN,SIGMA,CAP (tokens) or a file of "
-            f"lengths, one a line ({e})"
-        ) from None
-
-
-def _staleness(prof, devices, capacity, mode, spot, idle, slack, max_k, k_slack, sync_s,
-               lengths):  # fmt: skip
-    """The :class:`~m2flow.scheduler.plan.staleness.StalenessPlan`; ConfigError on bad input."""
-    from ..core.config import ConfigError
-    from .planning import staleness_from_profile
-
-    if max_k < 0:
-        raise ConfigError(f"--max-staleness {max_k}: give a whole number >= 0 (model versions)")
-    if not 0.0 <= k_slack < 1.0:
-        raise ConfigError(f"--staleness-slack {k_slack}: give a fraction in [0, 1), e.g. 0.05")
-    if not sync_s >= 0:
-        raise ConfigError(f"--sync-s {sync_s}: give seconds >= 0")
-    vals, source = _lengths(lengths)
-    opts = {"allow_idle": idle, **({} if slack is None else {"slack": slack})}
-    return staleness_from_profile(
-        prof, devices, capacity, mode, spot, max_staleness=max_k, staleness_slack=k_slack,
-        sync_s=sync_s, lengths=vals, length_source=source, **opts,
-    )  # fmt: skip
-
-
-def _print_staleness(sp, prof) -> None:
-    base = max((r.items_per_s for r in sp.rows if r.k == 0), default=0.0)
-    t = Table(title="asynchronous pipeline: bounded staleness K (model versions)")
-    for col in ("", "K", "placement", "step s", f"{prof.item}s/s", "vs best K=0", "mean staleness"):
-        t.add_column(col, justify="left" if col in ("", "placement") else "right")
-    for r in sp.rows:
-        mark = "[bold green]chosen[/]" if r == sp.chosen else ""
-        gain = f"{r.items_per_s / base:.3f}x" if base > 0 and math.isfinite(base) else "-"
-        t.add_row(mark, str(r.k), r.placement, f"{r.step_s:.4f}", f"{r.items_per_s:.3f}", gain,
-                  f"{r.mean_staleness:.2f}")  # fmt: skip
-    out.print(t)
-    c = sp.chosen
-    out.print(
-        f"staleness: K={c.k} on {c.placement}: {c.step_s:.4f} s per step, {c.items_per_s:.3f} "
-        f"{prof.item}s/s (the smallest K within the slack of the best); {sp.note}",
-        highlight=False,
-    )
 
 
 def _spot_table(spot, prof) -> Table:
