@@ -33,6 +33,7 @@ from m2flow.workers.recipe import (
     validate_lora,
     validate_off_policy,
     validate_optim,
+    validate_staleness,
 )
 from m2flow.workers.reward.config import RewardConfig
 from m2flow.workers.rollout.config import RolloutOptions
@@ -107,6 +108,7 @@ def validate(cfg) -> None:
     validate_optim(cfg.actor, "actor")
     validate_lora(cfg.actor.lora, cfg.actor.engine)
     validate_off_policy(cfg.actor.off_policy)
+    validate_staleness(cfg, cfg.actor.off_policy)  # K, partial rollouts, the correction
     from m2flow.workers.algos.losses import knows_loss, loss_names  # heavy: torch
 
     a = cfg.actor
