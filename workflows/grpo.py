@@ -104,11 +104,11 @@ def validate(cfg) -> None:
 
     validate_cluster(cfg.cluster)
     validate_trainer(cfg.trainer, cfg.resume, {"actor": TRAIN_ROLE})
+    validate_staleness(cfg, cfg.actor.off_policy)  # K, partial rollouts, the correction
     validate_llm(cfg, min_samples=2)
     validate_optim(cfg.actor, "actor")
     validate_lora(cfg.actor.lora, cfg.actor.engine)
     validate_off_policy(cfg.actor.off_policy)
-    validate_staleness(cfg, cfg.actor.off_policy)  # K, partial rollouts, the correction
     from m2flow.workers.algos.losses import knows_loss, loss_names  # heavy: torch
 
     a = cfg.actor

@@ -119,8 +119,8 @@ def validate(cfg) -> None:
     groups = {"actor": PPO_ACTOR, "critic": RANK_STATE, "reward": RANK_STATE,
               "reference": RANK_STATE}  # fmt: skip
     validate_trainer(cfg.trainer, cfg.resume, groups)
-    validate_llm(cfg)
     validate_staleness(cfg, None, "PPO runner")  # asynchronous PPO: no correction yet
+    validate_llm(cfg)
     validate_optim(cfg.actor, "actor")
     validate_optim(cfg.critic, "critic")
     from m2flow.workers.algos.losses import knows_loss, loss_names  # heavy: torch
