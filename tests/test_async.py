@@ -67,3 +67,31 @@ def test_smoke_with_staleness_2_stays_within_the_bound(tmp_path):
     assert steps[0]["staleness_max"] == 0  # the first step runs alone
     assert all("step_interval_s" in r for r in steps)
     assert [r["weight_version"] for r in steps] == [1, 2, 3, 4, 5, 6]
+
+
+def test_auto_takes_the_k_and_placement_the_planner_chose():
+    """``plan=auto trainer.max_staleness=auto``: the placement the run gets carries the K of
+    the chosen (K, placement) row, the row ``m2flow plan --staleness`` marks."""
+    from types import SimpleNamespace
+
+    from m2flow.run.pipeline import staleness_of
+    from m2flow.run.planning import (
+        _with_staleness,
+        load_profile,
+        plan_with_remote,
+        staleness_from_profile,
+    )
+
+    prof = load_profile(ROOT / "benchmarks" / "profiles" / "ppo_4_1_1_1_1.yaml")
+    _, placement, spot = plan_with_remote(prof, 64, None, "auto")
+    said = []
+    chosen = _with_staleness(prof, 64, None, "auto", spot, placement, said.append)
+    row = staleness_from_profile(prof, 64, None, "auto", spot).chosen
+    assert row.k >= 1  # asynchrony pays on this profile at 64 devices
+    assert chosen.max_staleness == row.k
+    assert any(f"K={row.k}" in line for line in said)
+    trainer = SimpleNamespace(max_staleness="auto")
+    assert staleness_of(trainer, SimpleNamespace(placement=chosen)) == (
+        row.k, f"trainer.max_staleness=auto: K={row.k}, the plan's")  # fmt: skip
+    k, note = staleness_of(trainer, SimpleNamespace(placement=None))
+    assert k == 0 and "without plan=auto" in note
