@@ -29,6 +29,15 @@ class RolloutOptions:
     # a registered rollout backend: hf (transformers generate) or vllm (vLLM's CPU build in
     # process: the vllm extra, docs/results/vllm.md), or an import path, module:Class
     engine: str = "hf"
+    # Partial rollouts (issue 32 item 2; the run wires rollout.partial and its default). Off:
+    # today's generate, byte for byte. On with a block engine (engine=exact|emulated, no spot
+    # pool): each rank batches continuously across steps (workers/rollout/continuous.py):
+    # freed slots (at most spot.max_batch sequences, blocks of spot.block_tokens) take the
+    # next steps' queued prompts, whose started requests (tokens, logprobs, per-token
+    # versions) the next generate call continues; exact keeps no KV cache, emulated drops its
+    # modelled one at each weight update. On with hf or vllm (whole-group engines): in-flight
+    # weight updates only (paused between decode steps, the KV cache recomputed), no refill.
+    partial: bool = False
     # the RLBoost spot rollout pool (docs/how-to/spot.md)
     spot: SpotPoolConfig = field(default_factory=SpotPoolConfig)
 

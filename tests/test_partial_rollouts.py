@@ -1,0 +1,232 @@
+"""Partial rollouts that refill the tail (issue 32 item 2): a rollout rank decodes its share of
+step m block by block and, as responses end, starts the next steps' queued prompts in the freed
+slots; the started requests are carried (tokens, behaviour logprobs, per-token versions) into
+the next ``generate`` call, which counts them against its share.
+
+The exact engine's tokens are a function of ``(seed, step, prompt, sample, t)`` and the weights
+that sampled token t (:mod:`m2flow.workers.rollout.exact`), so "refill changes when, not what"
+is an equality: every step's responses, generated with refill across two calls, are token for
+token and logprob for logprob those of the step generated alone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
+from m2flow.workers.rollout.continuous import ContinuousRollout
+from m2flow.workers.rollout.exact import ExactEngine, GenRequest
+
+from m2flow import Channel
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1,
+        "max_position_embeddings": 64}  # fmt: skip
+ALPHABET = "0123456789+-="
+SEED, T = 7, 1.0
+PROMPTS = ["1+2=", "3+4=", "5-1=", "9+9=", "12+3=", "7-7="]
+SAMPLES, MAX_NEW, ROWS = 2, 20, 8
+CAPACITY = 8  # 4 groups at once: the step's 6 groups queue, then later steps refill
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer(ALPHABET)
+
+
+@pytest.fixture(scope="module")
+def weights(tok):
+    """Two weight versions: 0 (seed 0) and 1 (seed 1)."""
+    return {v: build_model(ModelConfig(**TINY), tok, seed=v).state_dict() for v in (0, 1)}
+
+
+def engine(tok, weights, version: int = 0) -> ExactEngine:
+    m = build_model(ModelConfig(**TINY), tok, seed=0).eval()
+    m.load_state_dict(weights[version])
+    return ExactEngine(m, tok.eos_token_id, T, seed=SEED, batch_rows=ROWS, version=version)
+
+
+def items(tok, step: int) -> list[dict]:
+    return [{"prompt_ids": tok(p).input_ids, "group": g, "entry": {"i": g}, "step": step}
+            for g, p in enumerate(PROMPTS)]  # fmt: skip
+
+
+class Queue:
+    """The prompts channel as the rank sees it: FIFO, a blocking take of the share and a
+    non-blocking take of what is queued."""
+
+    def __init__(self, *steps: list[dict]) -> None:
+        self.q = deque(it for s in steps for it in s)
+        self.shared = 0
+
+    def take_share(self, n: int) -> list[dict]:
+        assert len(self.q) >= n, "would block forever"
+        self.shared += n
+        return [self.q.popleft() for _ in range(n)]
+
+    def take_ready(self, n: int) -> list[dict]:
+        return [self.q.popleft() for _ in range(min(n, len(self.q)))]
+
+
+def reference(tok, weights, step: int) -> dict:
+    """The step's requests generated alone, uninterrupted: (group, sample) -> request."""
+    reqs = [GenRequest(f"{step}:{g}:{j}", it["prompt_ids"], (step, g, j), MAX_NEW)
+            for g, it in enumerate(items(tok, step)) for j in range(SAMPLES)]  # fmt: skip
+    engine(tok, weights).step(reqs, MAX_NEW)
+    return {r.key[1:]: r for r in reqs}
+
+
+def run(cr: ContinuousRollout, q: Queue, num_prompts: int = len(PROMPTS)):
+    out: list = []
+    stats = cr.run(num_prompts, q.take_share, q.take_ready, out.append)
+    return out, stats
+
+
+def test_refill_across_two_calls_gives_each_steps_tokens_unchanged(tok, weights):
+    """Step 1's tail refilled with step 2's prompts: the call returns step 1 alone, carries
+    step 2's started requests with their tokens, and the next call finishes them; every
+    response of both steps equals (tokens, logprobs, versions) the step generated alone."""
+    cr = ContinuousRollout(engine(tok, weights), SAMPLES, MAX_NEW, CAPACITY, block_tokens=2)
+    q = Queue(items(tok, 1), items(tok, 2))
+    out1, st1 = run(cr, q)
+    assert [g.step for part in out1 for g in part] == [1] * len(PROMPTS)
+    assert st1.refilled > 0 and st1.carried_out == st1.refilled == len(cr.carry)
+    assert all(g.step == 2 and g.started for g in cr.carry)
+    assert any(r.tokens for g in cr.carry for r in g.requests)  # begun, not only taken
+    out2, st2 = run(cr, q)
+    assert st2.carried_in == st1.refilled and not cr.carry and not q.q
+    for step, out in ((1, out1), (2, out2)):
+        ref = reference(tok, weights, step)
+        got = {r.key[1:]: r for part in out for g in part for r in g.requests}
+        assert got.keys() == ref.keys()
+        for k, r in got.items():
+            assert (r.tokens, r.logprobs, r.versions) == (ref[k].tokens, ref[k].logprobs,
+                                                          ref[k].versions), k  # fmt: skip
+    # the refill changed when: both steps took fewer blocks than without it
+    plain = ContinuousRollout(engine(tok, weights), SAMPLES, MAX_NEW, CAPACITY, block_tokens=2)
+    q = Queue(items(tok, 1), items(tok, 2))
+    blocks = [plain.run(len(PROMPTS), q.take_share, lambda n: [], list).blocks for _ in "12"]
+    assert st1.blocks + st2.blocks < sum(blocks), (st1.blocks, st2.blocks, blocks)
+
+
+def test_carried_groups_count_against_the_next_share(tok, weights):
+    """Over four steps queued at once, every (step, prompt) is emitted exactly once, by the
+    call of its step; a call takes from the channel only its share minus what it carried."""
+    cr = ContinuousRollout(engine(tok, weights), SAMPLES, MAX_NEW, CAPACITY, block_tokens=2)
+    q = Queue(*(items(tok, s) for s in range(4)))
+    seen: list[tuple[int, int]] = []
+    for step in range(4):
+        before = q.shared
+        out, st = run(cr, q)
+        assert {g.step for part in out for g in part} == {step}
+        seen += [(g.step, g.item["group"]) for part in out for g in part]
+        assert q.shared - before == len(PROMPTS) - st.carried_in
+        assert st.carried_in > 0 or step == 0
+    assert sorted(seen) == [(s, g) for s in range(4) for g in range(len(PROMPTS))]
+    assert not q.q and not cr.carry
+
+
+def test_a_carry_holds_per_token_versions(tok, weights):
+    """A weight update between two calls: the carried requests' tokens keep version 0, the
+    rest is sampled with version 1, and each equals the request stepped to its carried
+    length on version 0 then continued on version 1."""
+    eng = engine(tok, weights)
+    cr = ContinuousRollout(eng, SAMPLES, MAX_NEW, CAPACITY, block_tokens=2)
+    q = Queue(items(tok, 1), items(tok, 2))
+    run(cr, q)
+    carried = {r.key: len(r.tokens) for g in cr.carry for r in g.requests if not r.done}
+    assert carried and any(carried.values())
+    eng.update_weights(1, weights[1])
+    out, _ = run(cr, q)
+    got = {r.key: r for part in out for g in part for r in g.requests}
+    mixed = 0
+    for key, k in carried.items():
+        r = got[key]
+        assert r.versions == [0] * k + [1] * (len(r.tokens) - k)
+        mixed += 0 < k < len(r.tokens)
+        ref = GenRequest("ref", r.prompt_ids, key, MAX_NEW)
+        engine(tok, weights, 0).step([ref], k)
+        engine(tok, weights, 1).step([ref], MAX_NEW)
+        assert (r.tokens, r.logprobs, r.versions) == (ref.tokens, ref.logprobs, ref.versions)
+    assert mixed > 0
+    # a group not carried was sampled with version 1 only
+    assert all(set(r.versions) == {1} for key, r in got.items() if key not in carried)
+
+
+def test_a_smaller_next_step_than_was_refilled_is_refused(tok, weights):
+    """The refill assumes the next step has this step's num_prompts: a call whose share is
+    smaller than what was started for it raises, naming the assumption."""
+    cr = ContinuousRollout(engine(tok, weights), SAMPLES, MAX_NEW, CAPACITY, block_tokens=2)
+    q = Queue(items(tok, 1), items(tok, 2))
+    _, st = run(cr, q)
+    assert st.refilled > 1
+    with pytest.raises(ValueError, match="num_prompts"):
+        run(cr, q, num_prompts=1)
+
+
+def test_capacity_below_a_group_is_refused(tok, weights):
+    with pytest.raises(ValueError, match="max_batch"):
+        ContinuousRollout(engine(tok, weights), SAMPLES, MAX_NEW, SAMPLES - 1, block_tokens=2)
+
+
+# -- the role, on a real local Ray ----------------------------------------------------------------
+
+
+VIRTUAL_DEVICES = 1
+
+
+@pytest.mark.e2e
+def test_rollout_role_refills_with_the_next_steps_prompts(cluster, tok):
+    """``RolloutWorker.generate`` with ``rollout.partial`` and the exact engine, one rank:
+    step 1's call starts step 2's queued prompts and returns step 1's chunks; step 2's call
+    continues them (``partial_carried_in``) and takes only the rest from the channel. The
+    responses equal, bit for bit, those of the same steps with nothing queued ahead (no
+    refill), and ``partial=False`` keeps the exact engine refused as the role's own."""
+    from m2flow.workers.rollout.config import RolloutOptions
+    from m2flow.workers.rollout.engines import check_rollout
+    from m2flow.workers.rollout.worker import RolloutWorker
+
+    spec = {"name": "char", "alphabet": ALPHABET}
+    spot = {"max_batch": CAPACITY, "block_tokens": 2, "batch_rows": ROWS}
+    opts = RolloutOptions(n_samples=SAMPLES, max_new_tokens=MAX_NEW, temperature=T, threads=1,
+                          engine="exact", partial=True, spot=spot)  # fmt: skip
+    with pytest.raises(ValueError, match="rollout.partial"):
+        check_rollout({**RolloutOptions(engine="exact").engine_check(TINY)})
+    rollout = RolloutWorker.launch(cluster, [0], name="rollout", model=TINY, tokenizer=spec,
+                                   options=opts, seed=SEED)  # fmt: skip
+    inp, out = Channel.create("prompts"), Channel.create("rollouts")
+    try:
+
+        def step(s: int) -> tuple[dict, dict]:
+            """One generate call; its responses by (group, sample order of the sort)."""
+            (res,) = rollout.generate(inp, out, len(PROMPTS)).wait(timeout=300)
+            got: dict[int, list] = {}
+            n = 0
+            while n < len(PROMPTS) * SAMPLES:
+                c = out.get(timeout=60)
+                assert c.step == s and c.step_samples == len(PROMPTS) * SAMPLES
+                b = c.batch
+                for i in range(len(b)):
+                    m = int(b["response_mask"][i].sum())
+                    got.setdefault(int(b["group_index"][i]), []).append(
+                        (b["response_ids"][i, :m].tolist(), b["logprobs"][i, :m].tolist())
+                    )
+                n += len(b)
+            return res, {g: sorted(v) for g, v in got.items()}
+
+        inp.put_many(items(tok, 1) + items(tok, 2))
+        res1, a1 = step(1)
+        res2, a2 = step(2)
+        assert res1["partial_refilled"] > 0 and res1["partial_carried_out"] > 0
+        assert res2["partial_carried_in"] == res1["partial_refilled"]
+        assert res2["partial_carried_out"] == 0 and inp.qsize() == 0
+        for s, ref in ((1, a1), (2, a2)):  # again, with nothing queued ahead
+            inp.put_many(items(tok, s))
+            res, b = step(s)
+            assert res["partial_refilled"] == 0 and res["partial_carried_in"] == 0
+            assert b == ref
+    finally:
+        inp.close()
+        out.close()
+        rollout.shutdown()
