@@ -15,7 +15,7 @@ from collections import deque
 
 import pytest
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
-from m2flow.workers.rollout.continuous import ContinuousRollout
+from m2flow.workers.rollout.continuous import ContinuousRollout, ShareLedger
 from m2flow.workers.rollout.exact import ExactEngine, GenRequest
 
 from m2flow import Channel
@@ -230,3 +230,34 @@ def test_rollout_role_refills_with_the_next_steps_prompts(cluster, tok):
         inp.close()
         out.close()
         rollout.shutdown()
+
+
+def test_two_ranks_refill_only_once_every_rank_took_the_step(tok, weights):
+    """Two ranks share the channel and a ledger: a rank does not refill while the other has
+    not taken its share of the current step (a FIFO take would be that share), and refills
+    once it has; over two steps every (step, prompt) is emitted once, each rank's share of a
+    step (3 prompts) counts its carried groups, and the responses are the step's alone."""
+    ledger = ShareLedger(2)
+    ranks = [ContinuousRollout(engine(tok, weights), SAMPLES, MAX_NEW, CAPACITY, block_tokens=2,
+                               rank=r, world_size=2, ledger=ledger) for r in (0, 1)]  # fmt: skip
+    q = Queue(items(tok, 1), items(tok, 2))
+    outs = {}
+    for step, order in ((1, (0, 1)), (2, (0, 1))):
+        for r in order:
+            before = q.shared
+            outs[step, r], st = run(ranks[r], q)
+            assert q.shared - before == 3 - st.carried_in
+            if (step, r) == (1, 0):  # rank 1 had not taken step 1: no refill
+                assert st.refilled == 0 and len(q.q) == 9
+            if (step, r) == (1, 1):
+                assert st.refilled > 0
+    for step in (1, 2):
+        got = {r.key[1:]: r for rank in (0, 1) for part in outs[step, rank] for g in part
+               for r in g.requests}  # fmt: skip
+        assert sum(len(g.requests) for rank in (0, 1) for p in outs[step, rank] for g in p) == (
+            len(PROMPTS) * SAMPLES
+        )
+        ref = reference(tok, weights, step)
+        assert got.keys() == ref.keys()
+        assert all(got[k].tokens == ref[k].tokens for k in ref)
+    assert not q.q and not ranks[0].carry and not ranks[1].carry

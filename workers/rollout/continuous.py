@@ -34,12 +34,15 @@ Assumptions (said here because the call cannot check them early):
   equals the current call's (GRPO's fixed prompts per step), so a rank starts at most
   ``split_evenly(num_prompts, world_size)[rank]`` groups of a later step; a call whose share is
   smaller than what was carried for it raises ``ValueError``;
-- the prompts channel is FIFO and a step's items are put together, in step order, tagged
-  ``"step"``; a rank refills only when it knows every rank has taken its whole share of the
-  earlier steps (``may_refill``): with one rollout rank always, with several only through a
-  shared ledger (not built yet: the worker refills with ``world_size == 1`` only, and
-  otherwise carries nothing), since a FIFO take from the head could take another rank's share
-  of the current step.
+- the prompts channel is FIFO and each step's items are put together (one ``put_many``), in
+  step order, tagged ``"step"``. A FIFO take from the head is safe only once no earlier step's
+  item is left there, which could be another rank's share: the ranks record in a
+  :class:`ShareLedger` (one Ray actor per launch of the group, :class:`RemoteLedger`, with
+  several ranks) the last step whose whole share each has taken, and a rank refills step
+  ``s`` only when every rank has taken every step before ``s``. So with one rank the refill
+  follows the slots alone; with several a rank waits for the slowest rank's blocking take of
+  the current step (the head then holds ``s``'s items, at least this rank's remainder of
+  them, so the non-blocking take never waits).
 """
 
 from __future__ import annotations
@@ -114,6 +117,9 @@ class ContinuousRollout:
         rank, world_size: this rank in the rollout group (its share of each step).
         clock: optional ``() -> float`` read after each block (the emulated engine's modelled
             seconds) for :attr:`CallStats.per_block`.
+        ledger: where the ranks record the steps whose whole share they have taken
+            (:class:`ShareLedger`; shared by the ranks: :class:`RemoteLedger`); default: this
+            rank's own (right for one rank).
 
     Raises:
         ValueError: ``capacity < n_samples`` or ``block_tokens < 1``.
@@ -129,6 +135,7 @@ class ContinuousRollout:
         rank: int = 0,
         world_size: int = 1,
         clock: Callable[[], float] | None = None,
+        ledger: ShareLedger | None = None,
     ) -> None:
         if capacity < n_samples:
             raise ValueError(
@@ -141,9 +148,11 @@ class ContinuousRollout:
         self.capacity, self.block_tokens = capacity, block_tokens
         self.rank, self.world_size = rank, world_size
         self.clock = clock
+        self.ledger = ledger if ledger is not None else ShareLedger(world_size)
         #: groups of later steps kept between calls (started or finished, with their tokens)
         self.carry: list[Group] = []
         self._take_ready: Callable[[int], list[dict]] = lambda n: []
+        self._share = 0  # this rank's share of the current (and, assumed, later) steps
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -177,7 +186,7 @@ class ContinuousRollout:
             RuntimeError: items of another step than the call's arrived (the channel does not
                 hold the steps in order).
         """
-        share = split_evenly(num_prompts, self.world_size)[self.rank]
+        share = self._share = split_evenly(num_prompts, self.world_size)[self.rank]
         stats = CallStats()
         step = min((g.step for g in self.carry), default=None)
         mine = [g for g in self.carry if g.step == step] if step is not None else []
@@ -201,6 +210,8 @@ class ContinuousRollout:
             )
         self.carry = [g for g in self.carry if g.step != step]
         self._take_ready = take_ready
+        if step is not None:
+            self.ledger.mark(self.rank, step)  # this rank's whole share of it is taken
         groups = mine + new  # this step's, in admission order
         size = granularity or max(share, 1)
         ready: list[Group] = []
@@ -238,13 +249,25 @@ class ContinuousRollout:
                 if free < self.n_samples:
                     return
                 g.started, free = True, free - self.n_samples
-        while free >= self.n_samples:
+        while free >= self.n_samples and self._may_refill(step, share):
             n = min(free // self.n_samples, self._refill_room(step, share))
             got = self._take(step, n)
             if not got:
                 return
             free -= self.n_samples * len(got)
             stats.refilled += len(got)
+
+    def _may_refill(self, step: int, share: int) -> bool:
+        """Whether the channel's head holds only items of the step the refill fills: every
+        rank has taken its whole share of every step before it (the ledger's floor). A FIFO
+        take before that could take another rank's share of an earlier step."""
+        floor = self.ledger.floor()
+        if floor is None:
+            return False
+        last = max((g.step for g in self.carry), default=step)
+        if last > step and sum(g.step == last for g in self.carry) < share:
+            return floor >= max([step] + [g.step for g in self.carry if g.step < last])
+        return floor >= max(step, last)
 
     def _refill_room(self, step: int, share: int) -> int:
         """Groups the refill may take now: the rest of this rank's share (the assumed
@@ -269,6 +292,9 @@ class ContinuousRollout:
         for g in groups:
             g.started = True
         self.carry += groups
+        for s in sorted({g.step for g in groups}):
+            if sum(g.step == s for g in self.carry) >= self._share:
+                self.ledger.mark(self.rank, s)
         return groups
 
     def _group(self, item: dict) -> Group:
@@ -279,6 +305,56 @@ class ContinuousRollout:
             for j in range(self.n_samples)
         ]  # fmt: skip
         return Group(item, reqs)
+
+
+class ShareLedger:
+    """Per rollout rank, the last step whose whole share it has taken from the prompts
+    channel. Its :meth:`floor` is the last step every rank has taken whole: the channel's
+    head then holds only later steps' items (FIFO, steps in order).
+
+    Args:
+        world_size: the rollout ranks that record.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.done: dict[int, int] = {}
+
+    def mark(self, rank: int, step: int) -> None:
+        """``rank`` has taken its whole share of ``step`` (and of every step before it)."""
+        self.done[rank] = max(step, self.done.get(rank, step))
+
+    def floor(self) -> int | None:
+        """The last step every rank has taken whole (``None``: a rank has recorded none)."""
+        if len(self.done) < self.world_size:
+            return None
+        return min(self.done.values())
+
+
+class RemoteLedger:
+    """A :class:`ShareLedger` shared by the rollout ranks: a named Ray actor (no CPUs)
+    created by the first rank that asks, ``name`` unique to one launch of the group.
+
+    Raises:
+        ray.exceptions.GetTimeoutError: the actor did not answer within 60 s.
+    """
+
+    def __init__(self, name: str, world_size: int) -> None:
+        import ray
+
+        from m2flow.core.cluster import NAMESPACE
+
+        self._get = ray.get
+        actor = ray.remote(num_cpus=0)(ShareLedger)
+        self.actor = actor.options(name=name, namespace=NAMESPACE, get_if_exists=True).remote(
+            world_size
+        )
+
+    def mark(self, rank: int, step: int) -> None:
+        self._get(self.actor.mark.remote(rank, step), timeout=60)
+
+    def floor(self) -> int | None:
+        return self._get(self.actor.floor.remote(), timeout=60)
 
 
 def block_engine_args(spot, tokenizer) -> dict:

@@ -25,7 +25,7 @@ from ..llm.placement import (
 from ..scoring.evaluation import greedy_scores
 from ..scoring.functions import RewardFunction
 from .config import RolloutOptions
-from .continuous import ContinuousRollout, block_engine_args
+from .continuous import ContinuousRollout, RemoteLedger, block_engine_args
 from .engines import build_rollout_engine, check_rollout
 from .exact import to_generation_output
 
@@ -52,6 +52,11 @@ class RolloutWorker(Worker):
             pool composed over the configured one: RLBoost, docs/results/spot.md,
             :func:`~.engines.build_rollout_engine`). The engine is asked at launch whether it
             runs them on this group's ranks (its ``check``, :func:`~.engines.check_rollout`).
+            ``partial`` (partial rollouts, issue 32): with a block engine (``exact``,
+            ``emulated``) :meth:`generate` batches continuously across steps and refills freed
+            slots with the next steps' queued prompts (:mod:`~.continuous`); with ``hf`` /
+            ``vllm`` it changes nothing here (their weight updates land between decode steps
+            anyway).
         heldout: the held-out prompts :meth:`evaluate` decodes (ranks take shards).
         reward: :class:`~..scoring.functions.RewardFunction` arguments: how :meth:`evaluate`
             scores (default: ``auto``).
@@ -108,9 +113,14 @@ class RolloutWorker(Worker):
         )
         self.continuous = None
         if blocks:
+            ledger = None  # one rank: its own
+            if self.world_size > 1:  # shared by this launch's ranks (continuous.py)
+                launch = getattr(self._m2flow_ctx, "launch_index", 0)
+                ledger = RemoteLedger(f"m2flow:partial_ledger:{self.group_name}:{launch}",
+                                      self.world_size)  # fmt: skip
             self.continuous = ContinuousRollout(
                 self.engine, self.n_samples, self.max_new_tokens, o.spot.max_batch,
-                o.spot.block_tokens, self.rank, self.world_size,
+                o.spot.block_tokens, self.rank, self.world_size, ledger=ledger,
             )  # fmt: skip
         self.model.to(self.device)  # (vLLM was built from a CPU copy)
 
@@ -133,6 +143,10 @@ class RolloutWorker(Worker):
         of responses the whole step will have (all ranks): a consumer may announce it before
         the step's last chunk (the reward service's batch-size hint,
         docs/results/reward_service.md).
+
+        With ``rollout.partial`` on a block engine (:mod:`~.continuous`): chunks of finished
+        groups in finishing order; the share counts the groups an earlier call started ahead
+        (carried); the groups of later steps started here stay on the rank for their call.
 
         Returns:
             ``samples``, ``tokens`` (prompt + response), ``response_length`` (mean tokens),
@@ -191,8 +205,7 @@ class RolloutWorker(Worker):
         """:meth:`generate` with ``rollout.partial`` on a block engine: the rank's
         :class:`~.continuous.ContinuousRollout` (refills freed slots with the next steps'
         queued prompts; keeps their started requests for the next call). Chunks of
-        ``granularity`` finished groups, in finishing order. Refill takes from the channel only
-        with one rollout rank (see :mod:`.continuous`). Returns :meth:`generate`'s metrics plus
+        ``granularity`` finished groups, in finishing order. Returns :meth:`generate`'s metrics plus
         ``partial_carried_in`` / ``partial_refilled`` / ``partial_carried_out`` (groups) and
         ``partial_blocks`` (engine calls)."""
         totals = [0, 0, 0]
@@ -205,9 +218,7 @@ class RolloutWorker(Worker):
                 items += prompts.get_batch(size, max_items=size)
             return items
 
-        def take_ready(n: int) -> list[dict]:
-            if self.world_size > 1:  # a FIFO take could be another rank's current share
-                return []
+        def take_ready(n: int) -> list[dict]:  # (the ledger said the head is the step's)
             k = min(n, prompts.qsize())
             return prompts.get_batch(k, max_items=k) if k > 0 else []
 
