@@ -5,8 +5,10 @@ One rank, one emulated engine (a throughput preset, e.g. Qwen3-8B on an H100), a
 response length mix (RLBoost's capped lognormal: median 3,000, sigma 1.0, cap 16,384 tokens),
 ``steps`` GRPO steps of ``num_prompts x n_samples`` responses whose batch fills the rank's
 ``max_batch`` slots. Without refill each step runs to its longest response with the freed slots
-idle (a synchronous step); with refill the next step's prompts, queued (as with
-``trainer.max_staleness >= 1``), take the freed slots. Emulated time (no sleeping):
+idle (a synchronous step); with refill the queued prompts of the next steps take the freed
+slots: with ``--staleness K`` the prompts of steps up to ``m + K`` are queued during step
+``m``'s call (the driver admits step ``m + K`` when step ``m - 1`` has trained; training
+time is not modelled: this is the rollout rank's side alone). Emulated time (no sleeping):
 deterministic given ``--seed``. Reported per mode: modelled seconds per step (mean over the
 steps, and over the middle steps: the steady state), samples/s, decode slot idle share (the
 time-weighted share of ``max_batch`` slots not decoding: ``1 - sum_i batch_i dt_i /
@@ -52,11 +54,12 @@ def run(args, refill: bool) -> dict:
     eng = MeteredEngine(model, lengths, eos_id=1, filler_id=2, seed=args.seed,
                         prompt_tokens=args.prompt_tokens, sleep=lambda s: None)  # fmt: skip
     cr = ContinuousRollout(eng, args.n_samples, args.cap, args.max_batch, args.block)
-    queue = deque(
-        {"prompt_ids": [0], "group": g, "entry": {}, "step": s}
-        for s in range(args.steps)
-        for g in range(args.num_prompts)
-    )
+    queue: deque = deque()
+
+    def admit(s: int) -> None:  # the driver puts step s's prompts when it admits the step
+        if s < args.steps:
+            queue.extend({"prompt_ids": [0], "group": g, "entry": {}, "step": s}
+                         for g in range(args.num_prompts))  # fmt: skip
 
     def take_share(n: int) -> list[dict]:
         return [queue.popleft() for _ in range(n)]
@@ -65,7 +68,11 @@ def run(args, refill: bool) -> dict:
         return [queue.popleft() for _ in range(min(n, len(queue)))] if refill else []
 
     step_s, blocks, tokens, refilled, t0 = [], 0, 0, 0, 0.0
-    for _ in range(args.steps):
+    for s in range(args.staleness + 1):
+        admit(s)
+    for i in range(args.steps):
+        if i:
+            admit(i + args.staleness)  # step i - 1 trained: step i + K is admitted
         st = cr.run(args.num_prompts, take_share, take_ready, lambda groups: None)
         step_s.append(eng.emulated_s - t0)
         t0 = eng.emulated_s
@@ -101,10 +108,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cap", type=int, default=16384)
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--staleness", type=int, default=1, help="K: steps queued ahead")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     rows = [run(args, False), run(args, True)]
-    print(f"{args.model}, {args.steps} steps of {args.num_prompts} x {args.n_samples}, "
+    print(f"{args.model}, K={args.staleness}, {args.steps} steps of {args.num_prompts} x "
+          f"{args.n_samples}, "
           f"max_batch {args.max_batch}, block {args.block}, lognormal({args.median:g}, "
           f"{args.sigma:g}) cap {args.cap}")  # fmt: skip
     print(f"{'refill':>7} {'s/step':>8} {'steady':>8} {'samples/s':>10} {'steady/s':>9} "

@@ -261,3 +261,27 @@ def test_two_ranks_refill_only_once_every_rank_took_the_step(tok, weights):
         assert got.keys() == ref.keys()
         assert all(got[k].tokens == ref[k].tokens for k in ref)
     assert not q.q and not ranks[0].carry and not ranks[1].carry
+
+
+def test_emulated_refill_keeps_every_response_and_takes_less_modelled_time():
+    """The emulated engine (Qwen3-8B on an H100, modelled seconds, no sleeping) on a long-tail
+    length mix: with refill every response has its drawn length as without, and the four
+    steps take less modelled time (the tail's freed slots decode the next step)."""
+    from m2flow.workers.rollout.emulated import EmulatedEngine, ResponseLengths, throughput_preset
+
+    def steps(refill: bool) -> tuple[float, dict]:
+        eng = EmulatedEngine(throughput_preset("qwen3-8b"), ResponseLengths(200, 1.0, 2048),
+                             eos_id=1, filler_id=2, seed=SEED, sleep=lambda s: None)  # fmt: skip
+        cr = ContinuousRollout(eng, 4, 2048, capacity=32, block_tokens=16)
+        q = Queue(*([{"prompt_ids": [0] * 50, "group": g, "entry": {}, "step": s}
+                     for g in range(8)] for s in range(4)))  # fmt: skip
+        got: dict = {}
+        for _ in range(4):
+            out: list = []
+            cr.run(8, q.take_share, q.take_ready if refill else lambda n: [], out.append)
+            got |= {r.key: len(r.tokens) for part in out for g in part for r in g.requests}
+        return eng.emulated_s, got
+
+    (t_plain, plain), (t_refill, refill) = steps(False), steps(True)
+    assert refill == plain and len(plain) == 4 * 8 * 4
+    assert t_refill < t_plain

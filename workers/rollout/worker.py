@@ -205,9 +205,9 @@ class RolloutWorker(Worker):
         """:meth:`generate` with ``rollout.partial`` on a block engine: the rank's
         :class:`~.continuous.ContinuousRollout` (refills freed slots with the next steps'
         queued prompts; keeps their started requests for the next call). Chunks of
-        ``granularity`` finished groups, in finishing order. Returns :meth:`generate`'s metrics plus
-        ``partial_carried_in`` / ``partial_refilled`` / ``partial_carried_out`` (groups) and
-        ``partial_blocks`` (engine calls)."""
+        ``granularity`` finished groups, in finishing order. Returns :meth:`generate`'s
+        metrics plus ``partial_carried_in`` / ``partial_refilled`` / ``partial_carried_out``
+        (groups) and ``partial_blocks`` (engine calls)."""
         totals = [0, 0, 0]
         pad = self.tokenizer.pad_token_id
 
