@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import pytest
 from m2flow.workers.llm import ModelConfig, build_char_tokenizer, build_model
 from m2flow.workers.rollout.continuous import ContinuousRollout, ShareLedger
@@ -285,3 +286,44 @@ def test_emulated_refill_keeps_every_response_and_takes_less_modelled_time():
     (t_plain, plain), (t_refill, refill) = steps(False), steps(True)
     assert refill == plain and len(plain) == 4 * 8 * 4
     assert t_refill < t_plain
+
+
+@pytest.mark.e2e
+def test_rollout_role_runs_the_emulated_engine_with_partial(cluster, tok):
+    """``rollout.engine=emulated`` with ``rollout.partial``: the role builds the emulated
+    engine from ``rollout.spot.emulated`` (no model behind it) and returns two steps whose
+    every response has its drawn length (the length counter's, capped), the second step
+    continuing the groups the first started."""
+    from m2flow.workers.rollout.config import RolloutOptions
+    from m2flow.workers.rollout.emulated import ResponseLengths
+    from m2flow.workers.rollout.worker import RolloutWorker
+
+    emulated = {"time_scale": 1e6, "length_median": 6.0, "length_sigma": 1.0, "length_cap": 64}
+    spot = {"max_batch": CAPACITY, "block_tokens": 2, "emulated": emulated}
+    opts = RolloutOptions(n_samples=SAMPLES, max_new_tokens=MAX_NEW, threads=1,
+                          engine="emulated", partial=True, spot=spot)  # fmt: skip
+    rollout = RolloutWorker.launch(cluster, [0], name="emu", model=TINY,
+                                   tokenizer={"name": "char", "alphabet": ALPHABET},
+                                   options=opts, seed=SEED)  # fmt: skip
+    inp, out = Channel.create("emu_prompts"), Channel.create("emu_rollouts")
+    try:
+        inp.put_many(items(tok, 1) + items(tok, 2))
+        (r1,) = rollout.generate(inp, out, len(PROMPTS)).wait(timeout=300)
+        (r2,) = rollout.generate(inp, out, len(PROMPTS)).wait(timeout=300)
+        assert r1["samples"] == r2["samples"] == len(PROMPTS) * SAMPLES
+        assert r2["partial_carried_in"] == r1["partial_refilled"] > 0
+        got = {}
+        while len(got) < 2 * len(PROMPTS) * SAMPLES:
+            c = out.get(timeout=60)
+            b = c.batch
+            for i in range(len(b)):
+                got[(c.step, int(b["group_index"][i]), i)] = int(b["response_mask"][i].sum())
+        for s in (1, 2):
+            keys = [(s, g, j) for g in range(len(PROMPTS)) for j in range(SAMPLES)]
+            want = np.minimum(ResponseLengths(6.0, 1.0, 64).lengths(SEED, keys), MAX_NEW)
+            have = [n for (st, g, _), n in sorted(got.items()) if st == s]
+            assert sorted(have) == sorted(np.maximum(want, 1).tolist())
+    finally:
+        inp.close()
+        out.close()
+        rollout.shutdown()

@@ -48,7 +48,7 @@ Assumptions (said here because the call cannot check them early):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from ..llm.placement import split_evenly
 from .exact import GenRequest
@@ -92,7 +92,6 @@ class CallStats:
         refilled: groups of later steps this call started.
         blocks: engine calls (blocks of ``block_tokens`` decode iterations).
         tokens: tokens generated (all steps' requests).
-        per_block: with a ``clock``, ``(tokens made, clock after)`` per block.
     """
 
     carried_in: int = 0
@@ -100,7 +99,6 @@ class CallStats:
     refilled: int = 0
     blocks: int = 0
     tokens: int = 0
-    per_block: list[tuple[int, float]] = field(default_factory=list)
 
 
 class ContinuousRollout:
@@ -115,8 +113,6 @@ class ContinuousRollout:
         block_tokens: decode iterations per engine call: the refill's granularity (a freed slot
             waits at most one block).
         rank, world_size: this rank in the rollout group (its share of each step).
-        clock: optional ``() -> float`` read after each block (the emulated engine's modelled
-            seconds) for :attr:`CallStats.per_block`.
         ledger: where the ranks record the steps whose whole share they have taken
             (:class:`ShareLedger`; shared by the ranks: :class:`RemoteLedger`); default: this
             rank's own (right for one rank).
@@ -134,7 +130,6 @@ class ContinuousRollout:
         block_tokens: int,
         rank: int = 0,
         world_size: int = 1,
-        clock: Callable[[], float] | None = None,
         ledger: ShareLedger | None = None,
     ) -> None:
         if capacity < n_samples:
@@ -147,7 +142,6 @@ class ContinuousRollout:
         self.engine, self.n_samples, self.max_new_tokens = engine, n_samples, max_new_tokens
         self.capacity, self.block_tokens = capacity, block_tokens
         self.rank, self.world_size = rank, world_size
-        self.clock = clock
         self.ledger = ledger if ledger is not None else ShareLedger(world_size)
         #: groups of later steps kept between calls (started or finished, with their tokens)
         self.carry: list[Group] = []
@@ -233,8 +227,6 @@ class ContinuousRollout:
             made = self.engine.step(live, self.block_tokens)
             stats.blocks += 1
             stats.tokens += made
-            if self.clock is not None:
-                stats.per_block.append((made, self.clock()))
             collect(False)
         collect(True)
         stats.carried_out = len(self.carry)
