@@ -393,6 +393,9 @@ def check_engine(kind: str, cfg, name: str) -> None:
         if kind == "rollout":
             from .rollout.engines import check_rollout
 
+            if config.get("partial") is None:  # unset: on when the run trains asynchronously
+                k = staleness_bound(cfg.trainer.max_staleness)
+                config["partial"] = k == "auto" or k >= 1
             check_rollout(config, None, name)
         else:
             ask(kind, section["engine"], config, None, name)
