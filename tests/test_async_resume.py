@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from helpers import wait_until
+from m2flow.workers.checkpoint import load_file
 from test_spot_processes import marked
 
 pytestmark = pytest.mark.e2e
@@ -158,8 +159,6 @@ def test_kill_mid_pipeline_and_resume_trains_every_prompt_once(tmp_path):
     # the checkpoint counts exactly the prompts of its steps and holds exactly their updates
     assert runner == {"step": CHECKPOINT, "data": {"epoch": 0, "offset": CHECKPOINT * PER_STEP,
                                                    "size": PROMPTS}}  # fmt: skip
-    from m2flow.workers.checkpoint import load_file
-
     actor = load_file(run_dir / "checkpoints" / ckpts[0] / "actor" / "actor_state.pt")
     assert actor["weight_version"] == actor["trainer_steps"] == CHECKPOINT
     kept = set().union(*(ids_of(run1[s]) for s in range(1, CHECKPOINT + 1)))
