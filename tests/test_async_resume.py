@@ -11,6 +11,10 @@ only after step n's ``actor.train`` and weight sync returned; ``actor.drop_flat_
 every scored sample is in the loss) names the prompts of step n's update. The function also
 appends ``(run, id)`` of every sample it scores to a file: what each run scored, in flight or
 not. The actor's checkpoint records its ``weight_version``: the updates it holds.
+
+Checked to fail without the flush at checkpoint steps (``flush_at`` of ``evaluates`` only in
+``workers/skeleton.py``): the step-4 checkpoint then records data offset 24, not 16, as steps
+5 and 6 had drawn their prompts: a resume would skip 8 of the 32 prompts.
 """
 
 from __future__ import annotations
