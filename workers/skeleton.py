@@ -181,9 +181,11 @@ class LLMRun:
                     metrics |= self.evaluate()
                     if "heldout_accuracy" in metrics:
                         summary["final_accuracy"] = metrics["heldout_accuracy"]
+                # the record before the checkpoint: a kill between them resumes from the one
+                # before (whose later records a resume drops), never a checkpoint without record
+                log.log(n, metrics, echo="heldout_accuracy" in metrics or None)
                 if saves(n):
                     self.checkpoints.save(n, trained, {"data": self.sampler.state_dict()})
-                log.log(n, metrics, echo="heldout_accuracy" in metrics or None)
                 log.advance(n, record.progress)
 
             # K >= 1: rollout of later steps runs while the actor trains (m2flow.run.pipeline);
