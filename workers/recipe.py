@@ -122,6 +122,9 @@ class OffPolicyConfig:
     low: Optional[float] = None  # mis's lower bound (None: 1/clip)
     high: Optional[float] = None  # mis's upper bound (None: clip)
     allow_uncorrected: bool = False  # asynchronous training without a correction
+    # drop samples whose oldest token lags more than this many versions (null: keep all; set
+    # to K by trainer.staleness_policy=drop)
+    max_lag: Optional[int] = None
 
 
 def validate_off_policy(section) -> None:
