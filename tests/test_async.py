@@ -41,7 +41,11 @@ TIS = "actor.off_policy.correction=tis"
          "trainer.staleness_policy='later': wait (a step starts"),
         (GRPO, ["actor.off_policy.max_lag=-1"], "actor.off_policy.max_lag=-1: an integer >= 0"),
         (PPO, ["trainer.max_staleness=1"],
-         "the PPO runner's actor has no off-policy correction"),
+         "the PPO runner's actor has no off-policy correction; set "
+         "actor.off_policy.allow_uncorrected=true"),
+        (PPO, ["actor.off_policy.correction=tis"], "the PPO actor has no correction"),
+        (PPO, ["trainer.max_staleness=1", "actor.off_policy.allow_uncorrected=true",
+               "trainer.staleness_policy=drop"], "the PPO runner's actor drops no samples"),
         (EMBODIED, ["trainer.max_staleness=1"],
          "the embodied runner trains on-policy only"),
     ],
@@ -51,17 +55,17 @@ def test_contradictory_settings_exit_2_before_ray(tmp_path, workflow, args, mess
     assert_one_line_exit_2(code, out, message)
 
 
-def _smoke(tmp_path, *overrides: str) -> list[dict]:
+def _smoke(tmp_path, *overrides: str, workflow: Path = GRPO) -> list[dict]:
     """The smoke run's step records (``metrics.jsonl``, steps >= 1)."""
     run_dir = tmp_path / "run"
-    args = ["run", str(GRPO), "-c", "smoke", "warm_start.steps=5", *overrides,
+    args = ["run", str(workflow), "-c", "smoke", "warm_start.steps=5", *overrides,
             f"trainer.run_dir={run_dir}"]  # fmt: skip
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "m2flow.run.cli", *args], capture_output=True,
                           text=True, timeout=600, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if r.get("step", 0) >= 1 and "loss" in r]
+    return [r for r in records if r.get("step", 0) >= 1 and "step_s" in r]
 
 
 @pytest.mark.e2e
@@ -88,6 +92,16 @@ def test_drop_policy_trains_no_token_beyond_the_bound(tmp_path):
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert all(r["staleness_dropped"] >= 0 for r in steps)
     assert all(r["staleness_max"] <= 1 for r in steps if "staleness_max" in r)
+
+
+@pytest.mark.e2e
+def test_ppo_runs_pipelined_unchanged(tmp_path):
+    """The PPO runner (five roles, a fanout) runs with K = 1 as written: its records come in
+    step order, each with the pipeline's period."""
+    steps = _smoke(tmp_path, "trainer.steps=4", "trainer.max_staleness=1",
+                   "actor.off_policy.allow_uncorrected=true", workflow=PPO)  # fmt: skip
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all("step_interval_s" in r and "pg_loss" in r for r in steps)
 
 
 def test_auto_takes_the_k_and_placement_the_planner_chose():
