@@ -30,7 +30,7 @@ class Rollout(Worker):
     """Tags every item with the weight version it was "sampled" with."""
 
     def __init__(self) -> None:
-        self.weight_version, self.live_loads = 0, []
+        self.weight_version, self.live_loads, self.all_loads = 0, [], []
         self._loaded = threading.Condition()
 
     @group_method(collect="rank0")
@@ -51,9 +51,14 @@ class Rollout(Worker):
 
     def load_weights(self, weights: dict, version: int) -> None:
         with self._loaded:
+            self.all_loads.append((version, self._m2flow_in_call))
             if self._m2flow_in_call:
                 self.live_loads.append(version)
                 self._loaded.notify_all()
+
+    @group_method(collect="rank0")
+    def every_load(self) -> list:
+        return list(self.all_loads)
 
     @group_method(collect="rank0")
     def loads(self) -> list:
@@ -163,6 +168,9 @@ def test_partial_rollouts_load_weights_into_the_running_generate(groups):
     finally:
         close(chans)
     live = rollout.loads().wait()[before:]
+    loads = rollout.every_load().wait()
+    # the first step's update found no call running: loaded at once, between calls
+    assert any(not in_call for _, in_call in loads[-len(steps) :]), loads
     assert len(live) >= len(steps) - 2  # steps 3.. each waited for one mid-call
     for n in steps[2:]:  # the update landed mid-call: the rollout's last items saw it
         assert results[n]["train"]["updated_mid_call"], n

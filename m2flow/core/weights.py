@@ -207,16 +207,11 @@ def sync_weights(
 def _receive(
     dst: WorkerGroup, src: WorkerGroup, src_rank: int, transport: str, live: bool, timeout
 ):
-    """The receive side of a sync: queued behind each rank's running group call, or with
-    ``live`` (partial rollouts) loaded beside it, between the engine's decode steps, on the
-    ranks that run one (the others queue a plain receive). ``live``: returns the versions."""
+    """The receive side of a sync: queued behind each rank's group calls, or with ``live``
+    (partial rollouts) loaded at once, beside a running call between the engine's decode
+    steps or between two calls (:meth:`~m2flow.core.worker.Worker._m2flow_recv_weights_live`).
+    ``live``: returns the versions."""
     if not live:
         return dst.runtime_call("_m2flow_recv_weights", src.name, src_rank, transport)
     refs = [dst.actors[r]._m2flow_recv_weights_live.remote(src.name, src_rank) for r in dst._ranks]
-    versions = ray.get(refs, timeout=timeout if timeout is not None else wait_timeout())
-    idle = [r for r, v in zip(dst._ranks, versions) if v is None]
-    if idle:
-        late = dst.on(idle).runtime_call("_m2flow_recv_weights", src.name, src_rank, transport)
-        for r, v in zip(idle, late.wait(timeout)):
-            versions[dst._ranks.index(r)] = v
-    return versions
+    return ray.get(refs, timeout=timeout if timeout is not None else wait_timeout())

@@ -277,19 +277,25 @@ class Worker(Mailbox, Residency, Weights):
         return result, CallStats(start, time.time())
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    def _m2flow_recv_weights_live(self, src_group: str, src_rank: int) -> int | None:
-        """Receive weights (object-store transport) and load them *beside* the group call this
-        rank runs: a partial rollout's weight update, applied by the engine between its decode
-        steps (:meth:`~m2flow.core.weights.Weights.load_weights`). The devices are the running
-        call's (not taken, not yielded). Returns the version loaded, or ``None`` without
-        receiving anything when no group call runs (the caller queues a plain receive)."""
+    def _m2flow_recv_weights_live(self, src_group: str, src_rank: int) -> int:
+        """Receive weights (object-store transport) and load them now, not after the group
+        calls queued on this rank: a partial rollout's weight update. Beside a running call the
+        engine applies them between its decode steps
+        (:meth:`~m2flow.core.weights.Weights.load_weights`) on that call's devices (not taken,
+        not yielded); between calls this rank takes its devices for the load, as a plain
+        receive does, and no call starts until it is done. Returns the version loaded."""
         with self._m2flow_live:  # no call starts while the weights load
-            if not self._m2flow_in_call:
-                return None
             ref = self._m2flow_recv_ref(src_group, src_rank, wait_timeout(), yield_devices=False)
             weights, version = ray.get(ref)
-            self.load_weights(weights, version)
-            self.weight_version = version
+            between = not self._m2flow_in_call
+            if between:
+                self._m2flow_acquire()
+            try:
+                self.load_weights(weights, version)
+                self.weight_version = version
+            finally:
+                if between:
+                    self._m2flow_release(reserve=True)
             return version
 
     @ray.method(concurrency_group=IO_GROUP)
