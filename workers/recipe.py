@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from m2flow.core.config import ConfigError
-from m2flow.run.recipe import TrainerConfig, finite_positive, options, plain, require
+from m2flow.run.recipe import (
+    TrainerConfig,
+    finite_positive,
+    options,
+    plain,
+    require,
+    staleness_bound,
+)
 
 from .data.config import check_data, from_files, prompt_limit
 from .data.reasoning_gym import task_config
@@ -122,6 +129,48 @@ def validate_off_policy(section) -> None:
     from .actor.config import OffPolicyOptions
 
     OffPolicyOptions.from_value(plain(section))
+
+
+def validate_staleness(cfg, off_policy=None, runner: str = "") -> None:
+    """Refuse contradictory asynchronous-training settings before anything starts (issue 32
+    item 5): ``trainer.max_staleness`` not an integer >= 0 or ``auto``; K >= 1 (or ``auto``,
+    which may choose it) without an off-policy correction unless
+    ``actor.off_policy.allow_uncorrected``; ``rollout.partial=true`` with K = 0; K >= 1 with the
+    spot pool (its manager, RLBoost Algorithm 1, plans one step at a time) or in a runner
+    without a correction (``off_policy=None``: PPO).
+
+    Raises:
+        ConfigError: naming the keys and the fix.
+    """
+    k = staleness_bound(cfg.trainer.max_staleness)
+    partial = cfg.rollout.partial
+    if partial not in (None, True, False):
+        raise ConfigError(f"rollout.partial={partial!r}: true, false, or unset (on when K >= 1)")
+    if k == 0:
+        if partial:
+            raise ConfigError(
+                "rollout.partial=true with trainer.max_staleness=0: partial rollouts continue "
+                "sequences across weight updates, and an on-policy run updates no weights "
+                "during rollout; set trainer.max_staleness>=1 or leave rollout.partial unset"
+            )
+        return
+    what = f"trainer.max_staleness={k}" + (" (may choose K >= 1)" if k == "auto" else "")
+    if off_policy is None:
+        raise ConfigError(
+            f"{what}: the {runner or 'runner'}'s actor has no off-policy correction "
+            "(actor.off_policy is GRPO's); run it with trainer.max_staleness=0"
+        )
+    if off_policy.correction == "none" and not off_policy.allow_uncorrected:
+        raise ConfigError(
+            f"{what} with actor.off_policy.correction=none: stale tokens would be trained "
+            "as if on-policy; set actor.off_policy.correction=tis (or mis, decoupled), or "
+            "actor.off_policy.allow_uncorrected=true to do it anyway"
+        )
+    if cfg.rollout.spot.enabled:
+        raise ConfigError(
+            f"{what} with rollout.spot.enabled: the spot pool's manager (RLBoost Algorithm 1) "
+            "plans one step at a time; use trainer.max_staleness=0 with the spot pool"
+        )
 
 
 @dataclass

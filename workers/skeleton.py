@@ -17,11 +17,14 @@ and the first evaluation, resuming from a checkpoint, and each step's tail (eval
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from m2flow import sync_weights
+from m2flow.core import ordering
+from m2flow.run.pipeline import StepPipeline, staleness_of
 from m2flow.run.recipe import Checkpoints, plain, start_cluster
 from m2flow.run.runlog import RunLog
 
@@ -76,13 +79,20 @@ class LLMRun:
         self.sampler = PromptSampler(len(self.data.train), self.tr.seed, cfg.data.shuffle)
         self.cluster = start_cluster(cfg.cluster, self.tr.run_dir)
         self.rollout, self._length_note = rollout_options(cfg)  # max_new_tokens resolved
+        # trainer.max_staleness (auto: the plan's K) and rollout.partial (unset: on when K >= 1)
+        self.max_staleness, self._staleness_note = staleness_of(self.tr, self.cluster)
+        if self.rollout.partial is None:
+            self.rollout.partial = self.max_staleness >= 1
+        self.partial = bool(self.rollout.partial)
         self.checkpoints = Checkpoints(self.tr.run_dir)
         self.log: RunLog | None = None
         self._rollout = None
 
     def prompts(self, n: int, step: int) -> list:
-        """The next ``n`` training prompts as channel items of ``step``."""
-        return prompt_items(self.data.train, self.sampler.take(n), step)
+        """The next ``n`` training prompts as channel items of ``step`` (pipelined steps draw
+        in step order: :mod:`m2flow.core.ordering`)."""
+        with ordering.turn("sampler"):
+            return prompt_items(self.data.train, self.sampler.take(n), step)
 
     def evaluate(self) -> dict:
         """``heldout_accuracy`` (share of held-out prompts with reward 1) and, with
@@ -133,7 +143,8 @@ class LLMRun:
         ) as self.log:
             log = self.log
             log.print(self.cluster.describe())
-            for note in filter(None, [*self.data.notes, self._length_note]):
+            notes = [*self.data.notes, self._length_note, self._staleness_note]
+            for note in filter(None, notes):
                 log.print(note)
             if start == 0:
                 ws_args, skipped = warm_start_args(cfg, self.data.source)
@@ -154,17 +165,34 @@ class LLMRun:
             else:
                 sync_weights(actor, rollout)
             log.advance(start)
-            for n in range(start + 1, tr.steps + 1):
-                record = step(n)
+
+            def evaluates(n: int) -> bool:
+                return n % tr.eval_every == 0 or n == tr.steps
+
+            def saves(n: int) -> bool:
+                return n % tr.save_every == 0 or n == tr.steps
+
+            def done(n: int, record: StepRecord) -> None:
                 metrics = record.metrics
-                if n % tr.eval_every == 0 or n == tr.steps:
+                if pipe.k:  # steps overlap: the time between two steps' ends is the period
+                    metrics["step_interval_s"] = time.time() - self._last_end
+                    self._last_end = time.time()
+                if evaluates(n):
                     metrics |= self.evaluate()
                     if "heldout_accuracy" in metrics:
                         summary["final_accuracy"] = metrics["heldout_accuracy"]
-                if n % tr.save_every == 0 or n == tr.steps:
+                if saves(n):
                     self.checkpoints.save(n, trained, {"data": self.sampler.state_dict()})
                 log.log(n, metrics, echo="heldout_accuracy" in metrics or None)
                 log.advance(n, record.progress)
+
+            # K >= 1: rollout of later steps runs while the actor trains (m2flow.run.pipeline);
+            # evaluation and checkpoint steps flush it (nothing in flight at a checkpoint)
+            pipe = StepPipeline(
+                self.max_staleness, self.partial, lambda n: evaluates(n) or saves(n)
+            )
+            self._last_end = time.time()
+            pipe.run(range(start + 1, tr.steps + 1), step, done)
             log.print(f"summary: {summary}")
         self.cluster.shutdown()
         return summary

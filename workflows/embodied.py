@@ -57,6 +57,11 @@ def validate(cfg) -> None:
     a = cfg.algorithm
     validate_cluster(cfg.cluster)
     validate_trainer(cfg.trainer, cfg.resume, dict.fromkeys(("env", "policy", "actor"), RANK_STATE))
+    if cfg.trainer.max_staleness != 0:  # its loop is its own (no LLMRun pipeline)
+        raise ConfigError(
+            f"trainer.max_staleness={cfg.trainer.max_staleness}: the embodied runner trains "
+            "on-policy only; run it with trainer.max_staleness=0"
+        )
     require(
         [
             (cfg.env.num_envs >= 1 and cfg.env.steps >= 1, "env.num_envs, env.steps: >= 1"),

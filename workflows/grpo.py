@@ -33,6 +33,7 @@ from m2flow.workers.recipe import (
     validate_lora,
     validate_off_policy,
     validate_optim,
+    validate_staleness,
 )
 from m2flow.workers.reward.config import RewardConfig
 from m2flow.workers.rollout.config import RolloutOptions
@@ -103,6 +104,7 @@ def validate(cfg) -> None:
 
     validate_cluster(cfg.cluster)
     validate_trainer(cfg.trainer, cfg.resume, {"actor": TRAIN_ROLE})
+    validate_staleness(cfg, cfg.actor.off_policy)  # K, partial rollouts, the correction
     validate_llm(cfg, min_samples=2)
     validate_optim(cfg.actor, "actor")
     validate_lora(cfg.actor.lora, cfg.actor.engine)

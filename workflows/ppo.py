@@ -36,6 +36,7 @@ from m2flow.workers.recipe import (
     response_length,
     validate_llm,
     validate_optim,
+    validate_staleness,
 )
 from m2flow.workers.reward.config import RewardConfig, RewardModelOptions
 from m2flow.workers.rollout.config import RolloutOptions
@@ -118,6 +119,7 @@ def validate(cfg) -> None:
     groups = {"actor": PPO_ACTOR, "critic": RANK_STATE, "reward": RANK_STATE,
               "reference": RANK_STATE}  # fmt: skip
     validate_trainer(cfg.trainer, cfg.resume, groups)
+    validate_staleness(cfg, None, "PPO runner")  # asynchronous PPO: no correction yet
     validate_llm(cfg)
     validate_optim(cfg.actor, "actor")
     validate_optim(cfg.critic, "critic")

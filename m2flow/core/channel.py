@@ -51,6 +51,7 @@ from m2flow.scheduler.runtime.balance import fifo
 
 from .._context import NAMESPACE, current_worker, here, wait_name_free
 from .._env import wait_timeout
+from . import ordering
 from .channel_actor import DRIVER, ChannelActor, ClientId, StreamAborted
 from .channel_codec import needs_object_store as _needs_object_store  # noqa: F401 (tests)
 from .channel_codec import payload, resolve
@@ -378,6 +379,12 @@ class Channel:
         bad = [w for w in weights if not w >= 0]
         if bad:
             raise ValueError(f"channel '{self.name}': weight must be >= 0, got {bad[0]}")
+        if current_worker() is None:  # the driver: pipelined steps put in step order
+            with ordering.turn(f"channel:{self.name}"):
+                return self._put_many(items, weights, key, async_op, timeout)
+        return self._put_many(items, weights, key, async_op, timeout)
+
+    def _put_many(self, items, weights, key, async_op, timeout):
         entries = [(payload(it), float(w)) for it, w in zip(items, weights)]
         client, epoch = self._client(), _call_epoch(self.name)
         if self._maxsize == 0 and not async_op:  # unbounded: nothing to wait for (module)

@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .._context import NAMESPACE, current_session, wait_name_free
 from .._env import wait_timeout
-from . import liveness
+from . import liveness, ordering
 from .calls import CallContext, channels_in
 from .cluster import Cluster
 from .mailbox import IO_GROUP
@@ -228,14 +228,17 @@ class WorkerGroup:
         return self._dispatch(method, args, kwargs, "all")
 
     def _dispatch(self, method: str, args: tuple, kwargs: dict, mode: str) -> GroupCall:
-        ctx = CallContext(participants=len(self._ranks), granularity=self._granularity())
-        for ch in channels_in((*args, *kwargs.values())):
-            self._epochs[ch.name] += 1
-            ctx.channels[ch.name] = (ch, self._epochs[ch.name])
-            ch._hand_off()  # items the caller read ahead go back, for the call's consumers
-        # One argument, so channel handles among args and in ctx are pickled once.
-        call = (args, kwargs, ctx)
-        refs = [self.actors[r]._m2flow_call.remote(method, call) for r in self._ranks]
+        # pipelined steps (trainer.max_staleness >= 1): this group's calls in step order, so
+        # a channel epoch stays a step (m2flow.core.ordering)
+        with ordering.turn(f"group:{self.name}"):
+            ctx = CallContext(participants=len(self._ranks), granularity=self._granularity())
+            for ch in channels_in((*args, *kwargs.values())):
+                self._epochs[ch.name] += 1
+                ctx.channels[ch.name] = (ch, self._epochs[ch.name])
+                ch._hand_off()  # items the caller read ahead go back, for the call's consumers
+            # One argument, so channel handles among args and in ctx are pickled once.
+            call = (args, kwargs, ctx)
+            refs = [self.actors[r]._m2flow_call.remote(method, call) for r in self._ranks]
         handle = GroupCall(self, method, self._ranks, refs, mode)
         self.cluster.calls.add(handle)
         return handle

@@ -8,6 +8,7 @@ order).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -129,9 +130,12 @@ class Mailbox:
         timeout = wait_timeout() if timeout is None else timeout
         return ray.get(self._m2flow_recv_ref(src_group, src_rank, timeout))
 
-    def _m2flow_recv_ref(self, src_group: str, src_rank: int, timeout: float):
+    def _m2flow_recv_ref(
+        self, src_group: str, src_rank: int, timeout: float, yield_devices: bool = True
+    ):
         """The object reference of the next object from ``src_group``/``src_rank`` (see
-        :meth:`recv`, which fetches it)."""
+        :meth:`recv`, which fetches it). ``yield_devices=False``: keep the devices while
+        waiting (a receive beside a running group call must not release that call's)."""
         from . import liveness
 
         with self._m2flow_inbox_guard:
@@ -140,7 +144,8 @@ class Mailbox:
         if ref is None:
             flush_puts()
             since, since_ns = time.time(), events.now()
-            with self._m2flow_yield_devices():
+            held = self._m2flow_yield_devices() if yield_devices else contextlib.nullcontext()
+            with held:
                 left = timeout
                 while ref is None and left > 0:
                     ref = box.take(min(left, liveness.POLL_S))

@@ -55,6 +55,8 @@ class Placement:
             options): how a plan turns on the spot rollout pool (``{"rollout": {"options":
             {"spot": {"enabled": True, "t_seed_init": ...}}}}``) without a line of the runner
             changing.
+        max_staleness: the bound K the planner chose for this placement
+            (:mod:`m2flow.scheduler.plan.staleness`; ``trainer.max_staleness=auto``), or ``None``.
         remote: what the plan runs off the reserved devices, for reports (the spot choice:
             mode, ``t_seed``, ``n_prem``, cost per step; :mod:`m2flow.scheduler.spot.plan`).
         plan: what draws the predicted step next to the measured one (``m2flow timeline``):
@@ -76,6 +78,7 @@ class Placement:
     options: dict[str, dict] = field(default_factory=dict)
     remote: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
+    max_staleness: int | None = None  # the planner's K (trainer.max_staleness=auto)
 
     def devices_for(self, group: str, cluster: Cluster) -> list[int]:
         """Device ids of ``group`` on ``cluster``."""

@@ -34,7 +34,7 @@ import ray
 
 from .._context import current_session
 from .._env import wait_timeout
-from . import events, weight_ipc, weight_transport
+from . import events, ordering, weight_ipc, weight_transport
 from .methods import group_method
 
 if TYPE_CHECKING:
@@ -188,10 +188,12 @@ def sync_weights(
         sent = src.on(src_rank).runtime_call(
             "_m2flow_send_weights", dst.name, dst.world_size, transport
         )
-    got = dst.runtime_call("_m2flow_recv_weights", src.name, src_rank, transport)
+    live = ordering.live_weights() and transport == "object_store"
+    with ordering.unordered():  # the receive may overtake later steps' calls (ordering)
+        got = _receive(dst, src, src_rank, transport, live, timeout)
     try:
         with events.span("weight_sync", f"{src.name} -> {dst.name}", transport=transport):
-            versions = got.wait(timeout)
+            versions = got if live else got.wait(timeout)
             sent.wait(timeout)
     finally:
         if transport == "cuda_ipc":  # every receiver has copied (or failed): free the buffers
@@ -200,3 +202,21 @@ def sync_weights(
     if session is not None:
         session.weight_versions[dst.name] = versions[0]
     return versions[0]
+
+
+def _receive(
+    dst: WorkerGroup, src: WorkerGroup, src_rank: int, transport: str, live: bool, timeout
+):
+    """The receive side of a sync: queued behind each rank's running group call, or with
+    ``live`` (partial rollouts) loaded beside it, between the engine's decode steps, on the
+    ranks that run one (the others queue a plain receive). ``live``: returns the versions."""
+    if not live:
+        return dst.runtime_call("_m2flow_recv_weights", src.name, src_rank, transport)
+    refs = [dst.actors[r]._m2flow_recv_weights_live.remote(src.name, src_rank) for r in dst._ranks]
+    versions = ray.get(refs, timeout=timeout if timeout is not None else wait_timeout())
+    idle = [r for r, v in zip(dst._ranks, versions) if v is None]
+    if idle:
+        late = dst.on(idle).runtime_call("_m2flow_recv_weights", src.name, src_rank, transport)
+        for r, v in zip(idle, late.wait(timeout)):
+            versions[dst._ranks.index(r)] = v
+    return versions

@@ -174,6 +174,8 @@ class Worker(Mailbox, Residency, Weights):
         self._m2flow_taken: int | None = None  # the reservation this worker holds the devices by
         self._m2flow_revoked: int | None = None  # the last reservation the service took back
         self._m2flow_exit = threading.Event()
+        self._m2flow_in_call = False  # a group call runs (a live weight receive loads beside it)
+        self._m2flow_live = threading.Lock()  # a call's start vs. a live weight load
         cuda = [d.local_id for d in ctx.devices if d.kind == "cuda"]
         if cuda:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cuda))
@@ -238,17 +240,21 @@ class Worker(Mailbox, Residency, Weights):
         args, kwargs, ctx = call
         fn = getattr(self, method)
         locked = not getattr(fn, "_m2flow_no_device_lock", False)
+        with self._m2flow_live:  # a live weight load in progress finishes first
+            self._m2flow_in_call = True
         self._m2flow_call_ctx = ctx
         start, t0 = time.time(), events.now()
         self._m2flow_call_wait = self._m2flow_acquire() if locked else 0.0
         try:
             result = fn(*args, **kwargs)
         except BaseException as e:
+            self._m2flow_in_call = False
             self._m2flow_release(reserve=True)
             self._m2flow_call_ctx = None
             self._m2flow_end_channels(ctx, f"{type(e).__name__}: {e}"[:300])
             raise
         end = time.time()
+        self._m2flow_in_call = False
         self._m2flow_release(reserve=True)
         self._m2flow_end_channels(ctx, None)
         self._m2flow_call_ctx = None
@@ -269,6 +275,22 @@ class Worker(Mailbox, Residency, Weights):
         start = time.time()
         result = getattr(self, method)(*args, **kwargs)
         return result, CallStats(start, time.time())
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def _m2flow_recv_weights_live(self, src_group: str, src_rank: int) -> int | None:
+        """Receive weights (object-store transport) and load them *beside* the group call this
+        rank runs: a partial rollout's weight update, applied by the engine between its decode
+        steps (:meth:`~m2flow.core.weights.Weights.load_weights`). The devices are the running
+        call's (not taken, not yielded). Returns the version loaded, or ``None`` without
+        receiving anything when no group call runs (the caller queues a plain receive)."""
+        with self._m2flow_live:  # no call starts while the weights load
+            if not self._m2flow_in_call:
+                return None
+            ref = self._m2flow_recv_ref(src_group, src_rank, wait_timeout(), yield_devices=False)
+            weights, version = ray.get(ref)
+            self.load_weights(weights, version)
+            self.weight_version = version
+            return version
 
     @ray.method(concurrency_group=IO_GROUP)
     def _m2flow_drain_events(self):

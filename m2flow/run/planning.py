@@ -298,9 +298,14 @@ def placement_for(
         log(f"reuse it with --profile {profile_file}")
     prof = load_profile(profile_file)
 
+    auto_k = any(o.replace(" ", "") == "trainer.max_staleness=auto" for o in overrides)
+
     def resolve(cluster) -> Placement:
         capacity = min(d.memory_bytes for d in cluster.devices)
         plan, placement, spot = plan_with_remote(prof, cluster.num_devices, capacity, spec)
+        if auto_k:  # the bound K and the placement of the best asynchronous pipeline
+            placement = _with_staleness(prof, cluster.num_devices, capacity, spec, spot,
+                                        placement, log)  # fmt: skip
         log(f"plan={spec} on {cluster.num_devices} devices:\n{placement.tree}")
         if spot is not None:
             b = spot.best
@@ -308,6 +313,31 @@ def placement_for(
         return placement
 
     return resolve
+
+
+def _with_staleness(prof, n: int, capacity, spec: str, spot, placement: Placement, log):
+    """``trainer.max_staleness=auto``: the placement of the chosen (K, placement) row of
+    :func:`staleness_from_profile` with its K (``placement.max_staleness``). A chosen pipeline
+    without a planner tree (a ``split`` of rollout from the rest, the spot pool) keeps the
+    planner's placement, said in the log."""
+    from ..scheduler.plan.staleness import pipeline_for
+
+    choice = staleness_from_profile(prof, n, capacity, spec, spot)
+    row, pipe = choice.chosen, pipeline_for(choice)
+    if pipe is not None and pipe.plan is not None:
+        workflow_edges = [(e.src, e.dst) for e in prof.edges]
+        chosen = from_plan(pipe.plan, workflow_edges, prof.batch_size, n)
+        chosen.predicted_step_s, chosen.plan = row.step_s, placement.plan
+        placement = chosen
+    elif row.k > 0:
+        log(f"trainer.max_staleness=auto: the {row.placement} pipeline has no plan tree; "
+            f"K={row.k} on the planner's {placement.mode} placement")  # fmt: skip
+    placement.max_staleness = row.k
+    log(
+        f"trainer.max_staleness=auto: K={row.k} ({row.placement}, predicted {row.step_s:.4f} "
+        f"s/step, {row.items_per_s:.2f} items/s; m2flow plan --staleness lists the others)"
+    )
+    return placement
 
 
 def report(session: Session, log: Callable = print, skip: int = 2) -> dict[str, Any] | None:

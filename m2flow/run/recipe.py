@@ -67,6 +67,11 @@ class TrainerConfig:
     # last three are extras of the same names)
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     log_every: int = 10  # print the metrics every this many steps (and the first and last)
+    # asynchronous training (m2flow.run.pipeline): rollout of later steps runs while the actor
+    # trains; no token trained at version v was sampled with weights older than v - K. 0:
+    # on-policy, one step at a time; "auto" (with plan=auto): the planner's K
+    max_staleness: Any = 0
+    staleness_policy: str = "wait"  # a step about to break the bound: wait (admission control)
 
 
 def require(checks: list[tuple[bool, str]]) -> None:
@@ -78,6 +83,26 @@ def require(checks: list[tuple[bool, str]]) -> None:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+
+
+def staleness_bound(value: Any) -> int | str:
+    """``trainer.max_staleness`` checked: an integer K >= 0 (versions) or ``"auto"``.
+
+    Raises:
+        ConfigError: anything else (a negative, fractional or boolean value, another word).
+    """
+    if value == "auto":
+        return "auto"
+    k = value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        k = int(value)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ConfigError(
+            f"trainer.max_staleness={value!r}: give an integer K >= 0 (weight versions a "
+            "trained token may lag the weights that sampled it; 0 = on-policy) or auto (the "
+            "planner's choice, with plan=auto)"
+        )
+    return k
 
 
 def finite_positive(x: float) -> bool:
@@ -151,6 +176,12 @@ def validate_trainer(
             (tr.log_every >= 1, "trainer.log_every must be >= 1 (steps between metrics lines)"),
         ]
     )
+    staleness_bound(tr.max_staleness)
+    if tr.staleness_policy != "wait":
+        raise ConfigError(
+            f"trainer.staleness_policy={tr.staleness_policy!r}: only wait (admission control: a "
+            "step starts once its weights are within the bound) is built; drop is not"
+        )
     from .loggers import check_loggers
 
     check_loggers(list(tr.logger))

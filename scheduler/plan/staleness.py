@@ -462,3 +462,8 @@ def plan_staleness(
     if not rows:
         raise PlanError("no feasible placement to cost")
     return StalenessPlan(tuple(rows), choose(rows, slack), tail, note, by)
+
+
+def pipeline_for(choice: StalenessPlan) -> Pipeline | None:
+    """The chosen row's :class:`Pipeline` (its planner tree, if any), or ``None``."""
+    return choice.pipelines.get((choice.chosen.k, choice.chosen.placement))

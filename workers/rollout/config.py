@@ -29,6 +29,10 @@ class RolloutOptions:
     # a registered rollout backend: hf (transformers generate) or vllm (vLLM's CPU build in
     # process: the vllm extra, docs/results/vllm.md), or an import path, module:Class
     engine: str = "hf"
+    # partial rollouts: weight updates reach the engines during generation (between decode
+    # steps) and sequences continue with the new weights; None: on when trainer.max_staleness
+    # >= 1 (m2flow.run.pipeline); true needs max_staleness >= 1
+    partial: Optional[bool] = None
     # the RLBoost spot rollout pool (docs/how-to/spot.md)
     spot: SpotPoolConfig = field(default_factory=SpotPoolConfig)
 
