@@ -57,14 +57,16 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION", "0.05")
@@ -117,17 +119,24 @@ SHORT = Workload("short", 512.0, 0.05, 1024, mode="temporal")
 # -- the profile (one engine's rollout time, the trainer's) ----------------------------------
 
 
-PROFILE_STEPS = (1000, 1001, 1002)  # steps whose draws the profile averages (not run)
+PROFILE_STEP0 = 1000  # the profile averages the draws of steps 1000, 1001, ... (never run)
 
 
-@lru_cache(maxsize=None)
+PROFILE = {"steps": 3}  # draws the profile averages (--quick: 1)
+
+
 def engine_s(wl: Workload, prompts: int) -> tuple[float, float]:
+    return _engine_s(wl, prompts, PROFILE["steps"])
+
+
+@cache
+def _engine_s(wl: Workload, prompts: int, profile_steps: int) -> tuple[float, float]:
     """(seconds, mean response tokens) of the rollout group when each of its :data:`RANKS`
     engines takes ``prompts`` x 8 responses: the slowest engine's time, averaged over
-    :data:`PROFILE_STEPS` draws (modelled; the ranks' loop without sleeping), as ``m2flow
+    ``profile_steps`` draws (modelled; the ranks' loop without sleeping), as ``m2flow
     profile`` measures the rollout group."""
     ends, toks = [], []
-    for step in PROFILE_STEPS:
+    for step in range(PROFILE_STEP0, PROFILE_STEP0 + profile_steps):
         worst = 0.0
         for r in range(RANKS):
             keys = [(step, r * prompts + p, s) for p in range(prompts) for s in range(SAMPLES)]
@@ -190,8 +199,10 @@ def tails(wl: Workload) -> dict:
 
 def plan(wl: Workload, devices: int, tail: float, max_k: int):
     s = sync_seconds(params(wl))
-    return plan_staleness(workflow(wl, devices), devices // 2, max_staleness=max_k, tail=tail,
-                          sync_s=s, colocated_sync_s=s, rollout=["rollout"], mode=wl.mode)  # fmt: skip
+    return plan_staleness(
+        workflow(wl, devices), devices // 2, max_staleness=max_k, tail=tail, sync_s=s,
+        colocated_sync_s=s, rollout=["rollout"], mode=wl.mode,
+    )  # fmt: skip
 
 
 def split_of(label: str) -> tuple[int, int] | None:
@@ -202,23 +213,24 @@ def split_of(label: str) -> tuple[int, int] | None:
     return None
 
 
-def predict(wl: Workload, devices: int, placement: str, k: int, tail: float) -> dict:
+def predict(wl: Workload, devices: int, placement: str, k: int, tail: float,
+            overhead: float = 0.0) -> dict:  # fmt: skip
     """The planner's period and samples/s for ``placement`` (``colocated`` or ``split a+b``)
-    at bound ``k`` and tail share ``tail`` (:func:`period` on the pipeline the planner builds
-    for it)."""
+    at bound ``k``, tail share ``tail`` and step overhead ``overhead`` (s; the profile's
+    ``step_overhead_s``): :func:`period` on the pipeline the planner builds for it."""
     pairs, batch, s = devices // 2, wl.per_pair * (devices // 2), sync_seconds(params(wl))
     tokens = batch * mean_tokens(wl)
     sp = split_of(placement)
     if sp is None:
         r = rollout_s(wl, wl.per_pair / SAMPLES)
         t = train_seconds(params(wl), tokens, 2 * pairs)
-        pipe = Pipeline("colocated", r + t + s, (Stage("colocated", r + t, r),), s, 0.0, r)
+        pipe = Pipeline("colocated", r + t + s, (Stage("colocated", r + t, r),), s, overhead, r)
     else:
         a, b = sp
         r = rollout_s(wl, batch / a / SAMPLES)
         t = train_seconds(params(wl), tokens, 2 * b)
-        pipe = Pipeline(placement, r + t + s, (Stage("rollout", r, r), Stage("rest", t)), s, 0.0,
-                        r, True)  # fmt: skip
+        pipe = Pipeline(placement, r + t + s, (Stage("rollout", r, r), Stage("rest", t)), s,
+                        overhead, r, True)  # fmt: skip
     step = period(pipe, k, tail)
     return {"step_s": step, "samples_per_s": batch / step,
             "staleness_mean": mean_staleness(pipe, k, tail)}  # fmt: skip
@@ -227,34 +239,55 @@ def predict(wl: Workload, devices: int, placement: str, k: int, tail: float) -> 
 # -- one measured configuration ----------------------------------------------------------------
 
 
-def run_config(cluster, wl: Workload, devices: int, placement: str, k: int, partial: bool,
-               steps: int, time_scale: float, tag: str) -> dict:  # fmt: skip
-    """Run ``steps`` measured steps (after K + 2 warm-up) of ``placement`` at bound ``k``."""
-    from m2flow import Channel, sync_weights
+@dataclass
+class Groups:
+    """The groups and channels every run shares (launched once): the rollout on devices 0 and
+    1, a trainer on both (colocated) and one on device 2 (disaggregated)."""
+
+    rollout: object
+    colocated: object
+    split: object
+    prompts: object
+    results: object
+
+    @classmethod
+    def launch(cls, cluster) -> Groups:
+        from m2flow import Channel
+
+        return cls(EmuRollout.launch(cluster, [[0], [1]], name="rollout"),
+                   EmuTrainer.launch(cluster, [[0, 1]], name="trainer_colocated"),
+                   EmuTrainer.launch(cluster, [[2]], name="trainer_split"),
+                   Channel.create("prompts"), Channel.create("results"))  # fmt: skip
+
+
+def run_config(groups: Groups, wl: Workload, devices: int, placement: str, k: int,
+               partial: bool, steps: int, time_scale: float, tag: str) -> dict:  # fmt: skip
+    """Run ``steps`` measured steps (after K + 2 warm-up, then K more) of ``placement`` at
+    bound ``k``; the period is the least-squares slope of their end times (real s x
+    time_scale). ``steps`` is rounded up to a multiple of K + 1 (ends may come in bursts)."""
+    from m2flow import sync_weights
 
     pairs = devices // 2
     sp = split_of(placement)
     roll_pairs, train_pairs = sp if sp else (pairs, pairs)
     p_share = share(wl, devices, roll_pairs)
-    scale = roll_pairs / RANKS
-    rollout = EmuRollout.launch(
-        cluster, [[0], [1]], name=f"rollout_{tag}", preset=wl.preset, lengths=wl.lengths,
-        share=p_share, scale=scale, partial=partial, time_scale=time_scale, seed=SEED,
-        max_batch=MAX_BATCH, block=BLOCK, prompt_tokens=wl.prompt_tokens,
-    )  # fmt: skip
-    trainer = EmuTrainer.launch(
-        cluster, [[0, 1]] if sp is None else [[2]], name=f"trainer_{tag}", params=params(wl),
-        gpus=2 * train_pairs, sync_s=sync_seconds(params(wl)), time_scale=time_scale,
-    )  # fmt: skip
-    prompts, results = Channel.create(f"prompts_{tag}"), Channel.create(f"results_{tag}")
+    rollout, prompts, results = groups.rollout, groups.prompts, groups.results
+    trainer = groups.colocated if sp is None else groups.split
+    rollout.configure(tag, wl.preset, wl.lengths, p_share, roll_pairs / RANKS, partial,
+                      time_scale, SEED, MAX_BATCH, BLOCK, wl.prompt_tokens).wait()  # fmt: skip
+    trainer.configure(tag, params(wl), 2 * train_pairs, sync_seconds(params(wl)),
+                      time_scale).wait()  # fmt: skip
+    steps = -(-steps // (k + 1)) * (k + 1)
+    # warm-up: the pipeline fills (K + 1 steps) and carried requests settle; after the
+    # measured steps, K more keep the pipeline full until the last measured one ends
     warm = k + 2
-    total = warm + steps
+    total = warm + steps + k
     marks: dict[int, float] = {}
     recs: dict[int, dict] = {}
 
     def step(n: int) -> dict:
         for r in range(RANKS):
-            prompts.put_many(list(range(p_share)), key=(n, r))
+            prompts.put_many(list(range(p_share)), key=(tag, n, r))
         gen = rollout.generate(prompts, results, n)
         upd = trainer.train(results, n, RANKS)
         g, u = gen.wait(), upd.wait()
@@ -276,12 +309,10 @@ def run_config(cluster, wl: Workload, devices: int, placement: str, k: int, part
             StepPipeline(max_staleness=k, partial=partial).run(range(total), step, done)
     finally:
         wall = time.time() - t0
-        for g in (rollout, trainer):
-            g.shutdown()
-        for ch in (prompts, results):
-            ch.close()
-    measured = range(warm, total)
-    per_wall = (marks[total - 1] - marks[warm - 1]) / steps
+    measured = range(warm, warm + steps)
+    # least-squares slope of the step ends (they may come in bursts)
+    ns = np.arange(warm - 1, warm + steps)
+    per_wall = float(np.polyfit(ns, [marks[n] for n in ns], 1)[0])
     samples = recs[warm]["train"]["samples"]
     step_s = per_wall * time_scale
     crit = [max(x["modelled_s"] for x in recs[n]["gen"]) + recs[n]["train"]["train_s"]
@@ -298,67 +329,110 @@ def run_config(cluster, wl: Workload, devices: int, placement: str, k: int, part
         "staleness_max": int(max(recs[n]["train"]["staleness_max"] for n in measured)),
         "carried_in": float(np.mean([sum(x["carried_in"] for x in recs[n]["gen"])
                                      for n in measured])),
+        "spans": {n: {"gen": [(x["t0"] - t0, x["t1"] - t0) for x in recs[n]["gen"]],
+                      "train": (recs[n]["train"]["t0"] - t0, recs[n]["train"]["t1"] - t0),
+                      "done": marks[n] - t0} for n in recs},
     }  # fmt: skip
 
 
 # -- the experiment ---------------------------------------------------------------------------
 
 
-def placement_of(row, pairs: int) -> str:
+def placement_of(row) -> str:
     """A planner row as a placement the runner measures: ``colocated`` or ``split a+b``."""
     if row.placement.startswith("split "):
         return row.placement
     if row.placement in ("temporal", "single"):
         return "colocated"
-    plan_tree = row.plan if hasattr(row, "plan") else None
-    raise ValueError(f"placement {row.placement!r} ({plan_tree}) is not measured here")
+    raise ValueError(f"placement {row.placement!r} is not measured here")
 
 
 def best(sp, k: int):
     return max((r for r in sp.rows if r.k == k), key=lambda r: r.items_per_s)
 
 
-def configs(wl: Workload, devices: int, ks: list[int]) -> tuple[list, dict]:
-    """What to measure on ``devices``: ``(placement, K, partial)`` and the plans behind it."""
+def best_split(sp, k: int):
+    return max((r for r in sp.rows if r.k == k and r.placement.startswith("split ")),
+               key=lambda r: r.items_per_s, default=None)  # fmt: skip
+
+
+def configs(wl: Workload, devices: int, ks: list[int], extras: bool = True) -> tuple[list, dict]:
+    """What to measure on ``devices``, ``(placement, K, partial)``, and the plans behind it:
+    the best synchronous plan (the planner's best K = 0 row); colocated-only workloads: every
+    K with partial rollouts; otherwise the planner's best disaggregated split per K (under
+    ``u_time`` with partial rollouts, without a tail without them), the K = 1 split also
+    synchronously (what the overlap buys on the same devices), the colocated plan at K = 2
+    with partial rollouts, and the choice of the planner fed ``u_len`` (what ``m2flow plan
+    --staleness --lengths`` would run)."""
     u = tails(wl)
-    max_k = max(ks)
+    max_k = max(max(ks), 3)
     pt, pl, p0 = (plan(wl, devices, t, max_k) for t in (u["u_time"], u["u_len"], 0.0))
-    pairs = devices // 2
-    runs = [(placement_of(best(pt, 0), pairs), 0, False)]
-    for k in ks:
-        if k == 0:
-            continue
-        runs.append((placement_of(best(pt, k), pairs), k, True))
-        if wl.mode == "auto":  # partial off: the best plan without a tail to fill
-            runs.append((placement_of(best(p0, k), pairs), k, False))
-    if wl.mode == "auto" and pl.chosen.k in ks:  # what the lengths-based planner would run
-        c = (placement_of(pl.chosen, pairs), pl.chosen.k, pl.chosen.k > 0)
-        if c not in runs:
-            runs.append(c)
-    info = {"tails": u, "plans": {n: {"chosen": asdict(p.chosen),
-                                      "best_per_k": [asdict(best(p, k)) for k in range(max_k + 1)]}
-                                  for n, p in (("u_time", pt), ("u_len", pl), ("no_tail", p0))}}
+    runs = [(placement_of(best(pt, 0)), 0, False)]
+    if wl.mode == "temporal":  # colocated only: every K with partial rollouts
+        runs += [("colocated", k, True) for k in ks if k > 0]
+    else:
+        sp = best_split(pt, 1)
+        runs.append((sp.placement, 0, False))  # the same devices, synchronous
+        for k in ks:
+            if k == 0:
+                continue
+            runs.append((best_split(pt, k).placement, k, True))
+            if k < 8:  # (K = 8: the reference for K <= 2's share of the gain)
+                runs.append((best_split(p0, k).placement, k, False))
+        if extras and 2 in ks:  # the tail filled on the colocated plan
+            runs.append(("colocated", 2, True))
+        if extras:
+            runs.append((placement_of(pl.chosen), pl.chosen.k, pl.chosen.k > 0))
+    runs = list(dict.fromkeys(runs))
+    info = {
+        "tails": u,
+        "plans": {
+            n: {
+                "chosen": _row(p.chosen),
+                "best_per_k": [_row(best(p, k)) for k in range(max_k + 1)],
+            }
+            for n, p in (("u_time", pt), ("u_len", pl), ("no_tail", p0))
+        },
+    }
     return runs, info
 
 
-def measure(cluster, wl: Workload, devices: int, ks: list[int], steps: int,
-            step_wall: float) -> dict:  # fmt: skip
-    runs, info = configs(wl, devices, ks)
+def _row(r) -> dict:
+    return {"k": r.k, "placement": r.placement, "step_s": r.step_s,
+            "items_per_s": r.items_per_s, "mean_staleness": r.mean_staleness}  # fmt: skip
+
+
+def measure(groups: Groups, wl: Workload, devices: int, ks: list[int], steps: int,
+            step_wall: float, extras: bool = True) -> dict:  # fmt: skip
+    """Every configuration of :func:`configs` on ``devices``, each with its predictions. The
+    first (the best synchronous plan) also measures the runtime's step overhead ``o``
+    (measured step less its modelled critical path, modelled seconds), which the predictions
+    then carry as the profile's ``step_overhead_s``."""
+    runs, info = configs(wl, devices, ks, extras)
     u = info["tails"]
-    sync = predict(wl, devices, runs[0][0], 0, 0.0)["step_s"]
-    ts = sync / step_wall
-    out = []
+    ts = predict(wl, devices, runs[0][0], 0, 0.0)["step_s"] / step_wall
+    out, o = [], 0.0
     for i, (placement, k, partial) in enumerate(runs):
         tag = f"{wl.name}_{devices}_{i}".replace("-", "")
-        res = run_config(cluster, wl, devices, placement, k, partial, steps, ts, tag)
+        res = run_config(groups, wl, devices, placement, k, partial, steps, ts, tag)
+        if i == 0:
+            o = max(res["step_s"] - res["sync_critical_path_s"], 0.0)
         for name in ("u_time", "u_len"):
-            p = predict(wl, devices, placement, k, u[name] if partial else 0.0)
+            p = predict(wl, devices, placement, k, u[name] if partial else 0.0, o)
             res[f"pred_{name}"] = p
             res[f"ratio_{name}"] = p["samples_per_s"] / res["samples_per_s"]
-        res["overhead_s"] = res["step_s"] - res["sync_critical_path_s"] if k == 0 else None
+        res["pred_no_overhead"] = predict(wl, devices, placement, k,
+                                          u["u_time"] if partial else 0.0)  # fmt: skip
         out.append(res)
         print_row(wl, devices, res, out[0]["samples_per_s"])
-    return {"devices": devices, "batch": wl.per_pair * (devices // 2), **info, "runs": out}
+    return {
+        "devices": devices,
+        "batch": wl.per_pair * (devices // 2),
+        "overhead_s": o,
+        "time_scale": ts,
+        **info,
+        "runs": out,
+    }
 
 
 HEADER = (f"{'workload':10} {'dev':>4} {'placement':>12} {'K':>2} {'part':>4} {'samples/s':>10} "
@@ -380,9 +454,10 @@ def goals(long: list[dict], short: list[dict]) -> dict:
     out = {}
     for size in long:
         runs, sync = size["runs"], size["runs"][0]["samples_per_s"]
-        on = {r["k"]: r["samples_per_s"] for r in runs if r["partial"]}
-        g2 = max((v for k, v in on.items() if k <= 2), default=sync) / sync
-        g8 = on.get(8, max(on.values(), default=sync)) / sync
+        on = [(r["k"], r["samples_per_s"]) for r in runs if r["partial"]]
+        g2 = max((v for k, v in on if k <= 2), default=sync) / sync
+        g8 = max((v for k, v in on if k == 8), default=max((v for _, v in on), default=sync))
+        g8 /= sync
         out[f"long-tail {size['devices']}"] = {
             "gain_k_le_2": g2, "gain_2x": g2 >= 2.0,
             "gain_k8": g8, "share_of_k8_gain": (g2 - 1) / (g8 - 1) if g8 > 1 else None,
@@ -405,39 +480,59 @@ def goals(long: list[dict], short: list[dict]) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="64 devices, K = 0, 1, 2, 3 steps")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="64 devices, long-tail, K = 0, 1, 2, 3 steps, no extra rows",
+    )
     ap.add_argument("--devices", type=int, nargs="+", default=[64, 128, 256, 512])
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     ap.add_argument("--steps", type=int, default=6, help="measured steps per configuration")
-    ap.add_argument("--step-wall", type=float, default=2.0,
-                    help="real seconds of a synchronous step (sets the time scale)")
+    ap.add_argument(
+        "--step-wall",
+        type=float,
+        default=1.5,
+        help="real seconds of a synchronous step (sets the time scale)",
+    )
     ap.add_argument("--workloads", nargs="+", default=["long-tail", "short"])
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
     if a.quick:
         a.devices, a.ks, a.steps, a.step_wall = [64], [0, 1, 2], 3, 1.0
+        a.workloads, PROFILE["steps"] = ["long-tail"], 1
     import m2flow
 
     run_dir = Path(tempfile.mkdtemp(prefix="m2async-", dir="/tmp"))
     cluster = m2flow.Cluster(run_dir=run_dir, virtual_devices_per_node=3, num_cpus=2)
     t0 = time.time()
+    groups = Groups.launch(cluster)
     print(HEADER)
     res: dict = {"long-tail": [], "short": []}
+    doc: dict = {}
+
+    def save() -> None:
+        doc.update({
+            "command": " ".join(["python benchmarks/async_cluster.py", *(argv or sys.argv[1:])]),
+            "workloads": {w.name: asdict(w) for w in (LONG, SHORT)},
+            "profile_steps": PROFILE["steps"], "wall_s": time.time() - t0, "results": res,
+            "goals": goals(res["long-tail"], res["short"]),
+        })  # fmt: skip
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(doc, indent=1, default=float))
+
     try:
         for wl in (LONG, SHORT):
             if wl.name not in a.workloads:
                 continue
             ks = a.ks if wl.mode == "auto" else [k for k in a.ks if k <= 4]
             for n in a.devices:
-                res[wl.name].append(measure(cluster, wl, n, ks, a.steps, a.step_wall))
+                res[wl.name].append(
+                    measure(groups, wl, n, ks, a.steps, a.step_wall, extras=not a.quick)
+                )
+                save()
     finally:
         cluster.shutdown()
-    doc = {"command": " ".join(["python benchmarks/async_cluster.py", *(argv or sys.argv[1:])]),
-           "workloads": {w.name: asdict(w) for w in (LONG, SHORT)},
-           "wall_s": time.time() - t0, "results": res,
-           "goals": goals(res["long-tail"], res["short"])}  # fmt: skip
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(doc, indent=1, default=float))
+    save()
     print(json.dumps(doc["goals"], indent=1, default=float))
     print(f"wrote {a.out} ({doc['wall_s']:.0f} s)")
     return doc

@@ -32,11 +32,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from m2flow.workers.rollout.emulated import EmulatedEngine, ResponseLengths, throughput_preset
+from m2flow.workers.rollout.exact import GenRequest
 
 from m2flow import Worker, group_method
 from m2flow.core.methods import control_method
-from m2flow.workers.rollout.emulated import EmulatedEngine, ResponseLengths, throughput_preset
-from m2flow.workers.rollout.exact import GenRequest
 
 SAMPLES = 8  # responses per prompt (RLBoost section 6: 128 prompts x 8)
 
@@ -44,7 +44,10 @@ SAMPLES = 8  # responses per prompt (RLBoost section 6: 128 prompts x 8)
 class EmuRollout(Worker):
     """A rollout rank (see the module docstring). Times in modelled seconds.
 
-    Args:
+    Launched once and :meth:`configure` d per run (a launch costs tens of seconds here).
+
+    Args (of :meth:`configure`):
+        run: the run's name, the prefix of its channel keys.
         preset: :data:`~m2flow.workers.rollout.emulated.PRESETS` key.
         lengths: ``(median, sigma, cap)`` of the capped lognormal response length (tokens).
         share: prompts of each step this rank's engine takes (``share * 8`` responses).
@@ -55,12 +58,19 @@ class EmuRollout(Worker):
             modelled prompt length.
     """
 
-    def __init__(self, preset: str, lengths: tuple, share: int, scale: float, partial: bool,
-                 time_scale: float, seed: int = 0, max_batch: int = 256, block: int = 256,
-                 prompt_tokens: int = 200) -> None:  # fmt: skip
+    def __init__(self) -> None:
+        self.engine = None
+        self.weight_version = 0
+
+    @group_method
+    def configure(self, run: str, preset: str, lengths: tuple, share: int, scale: float,
+                  partial: bool, time_scale: float, seed: int = 0, max_batch: int = 256,
+                  block: int = 256, prompt_tokens: int = 200) -> None:  # fmt: skip
+        """Start run ``run`` (the channel keys' prefix) with a fresh engine at version 0."""
         median, sigma, cap = lengths
-        self.cap, self.share, self.scale, self.partial = int(cap), share, scale, partial
-        self.max_batch, self.block, self.prompt_tokens = max_batch, block, prompt_tokens
+        self.run, self.cap, self.share, self.scale = run, int(cap), share, scale
+        self.partial, self.max_batch, self.block = partial, max_batch, block
+        self.prompt_tokens = prompt_tokens
         self.engine = EmulatedEngine(
             throughput_preset(preset), ResponseLengths(median, sigma, int(cap)), 1, 2, seed,
             time_scale, prompt_tokens=prompt_tokens, sleep=self._pace, version=0,
@@ -89,7 +99,7 @@ class EmuRollout(Worker):
 
     def _fetch(self, prompts, step: int) -> bool:
         """Take ``step``'s prompts if they are in the channel (without waiting)."""
-        key = (step, self.rank)
+        key = (self.run, step, self.rank)
         if prompts.qsize(key) < self.share:
             return False
         got = prompts.get_batch(self.share, key=key)
@@ -104,7 +114,7 @@ class EmuRollout(Worker):
         t0, e0 = time.time(), self.engine.emulated_s
         self._mark, self._debt = time.perf_counter(), 0.0
         if step not in self.queued:
-            got = prompts.get_batch(self.share, key=(step, self.rank))
+            got = prompts.get_batch(self.share, key=(self.run, step, self.rank))
             self.queued[step] = self._requests(step, got)
         mine = self.queued[step]
         ahead = step + 1  # the next step whose prompts may be fetched
@@ -133,8 +143,9 @@ class EmuRollout(Worker):
             for v, n in getattr(r.versions, "_runs", None) or [(r.weight_version, len(r.tokens))]:
                 by_version[v] = by_version.get(v, 0) + n * self.scale
         out.put({"samples": len(mine) * self.scale, "tokens": tokens * self.scale,
-                 "by_version": by_version}, key=step)  # fmt: skip
+                 "by_version": by_version}, key=(self.run, step))  # fmt: skip
         return {"modelled_s": self.engine.emulated_s - e0, "wall_s": time.time() - t0,
+                "t0": t0, "t1": time.time(),
                 "blocks": blocks, "carried_in": carried_in,
                 "ahead": sum(len(v) for v in self.queued.values())}  # fmt: skip
 
@@ -156,7 +167,8 @@ class EmuTrainer(Worker):
     :func:`train_seconds` of their tokens; :meth:`get_weights` sleeps the modelled weight
     transfer ``sync_s`` (the sender's side; the receivers load a tiny array).
 
-    Args:
+    Args (of :meth:`configure`):
+        run: the run's name, the prefix of its channel keys.
         params: model parameters (P).
         gpus: the trainer's GPUs (G).
         sync_s: modelled seconds of one weight update.
@@ -164,21 +176,26 @@ class EmuTrainer(Worker):
         mfu: model FLOP utilisation of training.
     """
 
-    def __init__(self, params: float, gpus: int, sync_s: float, time_scale: float,
-                 mfu: float = 0.4) -> None:  # fmt: skip
-        self.params, self.gpus, self.sync_s, self.ts, self.mfu = params, gpus, sync_s, time_scale, mfu
+    def __init__(self) -> None:
         self.weight_version = 0
-        self.modelled_s = 0.0
+
+    @group_method
+    def configure(self, run: str, params: float, gpus: int, sync_s: float, time_scale: float,
+                  mfu: float = 0.4) -> None:  # fmt: skip
+        """Start run ``run`` at weight version 0."""
+        self.run, self.params, self.gpus, self.sync_s = run, params, gpus, sync_s
+        self.ts, self.mfu = time_scale, mfu
+        self.weight_version = 0
 
     @group_method(collect="rank0")
     def train(self, results, step: int, parts: int) -> dict:
         """Train on ``step``'s ``parts`` summaries (one per rollout rank). Returns tokens, the
         modelled seconds and the staleness of the tokens (versions behind this update's)."""
-        items = results.get_batch(parts, key=step)
+        items = results.get_batch(parts, key=(self.run, step))
+        t0 = time.time()
         tokens = sum(i["tokens"] for i in items)
         seconds = train_seconds(self.params, tokens, self.gpus, self.mfu)
         time.sleep(seconds / self.ts)
-        self.modelled_s += seconds
         lag: dict[int, float] = {}
         for i in items:
             for v, n in i["by_version"].items():
@@ -186,12 +203,12 @@ class EmuTrainer(Worker):
         total = sum(lag.values()) or 1.0
         self.weight_version += 1
         return {"tokens": tokens, "samples": sum(i["samples"] for i in items),
+                "t0": t0, "t1": time.time(),
                 "train_s": seconds, "staleness_max": max(lag, default=0),
                 "staleness_mean": sum(k * n for k, n in lag.items()) / total}  # fmt: skip
 
     def get_weights(self) -> dict:
         time.sleep(self.sync_s / self.ts)
-        self.modelled_s += self.sync_s
         return {"w": np.zeros(4, dtype=np.float32)}
 
 
