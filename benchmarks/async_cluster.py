@@ -251,13 +251,23 @@ class Groups:
     results: object
 
     @classmethod
-    def launch(cls, cluster) -> Groups:
+    def launch(cls, cluster, colocated: bool = True, ranks: int = RANKS) -> Groups:
+        """Needs 3 devices; ``colocated=False``: no colocated trainer (disaggregated runs
+        only); ``ranks``: rollout ranks (1 or 2)."""
         from m2flow import Channel
 
-        return cls(EmuRollout.launch(cluster, [[0], [1]], name="rollout"),
-                   EmuTrainer.launch(cluster, [[0, 1]], name="trainer_colocated"),
+        return cls(EmuRollout.launch(cluster, [[0], [1]][:ranks], name="rollout"),
+                   EmuTrainer.launch(cluster, [[0, 1]], name="trainer_colocated")
+                   if colocated else None,
                    EmuTrainer.launch(cluster, [[2]], name="trainer_split"),
                    Channel.create("prompts"), Channel.create("results"))  # fmt: skip
+
+    def shutdown(self) -> None:
+        for g in (self.rollout, self.colocated, self.split):
+            if g is not None:
+                g.shutdown()
+        self.prompts.close()
+        self.results.close()
 
 
 def run_config(groups: Groups, wl: Workload, devices: int, placement: str, k: int,
@@ -273,7 +283,8 @@ def run_config(groups: Groups, wl: Workload, devices: int, placement: str, k: in
     p_share = share(wl, devices, roll_pairs)
     rollout, prompts, results = groups.rollout, groups.prompts, groups.results
     trainer = groups.colocated if sp is None else groups.split
-    rollout.configure(tag, wl.preset, wl.lengths, p_share, roll_pairs / RANKS, partial,
+    ranks = rollout.world_size
+    rollout.configure(tag, wl.preset, wl.lengths, p_share, roll_pairs / ranks, partial,
                       time_scale, SEED, MAX_BATCH, BLOCK, wl.prompt_tokens).wait()  # fmt: skip
     trainer.configure(tag, params(wl), 2 * train_pairs, sync_seconds(params(wl)),
                       time_scale).wait()  # fmt: skip
@@ -286,10 +297,10 @@ def run_config(groups: Groups, wl: Workload, devices: int, placement: str, k: in
     recs: dict[int, dict] = {}
 
     def step(n: int) -> dict:
-        for r in range(RANKS):
+        for r in range(ranks):
             prompts.put_many(list(range(p_share)), key=(tag, n, r))
         gen = rollout.generate(prompts, results, n)
-        upd = trainer.train(results, n, RANKS)
+        upd = trainer.train(results, n, ranks)
         g, u = gen.wait(), upd.wait()
         version = sync_weights(trainer, rollout)
         return {"gen": g, "train": u, "version": version}
