@@ -239,6 +239,32 @@ def predict(wl: Workload, devices: int, placement: str, k: int, tail: float,
 # -- one measured configuration ----------------------------------------------------------------
 
 
+def trained_period(ends: dict, warm: int, steps: int) -> float:
+    """Real seconds per step: the least-squares slope of the trainer's ends of steps
+    ``warm - 1 .. warm + steps - 1`` (a new version each). Not the steps' ends (``done``):
+    a step ends after its weight receive, which can queue behind later generate calls (see
+    docs/results/async.md), so those come in bursts while the trainer keeps its pace."""
+    ns = np.arange(warm - 1, warm + steps)
+    return float(np.polyfit(ns, [ends[n] for n in ns], 1)[0])
+
+
+def rescore(doc: dict) -> dict:
+    """Recompute every run's samples/s, ratios and the goals from its recorded spans
+    (:func:`trained_period`), e.g. for results measured with an older estimator."""
+    for sizes in doc["results"].values():
+        for size in sizes:
+            for r in size["runs"]:
+                ends = {int(n): sp["train"][1] for n, sp in r["spans"].items()}
+                step = trained_period(ends, r["warmup"], r["steps"]) * r["time_scale"]
+                r["step_s"], r["samples_per_s"] = step, r["samples_per_step"] / step
+                for name in ("u_time", "u_len"):
+                    r[f"ratio_{name}"] = r[f"pred_{name}"]["samples_per_s"] / r["samples_per_s"]
+            first = size["runs"][0]
+            size["overhead_s"] = max(first["step_s"] - first["sync_critical_path_s"], 0.0)
+    doc["goals"] = goals(doc["results"]["long-tail"], doc["results"]["short"])
+    return doc
+
+
 @dataclass
 class Groups:
     """The groups and channels every run shares (launched once): the rollout on devices 0 and
@@ -273,8 +299,8 @@ class Groups:
 def run_config(groups: Groups, wl: Workload, devices: int, placement: str, k: int,
                partial: bool, steps: int, time_scale: float, tag: str) -> dict:  # fmt: skip
     """Run ``steps`` measured steps (after K + 2 warm-up, then K more) of ``placement`` at
-    bound ``k``; the period is the least-squares slope of their end times (real s x
-    time_scale). ``steps`` is rounded up to a multiple of K + 1 (ends may come in bursts)."""
+    bound ``k``; the period is :func:`trained_period` (real s x time_scale). ``steps`` is
+    rounded up to a multiple of K + 1."""
     from m2flow import sync_weights
 
     pairs = devices // 2
@@ -321,9 +347,7 @@ def run_config(groups: Groups, wl: Workload, devices: int, placement: str, k: in
     finally:
         wall = time.time() - t0
     measured = range(warm, warm + steps)
-    # least-squares slope of the step ends (they may come in bursts)
-    ns = np.arange(warm - 1, warm + steps)
-    per_wall = float(np.polyfit(ns, [marks[n] for n in ns], 1)[0])
+    per_wall = trained_period({n: recs[n]["train"]["t1"] for n in recs}, warm, steps)
     samples = recs[warm]["train"]["samples"]
     step_s = per_wall * time_scale
     crit = [max(x["modelled_s"] for x in recs[n]["gen"]) + recs[n]["train"]["train_s"]
@@ -489,6 +513,66 @@ def goals(long: list[dict], short: list[dict]) -> dict:
     return out
 
 
+def profile_doc(wl: Workload, devices: int) -> dict:
+    """The workload's profile document (:mod:`m2flow.scheduler.plan.profile`; a device is a
+    TP-2 pair, one item a step) at every eighth of ``devices // 2`` pairs, for ``m2flow plan
+    PROFILE -n PAIRS --staleness``; memory is not modelled (0)."""
+    pairs, batch = devices // 2, wl.per_pair * (devices // 2)
+    tokens = batch * mean_tokens(wl)
+    ds = sorted({max(1, round(pairs * i / 8)) for i in range(1, 9)})
+
+    def comp(seconds) -> dict:
+        return {"min_devices": 1, "max_devices": None, "switch_s": 0.0, "chunk_overhead_s": 0.0,
+                "points": [{"devices": d, "seconds": round(float(seconds(d)), 3),
+                            "memory_bytes": 0} for d in ds]}  # fmt: skip
+
+    return {"workflow": f"async_cluster {wl.name}", "batch_size": 1, "item": "step",
+            "device_memory_bytes": None, "step_overhead_s": 0.0,
+            "edges": [{"src": "rollout", "dst": "actor", "items_per_step": 1.0}],
+            "components": {
+                "rollout": comp(lambda d: rollout_s(wl, batch / d / SAMPLES)),
+                "actor": comp(lambda d: train_seconds(params(wl), tokens, 2 * d))}}  # fmt: skip
+
+
+def markdown(doc: dict) -> str:
+    """The tables of ``docs/results/async.md`` from a results document."""
+    lines = []
+    for name, sizes in doc["results"].items():
+        if not sizes:
+            continue
+        lines += [f"**{name}**", "",
+                  "| devices | placement | K | partial | samples/s | vs best sync | predicted "
+                  "(u_time) | pred/meas | predicted (u_len) | pred/meas | staleness meas/pred |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for size in sizes:
+            sync = size["runs"][0]["samples_per_s"]
+            for r in size["runs"]:
+                lines.append(
+                    f"| {size['devices']} | {r['placement']} | {r['k']} | "
+                    f"{'on' if r['partial'] else 'off'} | {r['samples_per_s']:.2f} | "
+                    f"{r['samples_per_s'] / sync:.2f}x | {r['pred_u_time']['samples_per_s']:.2f}"
+                    f" | {r['ratio_u_time']:.3f} | {r['pred_u_len']['samples_per_s']:.2f} | "
+                    f"{r['ratio_u_len']:.3f} | {r['staleness_mean']:.2f} / "
+                    f"{r['pred_u_time']['staleness_mean']:.2f} |"
+                )  # fmt: skip
+        lines += [
+            "",
+            "| devices | batch | time scale | overhead o (s/step) | u_len | u_time | "
+            "planner's choice (u_time) | (u_len) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for size in sizes:
+            c = {n: size["plans"][n]["chosen"] for n in ("u_time", "u_len")}
+            lines.append(
+                f"| {size['devices']} | {size['batch']} | {size['time_scale']:.0f} | "
+                f"{size['overhead_s']:.1f} | {size['tails']['u_len']:.3f} | "
+                f"{size['tails']['u_time']:.3f} | K={c['u_time']['k']} "
+                f"{c['u_time']['placement']} | K={c['u_len']['k']} {c['u_len']['placement']} |"
+            )  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -507,7 +591,33 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--workloads", nargs="+", default=["long-tail", "short"])
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--markdown", action="store_true", help="print --out's tables and exit")
+    ap.add_argument(
+        "--rescore",
+        action="store_true",
+        help="recompute --out's samples/s from its spans (trained_period) and exit",
+    )
+    ap.add_argument(
+        "--profile-out",
+        type=Path,
+        help="write the long-tail profile at the first "
+        "--devices (devices = TP-2 pairs) for m2flow plan, and exit",
+    )
     a = ap.parse_args(argv)
+    if a.markdown:
+        print(markdown(json.loads(a.out.read_text())))
+        return {}
+    if a.rescore:
+        doc = rescore(json.loads(a.out.read_text()))
+        a.out.write_text(json.dumps(doc, indent=1, default=float))
+        print(json.dumps(doc["goals"], indent=1, default=float))
+        return doc
+    if a.profile_out:
+        import yaml
+
+        a.profile_out.write_text(yaml.safe_dump(profile_doc(LONG, a.devices[0]), sort_keys=False))
+        print(f"wrote {a.profile_out}")
+        return {}
     if a.quick:
         a.devices, a.ks, a.steps, a.step_wall = [64], [0, 1, 2], 3, 1.0
         a.workloads, PROFILE["steps"] = ["long-tail"], 1
