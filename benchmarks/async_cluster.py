@@ -3,8 +3,9 @@ bounded staleness K with partial rollouts on and off, against the best synchrono
 64-512 emulated H100s, each measurement next to the planner's prediction
 (:mod:`m2flow.scheduler.plan.staleness`).
 
-    python benchmarks/async_cluster.py             # 64-512 devices, both workloads (~25 min)
-    python benchmarks/async_cluster.py --quick     # 64 devices, K = 0, 1, 2 (< 2 min)
+    python benchmarks/async_cluster.py             # 64-512 devices, both workloads (~26 min)
+    python benchmarks/async_cluster.py --quick     # 64 devices, long-tail, K <= 2 (~2.5 min)
+    python benchmarks/async_cluster.py --markdown  # docs/results/async.md's tables from the JSON
     python benchmarks/async_cluster.py --devices 64 128 --ks 0 1 2 4 8
 
 **What runs.** The real runtime: a local Ray session, real WorkerGroups and Channels, real
@@ -15,9 +16,9 @@ EmulatedEngine` (a TP-2 Qwen3 engine on 2 x H100, the H100 throughput model) tha
 half the rollout's engines, and a trainer rank that sleeps the modelled training time and
 the weight transfer. Time is compressed: ``time_scale`` modelled seconds per real second,
 chosen per workload so a synchronous step takes ~``--step-wall`` real seconds. Samples/s are
-per modelled second, measured from real time (wall x time_scale) over the steps after a
-warm-up of K + 2, so the runtime's own overheads count (reported: ``overhead``, measured
-minus modelled step at K = 0).
+per modelled second, measured from real time (wall x time_scale: :func:`trained_period`, the
+slope of the trainer's step ends over 6+ steps after a warm-up of K + 2), so the runtime's own
+overheads count (reported: ``overhead``, measured minus modelled step at K = 0).
 
 **Workloads** (a step is 128 prompts x 8 samples per 8 GPUs, RLBoost section 6, so the
 batch grows with the cluster):
@@ -407,7 +408,8 @@ def configs(wl: Workload, devices: int, ks: list[int], extras: bool = True) -> t
         runs += [("colocated", k, True) for k in ks if k > 0]
     else:
         sp = best_split(pt, 1)
-        runs.append((sp.placement, 0, False))  # the same devices, synchronous
+        if extras:
+            runs.append((sp.placement, 0, False))  # the same devices, synchronous
         for k in ks:
             if k == 0:
                 continue
@@ -578,7 +580,7 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="64 devices, long-tail, K = 0, 1, 2, 3 steps, no extra rows",
+        help="64 devices, long-tail, K = 0, 1, 2, 3 steps, 0.8 s steps, no extra rows",
     )
     ap.add_argument("--devices", type=int, nargs="+", default=[64, 128, 256, 512])
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 4, 8])
@@ -619,7 +621,7 @@ def main(argv=None) -> dict:
         print(f"wrote {a.profile_out}")
         return {}
     if a.quick:
-        a.devices, a.ks, a.steps, a.step_wall = [64], [0, 1, 2], 3, 1.0
+        a.devices, a.ks, a.steps, a.step_wall = [64], [0, 1, 2], 3, 0.8
         a.workloads, PROFILE["steps"] = ["long-tail"], 1
     import m2flow
 
