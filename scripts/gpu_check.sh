@@ -10,7 +10,7 @@
 # marked so, and the script goes on):
 #   1. pytest -m gpu tests/test_gpu.py (CUDA placement, offload, weight sync, a GRPO step on
 #      CUDA from a loaded directory);
-#   2. the GRPO main job for 150 steps;
+#   2. the GRPO main job for 150 steps, then 50 steps at trainer.max_staleness=1 (tis);
 #   3. the same with actor.engine=megatron for 20 steps;
 #   4. the ~100M Qwen2 preset (Qwen2's tokenizer) for 8 steps;
 #   5. "your own model": scripts/own_model_example.py writes a warm-started model directory,
@@ -71,6 +71,9 @@ run() { "$PY" -m m2flow.run.cli run "$@"; }
 step gpu_tests 150 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu.py
 step grpo 120 run workflows/grpo.py trainer.steps=150 trainer.eval_every=50 \
   trainer.save_every=150 "trainer.run_dir=$OUT/grpo"
+step grpo_async 60 run workflows/grpo.py trainer.steps=50 trainer.eval_every=50 \
+  trainer.save_every=50 trainer.max_staleness=1 actor.off_policy.correction=tis \
+  "trainer.run_dir=$OUT/grpo_async"
 step megatron 100 run workflows/grpo.py trainer.steps=20 trainer.eval_every=20 \
   trainer.save_every=20 actor.engine=megatron "trainer.run_dir=$OUT/megatron"
 step qwen2_100m 100 run workflows/grpo.py -c workflows/presets/qwen2_100m.yaml \

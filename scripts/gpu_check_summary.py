@@ -19,6 +19,7 @@ from pathlib import Path
 STEPS = {
     "gpu_tests": None,
     "grpo": "grpo",
+    "grpo_async": "grpo_async",
     "megatron": "megatron",
     "qwen2_100m": "qwen2_100m",
     "own_model_prepare": None,
@@ -58,7 +59,9 @@ def row(out: Path, name: str, run: str | None) -> list[str]:
         recs = _records(out / run)
         steps = [r for r in recs if r["step"] > DROP and "step_s" in r]
         if steps:
-            step_s = statistics.median(r["step_s"] for r in steps)
+            # pipelined steps overlap: their period is step_interval_s, not step_s
+            key = "step_interval_s" if "step_interval_s" in steps[0] else "step_s"
+            step_s = statistics.median(r[key] for r in steps)
             tok_s = statistics.median(r["tokens_per_s"] for r in steps)
         evals = [r for r in recs if "heldout_accuracy" in r]
         if evals:

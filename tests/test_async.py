@@ -35,10 +35,17 @@ TIS = "actor.off_policy.correction=tis"
          "rollout.partial=true with trainer.max_staleness=0"),
         (GRPO, ["trainer.max_staleness=1", TIS, "rollout.spot.enabled=true"],
          "with rollout.spot.enabled: the spot pool's manager"),
-        (GRPO, ["trainer.max_staleness=1", TIS, "trainer.staleness_policy=drop"],
-         "trainer.staleness_policy='drop': only wait"),
+        (GRPO, ["trainer.staleness_policy=drop"],
+         "trainer.staleness_policy=drop with trainer.max_staleness=0"),
+        (GRPO, ["trainer.max_staleness=1", TIS, "trainer.staleness_policy=later"],
+         "trainer.staleness_policy='later': wait (a step starts"),
+        (GRPO, ["actor.off_policy.max_lag=-1"], "actor.off_policy.max_lag=-1: an integer >= 0"),
         (PPO, ["trainer.max_staleness=1"],
-         "the PPO runner's actor has no off-policy correction"),
+         "the PPO runner's actor has no off-policy correction; set "
+         "actor.off_policy.allow_uncorrected=true"),
+        (PPO, ["actor.off_policy.correction=tis"], "the PPO actor has no correction"),
+        (PPO, ["trainer.max_staleness=1", "actor.off_policy.allow_uncorrected=true",
+               "trainer.staleness_policy=drop"], "the PPO runner's actor drops no samples"),
         (EMBODIED, ["trainer.max_staleness=1"],
          "the embodied runner trains on-policy only"),
     ],
@@ -48,22 +55,78 @@ def test_contradictory_settings_exit_2_before_ray(tmp_path, workflow, args, mess
     assert_one_line_exit_2(code, out, message)
 
 
-@pytest.mark.e2e
-def test_smoke_with_staleness_2_stays_within_the_bound(tmp_path):
-    """The issue's must-show: ``-c smoke trainer.max_staleness=2 actor.off_policy.correction=tis
-    trainer.steps=6``: every step's ``staleness_max <= 2``, some step's ``>= 1``."""
+def _smoke(tmp_path, *overrides: str, workflow: Path = GRPO) -> list[dict]:
+    """The smoke run's step records (``metrics.jsonl``, steps >= 1)."""
     run_dir = tmp_path / "run"
-    args = ["run", str(GRPO), "-c", "smoke", "trainer.steps=6", "trainer.max_staleness=2", TIS,
-            "warm_start.steps=5", f"trainer.run_dir={run_dir}"]  # fmt: skip
+    args = ["run", str(workflow), "-c", "smoke", "warm_start.steps=5", *overrides,
+            f"trainer.run_dir={run_dir}"]  # fmt: skip
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "m2flow.run.cli", *args], capture_output=True,
                           text=True, timeout=600, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r.get("step", 0) >= 1 and "loss" in r]
+    return [r for r in records if r.get("step", 0) >= 1 and "step_s" in r]
+
+
+@pytest.mark.e2e
+def test_smoke_with_staleness_2_stays_within_the_bound(tmp_path):
+    """The issue's must-show: ``-c smoke trainer.max_staleness=2 actor.off_policy.correction=tis
+    trainer.steps=6``: every step's ``staleness_max <= 2``, some step's ``>= 1`` (a step whose
+    groups all had one reward trains no token and logs no staleness)."""
+    steps = _smoke(tmp_path, "trainer.steps=6", "trainer.max_staleness=2", TIS)
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
-    assert all(r["staleness_max"] <= 2 for r in steps), [r["staleness_max"] for r in steps]
-    assert any(r["staleness_max"] >= 1 for r in steps), [r["staleness_max"] for r in steps]
-    assert steps[0]["staleness_max"] == 0  # the first step runs alone
+    lags = [r["staleness_max"] for r in steps if "staleness_max" in r]
+    assert len(lags) >= 4 and all(lag <= 2 for lag in lags), lags
+    assert any(lag >= 1 for lag in lags), lags
+    assert steps[0].get("staleness_max", 0) == 0  # the first step runs alone
     assert all("step_interval_s" in r for r in steps)
     assert [r["weight_version"] for r in steps] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.e2e
+def test_drop_policy_trains_no_token_beyond_the_bound(tmp_path):
+    """``trainer.staleness_policy=drop``: steps start a step early, the trainer drops what broke
+    the bound and counts it; no trained token lags more than K."""
+    steps = _smoke(tmp_path, "trainer.steps=8", "trainer.max_staleness=1", TIS,
+                   "trainer.staleness_policy=drop")  # fmt: skip
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert all(r["staleness_dropped"] >= 0 for r in steps)
+    assert all(r["staleness_max"] <= 1 for r in steps if "staleness_max" in r)
+
+
+@pytest.mark.e2e
+def test_ppo_runs_pipelined_unchanged(tmp_path):
+    """The PPO runner (five roles, a fanout) runs with K = 1 as written: its records come in
+    step order, each with the pipeline's period."""
+    steps = _smoke(tmp_path, "trainer.steps=4", "trainer.max_staleness=1",
+                   "actor.off_policy.allow_uncorrected=true", workflow=PPO)  # fmt: skip
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all("step_interval_s" in r and "pg_loss" in r for r in steps)
+
+
+def test_auto_takes_the_k_and_placement_the_planner_chose():
+    """``plan=auto trainer.max_staleness=auto``: the placement the run gets carries the K of
+    the chosen (K, placement) row, the row ``m2flow plan --staleness`` marks."""
+    from types import SimpleNamespace
+
+    from m2flow.run.pipeline import staleness_of
+    from m2flow.run.planning import (
+        _with_staleness,
+        load_profile,
+        plan_with_remote,
+        staleness_from_profile,
+    )
+
+    prof = load_profile(ROOT / "benchmarks" / "profiles" / "ppo_4_1_1_1_1.yaml")
+    _, placement, spot = plan_with_remote(prof, 64, None, "auto")
+    said = []
+    chosen = _with_staleness(prof, 64, None, "auto", spot, placement, said.append)
+    row = staleness_from_profile(prof, 64, None, "auto", spot).chosen
+    assert row.k >= 1  # asynchrony pays on this profile at 64 devices
+    assert chosen.max_staleness == row.k
+    assert any(f"K={row.k}" in line for line in said)
+    trainer = SimpleNamespace(max_staleness="auto")
+    assert staleness_of(trainer, SimpleNamespace(placement=chosen)) == (
+        row.k, f"trainer.max_staleness=auto: K={row.k}, the plan's")  # fmt: skip
+    k, note = staleness_of(trainer, SimpleNamespace(placement=None))
+    assert k == 0 and "without plan=auto" in note

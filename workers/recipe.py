@@ -122,6 +122,9 @@ class OffPolicyConfig:
     low: Optional[float] = None  # mis's lower bound (None: 1/clip)
     high: Optional[float] = None  # mis's upper bound (None: clip)
     allow_uncorrected: bool = False  # asynchronous training without a correction
+    # drop samples whose oldest token lags more than this many versions (null: keep all; set
+    # to K by trainer.staleness_policy=drop)
+    max_lag: Optional[int] = None
 
 
 def validate_off_policy(section) -> None:
@@ -131,13 +134,15 @@ def validate_off_policy(section) -> None:
     OffPolicyOptions.from_value(plain(section))
 
 
-def validate_staleness(cfg, off_policy=None, runner: str = "") -> None:
+def validate_staleness(cfg, off_policy=None, runner: str = "", corrections: bool = True) -> None:
     """Refuse contradictory asynchronous-training settings before anything starts (issue 32
     item 5): ``trainer.max_staleness`` not an integer >= 0 or ``auto``; K >= 1 (or ``auto``,
     which may choose it) without an off-policy correction unless
     ``actor.off_policy.allow_uncorrected``; ``rollout.partial=true`` with K = 0; K >= 1 with the
-    spot pool (its manager, RLBoost Algorithm 1, plans one step at a time) or in a runner
-    without a correction (``off_policy=None``: PPO).
+    spot pool (its manager, RLBoost Algorithm 1, plans one step at a time); in a runner
+    without corrections (``corrections=False``: PPO) any ``correction`` but ``none``, K >= 1
+    without ``allow_uncorrected``, and ``trainer.staleness_policy=drop``; without an
+    ``off_policy`` section at all (``None``) any K >= 1.
 
     Raises:
         ConfigError: naming the keys and the fix.
@@ -160,7 +165,20 @@ def validate_staleness(cfg, off_policy=None, runner: str = "") -> None:
             f"{what}: the {runner or 'runner'}'s actor has no off-policy correction "
             "(actor.off_policy is GRPO's); run it with trainer.max_staleness=0"
         )
-    if off_policy.correction == "none" and not off_policy.allow_uncorrected:
+    if not corrections:
+        if not off_policy.allow_uncorrected:
+            raise ConfigError(
+                f"{what}: the {runner}'s actor has no off-policy correction; set "
+                "actor.off_policy.allow_uncorrected=true to train it asynchronously anyway "
+                "(its clipped ratio is then taken against the behaviour policy's logprobs), "
+                "or run with trainer.max_staleness=0"
+            )
+        if cfg.trainer.staleness_policy == "drop":
+            raise ConfigError(
+                f"trainer.staleness_policy=drop: the {runner}'s actor drops no samples; use "
+                "trainer.staleness_policy=wait"
+            )
+    elif off_policy.correction == "none" and not off_policy.allow_uncorrected:
         raise ConfigError(
             f"{what} with actor.off_policy.correction=none: stale tokens would be trained "
             "as if on-policy; set actor.off_policy.correction=tis (or mis, decoupled), or "
@@ -393,6 +411,9 @@ def check_engine(kind: str, cfg, name: str) -> None:
         if kind == "rollout":
             from .rollout.engines import check_rollout
 
+            if config.get("partial") is None:  # unset: on when the run trains asynchronously
+                k = staleness_bound(cfg.trainer.max_staleness)
+                config["partial"] = k == "auto" or k >= 1
             check_rollout(config, None, name)
         else:
             ask(kind, section["engine"], config, None, name)

@@ -84,6 +84,7 @@ class LLMRun:
         if self.rollout.partial is None:
             self.rollout.partial = self.max_staleness >= 1
         self.partial = bool(self.rollout.partial)
+        self.drop = self.max_staleness >= 1 and self.tr.staleness_policy == "drop"
         self.checkpoints = Checkpoints(self.tr.run_dir)
         self.log: RunLog | None = None
         self._rollout = None
@@ -181,16 +182,21 @@ class LLMRun:
                     metrics |= self.evaluate()
                     if "heldout_accuracy" in metrics:
                         summary["final_accuracy"] = metrics["heldout_accuracy"]
+                # the record before the checkpoint: a kill between them resumes from the one
+                # before (whose later records a resume drops), never a checkpoint without record
+                log.log(n, metrics, echo="heldout_accuracy" in metrics or None)
                 if saves(n):
                     self.checkpoints.save(n, trained, {"data": self.sampler.state_dict()})
-                log.log(n, metrics, echo="heldout_accuracy" in metrics or None)
                 log.advance(n, record.progress)
 
+            if self.drop:  # the trainer drops what broke the bound (admitted a step early)
+                actor.drop_stale_beyond(self.max_staleness).wait()
             # K >= 1: rollout of later steps runs while the actor trains (m2flow.run.pipeline);
             # evaluation and checkpoint steps flush it (nothing in flight at a checkpoint)
             pipe = StepPipeline(
-                self.max_staleness, self.partial, lambda n: evaluates(n) or saves(n)
-            )
+                self.max_staleness, self.partial, lambda n: evaluates(n) or saves(n),
+                ahead=int(self.drop),
+            )  # fmt: skip
             self._last_end = time.time()
             pipe.run(range(start + 1, tr.steps + 1), step, done)
             log.print(f"summary: {summary}")

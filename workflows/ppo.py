@@ -28,6 +28,7 @@ from m2flow.workers.data.config import DataConfig
 from m2flow.workers.recipe import (
     LLMTrainerConfig,
     ModelConfig,
+    OffPolicyConfig,
     OptimConfig,
     TaskConfig,
     WarmStartConfig,
@@ -78,6 +79,9 @@ class ActorConfig(OptimConfig):
     recompute_old_logprobs: bool = False  # the rollout's logprobs are the same weights'
     engine: str = "torch"  # or "megatron": one rank per device (docs/results/megatron.md)
     tensor_parallel: int = 1  # megatron: TP size; DP = the actor's devices / TP
+    # PPO's actor has no correction (correction=none only); allow_uncorrected=true trains with
+    # trainer.max_staleness >= 1, the ratio taken against the behaviour policy's logprobs
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
 
 
 @dataclass
@@ -119,7 +123,17 @@ def validate(cfg) -> None:
     groups = {"actor": PPO_ACTOR, "critic": RANK_STATE, "reward": RANK_STATE,
               "reference": RANK_STATE}  # fmt: skip
     validate_trainer(cfg.trainer, cfg.resume, groups)
-    validate_staleness(cfg, None, "PPO runner")  # asynchronous PPO: no correction yet
+    off = cfg.actor.off_policy
+    require(
+        [
+            (
+                off.correction == "none" and off.max_lag is None,
+                f"actor.off_policy: the PPO actor has no correction and drops no samples (got "
+                f"correction={off.correction}, max_lag={off.max_lag}); leave them unset",
+            )
+        ]
+    )
+    validate_staleness(cfg, off, "PPO runner", corrections=False)  # no correction yet
     validate_llm(cfg)
     validate_optim(cfg.actor, "actor")
     validate_optim(cfg.critic, "critic")

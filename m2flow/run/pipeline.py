@@ -11,6 +11,9 @@ in order: today's on-policy run. With ``K >= 1`` each step runs on a driver thre
   more than K versions after the weights that sampled it (with partial rollouts a sequence's
   later tokens come from newer weights: the bound holds a fortiori). The first step runs
   alone: it profiles which groups and channels a step calls (:mod:`m2flow.core.ordering`).
+  With ``trainer.staleness_policy=drop`` (``ahead=1``) a step starts one step earlier, and the
+  trainer drops the samples whose oldest token broke the bound (TRL's asynchronous GRPO
+  discards such samples the same way).
 - **Order**: what the step threads issue reaches each group and channel in step order
   (:class:`~m2flow.core.ordering.StepOrder`), so channel epochs stay steps and step ``m + 1``'s
   update waits for step ``m``'s weight send; only a sync's receive overtakes.
@@ -52,6 +55,8 @@ class StepPipeline:
         max_staleness: K, in weight versions (``>= 0``; 0: one step at a time, as before).
         partial: weight syncs inside a step load into the rollout during its generation.
         flush_at: steps after which nothing runs ahead (evaluation, checkpoint steps).
+        ahead: steps admitted beyond the bound (``trainer.staleness_policy=drop``: 1; the
+            trainer then drops the samples that broke it, ``actor.off_policy.max_lag``).
 
     Raises:
         ValueError: a negative or non-integer ``max_staleness``.
@@ -62,12 +67,14 @@ class StepPipeline:
         max_staleness: int,
         partial: bool = False,
         flush_at: Callable[[int], bool] = lambda n: False,
+        ahead: int = 0,
     ) -> None:
         if isinstance(max_staleness, bool) or not isinstance(max_staleness, int):
             raise ValueError(f"max_staleness={max_staleness!r}: an integer >= 0 (versions)")
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness}: must be >= 0 (versions)")
         self.k, self.partial, self.flush_at = max_staleness, partial, flush_at
+        self.ahead = ahead if max_staleness else 0
         self.admitted_at: dict[int, float] = {}  # step -> time.time() it started
 
     def run(
@@ -115,7 +122,7 @@ class StepPipeline:
                 return False
             if m == first:
                 return True
-            if completed < first or m - self.k - 1 > completed:
+            if completed < first or m - self.k - 1 - self.ahead > completed:
                 return False
             return not any(self.flush_at(f) for f in range(completed + 1, m))
 

@@ -71,7 +71,9 @@ class TrainerConfig:
     # trains; no token trained at version v was sampled with weights older than v - K. 0:
     # on-policy, one step at a time; "auto" (with plan=auto): the planner's K
     max_staleness: Any = 0
-    staleness_policy: str = "wait"  # a step about to break the bound: wait (admission control)
+    # wait: a step starts once its weights are within the bound (admission control); drop: a
+    # step earlier, and the samples that broke the bound are dropped (staleness_dropped)
+    staleness_policy: str = "wait"
 
 
 def require(checks: list[tuple[bool, str]]) -> None:
@@ -176,11 +178,17 @@ def validate_trainer(
             (tr.log_every >= 1, "trainer.log_every must be >= 1 (steps between metrics lines)"),
         ]
     )
-    staleness_bound(tr.max_staleness)
-    if tr.staleness_policy != "wait":
+    k = staleness_bound(tr.max_staleness)
+    if tr.staleness_policy not in ("wait", "drop"):
         raise ConfigError(
-            f"trainer.staleness_policy={tr.staleness_policy!r}: only wait (admission control: a "
-            "step starts once its weights are within the bound) is built; drop is not"
+            f"trainer.staleness_policy={tr.staleness_policy!r}: wait (a step starts once its "
+            "weights are within the bound) or drop (it starts a step earlier; the samples "
+            "that broke the bound are dropped and counted)"
+        )
+    if tr.staleness_policy == "drop" and k == 0:
+        raise ConfigError(
+            "trainer.staleness_policy=drop with trainer.max_staleness=0: an on-policy run has "
+            "no bound to drop samples at; set trainer.max_staleness>=1"
         )
     from .loggers import check_loggers
 

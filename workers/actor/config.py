@@ -35,6 +35,10 @@ class OffPolicyOptions:
         low, high: ``mis``'s bounds (``None``: ``1/C`` and ``C``).
         allow_uncorrected: accept asynchronous training (a staleness bound >= 1) with
             ``correction=none``; read by the staleness bound's checks.
+        max_lag: drop, before the loss, every sample whose oldest response token was sampled
+            more than ``max_lag`` weight versions before the trainer's (``None``: keep all);
+            the run sets it to K with ``trainer.staleness_policy=drop``. Counted per step as
+            ``staleness_dropped`` (samples).
     """
 
     correction: str = "none"
@@ -43,6 +47,7 @@ class OffPolicyOptions:
     low: float | None = None
     high: float | None = None
     allow_uncorrected: bool = False
+    max_lag: int | None = None
 
     @classmethod
     def from_value(cls, value, role: str = "actor") -> OffPolicyOptions:
@@ -99,6 +104,9 @@ class OffPolicyOptions:
             raise ConfigError(f"{key}.low={low} > {key}.high={high}: give low <= high")
         if not isinstance(opt.allow_uncorrected, bool):
             raise ConfigError(f"{key}.allow_uncorrected={opt.allow_uncorrected!r}: true or false")
+        lag = opt.max_lag
+        if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
+            raise ConfigError(f"{key}.max_lag={lag!r}: an integer >= 0 (versions), or null")
 
     @property
     def enabled(self) -> bool:

@@ -75,6 +75,8 @@ class ActorWorker(OnTrainEngine, Worker):
         self.loss = make_loss(opt.loss, "policy", **opt.loss_settings)
         off = opt.off_policy
         self._off_policy = OffPolicyStats(off.correction, off.clip, off.level, off.low, off.high)
+        self._dropped = 0  # samples beyond off.max_lag dropped this step
+        self._max_lag = off.max_lag  # or the run's K (drop_stale_beyond)
         self.engine = engine_class("train", opt.engine, self.role)(
             model, self.tokenizer, device=device, rank=self.rank, world_size=self.world_size,
             dist=dist, optim=opt.optim(compute_dtype(model.get("dtype", "auto"), device)),
@@ -141,6 +143,13 @@ class ActorWorker(OnTrainEngine, Worker):
         return self._published(
             {**self._finish(metrics, len(batch), trained, stale), "input_waits": waits}
         )
+
+    @group_method(collect="rank0")
+    def drop_stale_beyond(self, max_lag: int) -> None:
+        """From now on drop, before the loss, the samples whose oldest response token lags
+        this actor's weight version by more than ``max_lag`` versions (``actor.off_policy.
+        max_lag``; the run's ``trainer.staleness_policy=drop`` sets it to K)."""
+        self._max_lag = max_lag
 
     def _published(self, out: dict) -> dict:
         """``out``, after its ``input_waits`` went out as a run event (read by the spot pool's
@@ -229,10 +238,24 @@ class ActorWorker(OnTrainEngine, Worker):
                 data["versions"] = batch["versions"]
         elif not self.options.recompute_old_logprobs:
             data["old_logprobs"] = batch["logprobs"]
-        if self.options.drop_flat_groups:
-            keep = data["advantages"] != 0
+        keep = data["advantages"] != 0 if self.options.drop_flat_groups else None
+        if self._max_lag is not None and "versions" in batch.keys():
+            fresh = self._fresh(batch)
+            self._dropped += int((~fresh if keep is None else keep & ~fresh).sum())
+            keep = fresh if keep is None else keep & fresh
+        if keep is not None:
             data = {k: v[keep] for k, v in data.items()}
         return data
+
+    def _fresh(self, batch) -> torch.Tensor:
+        """``[batch]`` bool: the samples whose oldest response token lags this actor's weight
+        version by at most ``max_lag`` (``trainer.staleness_policy=drop``: the others are
+        dropped and counted in ``staleness_dropped``; their group's advantages were normalised
+        over all its samples, whose rewards are valid: only the tokens are too old)."""
+        mask = batch["response_mask"].bool()
+        versions = batch["versions"].masked_fill(~mask, self.weight_version)
+        lag = self.weight_version - versions.min(dim=1).values
+        return lag <= self._max_lag
 
     def _check_advantages(self, advantages: torch.Tensor, rewards: torch.Tensor) -> None:
         """Non-finite advantages (a NaN or infinite reward): stop naming the step and the
@@ -257,6 +280,9 @@ class ActorWorker(OnTrainEngine, Worker):
     def _finish(self, metrics: dict, samples: int, trained: int, stale: int) -> dict:
         metrics = {**metrics, **self._off_policy.result()}  # {} without a correction
         self._off_policy.reset()
+        if self._max_lag is not None:
+            metrics["staleness_dropped"] = self._dropped
+            self._dropped = 0
         self.weight_version += 1
         self._skip = None
         skips = metrics.pop("nonfinite_skips", 0)

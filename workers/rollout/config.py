@@ -29,9 +29,14 @@ class RolloutOptions:
     # a registered rollout backend: hf (transformers generate) or vllm (vLLM's CPU build in
     # process: the vllm extra, docs/results/vllm.md), or an import path, module:Class
     engine: str = "hf"
-    # partial rollouts: weight updates reach the engines during generation (between decode
-    # steps) and sequences continue with the new weights; None: on when trainer.max_staleness
-    # >= 1 (m2flow.run.pipeline); true needs max_staleness >= 1
+    # partial rollouts (issue 32 item 2): weight updates reach the engines during generation,
+    # between decode steps, and the sequences continue with the new weights. None: on when
+    # trainer.max_staleness >= 1 (m2flow.run.pipeline); true needs max_staleness >= 1. With
+    # a block engine (engine=exact|emulated, no spot pool) each rank also batches
+    # continuously across steps (workers/rollout/continuous.py): freed slots (at most
+    # spot.max_batch sequences, blocks of spot.block_tokens) take the next steps' queued
+    # prompts; exact keeps no KV cache, emulated drops its modelled one at each update. With
+    # hf or vllm (whole-group engines): in-flight weight updates only (KV cache recomputed).
     partial: Optional[bool] = None
     # the RLBoost spot rollout pool (docs/how-to/spot.md)
     spot: SpotPoolConfig = field(default_factory=SpotPoolConfig)

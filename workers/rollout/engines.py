@@ -121,13 +121,19 @@ def _groups() -> list[str]:
     return [n for n in names("rollout") if n != "spot" and engine_class("rollout", n).generates]
 
 
-def rollout_engine_class(kind: str, spot: dict | None = None, role: str = "rollout") -> type:
+def rollout_engine_class(
+    kind: str, spot: dict | None = None, role: str = "rollout", partial: bool = False
+) -> type:
     """The rollout role's engine class: ``kind`` (``rollout.engine``) from the registry, or,
-    with ``spot["enabled"]``, the spot pool (backend ``spot``) that composes over it.
+    with ``spot["enabled"]``, the spot pool (backend ``spot``) that composes over it. With
+    ``partial`` (``rollout.partial``) a block engine that does not sample whole groups
+    (``exact``, ``emulated``) is the role's own: the rank batches continuously across steps
+    (:mod:`.continuous`).
 
     Raises:
-        ValueError: an unknown kind; a kind that does not sample whole groups without the pool;
-            an engine that continues blocks itself (vllm) with ``spot.engine=emulated``.
+        ValueError: an unknown kind; a kind that does not sample whole groups without the pool
+            (nor, with ``partial``, continues blocks); an engine that continues blocks itself
+            (vllm) with ``spot.engine=emulated``.
         EngineProtocolError: a class missing members of the protocol.
     """
     if not knows("rollout", kind):
@@ -145,10 +151,10 @@ def rollout_engine_class(kind: str, spot: dict | None = None, role: str = "rollo
                 f"{kind} on the spot instances)"
             )
         return engine_class("rollout", "spot", f"{role}.spot")
-    if not cls.generates:
+    if not cls.generates and not (partial and cls.block_steps):
         raise ValueError(
-            f"rollout.engine={kind!r} continues blocks for the spot pool only "
-            f"(rollout.spot.engine): pick an engine that samples whole groups, "
+            f"rollout.engine={kind!r} continues blocks for the spot pool (rollout.spot.engine) "
+            f"or with rollout.partial=true only: pick an engine that samples whole groups, "
             f"{choices('rollout', _groups())}"
         )
     return cls
@@ -163,14 +169,16 @@ def check_rollout(config: dict, world_size: int | None = None, role: str = "roll
         ValueError: the first problem, naming the setting and the fix.
     """
     kind, spot = config.get("engine", RolloutOptions.engine), config.get("spot")
-    cls = rollout_engine_class(kind, spot, role)
+    cls = rollout_engine_class(kind, spot, role, bool(config.get("partial")))
     engine_class("rollout", kind, role).check(config, world_size, role)
     if cls is not engine_class("rollout", kind, role):
         cls.check(config, world_size, role)
     return cls
 
 
-def build_rollout_engine(kind: str, args: dict, model, tokenizer, spot: dict | None = None):
+def build_rollout_engine(
+    kind: str, args: dict, model, tokenizer, spot: dict | None = None, partial: bool = False
+):
     """The rollout role's engine (:func:`rollout_engine_class`), built.
 
     Args:
@@ -179,11 +187,12 @@ def build_rollout_engine(kind: str, args: dict, model, tokenizer, spot: dict | N
             ``rank``, ``world_size``, ...).
         model, tokenizer: the host's Hugging Face model and tokenizer.
         spot: ``rollout.spot`` (:class:`~.spot.config.SpotPoolConfig` fields).
+        partial: ``rollout.partial`` (a block engine may be the role's own).
 
     Raises:
         ValueError: as :func:`rollout_engine_class`.
     """
-    cls = rollout_engine_class(kind, spot)
+    cls = rollout_engine_class(kind, spot, partial=partial)
     if spot and spot.get("enabled"):
         args = {**args, "engine": kind, "spot": spot}
     return cls.build(args, model, tokenizer)

@@ -25,7 +25,9 @@ from ..llm.placement import (
 from ..scoring.evaluation import greedy_scores
 from ..scoring.functions import RewardFunction
 from .config import RolloutOptions
+from .continuous import ContinuousRollout, RemoteLedger, block_engine_args
 from .engines import build_rollout_engine, check_rollout
+from .exact import to_generation_output
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,11 @@ class RolloutWorker(Worker):
             pool composed over the configured one: RLBoost, docs/results/spot.md,
             :func:`~.engines.build_rollout_engine`). The engine is asked at launch whether it
             runs them on this group's ranks (its ``check``, :func:`~.engines.check_rollout`).
+            ``partial`` (partial rollouts, issue 32): with a block engine (``exact``,
+            ``emulated``) :meth:`generate` batches continuously across steps and refills freed
+            slots with the next steps' queued prompts (:mod:`~.continuous`); with ``hf`` /
+            ``vllm`` it changes nothing here (their weight updates land between decode steps
+            anyway).
         heldout: the held-out prompts :meth:`evaluate` decodes (ranks take shards).
         reward: :class:`~..scoring.functions.RewardFunction` arguments: how :meth:`evaluate`
             scores (default: ``auto``).
@@ -79,7 +86,7 @@ class RolloutWorker(Worker):
         seed: int = 0,
     ) -> None:
         o = self.options = options
-        check_rollout(o.engine_check(model), self.world_size)  # the engine says what it refuses
+        cls = check_rollout(o.engine_check(model), self.world_size)  # what the engine refuses
         set_torch_threads(self, o.threads)
         self.device = torch_device(self.devices)
         self.tokenizer = build_tokenizer(tokenizer)
@@ -97,7 +104,24 @@ class RolloutWorker(Worker):
             "rank": self.rank, "world_size": self.world_size, "name": self.worker_key,
         }  # fmt: skip
         spot = asdict(o.spot)
-        self.engine = build_rollout_engine(o.engine, args, self.model, self.tokenizer, spot)
+        # rollout.partial on a block engine (exact, emulated): continuous batching across steps
+        blocks = o.partial and cls.block_steps and not cls.generates
+        if blocks:
+            args.update(block_engine_args(o.spot, self.tokenizer))
+        self.engine = build_rollout_engine(
+            o.engine, args, self.model, self.tokenizer, spot, partial=o.partial
+        )
+        self.continuous = None
+        if blocks:
+            ledger = None  # one rank: its own
+            if self.world_size > 1:  # shared by this launch's ranks (continuous.py)
+                launch = getattr(self._m2flow_ctx, "launch_index", 0)
+                ledger = RemoteLedger(f"m2flow:partial_ledger:{self.group_name}:{launch}",
+                                      self.world_size)  # fmt: skip
+            self.continuous = ContinuousRollout(
+                self.engine, self.n_samples, self.max_new_tokens, o.spot.max_batch,
+                o.spot.block_tokens, self.rank, self.world_size, ledger=ledger,
+            )  # fmt: skip
         self.model.to(self.device)  # (vLLM was built from a CPU copy)
 
     # -- generation -------------------------------------------------------------------------
@@ -120,6 +144,10 @@ class RolloutWorker(Worker):
         the step's last chunk (the reward service's batch-size hint,
         docs/results/reward_service.md).
 
+        With ``rollout.partial`` on a block engine (:mod:`~.continuous`): chunks of finished
+        groups in finishing order; the share counts the groups an earlier call started ahead
+        (carried); the groups of later steps started here stay on the rank for their call.
+
         Returns:
             ``samples``, ``tokens`` (prompt + response), ``response_length`` (mean tokens),
             plus the engine's ``last_metrics()`` (the spot pool: ``seeded_s``,
@@ -131,6 +159,8 @@ class RolloutWorker(Worker):
         whole = getattr(self.engine, "whole_share", False)
         granularity = share if whole else self.chunk_size(default=share)
         stream = getattr(self.engine, "stream", None)
+        if self.continuous is not None:
+            return self._generate_continuous(prompts, out, num_prompts, granularity)
         samples = tokens = resp_tokens = 0
         while share > 0:
             size = min(granularity, share)
@@ -141,25 +171,75 @@ class RolloutWorker(Worker):
             groups = torch.tensor([it["group"] for it in items], device="cpu")
             for gen in stream(*args) if stream is not None else [self.engine.generate(*args)]:
                 gen["group_index"] = groups[gen["group_index"]]
-                batch = to_batch(gen)
-                present = set(batch["group_index"].tolist())
-                n_tok = num_tokens(batch)
-                chunk = RolloutChunk(
-                    batch,
-                    entries={it["group"]: it["entry"] for it in items if it["group"] in present},
-                    weight_version=self._oldest_version(batch),
-                    step=items[0].get("step", 0),
-                    step_samples=step_samples,
-                )
-                out.put(chunk, weight=n_tok)
-                samples += len(batch)
+                n, n_tok, n_resp = self._put(out, gen, items, step_samples)
+                samples += n
                 tokens += n_tok
-                resp_tokens += int(batch["response_mask"].sum())
+                resp_tokens += n_resp
         extra = self.engine.last_metrics() if hasattr(self.engine, "last_metrics") else {}
         return {
             "samples": samples,
             "tokens": tokens,
             "response_length": resp_tokens / max(samples, 1),
+            **extra,
+        }
+
+    def _put(self, out: Channel, gen: dict, items: list[dict], step_samples: int):
+        """Put one generation output (``group_index``: prompt ids) as a rollout chunk; returns
+        its ``(samples, tokens, response tokens)``."""
+        batch = to_batch(gen)
+        present = set(batch["group_index"].tolist())
+        n_tok = num_tokens(batch)
+        chunk = RolloutChunk(
+            batch,
+            entries={it["group"]: it["entry"] for it in items if it["group"] in present},
+            weight_version=self._oldest_version(batch),
+            step=items[0].get("step", 0),
+            step_samples=step_samples,
+        )
+        out.put(chunk, weight=n_tok)
+        return len(batch), n_tok, int(batch["response_mask"].sum())
+
+    def _generate_continuous(
+        self, prompts: Channel, out: Channel, num_prompts: int, granularity: int
+    ) -> dict:
+        """:meth:`generate` with ``rollout.partial`` on a block engine: the rank's
+        :class:`~.continuous.ContinuousRollout` (refills freed slots with the next steps'
+        queued prompts; keeps their started requests for the next call). Chunks of
+        ``granularity`` finished groups, in finishing order. Returns :meth:`generate`'s
+        metrics plus ``partial_carried_in`` / ``partial_refilled`` / ``partial_carried_out``
+        (groups) and ``partial_blocks`` (engine calls)."""
+        totals = [0, 0, 0]
+        pad = self.tokenizer.pad_token_id
+
+        def take_share(n: int) -> list[dict]:
+            items: list[dict] = []
+            while len(items) < n:
+                size = min(granularity, n - len(items))
+                items += prompts.get_batch(size, max_items=size)
+            return items
+
+        def take_ready(n: int) -> list[dict]:  # (the ledger said the head is the step's)
+            k = min(n, prompts.qsize())
+            return prompts.get_batch(k, max_items=k) if k > 0 else []
+
+        def emit(groups) -> None:
+            reqs = [r for g in groups for r in g.requests]
+            gen = to_generation_output(reqs, pad, self.n_samples)
+            for i, v in enumerate(self._put(out, gen, [g.item for g in groups], step_samples)):
+                totals[i] += v
+
+        step_samples = num_prompts * self.n_samples
+        st = self.continuous.run(num_prompts, take_share, take_ready, emit, granularity)
+        samples, tokens, resp_tokens = totals
+        extra = self.engine.last_metrics() if hasattr(self.engine, "last_metrics") else {}
+        return {
+            "samples": samples,
+            "tokens": tokens,
+            "response_length": resp_tokens / max(samples, 1),
+            "partial_carried_in": st.carried_in,
+            "partial_refilled": st.refilled,
+            "partial_carried_out": st.carried_out,
+            "partial_blocks": st.blocks,
             **extra,
         }
 
