@@ -183,10 +183,13 @@ class LLMRun:
                     if "heldout_accuracy" in metrics:
                         summary["final_accuracy"] = metrics["heldout_accuracy"]
                 # the record before the checkpoint: a kill between them resumes from the one
-                # before (whose later records a resume drops), never a checkpoint without record
-                log.log(n, metrics, echo="heldout_accuracy" in metrics or None)
-                if saves(n):
-                    self.checkpoints.save(n, trained, {"data": self.sampler.state_dict()})
+                # before (whose later records a resume drops), never a checkpoint without record;
+                # a run stopped at this step (StopRun: profiling, max_steps) still saves it
+                try:
+                    log.log(n, metrics, echo="heldout_accuracy" in metrics or None)
+                finally:
+                    if saves(n):
+                        self.checkpoints.save(n, trained, {"data": self.sampler.state_dict()})
                 log.advance(n, record.progress)
 
             if self.drop:  # the trainer drops what broke the bound (admitted a step early)
