@@ -144,6 +144,18 @@ def _read(path: Path) -> float | None:
         return None
 
 
+def _loads(run_root: Path) -> list[tuple[float, float]]:
+    """``(unix time, 1-min load average)`` from ``<run-root>/load.log`` (a sampler's
+    ``date +%s; cat /proc/loadavg`` every 30 s), if there is one."""
+    path, out = run_root / "load.log", []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 2:
+                out.append((float(parts[0]), float(parts[1])))
+    return out
+
+
 def run_summary(run_root: Path, config: str, seed: int, per_step: int) -> dict:
     """One run's figures (see the module docstring); ``status`` ok | running | failed | absent."""
     k, _ = CONFIGS[config]
@@ -155,6 +167,9 @@ def run_summary(run_root: Path, config: str, seed: int, per_step: int) -> dict:
     t0, t1 = _read(run_root / f"{name}.t0"), _read(run_root / f"{name}.t1")
     if t0 is not None and t1 is not None:
         out["process_s"] = round(t1 - t0, 1)
+    if t0 is not None:  # the machine's 1-min load average while it ran (shared machine)
+        loads = [x for t, x in _loads(run_root) if t0 <= t <= (t1 or float("inf"))]
+        out["load_1min_mean"] = round(_mean(loads), 2) if loads else None
     path = run_root / name / "metrics.jsonl"
     recs = []
     if path.exists():
@@ -176,7 +191,8 @@ def run_summary(run_root: Path, config: str, seed: int, per_step: int) -> dict:
         out["log_tail"] = _tail(run_root / f"{name}.log")
     start = by_step.get(0, {})
     out["accuracy_step0"] = start.get("heldout_accuracy")
-    out["warm_start_steps"] = start.get("steps") or start.get("warm_start_steps")
+    out["warm_start_steps"] = start.get("steps")  # at the target, or cut by its time budget
+    out["warm_start_val_accuracy"] = start.get("val_accuracy")
     out["accuracy_step800"] = by_step.get(STEPS, {}).get("heldout_accuracy")
     evals = {s: by_step[s]["heldout_accuracy"] for s in sorted(by_step)
              if by_step[s].get("heldout_accuracy") is not None}  # fmt: skip
@@ -255,9 +271,10 @@ def table(result: dict) -> str:
 
 def run_table(result: dict) -> str:
     """One row per run (markdown)."""
-    lines = ["| run | status | last step | acc. step 0 | acc. step 800 | samples/s (wall) | "
+    lines = ["| run | status | last step | load | warm-start steps | acc. step 0 | acc. step 800 | "
+             "samples/s (wall) | "
              "samples/s (metrics) | steps wall s | staleness mean/max | IS weight mean | "
-             "KL k3 |", "|" + "---|" * 11]  # fmt: skip
+             "KL k3 |", "|" + "---|" * 13]  # fmt: skip
 
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
@@ -265,6 +282,7 @@ def run_table(result: dict) -> str:
     for r in result["runs"]:
         lines.append(
             f"| {r['name']} | {r['status']} | {f(r.get('last_step'), 'd')} "
+            f"| {f(r.get('load_1min_mean'), '.1f')} | {f(r.get('warm_start_steps'), 'd')} "
             f"| {f(r.get('accuracy_step0'), '.3f')} "
             f"| {f(r.get('accuracy_step800'), '.3f')} "
             f"| {f(r.get('samples_per_s_wall', r.get('samples_per_s_wall_so_far')), '.1f')} "
@@ -281,13 +299,7 @@ def analyse(run_root: Path) -> dict:
     per_step = samples_per_step()
     runs = [run_summary(run_root, c, s, per_step) for c, s in ORDER]
     configs = {c: config_summary([r for r in runs if r["config"] == c]) for c in CONFIGS}
-    load = run_root / "load.log"
-    loads = []
-    if load.exists():
-        for line in load.read_text().splitlines():
-            parts = line.split()
-            if len(parts) >= 2:
-                loads.append(float(parts[1]))
+    loads = [x for _, x in _loads(run_root)]
     return {
         "run_root": str(run_root),
         "samples_per_step": per_step,
