@@ -216,10 +216,17 @@ def run_summary(run_root: Path, config: str, seed: int, per_step: int) -> dict:
         xs = [r[metric] for r in rows if isinstance(r.get(metric), (int, float))]
         if xs:
             out[f"{agg}_{metric}"] = max(xs) if agg == "max" else _mean(xs)
-    for metric in ("step_s", "rollout_s", "actor_s", "reward_s"):
+    for metric in ("step_s", "step_interval_s", "rollout_s", "actor_s", "reward_s"):
         xs = [r[metric] for r in rows if isinstance(r.get(metric), (int, float))]
         if xs:
             out[f"mean_{metric}"] = round(_mean(xs), 4)
+    if len(steps) > 1:  # the device-locked work (rollout + actor busy) against the period
+        period = (by_step[steps[-1]]["time"] - by_step[steps[0]]["time"]) / (len(steps) - 1)
+        out["mean_period_s"] = round(period, 4)
+        gaps = sorted(by_step[b]["time"] - by_step[a]["time"] for a, b in zip(steps, steps[1:]))
+        out["median_period_s"] = round(gaps[len(gaps) // 2], 4)  # evaluations left out
+        busy = out.get("mean_rollout_s", 0.0) + out.get("mean_actor_s", 0.0)
+        out["device_busy_share"] = round(busy / period, 3)
     return out
 
 
