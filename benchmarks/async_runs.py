@@ -1,6 +1,7 @@
 """The main job trained asynchronously on CPU: ``K = 0, 1, 2`` (3 seeds) and ``K = 4`` uncorrected.
 
     python benchmarks/async_runs.py --launch --run-root /tmp/asyncruns   # ~10 runs, hours on CPU
+    python benchmarks/async_runs.py --launch-ab --run-root /tmp/asyncruns  # throughput A/B
     python benchmarks/async_runs.py --run-root /tmp/asyncruns            # the table + JSON
 
 Issue 32, "Measure", real runs: ``workflows/grpo.py`` at its default configuration (800 steps,
@@ -36,6 +37,12 @@ and the off-policy metrics averaged over steps: ``staleness_mean`` (mean), ``sta
 correction on (``K = 0`` and the uncorrected ``K = 4`` have none). **Per configuration**: mean,
 min and max over its seeds. A run that failed or did not reach step 800 is listed with its exit
 status and the last 50 lines of its log. Results: ``benchmarks/results/async_runs.json``.
+
+**Throughput A/B** (``--launch-ab``, after ``k0_s0``): the matrix's runs are tens of minutes
+apart on a shared machine whose load moves samples/s by 3x, so their samples/s compare loads
+as much as K. The A/B resumes ``K = 0, 1, 2`` from one checkpoint (``k0_s0``, step 700) for
+100 steps each, alternated twice back to back: samples/s over steps 702..799 (no evaluation or
+checkpoint inside), and each K's ratio to the ``K = 0`` run of the same round.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -301,6 +309,88 @@ def run_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+AB_REPS = 2
+AB_FROM = 700  # the A/B runs resume from k0_s0's checkpoint of this step
+
+
+def launch_ab(run_root: Path, reps: int = AB_REPS) -> None:
+    """The load-matched throughput A/B: ``K = 0, 1, 2`` (``tis``) each resumed from ``k0_s0``'s
+    step-700 checkpoint for steps 701..800, alternated ``reps`` times back to back, so the three
+    see the same load and the same policy (the matrix's runs, tens of minutes apart on a shared
+    machine, do not). Each in ``<run-root>/ab/k<K>_r<rep>``; ``timeout 900``."""
+    ab = run_root / "ab"
+    src = run_root / "k0_s0"
+    for rep in range(1, reps + 1):
+        for config in ("k0", "k1", "k2"):
+            name = f"{config}_r{rep}"
+            if (ab / f"{name}.rc").exists():
+                continue
+            run_dir = ab / name
+            shutil.rmtree(run_dir, ignore_errors=True)
+            ckpt = f"step_{AB_FROM:06d}"
+            shutil.copytree(src / "checkpoints" / ckpt, run_dir / "checkpoints" / ckpt)
+            shutil.copy(src / "metrics.jsonl", run_dir / "metrics.jsonl")
+            cmd = ["timeout", "900", *command(config, 0, ab)[:-1], "resume=true",
+                   f"trainer.run_dir={run_dir}"]  # fmt: skip
+            (ab / f"{name}.t0").write_text(f"{time.time()}\n")
+            with open(ab / f"{name}.log", "w") as log:
+                rc = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            (ab / f"{name}.rc").write_text(f"{rc}\n")
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            print(f"{time.strftime('%H:%M:%S')} ab {name}: exit {rc}", flush=True)
+
+
+def analyse_ab(run_root: Path, per_step: int) -> dict | None:
+    """Per A/B run: samples/s over steps 702..799 (the log's clock; no evaluation or checkpoint
+    inside) and the median step period; per K: the mean over reps and the ratio to the K = 0
+    run of the same rep (run minutes apart)."""
+    ab = run_root / "ab"
+    if not ab.exists():
+        return None
+    runs, a, b = {}, AB_FROM + 2, STEPS - 1
+    for rc_path in sorted(ab.glob("*.rc")):
+        name = rc_path.stem
+        rec = {"exit_status": int(_read(rc_path) or 0)}
+        path = ab / name / "metrics.jsonl"
+        by_step = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                r = json.loads(line)
+                by_step[r["step"]] = r
+        if a in by_step and b in by_step:
+            wall = by_step[b]["time"] - by_step[a]["time"]
+            rec["samples_per_s"] = round(per_step * (b - a) / wall, 2)
+            gaps = sorted(by_step[n + 1]["time"] - by_step[n]["time"] for n in range(a, b))
+            rec["median_period_s"] = round(gaps[len(gaps) // 2], 4)
+            for m in ("rollout_s", "actor_s"):
+                xs = [by_step[n][m] for n in range(a, b + 1) if m in by_step[n]]
+                rec[f"mean_{m}"] = round(_mean(xs), 4)
+            rec["heldout_accuracy_step800"] = by_step.get(STEPS, {}).get("heldout_accuracy")
+        else:
+            rec["log_tail"] = _tail(ab / f"{name}.log")
+        t0 = _read(ab / f"{name}.t0")
+        t1 = _read(ab / f"{name}.t1")
+        if t0:
+            loads = [x for t, x in _loads(run_root) if t0 <= t <= (t1 or float("inf"))]
+            rec["load_1min_mean"] = round(_mean(loads), 2) if loads else None
+        runs[name] = rec
+    per_k = {}
+    for config in ("k0", "k1", "k2"):
+        rates = [r["samples_per_s"] for n, r in runs.items() if n.startswith(config + "_")
+                 and "samples_per_s" in r]  # fmt: skip
+        ratios = []
+        for n, r in runs.items():
+            base = runs.get("k0_" + n.split("_")[1], {})
+            if n.startswith(config + "_") and "samples_per_s" in r and "samples_per_s" in base:
+                ratios.append(r["samples_per_s"] / base["samples_per_s"])
+        if rates:
+            per_k[config] = {"samples_per_s": {"mean": _mean(rates), "min": min(rates),
+                                               "max": max(rates)},
+                             "ratio_to_k0": ratios}  # fmt: skip
+    return {"steps": [a, b], "from_checkpoint": f"k0_s0 step {AB_FROM}", "runs": runs,
+            "per_k": per_k}  # fmt: skip
+
+
 def analyse(run_root: Path) -> dict:
     """Every run's figures and each configuration's mean and spread (see the module docstring)."""
     per_step = samples_per_step()
@@ -318,6 +408,7 @@ def analyse(run_root: Path) -> dict:
         },  # fmt: skip
         "configs": configs,
         "runs": runs,
+        "ab": analyse_ab(run_root, per_step),
     }
 
 
@@ -325,16 +416,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-root", type=Path, default=Path("/tmp/asyncruns"))
     ap.add_argument("--launch", action="store_true", help="run the 10 runs first (hours)")
+    ap.add_argument("--launch-ab", action="store_true", help="run the throughput A/B first")
     ap.add_argument("--limit-s", type=int, default=TIMEOUT_S, help="wall limit of a run")
     ap.add_argument("--stall-s", type=int, default=STALL_S, help="no progress this long: stop")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     if args.launch:
         launch(args.run_root, args.limit_s, args.stall_s)
+    if args.launch_ab:
+        launch_ab(args.run_root)
     result = analyse(args.run_root)
     print(table(result))
     print()
     print(run_table(result))
+    if result["ab"]:
+        print(
+            f"\nthroughput A/B (steps {result['ab']['steps']}, resumed from "
+            f"{result['ab']['from_checkpoint']}):"
+        )
+        for name, r in result["ab"]["runs"].items():
+            print(f"  {name}: {r}")
+        for config, c in result["ab"]["per_k"].items():
+            print(f"  {config}: {c}")
     for r in result["runs"]:
         if r["status"] == "failed":
             print(f"\n{r['name']} failed (exit {r['exit_status']}); last lines of its log:")
