@@ -41,7 +41,7 @@ status and the last 50 lines of its log. Results: ``benchmarks/results/async_run
 **Throughput A/B** (``--launch-ab``, after ``k0_s0``): the matrix's runs are tens of minutes
 apart on a shared machine whose load moves samples/s by 3x, so their samples/s compare loads
 as much as K. The A/B resumes ``K = 0, 1, 2`` from one checkpoint (``k0_s0``, step 700) for
-100 steps each, alternated twice back to back: samples/s over steps 702..799 (no evaluation or
+50 steps each, alternated twice back to back: samples/s over steps 702..749 (no evaluation or
 checkpoint inside), and each K's ratio to the ``K = 0`` run of the same round.
 """
 
@@ -311,11 +311,12 @@ def run_table(result: dict) -> str:
 
 AB_REPS = 2
 AB_FROM = 700  # the A/B runs resume from k0_s0's checkpoint of this step
+AB_TO = 750  # ... and stop after this one (its evaluation and checkpoint not measured)
 
 
 def launch_ab(run_root: Path, reps: int = AB_REPS) -> None:
     """The load-matched throughput A/B: ``K = 0, 1, 2`` (``tis``) each resumed from ``k0_s0``'s
-    step-700 checkpoint for steps 701..800, alternated ``reps`` times back to back, so the three
+    step-700 checkpoint for steps 701..750, alternated ``reps`` times back to back, so the three
     see the same load and the same policy (the matrix's runs, tens of minutes apart on a shared
     machine, do not). Each in ``<run-root>/ab/k<K>_r<rep>``; ``timeout 900``."""
     ab = run_root / "ab"
@@ -331,7 +332,7 @@ def launch_ab(run_root: Path, reps: int = AB_REPS) -> None:
             shutil.copytree(src / "checkpoints" / ckpt, run_dir / "checkpoints" / ckpt)
             shutil.copy(src / "metrics.jsonl", run_dir / "metrics.jsonl")
             cmd = ["timeout", "900", *command(config, 0, ab)[:-1], "resume=true",
-                   f"trainer.run_dir={run_dir}"]  # fmt: skip
+                   f"trainer.steps={AB_TO}", f"trainer.run_dir={run_dir}"]  # fmt: skip
             (ab / f"{name}.t0").write_text(f"{time.time()}\n")
             with open(ab / f"{name}.log", "w") as log:
                 rc = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -341,13 +342,13 @@ def launch_ab(run_root: Path, reps: int = AB_REPS) -> None:
 
 
 def analyse_ab(run_root: Path, per_step: int) -> dict | None:
-    """Per A/B run: samples/s over steps 702..799 (the log's clock; no evaluation or checkpoint
+    """Per A/B run: samples/s over steps 702..749 (the log's clock; no evaluation or checkpoint
     inside) and the median step period; per K: the mean over reps and the ratio to the K = 0
     run of the same rep (run minutes apart)."""
     ab = run_root / "ab"
     if not ab.exists():
         return None
-    runs, a, b = {}, AB_FROM + 2, STEPS - 1
+    runs, a, b = {}, AB_FROM + 2, AB_TO - 1
     for rc_path in sorted(ab.glob("*.rc")):
         name = rc_path.stem
         rec = {"exit_status": int(_read(rc_path) or 0)}
@@ -365,7 +366,6 @@ def analyse_ab(run_root: Path, per_step: int) -> dict | None:
             for m in ("rollout_s", "actor_s"):
                 xs = [by_step[n][m] for n in range(a, b + 1) if m in by_step[n]]
                 rec[f"mean_{m}"] = round(_mean(xs), 4)
-            rec["heldout_accuracy_step800"] = by_step.get(STEPS, {}).get("heldout_accuracy")
         else:
             rec["log_tail"] = _tail(ab / f"{name}.log")
         t0 = _read(ab / f"{name}.t0")
