@@ -391,6 +391,26 @@ def analyse_ab(run_root: Path, per_step: int) -> dict | None:
             "per_k": per_k}  # fmt: skip
 
 
+def ab_table(ab: dict) -> str:
+    """The A/B runs in run order (markdown): samples/s, ratio to the round's K = 0, busy times."""
+    a, b = ab["steps"]
+    lines = [f"| A/B run (steps {a}..{b}) | load | samples/s | x K=0 of round | median period s "
+             "| rollout busy s | actor busy s |", "|" + "---|" * 7]  # fmt: skip
+    order = sorted(ab["runs"], key=lambda n: (n.split("_r")[1], n))
+    for name in order:
+        r = ab["runs"][name]
+        base = ab["runs"].get("k0_r" + name.split("_r")[1], {}).get("samples_per_s")
+        if "samples_per_s" not in r:
+            lines.append(f"| {name} | | failed (exit {r['exit_status']}) | | | | |")
+            continue
+        ratio = f"{r['samples_per_s'] / base:.2f}" if base else "n/a"
+        lines.append(
+            f"| {name} | {r.get('load_1min_mean')} | {r['samples_per_s']:.0f} | {ratio} "
+            f"| {r['median_period_s']:.3f} | {r['mean_rollout_s']:.3f} | {r['mean_actor_s']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def analyse(run_root: Path) -> dict:
     """Every run's figures and each configuration's mean and spread (see the module docstring)."""
     per_step = samples_per_step()
@@ -430,14 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(run_table(result))
     if result["ab"]:
-        print(
-            f"\nthroughput A/B (steps {result['ab']['steps']}, resumed from "
-            f"{result['ab']['from_checkpoint']}):"
-        )
-        for name, r in result["ab"]["runs"].items():
-            print(f"  {name}: {r}")
-        for config, c in result["ab"]["per_k"].items():
-            print(f"  {config}: {c}")
+        print()
+        print(ab_table(result["ab"]))
     for r in result["runs"]:
         if r["status"] == "failed":
             print(f"\n{r['name']} failed (exit {r['exit_status']}); last lines of its log:")
