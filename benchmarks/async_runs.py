@@ -25,7 +25,7 @@ directory).
 n_samples``:
 
 - ``samples_per_s_wall`` (the headline): ``S x 799 / (time[800] - time[1])``, the run log's clock
-  between step 1's and step 800's records. It holds the same 7 evaluations and 8 checkpoints
+  between step 1's and step 800's records. It holds the same 8 evaluations and 8 checkpoints
   for every K, so the configurations compare like for like;
 - ``samples_per_s_metrics``: ``S x 800 / sum(step time)``, step time = ``step_interval_s``
   (the pipeline's period) for ``K >= 1``, ``step_s`` for ``K = 0``. Not like for like: a
