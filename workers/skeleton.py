@@ -176,8 +176,9 @@ class LLMRun:
             def done(n: int, record: StepRecord) -> None:
                 metrics = record.metrics
                 if pipe.k:  # steps overlap: the time between two steps' ends is the period
-                    metrics["step_interval_s"] = time.time() - self._last_end
-                    self._last_end = time.time()
+                    now = time.time()
+                    metrics["step_interval_s"] = now - last_end[0]
+                    last_end[0] = now
                 if evaluates(n):
                     metrics |= self.evaluate()
                     if "heldout_accuracy" in metrics:
@@ -200,7 +201,7 @@ class LLMRun:
                 self.max_staleness, self.partial, lambda n: evaluates(n) or saves(n),
                 ahead=int(self.drop),
             )  # fmt: skip
-            self._last_end = time.time()
+            last_end = [time.time()]  # the previous step's end (or the pipeline's start)
             pipe.run(range(start + 1, tr.steps + 1), step, done)
             log.print(f"summary: {summary}")
         self.cluster.shutdown()

@@ -166,8 +166,3 @@ def live_weights() -> bool:
     a pipelined step of a run with partial rollouts."""
     order = getattr(_local, "order", None)
     return order is not None and order is _active and order.partial
-
-
-def current_step() -> int | None:
-    """The pipelined step this thread runs, or ``None``."""
-    return getattr(_local, "step", None)

@@ -38,7 +38,6 @@ Sources: veRL's one-step off-policy and fully asynchronous trainers, AReaL's
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,7 +74,6 @@ class StepPipeline:
             raise ValueError(f"max_staleness={max_staleness}: must be >= 0 (versions)")
         self.k, self.partial, self.flush_at = max_staleness, partial, flush_at
         self.ahead = ahead if max_staleness else 0
-        self.admitted_at: dict[int, float] = {}  # step -> time.time() it started
 
     def run(
         self,
@@ -94,7 +92,6 @@ class StepPipeline:
             return
         if self.k == 0:
             for n in steps:
-                self.admitted_at[n] = time.time()
                 done(n, step(n))
             return
         self._run_pipelined(steps, step, done)
@@ -131,7 +128,6 @@ class StepPipeline:
         try:
             while completed < last:
                 while admissible(upcoming, completed):
-                    self.admitted_at[upcoming] = time.time()
                     t = threading.Thread(
                         target=body, args=(upcoming,), name=f"m2flow-step-{upcoming}", daemon=True
                     )
