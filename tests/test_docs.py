@@ -38,7 +38,7 @@ def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-@pytest.mark.parametrize("workflow", ["grpo", "ppo", "embodied"])
+@pytest.mark.parametrize("workflow", ["grpo", "ppo", "embodied", "agent"])
 def test_config_reference_lists_every_key_with_its_default(workflow):
     page = _hooks().config_reference(workflow)
     module = load_workflow(resolve_workflow(workflow))

@@ -116,6 +116,7 @@ class LLMRun:
         trained: Mapping[str, Any],
         step: Callable[[int], StepRecord],
         after_warm_start: Callable[[], dict] | None = None,
+        warm_start: Callable[[dict], dict] | None = None,
     ) -> dict:
         """Run the whole job: resume or warm-start the actor (then ``after_warm_start``,
         default: the actor's weights to the rollout; what it returns joins step 0's record),
@@ -127,6 +128,10 @@ class LLMRun:
             actor, rollout: the actor and rollout groups (warm start, evaluation, weights).
             trained: the groups checkpointed and restored, by name.
             step: the algorithm's step ``n`` (``1..trainer.steps``).
+            warm_start: the runner's own supervised warm start, given the ``warm_start``
+                section's arguments (``steps``, ``lr``, ``batch_size``, ``time_budget_s``, ...)
+                and returning its call (whose result is its metrics); default: the actor's
+                on the task's targets.
 
         Returns:
             the summary: ``accuracy_after_warm_start`` and ``final_accuracy`` when measured.
@@ -149,8 +154,11 @@ class LLMRun:
                 log.print(note)
             if start == 0:
                 ws_args, skipped = warm_start_args(cfg, self.data.source)
-                task = None if skipped else self.task
-                call = actor.warm_start(task, seed=tr.seed, reward=self.rewards, **ws_args)
+                if warm_start is not None and not skipped:
+                    call = warm_start(ws_args)
+                else:
+                    task = None if skipped else self.task
+                    call = actor.warm_start(task, seed=tr.seed, reward=self.rewards, **ws_args)
                 ws = log.wait("warm start", call, None if skipped else ws_args["time_budget_s"])
                 if skipped:
                     log.print(f"warm start: skipped ({skipped})")

@@ -9,6 +9,8 @@ Two prompt formats, chosen by the tokenizer:
 - Otherwise (the character tokenizer; or no tokenizer): :func:`compact_prompt`, a short prompt
   the tiny model can read (``chain_sum``: ``"4-1="``; other tasks: the question itself, which
   a small alphabet cannot encode: refused, see below). The warm-start target is the answer.
+  The character tokenizer with its chat template (``model.chat_template=true``, the agent
+  workflow's) puts the compact prompt in a user turn of that template.
 
 Scoring: the response's answer is :func:`extract_answer`'s (reasoning-gym's own extractor:
 the last ``<answer>...</answer>``, as reasoning-gym's system prompts ask; without the tags the
@@ -119,6 +121,9 @@ class TaskDataset:
         self.seed = seed
         self.tokenizer, self.system_prompt = tokenizer, system_prompt
         self.chat = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+        # the character tokenizer's alphabet has no room for questions: compact ones, in its
+        # chat template when it has one (model.chat_template=true)
+        self.compact = getattr(tokenizer, "m2flow_char", False) or not self.chat
         import reasoning_gym  # heavy (~2 s): imported when a dataset is built
 
         self.dataset = reasoning_gym.create_dataset(name, seed=seed, size=size, **self.config)
@@ -129,7 +134,13 @@ class TaskDataset:
 
     def _item(self, entry: dict[str, Any]) -> TaskItem:
         answer = "" if entry["answer"] is None else str(entry["answer"])
-        if self.chat:
+        if self.chat and self.compact:
+            messages = [{"role": "user", "content": compact_prompt(entry, self.name)}]
+            prompt = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            target = answer
+        elif self.chat:
             prompt = chat_prompt(self.tokenizer, entry["question"], self.system_prompt)
             target = f"<answer>{answer}</answer>"
         else:
