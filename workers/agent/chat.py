@@ -36,8 +36,8 @@ decoded from the sampled tokens, without the stop token):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 #: The reference conversation observation ids are cut from (its content is never seen).
 _MARK = "@@m2flow-ref@@"
@@ -178,9 +178,7 @@ class Trajectory:
         """Append observation ids (:meth:`ChatTokens.observation_ids`): mask 0, logprob 0,
         version of the last model token (0 when none)."""
         ids = list(ids)
-        last = next(
-            (v for v, m in zip(reversed(self.versions), reversed(self.loss_mask)) if m), 0
-        )
+        last = next((v for v, m in zip(reversed(self.versions), reversed(self.loss_mask)) if m), 0)
         self.response_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
