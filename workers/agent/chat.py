@@ -40,11 +40,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 #: The reference conversation observation ids are cut from (its content is never seen).
+#: Its assistant turn holds a reasoning block so that a template that rewrites the reasoning of
+#: earlier turns shows it (the render with an observation then does not extend it).
 _MARK = "@@m2flow-ref@@"
-_REF = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
+_REF = [
+    {"role": "user", "content": "u"},
+    {"role": "assistant", "content": "<think>r</think>" + _MARK},
+]
 
-#: End-of-turn tokens of known families (ChatML, Llama 3, Phi-3 / the char chat tokenizer).
-_TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
+#: Other tokens that end an assistant turn in a family, by its turn-end token (Llama 3.1 ends
+#: a turn that awaits a builtin tool's result with <|eom_id|>).
+_ALSO_ENDS = {"<|eot_id|>": ("<|eom_id|>",)}
 
 
 class ChatTokens:
@@ -59,8 +65,8 @@ class ChatTokens:
         turn_end_id: the token the template closes an assistant turn with (found by
             rendering one: the first token after the assistant's content).
         stop_ids: tokens that end an assistant turn when sampled (``generation.stop_token_ids``):
-            ``turn_end_id``, the tokenizer's ``eos_token_id`` and the other known turn ends
-            in the vocabulary (e.g. Llama 3.1's ``<|eom_id|>``).
+            ``turn_end_id``, the tokenizer's ``eos_token_id`` and the family's other turn
+            ends (Llama 3.1's ``<|eom_id|>`` with ``<|eot_id|>``).
 
     Raises:
         ValueError: the tokenizer has no chat template, or its assistant turn ends with no
@@ -85,7 +91,7 @@ class ChatTokens:
         self._turn_end = tokenizer.convert_ids_to_tokens(self.turn_end_id)
         stop = [self.turn_end_id, tokenizer.eos_token_id]
         vocab = tokenizer.get_vocab()
-        stop += [vocab[t] for t in _TURN_ENDS if t in vocab]
+        stop += [vocab[t] for t in _ALSO_ENDS.get(self._turn_end, ()) if t in vocab]
         self.stop_ids: list[int] = list(dict.fromkeys(i for i in stop if i is not None))
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
