@@ -20,7 +20,7 @@ from m2flow.core import events
 
 from .. import parallel as dp
 from ..algos.grpo import grpo_advantages
-from ..algos.losses import make_loss
+from ..algos.losses import loss_mask, make_loss
 from ..algos.off_policy import OffPolicyStats
 from ..batch import concat
 from ..chunk import step_batch, timed
@@ -91,7 +91,9 @@ class ActorWorker(OnTrainEngine, Worker):
         """Supervised warm start (:func:`.sft.warm_start`: answer tokens of the task's training
         split at learning rate ``lr``, stopped by ``steps``, ``time_budget_s`` or
         ``target_accuracy`` on its validation split; ``sft``: its ``batch_size``,
-        ``target_accuracy``, ``eval_every``, ``time_budget_s``, ``seed``, ``reward``) on rank 0;
+        ``target_accuracy``, ``eval_every``, ``time_budget_s``, ``seed``, ``reward``, and
+        ``traces``: multi-turn episodes as token lists ``prompt_ids``, ``response_ids``,
+        ``loss_mask`` to train on instead, the loss on their model tokens only) on rank 0;
         then every rank takes rank 0's weights and the reference is refrozen.
 
         Returns:
@@ -183,10 +185,11 @@ class ActorWorker(OnTrainEngine, Worker):
 
     def _add_off_policy(self, data: dict) -> None:
         """With a correction on: count ``data``'s importance weights, logprob mismatch and
-        staleness (trained at this actor's weight version) into the step's metrics."""
+        staleness (trained at this actor's weight version) into the step's metrics, over the
+        trained tokens (``loss_mask`` when the batch has one: tool output is not counted)."""
         if self.options.off_policy.enabled:
             self._off_policy.add(
-                data["old_logprobs"], data["behav_logprobs"], data["response_mask"],
+                data["old_logprobs"], data["behav_logprobs"], loss_mask(data),
                 data.get("versions"), self.weight_version if "versions" in data else None,
             )  # fmt: skip
 
@@ -228,8 +231,12 @@ class ActorWorker(OnTrainEngine, Worker):
 
     def _training_data(self, batch) -> dict:
         """Training tensors of a scored batch: group-normalised advantages and behaviour
-        logprobs (the engine adds the reference's); flat groups dropped if configured."""
+        logprobs (the engine adds the reference's), and the batch's ``loss_mask`` if it has
+        one (multi-turn episodes: only the model's own tokens are trained on); flat groups
+        dropped if configured."""
         data = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+        if "loss_mask" in batch.keys():
+            data["loss_mask"] = batch["loss_mask"]
         data["advantages"] = grpo_advantages(batch["rewards"], batch["group_index"])
         self._check_advantages(data["advantages"], batch["rewards"])
         if self.options.off_policy.enabled:  # old: recomputed; the rollout's: behaviour
@@ -248,11 +255,14 @@ class ActorWorker(OnTrainEngine, Worker):
         return data
 
     def _fresh(self, batch) -> torch.Tensor:
-        """``[batch]`` bool: the samples whose oldest response token lags this actor's weight
-        version by at most ``max_lag`` (``trainer.staleness_policy=drop``: the others are
-        dropped and counted in ``staleness_dropped``; their group's advantages were normalised
-        over all its samples, whose rewards are valid: only the tokens are too old)."""
-        mask = batch["response_mask"].bool()
+        """``[batch]`` bool: the samples whose oldest trained response token (``loss_mask``
+        when the batch has one, else ``response_mask``) lags this actor's weight version by
+        at most ``max_lag`` (``trainer.staleness_policy=drop``: the others are dropped and
+        counted in ``staleness_dropped``; their group's advantages were normalised over all
+        its samples, whose rewards are valid: only the tokens are too old)."""
+        mask = (
+            batch["loss_mask"] if "loss_mask" in batch.keys() else batch["response_mask"]
+        ).bool()
         versions = batch["versions"].masked_fill(~mask, self.weight_version)
         lag = self.weight_version - versions.min(dim=1).values
         return lag <= self._max_lag

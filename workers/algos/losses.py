@@ -15,6 +15,11 @@ The call an engine makes, once per micro-batch::
   ``prompt | response`` (:func:`response_values`, :func:`sequence_scores` read it).
 - ``mb``: the micro-batch's tensors on the model's device: ``prompt_ids``/``prompt_mask``
   ``[b, P]``, ``response_ids``/``response_mask`` ``[b, R]`` and the loss's :attr:`Loss.keys`.
+  A loss that lists ``loss_mask`` among its keys gets the batch's optional ``loss_mask``
+  ``[b, R]`` (0/1): 1 on the tokens the model sampled, 0 on tool output, observations and
+  template tokens of a multi-turn episode (and on padding). Such a loss sums over it, and its
+  token unit counts it; ``response_mask`` stays the forward's attention mask (tool tokens are
+  attended to, not trained on). Absent: the loss mask is ``response_mask``, the same numbers.
 - ``normalizer``: the denominator of the mean, in the loss's :attr:`Loss.unit` (response tokens,
   or sequences) of the whole mini-batch, so that the micro-batch losses add up to the mini-batch
   mean; ``1.0`` when the engine accumulates a sum over parts and divides the gradients at the
@@ -122,10 +127,13 @@ class Loss:
         return self.entry.metrics + ("kl",) * kl
 
     def units(self, batch: dict) -> float:
-        """How many of its units ``batch`` holds: response tokens (``response_mask`` summed)
-        or sequences (rows)."""
+        """How many of its units ``batch`` holds: trained response tokens (:func:`loss_mask`
+        summed, for a loss reading ``loss_mask``; ``response_mask`` summed otherwise) or
+        sequences (rows)."""
         if self.entry.unit == "sequences":
             return float(len(batch["response_mask"]))
+        if "loss_mask" in self.entry.keys:
+            return float(loss_mask(batch).sum())
         return float(batch["response_mask"].sum())
 
 
@@ -175,6 +183,25 @@ def knows_loss(name: str, kind: str = "policy") -> bool:
 # -- pieces --------------------------------------------------------------------------------
 
 
+def loss_mask(mb: dict) -> torch.Tensor:
+    """``[b, R]`` the tokens a loss trains on: ``mb["loss_mask"]`` when the batch has one (a
+    multi-turn episode's model tokens), else ``mb["response_mask"]`` (the very tensor, so a
+    batch without a loss mask gives the same numbers bit for bit).
+
+    Raises:
+        ValueError: a ``loss_mask`` of another shape than ``response_mask``.
+    """
+    mask = mb.get("loss_mask")
+    if mask is None:
+        return mb["response_mask"]
+    if mask.shape != mb["response_mask"].shape:
+        raise ValueError(
+            f"loss_mask {tuple(mask.shape)} must have response_mask's shape "
+            f"{tuple(mb['response_mask'].shape)}: one 0/1 entry per response token"
+        )
+    return mask
+
+
 def response_values(out: torch.Tensor, mb: dict) -> torch.Tensor:
     """``[b, R]`` values ``V(s_j)`` of the state before response token ``j``, read from a value
     head's ``[b, P + R]`` output where the policy's logit for token ``j`` is; 0 where masked."""
@@ -186,7 +213,9 @@ def off_policy_weights(mb: dict, off_policy: dict | None) -> torch.Tensor | None
     """The ``[b, R]`` weights of the correction ``off_policy`` names
     (:func:`~.off_policy.correction_weights`'s keywords: ``correction``, ``clip``, ``level``,
     ``low``, ``high``) between ``mb["old_logprobs"]`` (the trainer's, recomputed) and
-    ``mb["behav_logprobs"]`` (the rollout's); ``None`` without a correction.
+    ``mb["behav_logprobs"]`` (the rollout's), over the :func:`loss_mask` tokens (a sequence's
+    ratio is the product over its model tokens; tool tokens weigh 0); ``None`` without a
+    correction.
 
     Raises:
         ValueError: a correction and no ``behav_logprobs`` in ``mb``.
@@ -199,7 +228,7 @@ def off_policy_weights(mb: dict, off_policy: dict | None) -> torch.Tensor | None
             "logprobs in the batch (behav_logprobs)"
         )
     return correction_weights(
-        mb["old_logprobs"], mb["behav_logprobs"], mb["response_mask"], **off_policy
+        mb["old_logprobs"], mb["behav_logprobs"], loss_mask(mb), **off_policy
     ).weights
 
 
@@ -212,9 +241,12 @@ def sequence_scores(out: torch.Tensor, mb: dict) -> torch.Tensor:
 
 # -- policy losses (actor.loss) ------------------------------------------------------------
 
+#: what the policy losses read besides the response tensors
+POLICY_KEYS = ("advantages", "old_logprobs", "ref_logprobs", "behav_logprobs", "loss_mask")
+
 
 @register_loss(
-    "grpo", "policy", keys=("advantages", "old_logprobs", "ref_logprobs", "behav_logprobs"),
+    "grpo", "policy", keys=POLICY_KEYS,
     metrics=("pg_loss", "clip_frac", "ratio_mean"), off_policy=True,
 )  # fmt: skip
 def clipped_policy_loss(
@@ -230,8 +262,9 @@ def clipped_policy_loss(
     / normalizer``, ``r_t = exp(logprobs_t - old_logprobs_t)``.
 
     ``mb``: ``advantages`` ``[b]`` or ``[b, R]``, ``old_logprobs`` ``[b, R]``, and
-    ``ref_logprobs`` ``[b, R]`` with ``kl_coef > 0``. Metrics (token means): ``pg_loss``,
-    ``clip_frac``, ``ratio_mean``, ``kl`` (with a reference).
+    ``ref_logprobs`` ``[b, R]`` with ``kl_coef > 0``; ``mask`` is :func:`loss_mask` (the
+    optional ``loss_mask``, else ``response_mask``). Metrics (means over those tokens):
+    ``pg_loss``, ``clip_frac``, ``ratio_mean``, ``kl`` (with a reference).
 
     ``off_policy`` (``actor.off_policy``): the surrogate term of each token is multiplied by
     the correction's weight (:func:`off_policy_weights`; ``mb["behav_logprobs"]`` ``[b, R]``,
@@ -243,7 +276,7 @@ def clipped_policy_loss(
         logprobs,
         mb["old_logprobs"],
         mb["advantages"],
-        mb["response_mask"],
+        loss_mask(mb),
         clip_eps_low,
         clip_eps_high,
         ref_logprobs=mb.get("ref_logprobs"),
@@ -255,7 +288,7 @@ def clipped_policy_loss(
 
 @register_loss(
     "gspo", "policy", unit="sequences",
-    keys=("advantages", "old_logprobs", "ref_logprobs", "behav_logprobs"),
+    keys=POLICY_KEYS,
     metrics=("pg_loss", "clip_frac", "ratio_mean"), off_policy=True,
 )  # fmt: skip
 def gspo_loss(
@@ -275,12 +308,13 @@ def gspo_loss(
     whole sequence is clipped or none of it. The paper's clip range is tiny (3e-4, 4e-4, its
     defaults here): set ``actor.clip_eps_low`` / ``actor.clip_eps_high`` to match.
 
-    ``mb`` as :func:`clipped_policy_loss`. Metrics (sequence means): ``pg_loss``,
+    ``mb`` as :func:`clipped_policy_loss`; ``|y_i|`` counts the :func:`loss_mask` tokens (a
+    multi-turn episode's model tokens). Metrics (sequence means): ``pg_loss``,
     ``clip_frac`` (share of sequences clipped), ``ratio_mean`` (mean ``s_i``), ``kl``.
     ``off_policy``: each token's surrogate term times the correction's weight, as
     :func:`clipped_policy_loss`.
     """
-    mask = mb["response_mask"].float()
+    mask = loss_mask(mb).float()
     adv = mb["advantages"]
     if adv.dim() == 1:
         adv = adv.unsqueeze(1)
@@ -316,11 +350,15 @@ def gspo_loss(
 # -- supervised, value and reward-model losses ---------------------------------------------
 
 
-@register_loss("sft", "sft", temperature=1.0, full_forward=True)
+@register_loss("sft", "sft", keys=("loss_mask",), temperature=1.0, full_forward=True)
 def sft_loss(logprobs: torch.Tensor, mb: dict, normalizer: float):
     """Supervised fine-tuning: the token-mean negative log-likelihood of the response tokens
     (``-sum_t mask_t log p(y_t) / normalizer``; prompt tokens carry no loss), at temperature 1
-    over one full forward. No metrics besides the loss itself."""
+    over one full forward. ``mask``: ``mb["loss_mask"]`` ``[b, R]`` when given (a multi-turn
+    trace's model tokens; tool output is context only), else the response (``logprobs`` are 0
+    off it). No metrics besides the loss itself."""
+    if "loss_mask" in mb:
+        return -(logprobs * loss_mask(mb)).sum() / normalizer, {}
     return -logprobs.sum() / normalizer, {}
 
 

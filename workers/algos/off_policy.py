@@ -252,8 +252,9 @@ class OffPolicyStats:
         self, old_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, mask: torch.Tensor,
         versions: torch.Tensor | None = None, trained_version: int | None = None,
     ) -> None:  # fmt: skip
-        """One part: ``[B, R]`` recomputed and behaviour logprobs and the response mask of the
-        rows trained on; ``versions`` ``[B, R]`` (int: the weight version that sampled each
+        """One part: ``[B, R]`` recomputed and behaviour logprobs and the mask of the tokens
+        trained on (the loss mask: a multi-turn episode's model tokens; else the response
+        mask); ``versions`` ``[B, R]`` (int: the weight version that sampled each
         token) and ``trained_version`` (the version of the weights the step starts from)
         for the staleness metrics (both, or neither)."""
         s = self._sums

@@ -21,6 +21,7 @@ import torch
 _PAD_FILL = {
     "response_ids": 0,
     "response_mask": 0,
+    "loss_mask": 0,
     "advantages": 0.0,
     "old_logprobs": 0.0,  # ratio exp(0 - 0) = 1 and k3 = 0 on padding: finite, masked
     "ref_logprobs": 0.0,
