@@ -147,6 +147,7 @@ def build_char_tokenizer(
     )
     if chat:
         fast.chat_template = CHAR_CHAT_TEMPLATE
+    fast.m2flow_char = True  # reasoning-gym prompts are compact for it (m2flow.workers.tasks)
     return fast
 
 
