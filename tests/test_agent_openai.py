@@ -223,14 +223,51 @@ def test_bad_requests_get_a_400_that_says_why(engine):
         c.chat.completions.create(model="m", messages=user, max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="'prompt' is required"):
         c.completions.create(model="m", prompt=[])
-    with pytest.raises(openai.BadRequestError, match="no tool-call format"):
-        c.chat.completions.create(model="m", messages=user, tools=TOOLS)
+    with pytest.raises(openai.BadRequestError, match="tool_choice="):
+        c.chat.completions.create(model="m", messages=user, tool_choice="required", tools=TOOLS)
     base = endpoint.client_for("bad")
     r = httpx.post(f"{base}/chat/completions", content=b"{not json", timeout=30)
     assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
     r = httpx.post(f"{endpoint.base_url}/v1/chat/completions", json={"messages": user}, timeout=30)
     assert r.status_code == 400 and "/c/<conversation_id>/v1" in r.json()["error"]["message"]
     assert endpoint.calls("bad") == []  # nothing was generated or recorded
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_char_tokenizer_with_and_without_a_chat_template(chat):
+    tok = build_tokenizer({"name": "char", "chat": chat})
+    gen = EngineGenerate(build_model(ModelConfig(**TINY), tok, seed=1), tok)
+    endpoint = AgentEndpoint(tok, gen)
+    endpoint.start()
+    try:
+        c = client(endpoint, "char")
+        done = c.completions.create(model="m", prompt="12+3=", max_tokens=4)
+        assert endpoint.calls("char")[0].completion_ids == gen.sampled[-1][1]
+        assert done.choices[0].text == tok.decode(gen.sampled[-1][1], skip_special_tokens=True)
+        messages = [{"role": "user", "content": "2+3="}]
+        if not chat:
+            with pytest.raises(openai.BadRequestError, match="has no chat template"):
+                c.chat.completions.create(model="m", messages=messages)
+            return
+        assert endpoint.parser == "hermes"
+        first = c.chat.completions.create(model="m", messages=messages, max_tokens=6, tools=TOOLS)
+        messages += [first.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "tool", "tool_call_id": "call_0", "content": "5"}]
+        c.chat.completions.create(model="m", messages=messages, max_tokens=3)
+        _, r1, r2 = endpoint.calls("char")
+        end = tok.convert_tokens_to_ids("<|end|>")
+        closing = [] if r1.completion_ids[-1] == end else [end]
+        observation = closing + tok.encode(
+            "<|tool|>5<|end|><|assistant|>", add_special_tokens=False
+        )
+        assert r2.prompt_ids == r1.ids + observation
+        trajs, splits = endpoint.trajectories("char")
+        assert splits == 1  # the completions call, then a chat that does not extend it
+        assert trajs[-1].loss_mask == [1] * len(r1.completion_ids) + [0] * len(observation) + [
+            1
+        ] * len(r2.completion_ids)
+    finally:
+        endpoint.stop()
 
 
 class Scripted:

@@ -301,14 +301,25 @@ class AgentEndpoint:
             self.parser = None
             log.info("the chat template names no tool format: tool calls are not parsed")
         self.stop_ids = set(stop_token_ids(tokenizer))
-        specials = set(tokenizer.all_special_ids)
-        markers = {tokenizer.convert_tokens_to_ids(t) for t in TOOL_MARKERS} & specials
+        self._chats: dict[str, ChatTokens] = {}  # per tools list (its JSON)
+        try:
+            chat = self._chat_tokens(None)
+            self.stop_ids |= set(chat.stop_ids)
+            self._turn_end_id: int | None = chat.turn_end_id
+        except RequestError:  # no chat template: /v1/completions only
+            self._turn_end_id = None
+        specials = set(tokenizer.all_special_ids) | {
+            i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+        }
+        vocab = tokenizer.get_vocab()
+        markers = {vocab[t] for t in TOOL_MARKERS if t in vocab}
         self._dropped = specials - markers
         self._generate = generate
         self._batcher = _Batcher(generate, batch_window_s, max_batch_rows)
         self._lock = threading.Lock()
         self._records: dict[str, list[CallRecord]] = {}
         self._next_call: dict[str, int] = {}
+        self._tool_calls: dict[str, int] = {}  # tool calls returned so far (unique call ids)
         self._models_seen: set[str] = {model_name}
         self._server = None
         self._thread: threading.Thread | None = None
@@ -435,6 +446,7 @@ class AgentEndpoint:
         with self._lock:
             self._records.pop(conversation_id, None)
             self._next_call.pop(conversation_id, None)
+            self._tool_calls.pop(conversation_id, None)
         return result
 
     # ---- generation ------------------------------------------------------------------------
@@ -494,24 +506,38 @@ class AgentEndpoint:
         kept = [i for i in ids if i not in self._dropped]
         return self.tokenizer.decode(kept, skip_special_tokens=False)
 
+    def _chat_tokens(self, tools) -> ChatTokens:
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._chats:
+            try:
+                self._chats[key] = ChatTokens(self.tokenizer, tools=tools)
+            except ValueError as e:
+                raise RequestError(f"/v1/chat/completions: {e}") from e
+        return self._chats[key]
+
     def _chat_prompt(self, cid: str, messages: list[dict], tools) -> list[int]:
+        """The prompt ids: an earlier call's exact ids + the new messages' observation ids
+        where the messages extend that call's messages and reply, else the template's."""
+        chat = self._chat_tokens(tools)
         keys = [_key(m) for m in messages]
         tkey = json.dumps(tools, sort_keys=True)
         best = None
         for r in self.calls(cid):
             if r.endpoint != "chat" or r.history is None or r.history[0] != tkey:
                 continue
-            h = r.history[1]
-            k = len(h)
-            if len(keys) > k and keys[:k] == h and keys[k] == r.reply:
+            k = len(r.history[1])
+            # At least one new message after the reply (observation_ids needs one).
+            if len(keys) > k + 1 and keys[:k] == r.history[1] and keys[k] == r.reply:
                 if best is None or k > len(best.history[1]):
                     best = r
-        chat = ChatTokens(self.tokenizer, tools=tools)
-        if best is None:
-            return list(chat.prompt_ids([_template_message(m) for m in messages]))
-        closing = [self.tokenizer.eos_token_id] if best.truncated else []
-        rest = [_template_message(m) for m in messages[len(best.history[1]) + 1 :]]
-        return best.ids + closing + list(chat.observation_ids(rest))
+        if best is not None:
+            closing = [self._turn_end_id] if best.truncated else []
+            rest = [_template_message(m) for m in messages[len(best.history[1]) + 1 :]]
+            try:
+                return best.ids + closing + list(chat.observation_ids(rest))
+            except ValueError:  # a template that re-renders earlier turns: the whole render
+                log.debug("conversation %s: observation ids unavailable, re-rendering", cid)
+        return list(chat.prompt_ids([_template_message(m) for m in messages]))
 
     async def chat(self, cid: str, body: dict) -> dict:
         """Answer a ``/v1/chat/completions`` body (a dict) for conversation ``cid``.
@@ -525,12 +551,12 @@ class AgentEndpoint:
         tool_choice = body.get("tool_choice")
         if tool_choice not in (None, "auto", "none"):
             raise RequestError(f"tool_choice={tool_choice!r}: only 'auto' and 'none' are served")
+        prompt = self._chat_prompt(cid, messages, tools)
         if tools and self.parser is None:
             raise RequestError(
                 "the tokenizer's chat template names no tool-call format: build the endpoint "
                 "with parser='hermes' or 'llama3_json' (agent.tool_parser)"
             )
-        prompt = self._chat_prompt(cid, messages, tools)
         call, rows = await self._sample(cid, [prompt], n, max_tokens, temperature)
         history = (json.dumps(tools, sort_keys=True), [_key(m) for m in messages])
         choices, records, used = [], [], 0
@@ -540,7 +566,10 @@ class AgentEndpoint:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = "length" if truncated else "stop"
             if self.parser is not None and tools and tool_choice != "none":
-                parsed = parse_tool_calls(text, self.parser)
+                with self._lock:
+                    start = self._tool_calls.get(cid, 0)
+                    parsed = parse_tool_calls(text, self.parser, start)
+                    self._tool_calls[cid] = start + len(parsed.calls)
                 if parsed.calls:
                     message["content"] = parsed.content or None
                     message["tool_calls"] = [
