@@ -352,6 +352,40 @@ def test_sampled_tokens_kept_where_the_text_would_tokenise_otherwise(tok):
         endpoint.stop()
 
 
+def test_engine_failure_and_timeout_are_reported_and_serving_goes_on(tok):
+    def failing(prompts, max_tokens, temperature, keys):
+        raise RuntimeError("the engine is gone")
+
+    script = Scripted([[5, tok.eos_token_id]])
+    for gen, status, match in [
+        (
+            failing,
+            openai.InternalServerError,
+            "generation failed: RuntimeError: the engine is gone",
+        ),
+        (script, openai.APIStatusError, "no completion within"),
+    ]:
+        endpoint = AgentEndpoint(tok, gen, request_timeout_s=0.2)
+        endpoint.start()
+        try:
+            script.hold.clear()  # the scripted engine hangs until released
+            c = client(endpoint, "x")
+            with pytest.raises(status, match=match) as err:
+                c.completions.create(model="m", prompt=[5, 6])
+            if gen is script:
+                assert err.value.status_code == 504
+                script.hold.set()
+                endpoint.request_timeout_s = 60
+                done = c.completions.create(model="m", prompt=[5, 6])
+                assert done.choices[0].finish_reason == "stop"
+                assert [r.call for r in endpoint.calls("x")] == [1]  # the timed-out call: none
+            else:
+                assert endpoint.calls("x") == []
+        finally:
+            script.hold.set()
+            endpoint.stop()
+
+
 def test_n_choices_are_trajectories_of_their_own(tok):
     eos = tok.eos_token_id
     a, b = tok.encode("yes", add_special_tokens=False), tok.encode("no", add_special_tokens=False)

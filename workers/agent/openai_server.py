@@ -33,7 +33,7 @@ functions run in threads (or another process) and call :meth:`AgentEndpoint.clie
 after an agent returns its reward the worker takes :meth:`AgentEndpoint.pop` of the
 conversation to build the samples of the rollout batch.
 
-Batching: requests arriving within ``batch_window_s`` of each other go to ``generate`` in one
+Batching (:class:`~.openai_calls.Batcher`): requests arriving within ``batch_window_s`` of each other go to ``generate`` in one
 call (rows of equal ``max_tokens`` and ``temperature``; one call per distinct pair), up to
 ``max_batch_rows`` rows; ``n`` choices are ``n`` rows of the same prompt.
 
@@ -48,15 +48,11 @@ are ignored.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import logging
-import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -64,195 +60,23 @@ from fastapi.responses import JSONResponse
 
 from ..llm.generation import stop_token_ids
 from .chat import ChatTokens, Trajectory
+from .openai_calls import (
+    Batcher,
+    CallRecord,
+    GenerateFn,
+    Job,
+    RequestError,
+    merge_calls,
+    message_key,
+    request_messages,
+    template_message,
+)
 from .parsers import parse_tool_calls, parser_for
 
 log = logging.getLogger(__name__)
 
-#: ``generate(prompt_ids, max_tokens, temperature, keys) -> [(ids, logprobs, versions)]``: one
-#: row per prompt row; ``keys[i] = (conversation_id, call_index, choice_index)``.
-GenerateFn = Callable[
-    [list[list[int]], int, "float | None", list[tuple[str, int, int]]],
-    Sequence[tuple[Sequence[int], Sequence[float], Sequence[int]]],
-]
-
 #: Tool-call markers kept when the completion is decoded (other special tokens are dropped).
 TOOL_MARKERS = ("<tool_call>", "</tool_call>", "<|python_tag|>")
-
-
-class RequestError(ValueError):
-    """A bad request (answered with HTTP 400 and this message)."""
-
-
-@dataclass
-class CallRecord:
-    """One choice of one call: what the model saw and sampled.
-
-    Attributes:
-        conversation_id: the conversation (the URL's ``/c/<id>``).
-        call: index of the call in the conversation (0, 1, ...; arrival order).
-        choice: index of the choice (``n`` > 1 gives several records per call).
-        prompt_ids: the prompt's token ids as the model saw them.
-        completion_ids: the sampled ids (the stop token included when one ended the turn).
-        logprobs: per completion token, under the engine's sampling temperature.
-        versions: per completion token, the weight version that sampled it.
-        finish_reason: ``stop``, ``length`` or ``tool_calls``.
-        endpoint: ``chat`` or ``completions``.
-    """
-
-    conversation_id: str
-    call: int
-    choice: int
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-    endpoint: str
-    # What a later call is matched against to reuse these exact ids (see the module docstring).
-    history: Any = field(default=None, repr=False)
-    reply: Any = field(default=None, repr=False)
-    truncated: bool = False
-
-    @property
-    def ids(self) -> list[int]:
-        """Prompt + completion ids."""
-        return self.prompt_ids + self.completion_ids
-
-
-@dataclass
-class _Job:
-    rows: list[list[int]]
-    keys: list[tuple[str, int, int]]
-    max_tokens: int
-    temperature: float | None
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-class _Batcher:
-    """A thread that gathers jobs arriving within ``window_s`` and calls ``generate`` once per
-    (max_tokens, temperature) among them."""
-
-    def __init__(self, generate: GenerateFn, window_s: float, max_rows: int):
-        self.generate, self.window_s, self.max_rows = generate, window_s, max_rows
-        self.jobs: queue.Queue[_Job | None] = queue.Queue()
-        self.thread = threading.Thread(
-            target=self._loop, name="agent-endpoint-batcher", daemon=True
-        )
-        self.thread.start()
-
-    def submit(self, job: _Job) -> concurrent.futures.Future:
-        self.jobs.put(job)
-        return job.future
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        self.jobs.put(None)
-        self.thread.join(timeout_s)
-
-    def _loop(self) -> None:
-        while True:
-            first = self.jobs.get()
-            if first is None:
-                return
-            batch, rows, closing = [first], len(first.rows), False
-            deadline = time.monotonic() + self.window_s
-            while rows < self.max_rows:
-                try:
-                    job = self.jobs.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if job is None:
-                    closing = True
-                    break
-                batch.append(job)
-                rows += len(job.rows)
-            groups: dict[tuple, list[_Job]] = {}
-            for job in batch:
-                groups.setdefault((job.max_tokens, job.temperature), []).append(job)
-            for (max_tokens, temperature), jobs in groups.items():
-                self._run(jobs, max_tokens, temperature)
-            if closing:
-                return
-
-    def _run(self, jobs: list[_Job], max_tokens: int, temperature: float | None) -> None:
-        rows = [r for job in jobs for r in job.rows]
-        keys = [k for job in jobs for k in job.keys]
-        try:
-            out = list(self.generate(rows, max_tokens, temperature, keys))
-            if len(out) != len(rows):
-                raise RuntimeError(f"generate returned {len(out)} rows for {len(rows)} prompts")
-            out = [_check_row(row) for row in out]
-        except BaseException as e:  # every waiting request gets the error, the thread lives on
-            for job in jobs:
-                job.future.set_exception(e)
-            return
-        start = 0
-        for job in jobs:
-            job.future.set_result(out[start : start + len(job.rows)])
-            start += len(job.rows)
-
-
-def _check_row(row) -> tuple[list[int], list[float], list[int]]:
-    ids, logprobs, versions = row
-    ids, logprobs, versions = [int(i) for i in ids], [float(x) for x in logprobs], list(versions)
-    if not (len(ids) == len(logprobs) == len(versions)):
-        raise RuntimeError(
-            f"generate returned a row of {len(ids)} ids, {len(logprobs)} logprobs and "
-            f"{len(versions)} versions: one of each per sampled token is needed"
-        )
-    return ids, logprobs, [int(v) for v in versions]
-
-
-def _text(content) -> str:
-    """A message's content as text (None -> "", OpenAI content parts joined)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    raise RequestError(f"message content must be a string or a list of parts, got {content!r}")
-
-
-def _arguments(args) -> Any:
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except json.JSONDecodeError:
-            return args
-    return args
-
-
-def _template_message(m: dict) -> dict:
-    """A message as chat templates expect it: text content, tool-call arguments as dicts."""
-    out = {k: v for k, v in m.items() if v is not None}
-    out["content"] = _text(m.get("content"))
-    if m.get("tool_calls"):
-        calls = []
-        for c in m["tool_calls"]:
-            fn = dict(c.get("function") or {})
-            fn["arguments"] = _arguments(fn.get("arguments", {}))
-            calls.append({**c, "function": fn})
-        out["tool_calls"] = calls
-    return out
-
-
-def _key(m: dict) -> tuple:
-    """What two messages must share to be the same turn (ids and empty fields aside)."""
-    calls = []
-    for c in m.get("tool_calls") or ():
-        fn = c.get("function") or {}
-        calls.append((fn.get("name"), json.dumps(_arguments(fn.get("arguments")), sort_keys=True)))
-    return (m.get("role"), _text(m.get("content")), tuple(calls), m.get("name"))
-
-
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' is required: a non-empty list of {'role', 'content'}")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise RequestError(f"messages[{i}] must be an object with a 'role', got {m!r}")
-    return messages
 
 
 class AgentEndpoint:
@@ -269,8 +93,8 @@ class AgentEndpoint:
             (for keyed sampling). Called from one thread at a time.
         model_name: the name ``/v1/models`` lists.
         parser: tool-call format (``hermes``, ``llama3_json``, or ``auto``: from the chat
-            template, :func:`~.parsers.parser_for`; ``auto`` on a template without tools leaves
-            tool calls unparsed and requests with ``tools`` are refused).
+            template, :func:`~.parsers.parser_for`; ``auto`` on a tokenizer with no known format
+            leaves tool calls unparsed and requests with ``tools`` are refused).
         default_max_tokens: completion length when a request sets none.
         batch_window_s: how long the first request waits for others to join its batch.
         max_batch_rows: rows per ``generate`` call at most (a request's rows are never split).
@@ -314,8 +138,8 @@ class AgentEndpoint:
         vocab = tokenizer.get_vocab()
         markers = {vocab[t] for t in TOOL_MARKERS if t in vocab}
         self._dropped = specials - markers
-        self._generate = generate
-        self._batcher = _Batcher(generate, batch_window_s, max_batch_rows)
+        self._generate, self._window_s, self._max_rows = generate, batch_window_s, max_batch_rows
+        self._batcher: Batcher | None = None
         self._lock = threading.Lock()
         self._records: dict[str, list[CallRecord]] = {}
         self._next_call: dict[str, int] = {}
@@ -330,7 +154,8 @@ class AgentEndpoint:
 
     def start(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> str:
         """Serve on ``host:port`` (0: a free port) from a daemon thread; returns the base URL
-        ``http://host:port``.
+        ``http://host:port``. ``host`` is also the URLs' host: the node's address when agents
+        run on other nodes.
 
         Raises:
             RuntimeError: already started, or uvicorn exited while starting (port in use).
@@ -343,15 +168,18 @@ class AgentEndpoint:
         config = uvicorn.Config(
             self.app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
         )
+        self._batcher = Batcher(self._generate, self._window_s, self._max_rows)
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, name="agent-endpoint", daemon=True)
         thread.start()
         deadline = time.monotonic() + timeout_s
         while not server.started:
             if not thread.is_alive():
+                self._batcher.close()
                 raise RuntimeError(f"the endpoint did not start on {host}:{port} (port in use?)")
             if time.monotonic() > deadline:
                 server.should_exit = True
+                self._batcher.close()
                 raise TimeoutError(f"the endpoint was not listening after {timeout_s:g} s")
             time.sleep(0.01)
         self._server, self._thread = server, thread
@@ -360,12 +188,15 @@ class AgentEndpoint:
         return self.base_url
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop serving and the batching thread (records are kept)."""
+        """Stop serving and the batching thread (records are kept; :meth:`start` serves
+        again, on a new port when ``port=0``)."""
         if self._server is not None:
             self._server.should_exit = True
             self._thread.join(timeout_s)
-            self._server = self._thread = None
-        self._batcher.close(timeout_s)
+            self._server = self._thread = self.base_url = None
+        if self._batcher is not None:
+            self._batcher.close(timeout_s)
+            self._batcher = None
 
     def client_for(self, conversation_id: str) -> str:
         """The base URL of one conversation (``openai.OpenAI(base_url=...)``).
@@ -393,52 +224,9 @@ class AgentEndpoint:
             return list(self._records)
 
     def trajectories(self, conversation_id: str) -> tuple[list[Trajectory], int]:
-        """Merge the conversation's calls into trajectories; returns them and the splits.
-
-        Each record's parent is the earlier call's record with the longest ``prompt +
-        completion`` ids that its prompt ids start with. A trajectory is a chain of records
-        from one without a parent to one no later record extends: its prompt is the first
-        record's prompt; each record adds its completion (loss mask 1, its logprobs and
-        versions) after the tokens between its parent's end and its own completion
-        (observations: loss mask 0, logprob 0). ``n`` > 1 choices that are not continued give
-        trajectories of their own (sharing the prefix), not splits. ``splits`` counts the
-        calls after the first whose prompt extends no earlier call's tokens.
-        """
-        records = self.calls(conversation_id)
-        parent: dict[int, CallRecord | None] = {}
-        extended: set[int] = set()
-        split_calls: set[int] = set()
-        for r in records:
-            best = None
-            for q in records:
-                if q.call >= r.call:
-                    break
-                n = len(q.prompt_ids) + len(q.completion_ids)
-                if len(r.prompt_ids) >= n and r.prompt_ids[:n] == q.ids:
-                    if best is None or n > len(best.prompt_ids) + len(best.completion_ids):
-                        best = q
-            parent[id(r)] = best
-            if best is not None:
-                extended.add(id(best))
-            elif r.call != records[0].call:
-                split_calls.add(r.call)
-        out = []
-        for leaf in records:
-            if id(leaf) in extended:
-                continue
-            chain = [leaf]
-            while parent[id(chain[-1])] is not None:
-                chain.append(parent[id(chain[-1])])
-            chain.reverse()
-            traj = Trajectory(list(chain[0].prompt_ids), [], [], [], [])
-            end = len(chain[0].prompt_ids)
-            for r in chain:
-                if len(r.prompt_ids) > end:
-                    traj.add_observation(r.prompt_ids[end:])
-                traj.add_model(r.completion_ids, r.logprobs, r.versions)
-                end = len(r.prompt_ids) + len(r.completion_ids)
-            out.append(traj)
-        return out, len(split_calls)
+        """The conversation's calls merged into trajectories, and the number of splits
+        (:func:`~.openai_calls.merge_calls`); ``([], 0)`` for an unknown conversation."""
+        return merge_calls(self.calls(conversation_id))
 
     def pop(self, conversation_id: str) -> tuple[list[Trajectory], int]:
         """:meth:`trajectories` of the conversation, then forget it."""
@@ -463,7 +251,7 @@ class AgentEndpoint:
         model = body.get("model")
         if model is not None and model not in self._models_seen:
             self._models_seen.add(model)
-            log.info("requests name model %r; serving %r", model, self.model_name)
+            log.warning("requests name model %r; serving %r", model, self.model_name)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         max_tokens = self.default_max_tokens if max_tokens is None else max_tokens
         if not isinstance(max_tokens, int) or max_tokens < 1:
@@ -487,7 +275,7 @@ class AgentEndpoint:
             self._next_call[cid] = call + 1
         rows = [p for p in prompts for _ in range(n)]
         keys = [(cid, call, j) for j in range(len(rows))]
-        future = self._batcher.submit(_Job(rows, keys, max_tokens, temperature))
+        future = self._batcher.submit(Job(rows, keys, max_tokens, temperature))
         out = await asyncio.wait_for(asyncio.wrap_future(future), self.request_timeout_s)
         return call, out
 
@@ -519,7 +307,7 @@ class AgentEndpoint:
         """The prompt ids: an earlier call's exact ids + the new messages' observation ids
         where the messages extend that call's messages and reply, else the template's."""
         chat = self._chat_tokens(tools)
-        keys = [_key(m) for m in messages]
+        keys = [message_key(m) for m in messages]
         tkey = json.dumps(tools, sort_keys=True)
         best = None
         for r in self.calls(cid):
@@ -532,12 +320,12 @@ class AgentEndpoint:
                     best = r
         if best is not None:
             closing = [self._turn_end_id] if best.truncated else []
-            rest = [_template_message(m) for m in messages[len(best.history[1]) + 1 :]]
+            rest = [template_message(m) for m in messages[len(best.history[1]) + 1 :]]
             try:
                 return best.ids + closing + list(chat.observation_ids(rest))
             except ValueError:  # a template that re-renders earlier turns: the whole render
                 log.debug("conversation %s: observation ids unavailable, re-rendering", cid)
-        return list(chat.prompt_ids([_template_message(m) for m in messages]))
+        return list(chat.prompt_ids([template_message(m) for m in messages]))
 
     async def chat(self, cid: str, body: dict) -> dict:
         """Answer a ``/v1/chat/completions`` body (a dict) for conversation ``cid``.
@@ -545,7 +333,7 @@ class AgentEndpoint:
         Raises:
             RequestError: a bad request (the message says what to fix).
         """
-        messages = _messages(body)
+        messages = request_messages(body)
         max_tokens, temperature, n = self._sampling(body)
         tools = body.get("tools") or None
         tool_choice = body.get("tool_choice")
@@ -558,7 +346,7 @@ class AgentEndpoint:
                 "with parser='hermes' or 'llama3_json' (agent.tool_parser)"
             )
         call, rows = await self._sample(cid, [prompt], n, max_tokens, temperature)
-        history = (json.dumps(tools, sort_keys=True), [_key(m) for m in messages])
+        history = (json.dumps(tools, sort_keys=True), [message_key(m) for m in messages])
         choices, records, used = [], [], 0
         for j, (ids, logprobs, versions) in enumerate(rows):
             body_ids, truncated = self._finish(ids, max_tokens)
@@ -598,7 +386,7 @@ class AgentEndpoint:
                     finish,
                     "chat",
                     history=history,
-                    reply=_key(message),
+                    reply=message_key(message),
                     truncated=truncated,
                 )
             )
