@@ -207,6 +207,14 @@ def test_completions_endpoint_and_continuation(engine, tok):
     last = endpoint.calls("ep3")[-4:]
     assert [r.prompt_ids for r in last] == [ids, ids, ids + ids, ids + ids]
     assert many.usage.prompt_tokens == 3 * len(ids)
+    # The plain route, with the conversation in a header.
+    r = httpx.post(
+        f"{endpoint.base_url}/v1/completions",
+        json={"prompt": ids, "max_tokens": 2},
+        headers={"X-Conversation-Id": "hdr"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and endpoint.calls("hdr")[0].prompt_ids == ids
 
 
 def test_bad_requests_get_a_400_that_says_why(engine):

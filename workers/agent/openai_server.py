@@ -27,15 +27,20 @@ Serving it from a rollout worker: the worker builds one endpoint per process wit
 ``generate`` callable that takes the worker's device lock (the same lock its batch generation
 and weight updates take) and runs its rollout engine on the rows, with the worker's sampling
 settings (``temperature=None``: the config's; top-p fixed by the config), and returns each
-row's token ids, logprobs and per-token weight versions (``versions`` of the engine's output).
-:meth:`AgentEndpoint.start` runs uvicorn in a daemon thread of that process; the agent
-functions run in threads (or another process) and call :meth:`AgentEndpoint.client_for`'s URL;
-after an agent returns its reward the worker takes :meth:`AgentEndpoint.pop` of the
-conversation to build the samples of the rollout batch.
+row's token ids, logprobs and per-token weight versions (``versions`` of the engine's output;
+a weight update between two calls of a conversation shows in them). ``keys`` (conversation,
+call, choice) can key the engine's counter-based sampling. :meth:`AgentEndpoint.start` runs
+uvicorn in a daemon thread of that process; the agent functions run in threads (or other
+processes) with :meth:`AgentEndpoint.client_for`'s URL, and whatever waits for them must not
+hold the device lock (``generate`` takes it). After an agent returns its reward the worker
+takes :meth:`AgentEndpoint.pop` of the conversation to build the rollout batch's samples
+(conversations never popped stay in memory).
 
-Batching (:class:`~.openai_calls.Batcher`): requests arriving within ``batch_window_s`` of each other go to ``generate`` in one
-call (rows of equal ``max_tokens`` and ``temperature``; one call per distinct pair), up to
-``max_batch_rows`` rows; ``n`` choices are ``n`` rows of the same prompt.
+Batching (:class:`~.openai_calls.Batcher`): requests arriving within ``batch_window_s`` of each
+other go to ``generate`` in one call (rows of equal ``max_tokens`` and ``temperature``; one
+call per distinct pair), up to ``max_batch_rows`` rows; ``n`` choices are ``n`` rows of the
+same prompt. The plain ``/v1/...`` routes serve too, with the conversation id in an
+``X-Conversation-Id`` header.
 
 Choices where OpenAI's API says nothing about a local server: any ``model`` name is accepted
 (the first use of a name other than ``model_name`` is logged) since agents written for a hosted
