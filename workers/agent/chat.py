@@ -16,7 +16,9 @@ breaking PPO's ratios, and TRL forks a new training row when ids drift). So an e
   <|im_end|>\\n<|im_start|>assistant\\n``) is encoded without special tokens added.
 
 Against ``apply_chat_template`` over the whole conversation (assistant ``content`` = the text
-decoded from the sampled tokens, without the stop token):
+decoded from the sampled tokens, without the stop token). In every case the whole render may
+end with the template's text after the last turn's end token (ChatML's ``\n``), which the
+model never samples; the episode's ids are the render without it:
 
 - Qwen2 ChatML (:data:`~m2flow.workers.llm.tokenizer.QWEN2_CHAT_TEMPLATE`) and Qwen2.5's
   template with tools (``<tool_call>`` in the assistant's text, ``<tool_response>`` blocks in
