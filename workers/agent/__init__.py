@@ -9,4 +9,6 @@ the sampled tokens (token-in, token-out), and the OpenAI-compatible endpoint.
 - :mod:`.loop`: the agent loop over a rollout engine.
 - :mod:`.openai_server`: ``/v1/chat/completions`` and ``/v1/completions`` served by the
   rollout group, every call's tokens recorded.
+- :mod:`.openai_calls`: the endpoint's batching, call records and their merge into
+  trajectories.
 """
