@@ -184,9 +184,9 @@ def main(cfg) -> dict:
         note = f"reward {metrics['reward_mean']:.3f} turns {metrics['num_turns_mean']:.2f}"
         return StepRecord(metrics, note)
 
-    return run.train(
-        "agent GRPO steps", actor, rollout, {"actor": actor}, step, warm_start=warm_start
-    )
+    # openai mode: the agent is the user's; the warm start is the task's answers (default)
+    own = warm_start if cfg.agent.mode == "env" else None
+    return run.train("agent GRPO steps", actor, rollout, {"actor": actor}, step, warm_start=own)
 
 
 if __name__ == "__main__":

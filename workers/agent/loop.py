@@ -293,7 +293,11 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     model = sum(sum(ep.traj.loss_mask) for ep in episodes)
     tokens = sum(len(ep.traj.response_ids) for ep in episodes)
     ends = Counter(ep.end for ep in episodes)
+    sums: Counter = Counter()
+    for ep in episodes:
+        sums.update(ep.env_info)
     return {
+        "env": dict(sums),
         "episodes": len(episodes),
         "turns_sum": sum(ep.turns for ep in episodes),
         "num_turns_max": max((ep.turns for ep in episodes), default=0),
@@ -313,7 +317,9 @@ def merge_episode_metrics(parts: list[dict]) -> dict[str, float]:
     ``num_turns_mean``/``num_turns_max``, ``tool_calls_mean`` (per episode), ``tool_errors``
     (all reasons) and ``tool_errors/<reason>``, ``tool_latency_s`` (mean seconds per call),
     ``episode_tokens_mean``, ``masked_share`` (share of response tokens not trained on),
-    ``end/<reason>`` (episodes), ``reward_mean``, ``sample_accuracy``."""
+    ``end/<reason>`` (episodes), ``reward_mean``, ``sample_accuracy``, and ``env/<key>``: the
+    step's sum of an environment's numeric ``info`` (``agent.mode=openai``:
+    ``env/openai_calls``, ``env/openai_splits``)."""
     n = max(1, sum(p["episodes"] for p in parts))
     errors: Counter = Counter()
     for p in parts:
@@ -334,6 +340,10 @@ def merge_episode_metrics(parts: list[dict]) -> dict[str, float]:
     }
     for r in END_REASONS:
         out[f"end/{r}"] = sum(p["ends"][r] for p in parts)
+    env: Counter = Counter()
+    for p in parts:
+        env.update(p.get("env", {}))
+    out |= {f"env/{k}": v for k, v in sorted(env.items())}
     return out
 
 

@@ -14,6 +14,7 @@ from ..rollout.worker import RolloutWorker
 from .builtin import make_env_factory
 from .chat import ChatTokens
 from .config import AgentConfig
+from .openai_mode import OpenAIEpisodes
 from .loop import AgentLimits, episode_metrics, episodes_batch, run_episodes
 from .parsers import parser_for
 
@@ -53,17 +54,26 @@ class AgentRolloutWorker(RolloutWorker):
             a.max_turns, a.max_episode_tokens, a.max_turn_tokens, a.env_timeout_s, a.concurrency
         )
         self.parser = parser_for(self.tokenizer, a.tool_parser)
+        self.pool = ThreadPoolExecutor(a.concurrency, thread_name_prefix="agent-env")
+        self.openai = None
+        if a.mode == "openai":  # the agent talks to this rank's endpoint (openai_mode.py)
+            self.openai = OpenAIEpisodes(
+                self.tokenizer, self.engine.generate, a.agent, self.parser, a.max_turn_tokens,
+                a.env_timeout_s, compact,
+            )  # fmt: skip
+            return
         self.env_factory = make_env_factory(
             a.env, self._score, self.parser, a.tool_timeout_s, a.system_prompt, compact
         )
         self.chat = ChatTokens(self.tokenizer, tools=self.env_factory().tools or None)
-        self.pool = ThreadPoolExecutor(a.concurrency, thread_name_prefix="agent-env")
 
     def _score(self, text: str, item: dict) -> float:
         """The run's reward function on one final answer (the built-in environments')."""
         return float(self.reward([text], [item]).scores[0])
 
     def _episodes(self, items: list[dict], n_samples: int, generate) -> list:
+        if self.openai is not None:
+            return self.openai.run(items, n_samples, self.pool)
         envs, entries, keys = [], [], []
         for it in items:
             for j in range(n_samples):
@@ -116,11 +126,15 @@ class AgentRolloutWorker(RolloutWorker):
         shard = self.heldout[self.rank :: self.world_size]
         items = [{"entry": it.entry(), "group": i, "step": 0} for i, it in enumerate(shard)]
         greedy = functools.partial(_greedy, self.model, self.tokenizer)
-        episodes = self._episodes(items, 1, greedy)
+        if self.openai is not None:
+            self.openai.greedy = greedy
+        try:
+            episodes = self._episodes(items, 1, greedy)
+        finally:
+            if self.openai is not None:
+                self.openai.greedy = None
         return {"scores": [ep.reward for ep in episodes], "reward_errors": 0}
 
-    def shutdown_pool(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _greedy(model, tokenizer, prompt_ids, n_samples, max_new_tokens, sample_keys) -> dict:
