@@ -293,3 +293,16 @@ def test_the_actor_trains_on_model_tokens_only(cluster):
         assert ws.results[0]["steps"] == 3 and ws.results[0]["loss"] > 0
     finally:
         actor.shutdown()
+
+
+def test_pipeline_padding_rows_train_on_nothing():
+    """Megatron's pipeline pads a short micro-batch with rows; their loss mask is 0 (a copy of
+    row 0's would put a padding row's tokens in the loss)."""
+    from m2flow.workers.engines.megatron.pipeline import pad_rows
+
+    mb = {k: v for k, v in _micro_batch().items() if k != "logprobs"}
+    padded = pad_rows(mb, 5)
+    assert padded["loss_mask"].shape == (5, 7)
+    assert torch.equal(padded["loss_mask"][:3], mb["loss_mask"])
+    assert padded["loss_mask"][3:].sum() == 0 and padded["response_mask"][3:].sum() == 0
+    assert make_loss("grpo", "policy").units(padded) == float(mb["loss_mask"].sum())
