@@ -40,8 +40,8 @@ from .schemas import (
     SubmitRequest,
     _utf8,
 )
-from .tools import TOOLS
 from .shares import Shares, bearer, shares
+from .tools import TOOLS
 
 #: longest a results long-poll may wait (seconds)
 MAX_WAIT_S = 300.0

@@ -254,9 +254,7 @@ def _launch(spec: dict, limits: Limits, scratch_root: str | None):
         cmd = [*(_unshare() if ns else []), py, "-I", "-S", _HARNESS]
         if shutil.which("setpriv"):  # the sandbox dies with this worker, however it dies
             cmd = ["setpriv", "--pdeathsig", "KILL", *cmd]
-        return _exchange(
-            cmd, scratch, json.dumps(spec).encode(), limits.wall_s + _GRACE_S, limits
-        )
+        return _exchange(cmd, scratch, json.dumps(spec).encode(), limits.wall_s + _GRACE_S, limits)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         shutil.rmtree(scratch + ".root", ignore_errors=True)

@@ -97,8 +97,7 @@ def check_arguments(tool: str, arguments: dict, max_source_bytes: int) -> None:
     if unknown:
         raise ServiceError(
             422,
-            f"tool {tool!r} takes the arguments {sorted(params['properties'])}; unknown: "
-            f"{unknown}",
+            f"tool {tool!r} takes the arguments {sorted(params['properties'])}; unknown: {unknown}",
         )
     for name in params["required"]:
         if name not in arguments:
