@@ -27,6 +27,13 @@ interprets what a child wrote (nothing in the harness depends on it). The run's 
 quota (``scratch``: bytes, files) is a size-limited tmpfs with ``confine``; without, the
 harness counts the scratch directory while a child runs and stops it past the quota
 (``quota``). Stdlib only: it runs under the system python with ``-I -S``.
+
+A tool run (``"mode": "tool"``, :func:`~.sandbox.run_code`) has no tests: one child, confined
+and limited the same way, runs ``code`` as ``__main__`` with fds 1 and 2 on an output pipe
+(the harness keeps its first ``output_bytes`` bytes and drops the rest), and writes ``{}`` or
+``{"e": traceback}`` to fd 3; the report is ``{"tool": {"out": base64, "total": bytes
+written, "report": base64, "status", "signal", "timeout", "quota"}}``. A tool's output is
+the program's own word (no verdict hangs on it), so nothing of it is checked here.
 """
 
 import base64

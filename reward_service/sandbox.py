@@ -1,4 +1,6 @@
 """Run untrusted generated Python against test cases; the verdict is decided outside it.
+:func:`run_code` runs a program alone in the same sandbox and returns what it prints (the
+tool API's ``python`` tool, :mod:`.tools`).
 
 Trust model (docs/concepts/design.md, "Reward service trust model"; DistRS section 4's sandboxed
 code reward). Submitted programs are hostile. What is guaranteed, when the service runs as root
