@@ -199,6 +199,37 @@ def test_one_tenant_cannot_use_up_another_tenants_limits(service):
     assert eng.budget.view("alice")["tenant"] == 0  # given back with the answers
 
 
+def test_a_tenant_with_fewer_calls_in_flight_is_served_first():
+    # one worker: alice queues three calls, then bob one; bob's runs second, not fourth
+    cfg = _config().model_copy(update={"max_requests_per_tenant": 4})
+    cfg.pipelines["tools"].stages["run"].max_workers = 1
+    order, lock = [], threading.Lock()
+    server = BackgroundServer(cfg)
+    pool = server.service.pools["tools"][0]
+
+    def call(tenant: str, seconds: float) -> None:
+        code = f"import time\ntime.sleep({seconds})"
+        with RewardClient(server.url, TOKENS[tenant], retry_s=0) as c:
+            res = c.run_tool("python", {"code": code})
+        with lock:
+            order.append((tenant, res["ok"]))
+
+    with server:
+        first = threading.Thread(target=call, args=("alice", 2.0))
+        first.start()
+        _wait(lambda: pool.busy)  # alice's first runs ...
+        more = [threading.Thread(target=call, args=("alice", 0.2)) for _ in range(2)]
+        for t in more:
+            t.start()
+        _wait(lambda: len(pool.queue) == 2)  # ... her next two wait, then bob's arrives
+        bob = threading.Thread(target=call, args=("bob", 0.2))
+        bob.start()
+        _wait(lambda: len(pool.queue) == 3 or not pool.busy)
+        for t in [first, *more, bob]:
+            t.join(60)
+    assert order == [("alice", True), ("bob", True), ("alice", True), ("alice", True)], order
+
+
 def test_unknown_tools_and_bad_arguments_are_refused_with_4xx(service, alice):
     cases = [
         (("nope", {"code": "1"}), 404, "unknown tool 'nope'"),
