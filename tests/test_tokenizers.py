@@ -88,6 +88,17 @@ def test_specs_and_disk_cache(tmp_path, monkeypatch):
         build_tokenizer({"name": "gpt2"})
     model = {"tokenizer": "qwen2", "alphabet": "01", "hidden_size": 8}
     assert tokenizer_spec(model) == {"name": "qwen2"} and model == {"hidden_size": 8}
+    # model.chat_template: the char tokenizer's chat variant; plain specs stay as they were
+    model = {"alphabet": "01", "chat_template": True, "hidden_size": 8}
+    assert tokenizer_spec(model) == {"name": "char", "alphabet": "01", "chat": True}
+    assert model == {"hidden_size": 8}
+    assert tokenizer_spec({"chat_template": False}) == {"name": "char", "alphabet": "0123456789+-="}
+    assert tokenizer_spec({"tokenizer": "qwen2", "chat_template": True}) == {"name": "qwen2"}
+    chat = build_tokenizer({"name": "char", "alphabet": "01", "chat": True})
+    assert chat.eos_token == "<|end|>" and chat.pad_token_id == 0 and chat.bos_token_id == 2
+    assert chat.decode(chat.encode("<|user|>10<|end|>", add_special_tokens=False)) == (
+        "<|user|>10<|end|>"
+    )
 
     monkeypatch.setenv("M2FLOW_CACHE_DIR", str(tmp_path))
     fresh = _qwen2_backend()  # converts, then writes the cache

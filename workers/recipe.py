@@ -59,6 +59,9 @@ class ModelConfig(LMShape):  # path (a Hugging Face directory) or a tiny Qwen2's
     # and chat template, any reasoning-gym task (docs/results/tokenizers.md)
     tokenizer: Optional[str] = None
     alphabet: str = "0123456789+-="  # the char tokenizer's characters
+    # the char tokenizer with chat tokens and template (<|user|>..<|end|>, <tool_call>; agent
+    # examples on CPU); qwen2 and pretrained tokenizers carry their own template
+    chat_template: bool = False
 
 
 @dataclass

@@ -10,6 +10,15 @@ so every process builds the same one.
   ``<bos>`` (the template post-processor) so a prompt always starts from the same state;
   decoding fuses the characters back without the spaces WordLevel decoding would insert.
   No chat template: prompts are the task's compact prompts (:mod:`m2flow.workers.tasks`).
+- ``char`` with ``"chat": true`` (config ``model.chat_template=true``; for agent examples on
+  CPU): the same ids, then the role tokens ``<|system|> <|user|> <|assistant|> <|tool|>
+  <|end|>`` (special) and ``<tool_call> </tool_call>`` (added but not special, as in Qwen2.5's
+  tokenizer, so decoding with ``skip_special_tokens`` keeps the tool-call markers). A
+  Phi-3-like template without newlines: ``<|role|>content<|end|>`` per message (an assistant's
+  structured ``tool_calls`` as ``<tool_call>{"name", "arguments"}</tool_call>`` after its
+  content), generation prompt ``<|assistant|>``; ``eos_token = <|end|>`` (ends a turn). The
+  tools' schemas are not rendered (a tiny model learns its tool from the warm start). Chat
+  prompts carry no ``<bos>`` (``apply_chat_template`` encodes without special tokens).
 - ``pretrained``: the tokenizer files of a Hugging Face model directory (``{"name":
   "pretrained", "path": dir}``; ``model.path``'s by default): its ``tokenizer.json`` as
   written (``PreTrainedTokenizerFast``; not ``AutoTokenizer``, which picks a class by the
@@ -66,13 +75,40 @@ QWEN2_CHAT_TEMPLATE = (
 )
 QWEN2_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
+#: The chat character tokenizer's role and end-of-turn tokens (special), in id order after
+#: the alphabet, then its tool-call markers (added, not special).
+CHAR_CHAT_SPECIALS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>")
+CHAR_CHAT_MARKERS = ("<tool_call>", "</tool_call>")
 
-def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenizerFast:
+#: The chat character tokenizer's template (see the module docstring).
+CHAR_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('the char chat template knows the roles system, user, assistant, "
+    "tool; got ' + message['role']) }}{% endif %}"
+    "{{ '<|' + message['role'] + '|>' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>{\"name\": ' + (f['name'] | tojson) + ', \"arguments\": ' }}"
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}"
+    "{{ f['arguments'] | tojson }}{% endif %}{{ '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_char_tokenizer(
+    alphabet: str = DEFAULT_ALPHABET, chat: bool = False
+) -> PreTrainedTokenizerFast:
     """Build a character-level ``PreTrainedTokenizerFast`` over ``alphabet``.
 
     Args:
         alphabet: the characters the tokenizer knows, each one token, in id order after the
             special tokens. Duplicates are dropped; characters outside it map to ``<unk>``.
+        chat: add the chat tokens and template (module docstring); ``eos_token`` becomes
+            ``<|end|>``. ``False`` builds exactly the plain tokenizer.
 
     Returns:
         A fast tokenizer with ``pad_token``/``eos_token``/``bos_token`` set, left padding (what
@@ -95,15 +131,23 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )
-    return PreTrainedTokenizerFast(
+    if chat:
+        from tokenizers import AddedToken
+
+        tok.add_special_tokens([AddedToken(t, normalized=False) for t in CHAR_CHAT_SPECIALS])
+        tok.add_tokens([AddedToken(t, normalized=False) for t in CHAR_CHAT_MARKERS])
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
-        eos_token=EOS,
+        eos_token="<|end|>" if chat else EOS,
         bos_token=BOS,
         unk_token=UNK,
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
+    if chat:
+        fast.chat_template = CHAR_CHAT_TEMPLATE
+    return fast
 
 
 def _qwen_files() -> tuple[Path, str]:
@@ -234,8 +278,9 @@ def build_pretrained_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 def build_tokenizer(spec: dict) -> PreTrainedTokenizerBase:
-    """The tokenizer a spec names: ``{"name": "char", "alphabet": str}`` (``alphabet``
-    optional, default ``DEFAULT_ALPHABET``), ``{"name": "qwen2"}`` (one object per process)
+    """The tokenizer a spec names: ``{"name": "char", "alphabet": str, "chat": bool}``
+    (``alphabet`` optional, default ``DEFAULT_ALPHABET``; ``chat`` optional, default
+    ``False``), ``{"name": "qwen2"}`` (one object per process)
     or ``{"name": "pretrained", "path": dir}``; other keys are ignored.
 
     Raises:
@@ -246,7 +291,9 @@ def build_tokenizer(spec: dict) -> PreTrainedTokenizerBase:
     """
     name = spec.get("name", "char")
     if name == "char":
-        return build_char_tokenizer(spec.get("alphabet", DEFAULT_ALPHABET))
+        return build_char_tokenizer(
+            spec.get("alphabet", DEFAULT_ALPHABET), bool(spec.get("chat", False))
+        )
     if name == "qwen2":
         return build_qwen2_tokenizer()
     if name == "pretrained":
@@ -255,17 +302,21 @@ def build_tokenizer(spec: dict) -> PreTrainedTokenizerBase:
 
 
 def tokenizer_spec(model: dict) -> dict:
-    """Pop the tokenizer keys (``tokenizer``, ``alphabet``) from a ``model`` config section
-    (a plain dict; what is left is the model) and return the spec. ``tokenizer`` unset (None):
-    ``pretrained`` (the files of ``model.path``) when a path is given, else ``char``.
+    """Pop the tokenizer keys (``tokenizer``, ``alphabet``, ``chat_template``) from a
+    ``model`` config section (a plain dict; what is left is the model) and return the spec.
+    ``tokenizer`` unset (None): ``pretrained`` (the files of ``model.path``) when a path is
+    given, else ``char``. ``chat_template`` (bool) gives the char tokenizer its chat template
+    (``"chat": True`` in the spec; the key is left out when false, so plain specs are as
+    before); ``qwen2`` and ``pretrained`` carry their own template and ignore it.
 
     Raises:
         ValueError: ``tokenizer=pretrained`` without ``model.path``.
     """
     name = model.pop("tokenizer", None) or ("pretrained" if model.get("path") else "char")
     alphabet = model.pop("alphabet", DEFAULT_ALPHABET)
+    chat = bool(model.pop("chat_template", False))
     if name == "char":
-        return {"name": name, "alphabet": alphabet}
+        return {"name": name, "alphabet": alphabet, **({"chat": True} if chat else {})}
     if name == "pretrained":
         if not model.get("path"):
             raise ValueError("model.tokenizer=pretrained reads model.path's files: set model.path")
