@@ -4,6 +4,7 @@ on loopback with a ``tool`` pipeline and a ``code`` reward pipeline, two tenants
 from __future__ import annotations
 
 import ast
+import json
 import os
 import threading
 import time
@@ -262,6 +263,33 @@ def test_unknown_tools_and_bad_arguments_are_refused_with_4xx(service, alice):
         _py(service).fn(cod="print(1)")
     with pytest.raises(ValueError, match="unknown sandbox tool"):
         sandbox_tool(service.url, TOKENS["alice"], name="shell")
+
+
+def test_a_tool_environment_runs_the_sandbox_tool_and_never_crashes(service):
+    from m2flow.workers.agent.tools import ToolEnvironment
+
+    env = ToolEnvironment([_py(service)], lambda text, item: float(text == "1024"), "hermes",
+                          timeout_s=30)  # fmt: skip
+    assert env.tools[0]["function"]["name"] == "python"
+    env.reset({"prompt": "what is 2 ** 10?"})
+    call = '<tool_call>{{"name": "python", "arguments": {{"code": {code}}}}}</tool_call>'
+    turn = (
+        "".join(
+            call.format(code=json.dumps(c)) for c in ("print(2 ** 10)", "1 / 0", "while True: pass")
+        )
+        + '<tool_call>{"name": "python", "arguments": {"cod": "1"}}</tool_call>'
+    )
+    step = env.step({"role": "assistant", "content": turn})
+    assert not step.done and [m["tool_call_id"] for m in step.messages] == [
+        "call_0", "call_1", "call_2", "call_3"]  # fmt: skip
+    texts = [m["content"] for m in step.messages]
+    assert texts[0] == "1024\n"
+    assert texts[1].startswith("error: Traceback") and "ZeroDivisionError" in texts[1]
+    assert texts[2].startswith("error: ") and "limit" in texts[2]
+    assert texts[3].startswith("error: bad arguments for python")
+    assert step.info["tool_errors"]["bad_arguments"] == 1 and step.info["tool_calls"] == 4
+    final = env.step({"role": "assistant", "content": "1024"})
+    assert final.done and final.reward == 1.0
 
 
 def test_an_unreachable_service_is_an_error_observation():
