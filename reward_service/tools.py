@@ -10,11 +10,11 @@ request slots while it runs (:mod:`.shares`; 429 past it), its arguments count t
 ``max_body_bytes``, and a call may only tighten the pipeline's sandbox wall clock. Nothing
 of a run is kept after its answer, so no tenant sees another's.
 
-The pool grows with the calls in flight (up to ``max_workers``) and shrinks
-:data:`IDLE_S` seconds after a call ends (to ``min_workers``: set it to keep a worker warm
-from the first call on; a cold start costs a worker process start). Calls are served fairly across tenants: a call
-is queued behind the calls of tenants with fewer calls of their own in flight (then in
-arrival order), so one tenant's many calls do not delay another's first. A call that does
+The pool grows with the calls in flight (up to ``max_workers``) and shrinks :data:`IDLE_S`
+seconds after a call ends (to ``min_workers``: set it to keep a worker warm from the first
+call on; a cold start costs a worker process start). Calls are served fairly across
+tenants: a call is queued behind the calls of tenants with fewer calls of their own in
+flight (then in arrival order), so one tenant's many calls do not delay another's first. A call that does
 not start within the stage's ``timeout_s`` is refused (429, ``Retry-After``); one that
 runs past it is stopped (its worker killed) and answered as a ``timeout``.
 
