@@ -14,9 +14,10 @@ The pool grows with the calls in flight (up to ``max_workers``) and shrinks :dat
 seconds after a call ends (to ``min_workers``: set it to keep a worker warm from the first
 call on; a cold start costs a worker process start). Calls are served fairly across
 tenants: a call is queued behind the calls of tenants with fewer calls of their own in
-flight (then in arrival order), so one tenant's many calls do not delay another's first. A call that does
-not start within the stage's ``timeout_s`` is refused (429, ``Retry-After``); one that
-runs past it is stopped (its worker killed) and answered as a ``timeout``.
+flight (then in arrival order), so one tenant's many calls do not delay another's first.
+A call that does not start within the stage's ``timeout_s`` is refused (429,
+``Retry-After``); one that runs past it is stopped (its worker killed) and answered as a
+``timeout``.
 
 What the code does is never an HTTP error: its exception, timeout, kill by a limit or a
 sandbox failure is an answer ``{"ok": false, "status", "error", ...}``. Refusals are: 404 (an
