@@ -4,13 +4,15 @@ Every route except ``/healthz`` needs ``Authorization: Bearer <tenant token>`` (
 without a known token is refused before its body is read: :class:`AuthGate`); a tenant sees
 only its own tasks (metrics included), and names them itself (two tenants may use the same
 task name). Errors are JSON ``{"detail": "..."}`` (one line) with a status naming the problem:
-401 (no/unknown token), 404 (unknown task, batch or pipeline), 408 (a body slower than
+401 (no/unknown token), 404 (unknown task, batch, pipeline or tool), 408 (a body slower than
 ``body_timeout_s``), 409 (conflict: batch full, an id reused with another payload, a batch id
 re-announced with another size), 413 (body over ``max_body_bytes``, or requests holding more
 memory than ``max_queued_bytes_per_tenant``), 422 (malformed body: a field of the wrong type,
 NaN or an infinity, nesting over 64 levels; a batch over ``max_batch_size``; sandbox limits
-that are not positive numbers within the service's own), 429 (the tenant's or the service's
-queued requests are at their memory cap; ``Retry-After``). Every answer is JSON that UTF-8
+that are not positive numbers within the service's own; a tool's wrong arguments), 429 (the
+tenant's or the service's queued requests are at their memory cap, or a tool call found no
+worker in time; ``Retry-After``). Tool calls: ``GET /v1/tools``, ``POST /v1/tools/run``
+(:mod:`.tools`). Every answer is JSON that UTF-8
 encodes, whatever a sandbox or a request put in it (:mod:`.safejson`), and carries
 :data:`INSTANCE_HEADER`.
 """
@@ -29,8 +31,17 @@ from . import safejson
 from .bodylimit import BodyLimit
 from .connections import max_connections, uvicorn_config
 from .core import RewardService, ServiceError, payload_sizes
-from .schemas import AnnounceBatch, RegisterTask, ServiceConfig, SubmitMany, SubmitRequest, _utf8
+from .schemas import (
+    AnnounceBatch,
+    RegisterTask,
+    RunTool,
+    ServiceConfig,
+    SubmitMany,
+    SubmitRequest,
+    _utf8,
+)
 from .shares import Shares, bearer, shares
+from .tools import TOOLS
 
 #: longest a results long-poll may wait (seconds)
 MAX_WAIT_S = 300.0
@@ -260,6 +271,21 @@ def create_app(config: ServiceConfig) -> FastAPI:
     @app.get("/v1/metrics")
     async def metrics(who: str = Depends(tenant)):
         return service.metrics(who)
+
+    @app.get("/v1/tools")
+    async def tools(who: str = Depends(tenant)):
+        """The tools (JSON schemas, as a chat template's ``tools=`` takes them) and the tool
+        pipelines."""
+        names = sorted(n for n, p in config.pipelines.items() if p.kind == "tool")
+        return {"tools": list(TOOLS.values()), "pipelines": names}
+
+    @app.post("/v1/tools/run")
+    async def run_tool(body: RunTool, who: str = Depends(tenant)):
+        """Run a tool in a sandbox (module .tools); waits for its answer."""
+        size = (await asyncio.to_thread(payload_sizes, [body.arguments]))[0]
+        return await service.run_tool(
+            who, body.tool, body.arguments, body.timeout_s, body.pipeline, size
+        )
 
     return app
 

@@ -17,6 +17,10 @@ submits one request per finished response and collects the batch's rewards::
             rc.submit("task-a", batch, {"code": r, "tests": tests[i]}, id=str(i))
         rewards = rc.rewards("task-a", batch, timeout_s=600)   # id -> reward
 
+An agent's code tool runs in the service's sandboxes (a ``tool`` pipeline)::
+
+    rc.run_tool("python", {"code": "print(2 ** 10)"}, timeout_s=5)["output"]  # "1024\n"
+
 Every call is retried with backoff for up to ``retry_s`` seconds while the service is
 unreachable (connection refused or reset, 500/502/503/504): a call that may not be repeated (a
 submission without an id) only when it never reached the service. A 429 (the tenant's or the
@@ -190,6 +194,35 @@ class _Spec:
         """The service's metrics (``GET /v1/metrics``)."""
         return (yield Call("GET", "/v1/metrics"))[0]
 
+    def run_tool(
+        self,
+        tool: str,
+        arguments: dict,
+        timeout_s: float | None = None,
+        pipeline: str | None = None,
+        wait_s: float | None = None,
+    ) -> Op:
+        """Run ``tool`` (e.g. ``"python"``, ``{"code": ...}``) in the service's sandbox
+        (``POST /v1/tools/run``); returns its answer ``{"tool", "ok", "status", "output",
+        "error", "truncated", "seconds", "latency_s"}``: the code's failure (an exception,
+        ``timeout_s`` passed, a limit) is ``ok: False`` with ``error``, not an exception.
+        ``timeout_s``: the run's wall-clock limit (seconds; default the service's);
+        ``wait_s``: how long to wait for the answer (default ``timeout_s`` (or 60) + 60 s,
+        room for the queue and a worker's start). Not repeated once it may have reached
+        the service (a 429, refused before running, is).
+
+        Raises:
+            RewardServiceError: 404 unknown tool (or no tool pipeline), 422 wrong arguments
+                or ``timeout_s`` over the service's limit, 429/413 over a tenant limit past
+                ``retry_s``, 503 the service unreachable or no answer within ``wait_s``.
+        """
+        body = {"tool": tool, "arguments": arguments, "timeout_s": timeout_s}
+        if pipeline is not None:
+            body["pipeline"] = pipeline
+        wait = wait_s if wait_s is not None else (timeout_s or 60.0) + 60.0
+        call = Call("POST", "/v1/tools/run", idempotent=False, kw={"json": body, "timeout": wait})
+        return (yield call)[0]
+
     def results(self, task: str, batch: str, timeout_s: float = 600.0) -> Op:
         """All results of ``batch`` once it is complete (long-polls, 20 s a call).
 
@@ -293,6 +326,7 @@ class RewardClient:
     close_batch = _sync(_Spec.close_batch)
     status = _sync(_Spec.status)
     metrics = _sync(_Spec.metrics)
+    run_tool = _sync(_Spec.run_tool)
     results = _sync(_Spec.results)
     rewards = _sync(_Spec.rewards)
 
@@ -336,5 +370,6 @@ class AsyncRewardClient:
     close_batch = _async(_Spec.close_batch)
     status = _async(_Spec.status)
     metrics = _async(_Spec.metrics)
+    run_tool = _async(_Spec.run_tool)
     results = _async(_Spec.results)
     rewards = _async(_Spec.rewards)

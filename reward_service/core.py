@@ -28,6 +28,9 @@ batch id, so clients retry freely; :attr:`RewardService.instance` names this run
 (its state is in memory), so a client notices a restart and rebuilds its batches
 (docs/results/reward_service.md, "Streaming, retries and restarts").
 
+Tool calls (``POST /v1/tools/run``) run on the pools of ``tool`` pipelines, with the same
+sandboxes and per-tenant limits (:mod:`.tools`).
+
 Trust (docs/concepts/design.md, "Reward service trust model"): rewards are clamped to the pipeline
 kind's documented range; a request's sandbox limits are validated when it is submitted (only
 tighter than the service's); a tenant sees only its own tasks, in every view.
@@ -53,12 +56,13 @@ from .safejson import clean, clean_text
 from .scaling import Scaling
 from .schemas import ServiceConfig
 from .state import Batch, Req, ServiceError, Task, _digest
+from .tools import ToolRuns
 from .views import batch_status, service_metrics
 
 __all__ = ["Batch", "Req", "RewardService", "ServiceError", "Task"]
 
 
-class RewardService(Scaling):
+class RewardService(Scaling, ToolRuns):
     """The engine behind the HTTP app. All methods run on one asyncio loop.
 
     Raises:
@@ -99,6 +103,7 @@ class RewardService(Scaling):
         self._bg: set[asyncio.Task] = set()
         self._stopping: set[Proc] = set()  # killed, not yet reaped (shutdown waits for them)
         self._deciding: dict[str, str | None] = {}  # pipeline -> pending reason, while deciding
+        self._init_tools()
 
     # ---- tenants and tasks -------------------------------------------------------------
     def tenant_of(self, token: str | None) -> str:
@@ -113,6 +118,10 @@ class RewardService(Scaling):
     def register(self, tenant: str, task: str, pipeline: str, delay_bound_s: float | None) -> Task:
         if pipeline not in self.config.pipelines:
             raise ServiceError(404, f"unknown pipeline {pipeline!r}: {sorted(self.pools)}")
+        if self.config.pipelines[pipeline].kind == "tool":
+            raise ServiceError(
+                422, f"pipeline {pipeline!r} runs tools, not rewards: use POST /v1/tools/run"
+            )
         old = self.tasks.get((tenant, task))
         if old is not None:  # idempotent (its pipeline and D stay those first registered)
             return old
@@ -338,7 +347,8 @@ class RewardService(Scaling):
             pool.account()
             pool.busy.add(proc)
             req.running, req.since = True, time.monotonic()
-            self._spawn(self._run(pool, proc, req))
+            run = self._run_tool if pool.kind == "tool" else self._run  # module .tools
+            self._spawn(run(pool, proc, req))
 
     def _stop(self, proc: Proc) -> None:
         """Kill ``proc`` now; wait for it and remove its scratch directory in the background."""

@@ -27,6 +27,13 @@ interprets what a child wrote (nothing in the harness depends on it). The run's 
 quota (``scratch``: bytes, files) is a size-limited tmpfs with ``confine``; without, the
 harness counts the scratch directory while a child runs and stops it past the quota
 (``quota``). Stdlib only: it runs under the system python with ``-I -S``.
+
+A tool run (``"mode": "tool"``, :func:`~.sandbox.run_code`) has no tests: one child, confined
+and limited the same way, runs ``code`` as ``__main__`` with fds 1 and 2 on an output pipe
+(the harness keeps its first ``output_bytes`` bytes and drops the rest), and writes ``{}`` or
+``{"e": traceback}`` to fd 3; the report is ``{"tool": {"out": base64, "total": bytes
+written, "report": base64, "status", "signal", "timeout", "quota"}}``. A tool's output is
+the program's own word (no verdict hangs on it), so nothing of it is checked here.
 """
 
 import base64
@@ -101,36 +108,44 @@ def _enc(v, depth=0):
     return {"o": t.__name__[:64]}
 
 
+def _enter(spec: dict, wfd: int, ofd=None) -> None:
+    """The child's confinement: fds 0-2 at /dev/null (1 and 2 at ``ofd`` when given: a tool
+    run's output pipe), the value pipe at fd 3, every other fd closed, the limits, the uid."""
+    pipe = os.dup(wfd)
+    out = None if ofd is None else os.dup(ofd)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    for fd in (1, 2):
+        os.dup2(null if out is None else out, fd)
+    os.dup2(pipe, 3)
+    os.closerange(4, 1 << 16)
+    lim = spec["limits"]
+    _setlimit(resource.RLIMIT_CPU, lim["cpu_s"])
+    _setlimit(resource.RLIMIT_AS, lim["memory_bytes"])
+    _setlimit(resource.RLIMIT_FSIZE, lim["file_bytes"])
+    _setlimit(resource.RLIMIT_NOFILE, lim["open_files"])
+    _setlimit(resource.RLIMIT_CORE, 0)
+    _setlimit(resource.RLIMIT_NPROC, 0)
+    if spec["uid"] is not None:  # the uid has no other process, so NPROC = 0 bites
+        os.setgroups([])
+        os.setgid(spec["uid"])
+        os.setuid(spec["uid"])
+    os.umask(0o077)
+    if spec["patch_socket"]:
+        import socket
+
+        class _NoNet(socket.socket):
+            def __init__(self, *a, **k):
+                raise PermissionError("network access is disabled in the sandbox")
+
+        socket.socket = _NoNet
+        socket.create_connection = lambda *a, **k: _NoNet()
+
+
 def _child(spec: dict, steps: list, wfd: int) -> None:
     """Runs in the forked child; never returns."""
     try:
-        pipe = os.dup(wfd)
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-        os.dup2(pipe, 3)
-        os.closerange(4, 1 << 16)
-        lim = spec["limits"]
-        _setlimit(resource.RLIMIT_CPU, lim["cpu_s"])
-        _setlimit(resource.RLIMIT_AS, lim["memory_bytes"])
-        _setlimit(resource.RLIMIT_FSIZE, lim["file_bytes"])
-        _setlimit(resource.RLIMIT_NOFILE, lim["open_files"])
-        _setlimit(resource.RLIMIT_CORE, 0)
-        _setlimit(resource.RLIMIT_NPROC, 0)
-        if spec["uid"] is not None:  # the uid has no other process, so NPROC = 0 bites
-            os.setgroups([])
-            os.setgid(spec["uid"])
-            os.setuid(spec["uid"])
-        os.umask(0o077)
-        if spec["patch_socket"]:
-            import socket
-
-            class _NoNet(socket.socket):
-                def __init__(self, *a, **k):
-                    raise PermissionError("network access is disabled in the sandbox")
-
-            socket.socket = _NoNet
-            socket.create_connection = lambda *a, **k: _NoNet()
+        _enter(spec, wfd)
     except BaseException:
         os._exit(98)
     report = _run(spec["code"], steps)
@@ -253,6 +268,123 @@ def _one(spec: dict, steps: list, deadline: float, cap: int) -> dict:
     }
 
 
+#: most bytes a tool run's report (its error text) may take on the value pipe
+_TOOL_REPORT_BYTES = 16 * 2**10
+#: most characters of a tool run's error text (the end of a traceback is kept)
+_TOOL_ERROR_CHARS = 2000
+
+
+def _tool_child(spec: dict, wfd: int, ofd: int) -> None:
+    """A tool run's child (``mode: tool``): runs ``code`` as ``__main__`` with its stdout and
+    stderr on the output pipe; writes ``{}`` or ``{"e": traceback}`` to fd 3. Never returns."""
+    try:
+        import io
+        import linecache
+        import traceback
+
+        _enter(spec, wfd, ofd)
+        stream = io.TextIOWrapper(
+            io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+            write_through=True,
+        )  # fmt: skip
+        sys.stdout = sys.stderr = stream
+    except BaseException:
+        os._exit(98)
+    code = spec["code"]
+    report = {}
+    try:
+        linecache.cache["<tool>"] = (len(code), None, code.splitlines(True), "<tool>")
+        exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            report = {"e": "SystemExit: " + str(e.code)[:200]}
+    except BaseException as e:
+        try:
+            tb = e.__traceback__.tb_next if e.__traceback__ else None  # drop the harness frame
+            text = "".join(traceback.format_exception(type(e), e, tb)).rstrip()
+        except BaseException:
+            text = _fmt(e)
+        if len(text) > _TOOL_ERROR_CHARS:
+            text = "..." + text[-_TOOL_ERROR_CHARS:]
+        report = {"e": text}
+    try:
+        stream.flush()
+    except BaseException:
+        pass
+    try:
+        data = json.dumps(report).encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(3, view) :]
+    except BaseException:
+        pass
+    os._exit(0)
+
+
+def _tool(spec: dict, deadline: float) -> dict:
+    """One tool run: the child's output (the first ``output_bytes`` bytes kept, the rest read
+    and dropped, ``total`` counts all), its report, exit and timing."""
+    r, w = os.pipe()
+    ro, wo = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.close(ro)
+        _tool_child(spec, w, wo)
+    os.close(w)
+    os.close(wo)
+    pidfd = os.pidfd_open(pid)
+    cap = spec["output_bytes"]
+    out, report, total = bytearray(), bytearray(), 0
+    quota = None if spec.get("confine") else (spec["scratch"]["bytes"], spec["scratch"]["files"])
+    open_fds, exited, timeout, over = {r, ro}, False, False, False
+    while open_fds or not exited:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timeout = True
+            break
+        if quota is not None:
+            used = _usage(".", quota)
+            if used[0] > quota[0] or used[1] > quota[1]:
+                over = True
+                break
+        watch = list(open_fds) + ([] if exited else [pidfd])
+        ready, _, _ = select.select(watch, [], [], left if quota is None else min(left, 0.01))
+        if pidfd in ready:
+            exited = True
+        for fd in (r, ro):
+            if fd not in ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                open_fds.discard(fd)
+            elif fd == ro:
+                total += len(chunk)
+                out += chunk[: max(0, cap - len(out))]
+            elif len(report) + len(chunk) <= _TOOL_REPORT_BYTES:
+                report += chunk
+    if not exited:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _, status = os.waitpid(pid, 0)
+    for fd in (r, ro, pidfd):
+        os.close(fd)
+    sig = None
+    if os.WIFSIGNALED(status) and not (timeout or over):
+        sig = signal.Signals(os.WTERMSIG(status)).name
+    return {
+        "out": base64.b64encode(bytes(out)).decode(),
+        "total": total,
+        "report": base64.b64encode(bytes(report)).decode(),
+        "status": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+        "signal": sig,
+        "timeout": timeout,
+        "quota": over,
+    }
+
+
 _MS = {"RDONLY": 1, "NOSUID": 2, "NODEV": 4, "NOEXEC": 8, "REMOUNT": 32, "BIND": 4096, "REC": 16384}
 
 
@@ -306,6 +438,10 @@ def main() -> None:
     if spec.get("confine"):
         _confine(**spec["confine"], scratch=spec["scratch"])
     deadline = time.monotonic() + spec["wall_s"]
+    if spec.get("mode") == "tool":
+        sys.stdout.write(json.dumps({"tool": _tool(spec, deadline)}))
+        sys.stdout.flush()
+        return
     budget = spec["output_bytes"]
     results = []
     for steps in spec["tests"]:

@@ -15,6 +15,14 @@ last stage sets ``reward``, which the service clamps to :data:`REWARD_RANGE` of 
   (checked when the request is submitted: :func:`validate_payload`). Check-stage options:
   ``max_source_bytes`` (code, and all tests together; default 256 KiB), ``max_tests``
   (default 256). Execute-stage options: ``sandbox`` (the service's :class:`~.sandbox.Limits`).
+- ``tool``: ``run`` (one tool call of the tool API, ``POST /v1/tools/run``, not a reward:
+  :mod:`.tools`). Payload: ``{"tool": "python", "arguments": {"code": str}, "timeout_s":
+  float}`` (validated by the service before it is queued). ``python`` runs the code as a
+  script in a sandbox of :mod:`.sandbox` (:func:`~.sandbox.run_code`, ``timeout_s`` its
+  wall-clock limit, the CPU limit no more than that, rounded up) and answers ``{"ok",
+  "status", "output", "error", "truncated", "seconds"}``. Options: ``sandbox`` (the
+  service's :class:`~.sandbox.Limits`), ``max_output_bytes`` (of stdout and stderr kept;
+  default 4 KiB), ``max_source_bytes`` (default 256 KiB).
 - ``math``: ``extract`` (the final answer from the response with math-verify's parser), then
   ``verify`` (math-verify's equivalence check against the reference; reward 1.0 or 0.0).
   Payload: ``{"response": str, "answer": str}``.
@@ -24,14 +32,16 @@ from __future__ import annotations
 
 import ast
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
-from .sandbox import Limits, check_limit, run_tests
+from .sandbox import Limits, check_limit, run_code, run_tests
 
 #: documented reward range of each pipeline kind (the penalty is configured separately)
 REWARD_RANGE = {"code": (0.0, 1.0), "math": (0.0, 1.0)}
 MAX_SOURCE_BYTES = 256 * 2**10
 MAX_TESTS = 256
+#: most bytes of a tool run's output (stdout and stderr) sent back
+MAX_OUTPUT_BYTES = 4 * 2**10
 
 
 def clamp_reward(kind: str, reward) -> float:
@@ -75,6 +85,7 @@ def validate_payload(kind: str, payload: dict, stage_options: dict) -> None:
 STAGE_OPTIONS = {
     ("code", "check"): {"max_source_bytes", "max_tests"},
     ("code", "execute"): {"sandbox"},
+    ("tool", "run"): {"sandbox", "max_output_bytes", "max_source_bytes"},
 }
 
 
@@ -97,10 +108,10 @@ def check_options(kind: str, stage: str, options: dict) -> None:
         for name, value in sandbox.items():
             check_limit(name, value)
         Limits(**sandbox)
-    for name in known & {"max_source_bytes", "max_tests"}:
+    for name in sorted(known & {"max_source_bytes", "max_tests", "max_output_bytes"}):
         v = options.get(name, 1)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"code.check option {name} must be an integer >= 1, got {v!r}")
+            raise ValueError(f"{kind}.{stage} option {name} must be an integer >= 1, got {v!r}")
 
 
 def code_check(payload: dict, carry: dict, options: dict) -> dict:
@@ -149,6 +160,26 @@ def code_execute(payload: dict, carry: dict, options: dict) -> dict:
     }
 
 
+def tool_run(payload: dict, carry: dict, options: dict) -> dict:
+    base = Limits(**options.get("sandbox", {}))
+    wall = min(float(payload.get("timeout_s") or base.wall_s), base.wall_s)
+    limits = replace(base, wall_s=wall, cpu_s=min(base.cpu_s, max(1, math.ceil(wall))))
+    res = run_code(
+        payload["arguments"]["code"],
+        limits,
+        options.get("scratch_dir"),
+        options.get("max_output_bytes", MAX_OUTPUT_BYTES),
+    )
+    return {
+        "ok": res.status == "ok",
+        "status": res.status,
+        "output": res.output,
+        "error": res.error,
+        "truncated": res.truncated,
+        "seconds": res.seconds,
+    }
+
+
 def math_extract(payload: dict, carry: dict, options: dict) -> dict:
     from math_verify import parse
 
@@ -182,6 +213,7 @@ def _fail(detail: str) -> dict:
 PIPELINES = {
     "code": [("check", code_check), ("execute", code_execute)],
     "math": [("extract", math_extract), ("verify", math_verify)],
+    "tool": [("run", tool_run)],
 }
 
 

@@ -1,4 +1,6 @@
 """Run untrusted generated Python against test cases; the verdict is decided outside it.
+:func:`run_code` runs a program alone in the same sandbox and returns what it prints (the
+tool API's ``python`` tool, :mod:`.tools`).
 
 Trust model (docs/concepts/design.md, "Reward service trust model"; DistRS section 4's sandboxed
 code reward). Submitted programs are hostile. What is guaranteed, when the service runs as root
@@ -49,6 +51,8 @@ stopped; it may overshoot by what it writes meanwhile).
 
 from __future__ import annotations
 
+import base64
+import codecs
 import itertools
 import json
 import math
@@ -59,7 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .verdict import TestFailed, decide, decode, plan
 
@@ -205,6 +209,29 @@ def run_tests(
     """
     t0 = time.perf_counter()
     plans = [plan(t) for t in tests]
+    spec = {
+        "code": code,
+        "tests": [p.steps for p in plans],
+        "value_bytes": min(64 * 2**10, limits.output_bytes),
+        "output_bytes": limits.output_bytes,
+    }
+    out, err, rc, timed_out = _launch(spec, limits, scratch_root)
+    dt = time.perf_counter() - t0
+    if timed_out:
+        return RunResult("timeout", 0, len(tests), "wall-clock limit", dt)
+    try:
+        report = json.loads(out)["tests"]
+    except (ValueError, KeyError, TypeError):
+        tail = err.decode(errors="replace")[-200:]
+        return RunResult("crashed", 0, len(tests), f"harness exit {rc}: {tail}", dt)
+    return _score(plans, report, len(tests), dt)
+
+
+def _launch(spec: dict, limits: Limits, scratch_root: str | None):
+    """Run the harness on ``spec`` (the run's own fields: ``code``, ``tests``, ``mode``...;
+    the limits, uid and confinement are added here) in a fresh sandbox with a scratch
+    directory of its own, removed after. Returns :func:`_exchange`'s (out, err, rc,
+    timed_out)."""
     uid = sandbox_uid()
     scratch = tempfile.mkdtemp(prefix="sbx-" if scratch_root else "m2flow-sbx-", dir=scratch_root)
     try:
@@ -216,12 +243,9 @@ def run_tests(
         os.mkdir(mnt, 0o700)
         py, prefix = _python()
         spec = {
-            "code": code,
-            "tests": [p.steps for p in plans],
+            **spec,
             "limits": {k: int(v) for k, v in asdict(limits).items() if k != "wall_s"},
             "uid": uid,
-            "value_bytes": min(64 * 2**10, limits.output_bytes),
-            "output_bytes": limits.output_bytes,
             "wall_s": limits.wall_s,
             "patch_socket": not ns,
             "confine": {"mnt": mnt, "prefix": prefix, "uid": uid} if ns else None,
@@ -232,21 +256,10 @@ def run_tests(
         cmd = [*(_unshare() if ns else []), py, "-I", "-S", _HARNESS]
         if shutil.which("setpriv"):  # the sandbox dies with this worker, however it dies
             cmd = ["setpriv", "--pdeathsig", "KILL", *cmd]
-        out, err, rc, timed_out = _exchange(
-            cmd, scratch, json.dumps(spec).encode(), limits.wall_s + _GRACE_S, limits
-        )
+        return _exchange(cmd, scratch, json.dumps(spec).encode(), limits.wall_s + _GRACE_S, limits)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         shutil.rmtree(scratch + ".root", ignore_errors=True)
-    dt = time.perf_counter() - t0
-    if timed_out:
-        return RunResult("timeout", 0, len(tests), "wall-clock limit", dt)
-    try:
-        report = json.loads(out)["tests"]
-    except (ValueError, KeyError, TypeError):
-        tail = err.decode(errors="replace")[-200:]
-        return RunResult("crashed", 0, len(tests), f"harness exit {rc}: {tail}", dt)
-    return _score(plans, report, len(tests), dt)
 
 
 def _score(plans: list, report: list, total: int, dt: float) -> RunResult:
@@ -278,6 +291,89 @@ def _score(plans: list, report: list, total: int, dt: float) -> RunResult:
     sealed = sum(p.sealed for p in plans)
     detail = "; ".join(errors[:3])
     return RunResult("ok", min(passed, total), total, detail, dt, sealed)
+
+
+@dataclass
+class CodeResult:
+    """Outcome of one tool run (:func:`run_code`).
+
+    Attributes:
+        status: ``ok`` (the code ran to its end), ``error`` (it raised, or exited with a
+            non-zero status), ``timeout`` (wall clock), ``killed`` (a signal, e.g. SIGXCPU
+            at the CPU limit, or over its scratch quota), ``crashed`` (no report from the
+            sandbox: its set-up failed).
+        output: what the code wrote to stdout and stderr (UTF-8, undecodable bytes replaced),
+            at most ``max_output_bytes`` bytes of it.
+        error: why it is not ``ok`` (for ``error``: the traceback's end); empty when ok.
+        seconds: wall time of the run.
+        truncated: the code wrote more than ``max_output_bytes`` (the rest was dropped).
+    """
+
+    status: str
+    output: str
+    error: str
+    seconds: float
+    truncated: bool = False
+
+
+#: hints appended to a signal's name in a tool run's error
+_SIGNAL_HINTS = {
+    "SIGXCPU": "its CPU-time limit of {cpu_s} s",
+    "SIGKILL": "its CPU-time limit of {cpu_s} s, or out of memory",
+    "SIGXFSZ": "its file-size limit",
+}
+
+
+def run_code(
+    code: str,
+    limits: Limits = Limits(),
+    scratch_root: str | None = None,
+    max_output_bytes: int = 4096,
+) -> CodeResult:
+    """Run ``code`` as a script (``__main__``) in a sandbox of the same isolation and limits
+    as :func:`run_tests` (``limits``; ``output_bytes`` is replaced by ``max_output_bytes``),
+    capturing its stdout and stderr (the first ``max_output_bytes`` bytes). The tool
+    pipeline's stage (:mod:`.pipelines`).
+
+    Returns:
+        :class:`CodeResult`; never raises for anything the code does.
+    """
+    t0 = time.perf_counter()
+    cap = max(1, int(max_output_bytes))
+    run_limits = replace(limits, output_bytes=max(cap, _MIN_LIMITS["output_bytes"]))
+    spec = {"mode": "tool", "code": code, "tests": [], "output_bytes": cap}
+    out, err, rc, timed_out = _launch(spec, run_limits, scratch_root)
+    dt = time.perf_counter() - t0
+    limit = f"its {limits.wall_s:g} s wall-clock limit"
+    if timed_out:
+        return CodeResult("timeout", "", f"timeout: stopped at {limit}", dt)
+    try:
+        rep = json.loads(out)["tool"]
+        data = base64.b64decode(rep["out"])
+        report = base64.b64decode(rep["report"])
+    except (ValueError, KeyError, TypeError):
+        tail = err.decode(errors="replace")[-200:]
+        return CodeResult("crashed", "", f"sandbox failed: harness exit {rc}: {tail}", dt)
+    truncated = rep["total"] > len(data)
+    # a cut may split a character: the incomplete tail is dropped, not replaced
+    output = codecs.getincrementaldecoder("utf-8")("replace").decode(data, final=not truncated)
+    if rep["timeout"]:
+        return CodeResult("timeout", output, f"timeout: stopped at {limit}", dt, truncated)
+    if rep["quota"]:
+        return CodeResult("killed", output, "killed: over its scratch quota", dt, truncated)
+    if rep["signal"]:
+        hint = _SIGNAL_HINTS.get(rep["signal"], "").format(cpu_s=limits.cpu_s)
+        what = f"killed by {rep['signal']}" + (f" ({hint})" if hint else "")
+        return CodeResult("killed", output, what, dt, truncated)
+    if rep["status"] in (97, 98) and not report:
+        return CodeResult("crashed", output, "sandbox set-up failed", dt, truncated)
+    try:
+        error = str(json.loads(report).get("e") or "") if report else ""
+    except (ValueError, AttributeError):
+        error = "the code's report is unreadable (it wrote to the sandbox's report pipe)"
+    if not error and rep["status"] not in (0, None):
+        error = f"exited with status {rep['status']}"
+    return CodeResult("error" if error else "ok", output, error, dt, truncated)
 
 
 def _exchange(cmd: list[str], cwd: str, data: bytes, wait_s: float, limits: Limits):

@@ -43,10 +43,11 @@ class StageConfig(BaseModel):
 
 
 class PipelineConfig(BaseModel):
-    """A reward pipeline: its kind (``code`` / ``math``), penalty reward, stage pools."""
+    """A reward pipeline: its kind (``code`` / ``math``), penalty reward, stage pools; or a
+    tool pipeline (``tool``: the tool API's sandboxes, :mod:`.tools`; no penalty, no tasks)."""
 
     model_config = _CONFIG
-    kind: Literal["code", "math"]
+    kind: Literal["code", "math", "tool"]
     penalty: float = Field(0.0, allow_inf_nan=False)
     stages: dict[str, StageConfig] = Field(default_factory=dict)
 
@@ -238,3 +239,16 @@ class Result(BaseModel):
     detail: str = ""
     stage_s: list[float] = Field(description="seconds in each stage entered")
     latency_s: float = Field(description="submit to result, seconds")
+
+
+class RunTool(BaseModel):
+    """A tool call (``POST /v1/tools/run``): the tool's name, its arguments, the run's
+    wall-clock limit (seconds; default and maximum: the tool pipeline's sandbox ``wall_s``),
+    the tool pipeline (default: the only one)."""
+
+    tool: str = Field(min_length=1, max_length=64)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    pipeline: str | None = Field(None, min_length=1, max_length=128)
+
+    _tool_utf8 = field_validator("tool", "pipeline")(_utf8)
