@@ -35,8 +35,10 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model(tok):
-    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)  # fmt: skip
+    shape = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256,
+    )  # fmt: skip
     m = build_model(shape, tok, seed=0).eval()
     # a random model rarely samples its turn end: an output bias on it makes turns end after a
     # few tokens (the weights stay a real model's; only their values are chosen)
@@ -57,7 +59,13 @@ class Scripted:
     tools: list = []
 
     def __init__(self, turns=2, fail=None, fail_at=1, release=None, obs="42"):
-        self.turns, self.fail, self.fail_at, self.release, self.obs = turns, fail, fail_at, release, obs
+        self.turns, self.fail, self.fail_at, self.release, self.obs = (
+            turns,
+            fail,
+            fail_at,
+            release,
+            obs,
+        )
         self.seen: list[str] = []
 
     def reset(self, item):
@@ -122,8 +130,10 @@ def test_tokens_as_sampled_and_the_loss_mask(model, tok):
         assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.loss_mask) if m == 0)
         assert batch["loss_mask"][i].sum() == sum(t.loss_mask)
     with torch.no_grad():
-        lp = sequence_logprobs(model, batch["prompt_ids"], batch["prompt_mask"],
-                               batch["response_ids"], batch["response_mask"], TEMPERATURE)  # fmt: skip
+        lp = sequence_logprobs(
+            model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
+            batch["response_mask"], TEMPERATURE,
+        )  # fmt: skip
     m = batch["loss_mask"].bool()
     assert m.sum() > 0 and (~m & batch["response_mask"].bool()).sum() > 0
     assert torch.allclose(lp[m], batch["logprobs"][m], atol=1e-4)

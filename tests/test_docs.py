@@ -28,13 +28,16 @@ def _hooks():
     return module
 
 
-def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
+def _leaves(node, prefix: str = "") -> dict[str, object]:
+    """The config's keys: dataclass sections are descended into, a dict-typed field (e.g.
+    ``task.config``) is one key."""
     out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
+    for k in node:
+        v = node[k]
+        if OmegaConf.is_dict(v) and OmegaConf.get_type(v) is not dict:
             out |= _leaves(v, f"{prefix}{k}.")
         else:
-            out[f"{prefix}{k}"] = v
+            out[f"{prefix}{k}"] = OmegaConf.to_container(v) if OmegaConf.is_config(v) else v
     return out
 
 
@@ -42,7 +45,7 @@ def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
 def test_config_reference_lists_every_key_with_its_default(workflow):
     page = _hooks().config_reference(workflow)
     module = load_workflow(resolve_workflow(workflow))
-    defaults = _leaves(OmegaConf.to_container(OmegaConf.structured(module.Config)))
+    defaults = _leaves(OmegaConf.structured(module.Config))
     rows = dict(re.findall(r"^\| `([\w.]+)` \| (.+?) \|", page, re.MULTILINE))
     assert set(defaults) <= set(rows), sorted(set(defaults) - set(rows))
     assert rows["trainer.steps"] == f"`{defaults['trainer.steps']}`"

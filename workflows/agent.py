@@ -16,6 +16,7 @@ docs/concepts/agents.md). The default is a task the tiny model cannot do in its 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -37,8 +38,14 @@ from m2flow.workers.recipe import (
 from m2flow.workers.reward.config import RewardConfig
 from m2flow.workers.rollout.config import RolloutOptions
 
-from m2flow.run.recipe import ClusterConfig, finite_positive, plain, require, validate_cluster
-from m2flow.run.recipe import validate_trainer
+from m2flow.run.recipe import (
+    ClusterConfig,
+    finite_positive,
+    plain,
+    require,
+    validate_cluster,
+    validate_trainer,
+)
 
 #: the character model's alphabet: arithmetic, and the JSON of a calculator call
 AGENT_ALPHABET = "0123456789+-*=()" + '{}[]":,_ ' + "abcdefghijklmnopqrstuvwxyz"
@@ -65,12 +72,15 @@ class Config:
     task: TaskConfig = field(
         default_factory=lambda: TaskConfig(
             config={"min_terms": 2, "max_terms": 2, "min_digits": 3, "max_digits": 4},
-            val_size=64, heldout_size=200,
+            val_size=64,
+            heldout_size=200,
         )  # fmt: skip
     )
     model: ModelConfig = field(
         default_factory=lambda: ModelConfig(
-            tokenizer="char", alphabet=AGENT_ALPHABET, chat_template=True,
+            tokenizer="char",
+            alphabet=AGENT_ALPHABET,
+            chat_template=True,
             max_position_embeddings=192,
         )  # fmt: skip
     )
@@ -125,25 +135,46 @@ def validate(cfg) -> None:
             (cfg.actor.loss in ("grpo", "gspo"), "actor.loss: grpo or gspo"),
         ]
     )
+    for key, spec in (("agent.env", a.env), ("agent.agent", a.agent)):
+        path = (spec or "").rpartition(":")[0]
+        require(
+            [
+                (
+                    not path.endswith(".py") or os.path.isfile(os.path.expanduser(path)),
+                    f"{key}={spec}: no file {path} (give path/to/file.py:function, or an "
+                    "importable module:function)",
+                )
+            ]
+        )
     check_engine("train", cfg, "actor")
+
+
+def _absolute(spec: str | None) -> str | None:
+    """``path/to/file.py:function`` with the path made absolute (workers import it from their
+    own working directory); any other spec as it is."""
+    path, _, attr = (spec or "").rpartition(":")
+    if not path.endswith(".py"):
+        return spec
+    return f"{os.path.abspath(os.path.expanduser(path))}:{attr}"
 
 
 def main(cfg) -> dict:
     from m2flow.workers.actor.config import ActorOptions
     from m2flow.workers.actor.worker import ActorWorker
+    from m2flow.workers.agent.loop import merge_episode_metrics
     from m2flow.workers.agent.worker import AgentRolloutWorker
     from m2flow.workers.algos.off_policy import METRIC_PREFIXES as OFF_POLICY_METRICS
     from m2flow.workers.skeleton import LLMRun, StepRecord
 
     from m2flow import Channel, sync_weights
 
-    from m2flow.workers.agent.loop import merge_episode_metrics
-
     run = LLMRun(cfg)
     tr, cluster, lm, seed = cfg.trainer, run.cluster, run.lm, cfg.trainer.seed
     compact = lm["tokenizer"]["name"] == "char"
+    agent = {**plain(cfg.agent), "env": _absolute(cfg.agent.env),
+             "agent": _absolute(cfg.agent.agent)}  # fmt: skip
     rollout = AgentRolloutWorker.launch(
-        cluster, name="rollout", **lm, options=run.rollout, agent=plain(cfg.agent),
+        cluster, name="rollout", **lm, options=run.rollout, agent=agent,
         heldout=run.data.heldout, reward=run.rewards, seed=seed, compact=compact,
     )  # fmt: skip
     opt = ActorOptions.from_kwargs(

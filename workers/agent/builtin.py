@@ -58,8 +58,9 @@ def make_env_factory(
     compact: bool = False,
 ) -> Callable[[], Environment]:
     """A factory of fresh environments for ``agent.env=name``: a built-in (:data:`BUILTINS`)
-    or ``module:factory`` (called with keywords ``reward``, ``parser``, ``tool_timeout_s``,
-    ``system_prompt``; it returns an :class:`~.env.Environment`).
+    or ``module:factory`` / ``path/to/file.py:factory`` (:func:`load_callable`; called with
+    keywords ``reward``, ``parser``, ``tool_timeout_s``, ``system_prompt``; it returns an
+    :class:`~.env.Environment`).
 
     Raises:
         ValueError: an unknown name or an import path that does not import.
@@ -72,18 +73,7 @@ def make_env_factory(
             return _Opening(env, compact)
 
         return factory
-    module, _, attr = name.partition(":")
-    if not (module and attr):
-        raise ValueError(
-            f"agent.env={name!r}: pick one of {', '.join(BUILTINS)} or an import path "
-            "module:factory"
-        )
-    import importlib
-
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"agent.env={name!r}: cannot import it ({e})") from e
+    fn = load_callable(name, "agent.env")
 
     def user_factory() -> Environment:
         return fn(
@@ -92,6 +82,36 @@ def make_env_factory(
         )  # fmt: skip
 
     return user_factory
+
+
+def load_callable(spec: str, key: str):
+    """``module:function`` or ``path/to/file.py:function`` imported (``agent.env``,
+    ``agent.agent``: named by ``key`` in errors).
+
+    Raises:
+        ValueError: not of that form, or it does not import (names the error).
+    """
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    module, _, attr = spec.rpartition(":")
+    if not (module and attr):
+        choices = f"one of {', '.join(BUILTINS)}, " if key == "agent.env" else ""
+        raise ValueError(
+            f"{key}={spec!r}: give {choices}module:function or path/to/file.py:function"
+        )
+    try:
+        if module.endswith(".py"):
+            where = importlib.util.spec_from_file_location(f"m2flow_user_{Path(module).stem}",
+                                                           module)  # fmt: skip
+            mod = importlib.util.module_from_spec(where)
+            where.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(module)
+        return getattr(mod, attr)
+    except (ImportError, AttributeError, FileNotFoundError, SyntaxError) as e:
+        raise ValueError(f"{key}={spec!r}: cannot import it ({e})") from e
 
 
 def tool_call_text(parser: str, name: str, arguments: dict) -> str:

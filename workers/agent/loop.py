@@ -38,16 +38,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..llm.generation import left_pad
 from .chat import ChatTokens, Trajectory
-from .env import END_REASONS, EnvStep, Environment
+from .env import END_REASONS, Environment, EnvStep
 
 log = logging.getLogger(__name__)
 
@@ -356,4 +357,3 @@ __all__ = [
     "merge_episode_metrics",
     "run_episodes",
 ]
-

@@ -18,41 +18,17 @@ request is logged.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from pathlib import Path
 
-from .builtin import question
+from .builtin import load_callable, question
 from .chat import Trajectory
 from .loop import TURN_CODES, Episode
 
 log = logging.getLogger(__name__)
-
-
-def load_agent(spec: str) -> Callable:
-    """``module:function`` or ``path/to/file.py:function`` (``agent.agent``) imported.
-
-    Raises:
-        ValueError: not of that form, or it does not import (names the error).
-    """
-    module, _, attr = spec.rpartition(":")
-    if not (module and attr):
-        raise ValueError(f"agent.agent={spec!r}: give module:function or path/to/file.py:function")
-    try:
-        if module.endswith(".py"):
-            s = importlib.util.spec_from_file_location(f"m2flow_agent_{Path(module).stem}", module)
-            mod = importlib.util.module_from_spec(s)
-            s.loader.exec_module(mod)
-        else:
-            mod = importlib.import_module(module)
-        return getattr(mod, attr)
-    except (ImportError, AttributeError, FileNotFoundError, SyntaxError) as e:
-        raise ValueError(f"agent.agent={spec!r}: cannot import it ({e})") from e
 
 
 class OpenAIEpisodes:
@@ -71,11 +47,13 @@ class OpenAIEpisodes:
     ``prompt`` (the question: :func:`~.builtin.question`) and returns the episode's reward.
     """
 
-    def __init__(self, tokenizer, engine_generate, agent: str, parser: str,
-                 max_turn_tokens: int, timeout_s: float, compact: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, tokenizer, engine_generate, agent: str, parser: str, max_turn_tokens: int,
+        timeout_s: float, compact: bool = False,
+    ) -> None:  # fmt: skip
         from .openai_server import AgentEndpoint
 
-        self.agent = load_agent(agent)
+        self.agent = load_callable(agent, "agent.agent")
         self.timeout_s, self.compact = timeout_s, compact
         self._engine = engine_generate
         self._lock = threading.Lock()  # one engine call at a time (the endpoint batches)

@@ -271,6 +271,8 @@ class ToolEnvironment:
             reason = "sandbox" if tool.sandbox else "raised"
             return reason, f"error: {name} failed: {type(value).__name__}: {value}"
         text = _as_text(value)
+        if tool.sandbox and text.startswith("error:"):  # the sandbox's failure, as text
+            return "sandbox", text
         if len(text) > self.max_result_chars:
             text = text[: self.max_result_chars] + f" ... (cut at {self.max_result_chars} chars)"
         return None, text

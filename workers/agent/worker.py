@@ -14,12 +14,14 @@ from ..rollout.worker import RolloutWorker
 from .builtin import make_env_factory
 from .chat import ChatTokens
 from .config import AgentConfig
+from .loop import AgentLimits, BlockGenerate, episode_metrics, episodes_batch, run_episodes
 from .openai_mode import OpenAIEpisodes
-from .loop import AgentLimits, episode_metrics, episodes_batch, run_episodes
 from .parsers import parser_for
 
 
 class AgentRolloutWorker(RolloutWorker):
+    drives_blocks = True  # exact / emulated stepped by the loop (loop.BlockGenerate)
+
     """Rollout of GRPO groups of episodes: ``n_samples`` episodes per prompt, each against a
     fresh environment of ``agent.env`` (:func:`~.builtin.make_env_factory`), turn by turn on
     the role's engine (:func:`~.loop.run_episodes`).
@@ -50,6 +52,10 @@ class AgentRolloutWorker(RolloutWorker):
     ) -> None:
         super().__init__(model, tokenizer, options, heldout, reward, seed)
         a = self.agent = AgentConfig(**agent)
+        if getattr(type(self.engine), "generates", True):
+            self.generate_fn = self.engine.generate
+        else:  # a block engine (exact, emulated): the loop steps it
+            self.generate_fn = BlockGenerate(self.engine, self.tokenizer.pad_token_id).generate
         self.limits = AgentLimits(
             a.max_turns, a.max_episode_tokens, a.max_turn_tokens, a.env_timeout_s, a.concurrency
         )
@@ -58,7 +64,7 @@ class AgentRolloutWorker(RolloutWorker):
         self.openai = None
         if a.mode == "openai":  # the agent talks to this rank's endpoint (openai_mode.py)
             self.openai = OpenAIEpisodes(
-                self.tokenizer, self.engine.generate, a.agent, self.parser, a.max_turn_tokens,
+                self.tokenizer, self.generate_fn, a.agent, self.parser, a.max_turn_tokens,
                 a.env_timeout_s, compact,
             )  # fmt: skip
             return
@@ -99,7 +105,7 @@ class AgentRolloutWorker(RolloutWorker):
             size = min(granularity, share)
             items = prompts.get_batch(size, max_items=size)
             share -= len(items)
-            episodes = self._episodes(items, self.n_samples, self.engine.generate)
+            episodes = self._episodes(items, self.n_samples, self.generate_fn)
             gen = episodes_batch(episodes, self.tokenizer.pad_token_id)
             n, n_tok, n_resp = self._put(out, gen, items, step_samples)
             samples, tokens, resp = samples + n, tokens + n_tok, resp + n_resp
@@ -134,7 +140,6 @@ class AgentRolloutWorker(RolloutWorker):
             if self.openai is not None:
                 self.openai.greedy = None
         return {"scores": [ep.reward for ep in episodes], "reward_errors": 0}
-
 
 
 def _greedy(model, tokenizer, prompt_ids, n_samples, max_new_tokens, sample_keys) -> dict:

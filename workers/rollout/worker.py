@@ -74,6 +74,8 @@ class RolloutWorker(Worker):
     """
 
     weight_sync_bytes = 0  # the last weight sync's payload (its tensors' bytes)
+    #: a subclass that steps a block engine (exact, emulated) itself: the agent rollout's loop
+    drives_blocks = False
     _merged: MergedWeights | None = None  # merges LoRA adapters for an engine that cannot
 
     def __init__(
@@ -86,7 +88,10 @@ class RolloutWorker(Worker):
         seed: int = 0,
     ) -> None:
         o = self.options = options
-        cls = check_rollout(o.engine_check(model), self.world_size)  # what the engine refuses
+        # a role that steps block engines itself (drives_blocks) takes exact/emulated as its own
+        own_blocks = bool(o.partial) or self.drives_blocks
+        check = {**o.engine_check(model), "partial": own_blocks}
+        cls = check_rollout(check, self.world_size)  # what the engine refuses
         set_torch_threads(self, o.threads)
         self.device = torch_device(self.devices)
         self.tokenizer = build_tokenizer(tokenizer)
@@ -105,14 +110,14 @@ class RolloutWorker(Worker):
         }  # fmt: skip
         spot = asdict(o.spot)
         # rollout.partial on a block engine (exact, emulated): continuous batching across steps
-        blocks = o.partial and cls.block_steps and not cls.generates
+        blocks = own_blocks and cls.block_steps and not cls.generates
         if blocks:
             args.update(block_engine_args(o.spot, self.tokenizer))
         self.engine = build_rollout_engine(
-            o.engine, args, self.model, self.tokenizer, spot, partial=o.partial
+            o.engine, args, self.model, self.tokenizer, spot, partial=own_blocks
         )
         self.continuous = None
-        if blocks:
+        if blocks and o.partial:
             ledger = None  # one rank: its own
             if self.world_size > 1:  # shared by this launch's ranks (continuous.py)
                 launch = getattr(self._m2flow_ctx, "launch_index", 0)

@@ -1,0 +1,166 @@
+"""``workflows/agent.py`` from the command line (issue 33's must-shows): the smoke run logs
+turns and tool calls; an agent written against the ``openai`` client trains two steps through
+the rollout group's endpoint; tools that raise, hang or are called with malformed JSON become
+error observations with counted reasons and the run finishes; contradictory settings are
+one-line errors before Ray starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_cli import ROOT, assert_one_line_exit_2, m2flow
+
+AGENT = ROOT / "workflows" / "agent.py"
+
+
+def _run(tmp_path, *overrides: str) -> list[dict]:
+    """The run's step records (``metrics.jsonl``, steps >= 1); the run must succeed."""
+    run_dir = tmp_path / "run"
+    args = ["run", str(AGENT), "-c", "smoke", "warm_start.steps=5", *overrides,
+            f"trainer.run_dir={run_dir}"]  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "m2flow.run.cli", *args], capture_output=True,
+                          text=True, timeout=900, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("step", 0) >= 1 and "step_s" in r]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["agent.mode=openai"], "agent.mode=openai needs agent.agent=module:function"),
+        (["agent.mode=chat"], "agent.mode=chat: pick one of env, openai"),
+        (["agent.max_turns=0"], "agent.max_turns must be >= 1"),
+        (["agent.max_episode_tokens=8"], "agent.max_episode_tokens=8 < agent.max_turn_tokens"),
+        (["agent.env=missing.py:make"], "agent.env=missing.py:make: no file missing.py"),
+        (["agent.tool_timeout_s=0"], "agent.tool_timeout_s must be > 0"),
+    ],
+)  # fmt: skip
+def test_contradictory_settings_exit_2_before_ray(tmp_path, args, message):
+    code, out, _ = m2flow("run", str(AGENT), *args, f"trainer.run_dir={tmp_path / 'r'}")
+    assert_one_line_exit_2(code, out, message)
+
+
+@pytest.mark.e2e
+def test_smoke_logs_turns_and_tool_calls(tmp_path):
+    """The must-show: ``m2flow run workflows/agent.py -c smoke trainer.steps=2`` runs and its
+    ``metrics.jsonl`` has ``num_turns_mean`` and ``tool_calls_mean``."""
+    steps = _run(tmp_path, "trainer.steps=2")
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["num_turns_mean"] >= 1.0 and r["tool_calls_mean"] >= 0.0
+        assert 0.0 < r["masked_share"] < 1.0  # the prompt's template ids are out of the loss
+        ends = sum(r[f"end/{k}"] for k in ("done", "max_turns", "max_tokens", "error"))
+        assert ends == 8 * 8  # every episode of the step ended, once
+    assert [r["weight_version"] for r in steps] == [1, 2]
+
+
+AGENT_FILE = '''
+def play(client, item):
+    """Two chat calls with a tool's reply between them; reward: a short final answer."""
+    msgs = [{"role": "user", "content": item["prompt"]}]
+    first = client.chat.completions.create(model="gpt-4o", messages=msgs, max_tokens=12)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "tool", "content": "7"}]
+    second = client.chat.completions.create(model="gpt-4o", messages=msgs, max_tokens=8)
+    return float(len(second.choices[0].message.content) <= 4)
+'''
+
+
+@pytest.mark.e2e
+def test_openai_client_agent_trains_two_steps(tmp_path):
+    """An agent using the ``openai`` package's client against the rollout group's endpoint:
+    every episode's two calls merge into one sample (no split), the actor trains on them."""
+    (tmp_path / "my_agent.py").write_text(AGENT_FILE)
+    steps = _run(tmp_path, "agent.mode=openai", f"agent.agent={tmp_path / 'my_agent.py'}:play",
+                 "warm_start.enabled=false", "trainer.steps=2")  # fmt: skip
+    assert [r["weight_version"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["env/openai_calls"] == 2 * 64 and r["env/openai_splits"] == 0
+        assert r["num_turns_mean"] == 2.0 and r["end/done"] == 64
+    assert any(r["loss"] != 0.0 for r in steps), steps  # some group had mixed rewards
+
+
+ENV_FILE = '''
+import time
+
+from m2flow.workers.agent.tools import Tool, ToolEnvironment
+
+
+def raises(x: int) -> str:
+    """A tool that fails.
+
+    Args:
+        x: anything.
+    """
+    raise RuntimeError("tool broke")
+
+
+def hangs(x: int) -> str:
+    """A tool that does not answer in time.
+
+    Args:
+        x: anything.
+    """
+    time.sleep(3)
+    return "late"
+
+
+# the model's side of the first turn: a raising call, a hanging call, malformed JSON
+SCRIPT = (
+    '<tool_call>{"name": "raises", "arguments": {"x": 1}}</tool_call>'
+    '<tool_call>{"name": "hangs", "arguments": {"x": 2}}</tool_call>'
+    '<tool_call>{"name": "raises", "arguments": </tool_call>'
+)
+
+
+class Scripted(ToolEnvironment):
+    """Plays the model's side of the first turn (SCRIPT); the model's own second message ends
+    the episode."""
+
+    def step(self, message):
+        if self.n_calls == 0:
+            message = {**message, "content": SCRIPT}
+        return super().step(message)
+
+
+def make(reward, parser, tool_timeout_s, system_prompt):
+    tools = [Tool.from_function(raises), Tool.from_function(hangs)]
+    return Scripted(tools, lambda text, item: 0.0, parser, system_prompt, tool_timeout_s)
+'''
+
+
+@pytest.mark.e2e
+def test_failing_tools_are_error_observations_and_the_run_finishes(tmp_path):
+    """A tool that raises, one that hangs past ``agent.tool_timeout_s`` and malformed tool-call
+    JSON: each an error observation with its reason counted, every step."""
+    (tmp_path / "envs.py").write_text(ENV_FILE)
+    # a small alphabet: the random model samples its turn end within a few tokens (seeded:
+    # the same episodes every run)
+    steps = _run(tmp_path, f"agent.env={tmp_path / 'envs.py'}:make", "warm_start.enabled=false",
+                 "model.alphabet=0123456789+-=", "agent.tool_timeout_s=0.2",
+                 "agent.max_turns=2", "agent.max_turn_tokens=16", "trainer.steps=2")  # fmt: skip
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        # episodes whose first turn ran past max_turn_tokens (max_tokens) met no tool
+        assert r["tool_errors/raised"] >= 1
+        assert r["tool_errors/timeout"] >= 1
+        assert r["tool_errors/malformed"] >= 1
+        assert r["tool_errors"] == sum(
+            r[f"tool_errors/{k}"]
+            for k in (
+                "raised",
+                "timeout",
+                "malformed",
+                "bad_arguments",
+                "unknown_tool",
+                "sandbox",
+            )  # fmt: skip
+        )
+        assert r["end/error"] == 0  # failures are the model's observations, not the run's
