@@ -292,9 +292,11 @@ def validate_model(m) -> None:
             raise ConfigError(str(e)) from None
 
 
-def validate_llm(cfg, min_samples: int = 1) -> None:
+def validate_llm(cfg, min_samples: int = 1, drives_blocks: bool = False) -> None:
     """Value checks of the shared LLM sections (``data``, ``task``, ``rollout``,
     ``warm_start``, ``reward``, the ``prompts_per_step``) before anything starts.
+    ``drives_blocks``: the runner's rollout role steps block engines itself (the agent
+    loop), so ``rollout.engine=exact|emulated`` is its own.
 
     Raises:
         ConfigError: the first bad value, named.
@@ -317,7 +319,7 @@ def validate_llm(cfg, min_samples: int = 1) -> None:
         ]
     )
     validate_model(cfg.model)
-    check_engine("rollout", cfg, "rollout")  # rollout.spot too: the spot pool's check
+    check_engine("rollout", cfg, "rollout", drives_blocks)  # rollout.spot: the pool's check
     from .llm.tokenizer import TOKENIZERS
 
     require(
@@ -394,12 +396,13 @@ def check_task(cfg, sample: int = 64) -> None:
     TaskDataset(t.name, config, t.train_seed, size, tok, t.system_prompt, limit)
 
 
-def check_engine(kind: str, cfg, name: str) -> None:
+def check_engine(kind: str, cfg, name: str, drives_blocks: bool = False) -> None:
     """Ask the engine section ``name`` of ``cfg`` names (its ``engine`` key, a backend of
     ``kind`` or an import path) whether it runs that section with the run's ``model``: its
     ``check`` classmethod (:func:`~.engines.registry.check_engine`; the rollout role's:
     :func:`~.rollout.engines.check_rollout`, which also picks the spot pool). The ranks are not
     known yet (the plan places them at launch, where the engine is asked again).
+    ``drives_blocks``: the rollout role steps a block engine itself (as with ``partial``).
 
     Raises:
         ConfigError: an unknown engine, a class missing protocol methods, or a setting the
@@ -417,6 +420,7 @@ def check_engine(kind: str, cfg, name: str) -> None:
             if config.get("partial") is None:  # unset: on when the run trains asynchronously
                 k = staleness_bound(cfg.trainer.max_staleness)
                 config["partial"] = k == "auto" or k >= 1
+            config["partial"] = config["partial"] or drives_blocks
             check_rollout(config, None, name)
         else:
             ask(kind, section["engine"], config, None, name)

@@ -110,7 +110,7 @@ def validate(cfg) -> None:
     validate_cluster(cfg.cluster)
     validate_trainer(cfg.trainer, cfg.resume, {"actor": TRAIN_ROLE})
     validate_staleness(cfg, cfg.actor.off_policy)
-    validate_llm(cfg, min_samples=2)
+    validate_llm(cfg, min_samples=2, drives_blocks=True)  # exact/emulated: the loop steps
     validate_optim(cfg.actor, "actor")
     validate_off_policy(cfg.actor.off_policy)
     a = cfg.agent
