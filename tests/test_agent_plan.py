@@ -88,6 +88,10 @@ def test_agent_block_round_trips(tmp_path):
     assert prof.agent is not None and prof.agent.component == "rollout"
     again = profile_from_dict(yaml.safe_load(yaml.safe_dump(prof.to_dict())))
     assert again.agent == prof.agent
+    for law in (None, {"samples": [0.5, 2.0]}):
+        block = prof.agent.to_dict() | {"tool_latency_s": law, "tool_timeout_s": 3.0}
+        agent = agent_from_dict(block)
+        assert agent_from_dict(agent.to_dict()) == agent
 
 
 def test_tool_wait_adds_the_formula_to_the_rollout_time():
@@ -109,10 +113,11 @@ def test_tool_wait_adds_the_formula_to_the_rollout_time():
         want = max(m, 0.75 * (6 + 3 * d) + 0.25 * d)
         assert float(comps["rollout"].time(n)) == pytest.approx(want, rel=1e-9)
         assert prof.agent_rollout_s(n) == pytest.approx((m, want), rel=1e-9)
-    # the pipelined chunk's fixed cost grows by tau = E[max_i S_i] = 3/4 * 6
+    # tau = E[max_i S_i] = 3/4 * 6 over the step's 2 episodes; a pipelined chunk's fixed cost
+    # grows by one item's (1 episode): E[S] = 1/2 * 6
     base = prof.components["rollout"].chunk_overhead_s
     assert tool_wait_s(prof.agent, 2) == pytest.approx(4.5, rel=1e-9)
-    assert comps["rollout"].chunk_overhead == pytest.approx(base + 4.5, rel=1e-9)
+    assert comps["rollout"].chunk_overhead == pytest.approx(base + 3.0, rel=1e-9)
     # a one-device temporal plan: the step grows by exactly the tool wait
     plain = profile_from_dict(_doc(None) | {"batch_size": 2})
     with_tools = plan_from_profile(prof, 1, None)[1].predicted_step_s

@@ -570,8 +570,11 @@ def agent_doc(prof, comps: dict) -> dict:
     n = c["devices_used"] if c else 1
     model, rollout = prof.agent_rollout_s(n)
     lat = agent.tool_latency
-    law = (f"{len(lat.samples)} samples" if lat.samples else
-           f"lognormal median {lat.median_s or 0:g} s, p90 {lat.p90_s or 0:g} s")  # fmt: skip
+    law = "answering at once"
+    if lat.samples:
+        law = f"{len(lat.samples)} samples"
+    elif lat.median_s is not None:
+        law = f"lognormal median {lat.median_s:g} s, p90 {lat.p90_s:g} s"
     return {
         "component": agent.component,
         "devices": n,

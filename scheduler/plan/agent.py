@@ -37,17 +37,25 @@ episodes still decode) costs nothing. Assumptions: a turn of the critical episod
 whole wave's time whatever the batch (decode memory-bound: an iteration costs about the weight
 read at any batch), and the engine's busy time does not grow when tool waits spread the turns
 out (it does: see ``docs/results/planning.md``, "Agents", for the error against the emulated
-engine). The tool wait is ``rollout(n) - model(n)``; its floor ``tau = E[max_i S_i]``
-(:func:`tool_wait_s`, the limit of a fast model) is the per-chunk fixed cost a pipelined chunk
-adds (it waits at least for its own slowest episode's tools: bounded by the whole batch's, so
-smaller chunks are overpriced a little). Not used: the synchronous-turn model
-(:func:`synchronous_turns_s`: each turn waits for the slowest tool call of its batch, ``sum_t
-E[max]``, for an agent loop that barriers every turn), which is >= ``tau`` (the max of sums is
-at most the sum of maxes) and far above the emulated engine's times. Pure: numpy and scipy only.
+engine). The tool wait is ``rollout(n) - model(n)``; ``tau = E[max_i S_i]``
+(:func:`tool_wait_s`) is the rollout's limit as the model time goes to 0. Pipelined in ``k`` chunks (the flow shop of
+:mod:`.cost`, whose chunk takes ``(T - o) / k + o``), a chunk holds at least one item's
+episodes and waits at least for their slowest tool chain, so ``tau`` over ``episodes_per_item``
+episodes is added to the per-chunk fixed cost ``o``; the rest of the wait is split over the
+chunks like the decode time (a streaming rollout overlaps its chunks' tool waits).
+
+**With bounded staleness** (:mod:`.staleness`): a waiting episode holds no decode slot, so the
+tool wait is idle device time that partial rollouts of later steps fill, as they fill the
+long tail: :func:`idle_share` folds it into the tail share ``u`` (``m2flow plan --staleness``).
+
+Not used: the synchronous-turn model (:func:`synchronous_turns_s`: each turn waits for the
+slowest tool call of its batch, ``sum_t E[max]``, for an agent loop that barriers every turn),
+which is >= ``tau`` (the max of sums is at most the sum of maxes) and far above the emulated
+engine's times. Pure: numpy and scipy only.
 
 Not modelled: several tool calls per turn (their max would replace ``X``), tool time that
-grows with load (a shared sandbox pool), and overlap of one step's tool waits with another
-step's training on collocated devices.
+grows with load (a shared sandbox pool), a tool that fails fast (every call draws the same
+law), and a spot pool's rollout of agent episodes (its rate stays the profile's).
 """
 
 from __future__ import annotations
@@ -172,10 +180,13 @@ class AgentWorkload:
         return ts[np.minimum(idx, len(ts) - 1)]
 
     def to_dict(self) -> dict[str, Any]:
+        """The ``agent:`` block (:func:`agent_from_dict` reads back an equal workload)."""
         lat = self.tool_latency
-        law = {"samples": list(lat.samples)} if lat.samples else {
-            "median": lat.median_s or 0.0, "p90": lat.p90_s if lat.p90_s is not None else
-            (lat.median_s or 0.0)}  # fmt: skip
+        law = None  # tools answer at once
+        if lat.samples:
+            law = {"samples": list(lat.samples)}
+        elif lat.median_s is not None:
+            law = {"median": lat.median_s, "p90": lat.p90_s}
         return {
             "component": self.component,
             "episodes_per_item": self.episodes_per_item,
@@ -282,19 +293,18 @@ class AgentRolloutTime:
 
 
 def with_tool_wait(component, agent: AgentWorkload, episodes: int):
-    """``component`` (a :class:`~.planner.Component`) as the agent's rollout: its time
-    :class:`AgentRolloutTime`, its per-chunk fixed cost plus :func:`tool_wait_s` (a chunk
-    waits at least for its own slowest episode's tools); itself when that wait is 0.
-    """
+    """``component`` (a :class:`~.planner.Component`) as the agent's rollout of ``episodes``
+    episodes a step: its time :class:`AgentRolloutTime`, its per-chunk fixed cost plus
+    ``tool_wait_s(agent, episodes_per_item)`` (module docstring); itself when the step's tool
+    wait :func:`tool_wait_s` is 0."""
     from dataclasses import replace
 
-    tau = tool_wait_s(agent, episodes)
-    if tau <= 0:
+    if tool_wait_s(agent, episodes) <= 0:
         return component
     return replace(
         component,
         time=AgentRolloutTime(component.time, agent, episodes),
-        chunk_overhead=component.chunk_overhead + tau,
+        chunk_overhead=component.chunk_overhead + tool_wait_s(agent, agent.episodes_per_item),
     )
 
 
