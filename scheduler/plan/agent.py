@@ -38,11 +38,13 @@ whole wave's time whatever the batch (decode memory-bound: an iteration costs ab
 read at any batch), and the engine's busy time does not grow when tool waits spread the turns
 out (it does: see ``docs/results/planning.md``, "Agents", for the error against the emulated
 engine). The tool wait is ``rollout(n) - model(n)``; ``tau = E[max_i S_i]``
-(:func:`tool_wait_s`) is the rollout's limit as the model time goes to 0. Pipelined in ``k`` chunks (the flow shop of
-:mod:`.cost`, whose chunk takes ``(T - o) / k + o``), a chunk holds at least one item's
-episodes and waits at least for their slowest tool chain, so ``tau`` over ``episodes_per_item``
-episodes is added to the per-chunk fixed cost ``o``; the rest of the wait is split over the
-chunks like the decode time (a streaming rollout overlaps its chunks' tool waits).
+(:func:`tool_wait_s`) is the rollout's limit as the model time goes to 0.
+
+**Pipelined** in ``k`` chunks (the flow shop of :mod:`.cost`, a chunk taking ``(T - o) / k +
+o``): a chunk holds at least one item's episodes and waits at least for their slowest tool
+chain, so ``tau`` over ``episodes_per_item`` episodes is added to the per-chunk fixed cost
+``o``; the rest of the wait is split over the chunks like the decode time (a streaming rollout
+overlaps its chunks' tool waits).
 
 **With bounded staleness** (:mod:`.staleness`): a waiting episode holds no decode slot, so the
 tool wait is idle device time that partial rollouts of later steps fill, as they fill the
