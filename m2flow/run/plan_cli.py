@@ -52,6 +52,10 @@ synchronous step.
     m2flow plan benchmarks/profiles/ppo_4_1_1_1_1.yaml -n 64 --staleness \\
         --lengths lognormal:2000,1,16384
 
+Agents (issue 33 item 5): a profile with an ``agent:`` block (turns per episode, tool latency;
+:mod:`m2flow.scheduler.plan.agent` states the model) prices its rollout with the tool wait, and
+the output says how much of the rollout stage is tool time (JSON: ``agent``).
+
 Bad input (a missing or invalid profile, a component missing from it, memory infeasible at
 every split, fewer devices than a component's minimum, more than ``MAX_DEVICES`` (65,536)
 devices, a bad mode or node count, a ``--save``/``--gantt`` path that cannot be written)
@@ -486,6 +490,8 @@ def plan(
             warnings=[warning] if warning else [],
             spot=None if spot is None else spot.to_dict(),
         )
+        if prof.agent is not None:
+            doc["agent"] = agent_doc(prof, comps)
         if stale is not None:
             doc["staleness"] = stale.to_dict()
         print(json.dumps(doc, indent=2))
@@ -514,6 +520,8 @@ def plan(
         + _throughput(prof, reserved_step),
         highlight=False,
     )
+    if prof.agent is not None:
+        out.print(agent_line(agent_doc(prof, comps)), highlight=False)
     if result.runner_ups:
         t = Table(title="runner-ups")
         for col in ("kind", "plan", "devices used", "predicted s", "vs best"):
@@ -551,6 +559,43 @@ def plan(
         out.print(f"Gantt chart: {gantt_png}{extra}", highlight=False)
     if save is not None:
         out.print(f"plan file: {save} (run it with plan={save})", highlight=False)
+
+
+def agent_doc(prof, comps: dict) -> dict:
+    """The ``agent:`` block's rollout on the plan's devices for it: model seconds (the
+    profile's fit), rollout seconds with the tool wait (:class:`~m2flow.scheduler.plan.agent.
+    AgentRolloutTime`), the tool wait and its share of the rollout stage."""
+    agent = prof.agent
+    c = comps.get(agent.component)
+    n = c["devices_used"] if c else 1
+    model, rollout = prof.agent_rollout_s(n)
+    lat = agent.tool_latency
+    law = "answering at once"
+    if lat.samples:
+        law = f"{len(lat.samples)} samples"
+    elif lat.median_s is not None:
+        law = f"lognormal median {lat.median_s:g} s, p90 {lat.p90_s:g} s"
+    return {
+        "component": agent.component,
+        "devices": n,
+        "episodes": prof.batch_size * agent.episodes_per_item,
+        "mean_turns": agent.mean_turns(),
+        "tool_latency": law,
+        "model_s": model,
+        "rollout_s": rollout,
+        "tool_wait_s": rollout - model,
+        "tool_share": (rollout - model) / rollout if rollout > 0 else 0.0,
+    }
+
+
+def agent_line(d: dict) -> str:
+    """``m2flow plan``'s line for an agent profile."""
+    return (
+        f"agent rollout ({d['component']} on {d['devices']} devices, {d['episodes']} episodes, "
+        f"{d['mean_turns']:.2f} turns each on average, tool calls {d['tool_latency']}): "
+        f"{d['rollout_s']:.4f} s = model {d['model_s']:.4f} s + tool wait "
+        f"{d['tool_wait_s']:.4f} s; tool share of the rollout stage {100 * d['tool_share']:.1f}%"
+    )
 
 
 def _spot_table(spot, prof) -> Table:

@@ -265,6 +265,26 @@ def _sub_profile(prof, names: set[str], keep_spot: bool = False):
     )
 
 
+def _agent_tail(prof, num_devices, capacity, mode, tail, note, options):
+    """The staleness model's tail ``u`` with an ``agent:`` block's tool waits counted idle
+    (:func:`~m2flow.scheduler.plan.agent.idle_share`), at the rollout's device count in the
+    synchronous plan; ``(tail, note)``, unchanged when the tool wait is 0 there."""
+    from ..scheduler.plan.agent import idle_share
+
+    plain = {k: v for k, v in options.items() if k != "runner_ups"}
+    plan = plan_from_profile(prof, num_devices, capacity, mode, **plain)[0]
+    used = {c: u for lf in plan.leaves() for c, u in zip(lf.components, lf.component_devices)}
+    n = used.get(prof.agent.component, 1)
+    model, rollout = prof.agent_rollout_s(n)
+    if rollout <= model:  # no tool wait on the critical path: nothing to add
+        return tail, note
+    u = idle_share(model, rollout, tail)
+    return u, (
+        f"{note}; agent tool waits: {rollout - model:.3f} s of the rollout's {rollout:.3f} s on "
+        f"{n} devices, counted idle (partial rollouts fill them): u = {u:.3f}"
+    )
+
+
 def placement_for(
     spec: str,
     workflow: str,
@@ -452,6 +472,8 @@ def staleness_from_profile(
         else "the profile has no response-length distribution: rollout time as measured, "
         "no tail to fill (u = 0; --lengths sets one)"
     )
+    if prof.agent is not None and prof.agent.component in prof.components:
+        tail, note = _agent_tail(prof, num_devices, capacity, mode, tail, note, options)
     pool_row = None
     if spot is not None and prof.spot is not None:
         choice = next((c for c in (spot.best, *spot.runner_ups) if c.mode != "reserved"), None)

@@ -39,6 +39,13 @@ Schema (YAML; units: seconds, bytes, items per step)::
       component: reward               # runs off the reserved devices (.reward_remote)
       extra_delay_s: 0.62             # the service's predicted extra delay per batch
       tail_s: 0.05                    # scoring time of the last request
+    agent:                            # agent episodes: turns, tool latency (optional, .agent)
+      component: rollout              # the component running them (its points: model time)
+      episodes_per_item: 8            # episodes per item
+      turns: {1: 0.2, 2: 0.5, 3: 0.3} # assistant turns per episode: share of episodes
+      tool_latency_s: {median: 2.0, p90: 6.0}   # seconds per tool call (or {samples: [...]})
+      tool_timeout_s: null            # calls cut here (null: never)
+      observation_tokens: 200         # tokens appended per tool call
     measured_on:                      # where it was measured (optional; m2flow profile writes it)
       host: node-7                    # hostname
       cpu: AMD EPYC 7B13              # CPU model
@@ -74,6 +81,7 @@ import yaml
 
 from ..reward.remote import RewardService, RewardServiceError
 from ..spot.plan import Prices, SpotPlanError, SpotPool
+from .agent import AgentError, AgentWorkload, agent_from_dict, with_tool_wait
 from .cycle import CycleCost, CycleError
 from .fit import Fit, fit_scaling
 
@@ -143,6 +151,22 @@ class Profile:
     prices: Prices | None = None
     reward_service: RewardService | None = None
     measured_on: dict[str, Any] | None = None
+    agent: AgentWorkload | None = None
+
+    def agent_rollout_s(self, devices: int) -> tuple[float, float]:
+        """``(model s, rollout s)`` of the ``agent:`` block's component per step on
+        ``devices`` devices (:class:`~.agent.AgentRolloutTime`; the tool wait is their
+        difference).
+
+        Raises:
+            ValueError: no ``agent:`` block.
+        """
+        if self.agent is None:
+            raise ValueError("the profile has no agent: block")
+        model = self.components[self.agent.component].time_fit()
+        episodes = self.batch_size * self.agent.episodes_per_item
+        rollout = with_tool_wait(_Timed(model), self.agent, episodes).time
+        return float(model(devices)), float(rollout(devices))
 
     def to_dict(self) -> dict[str, Any]:
         """The document, keys in schema order (what :func:`save_profile` writes)."""
@@ -172,8 +196,17 @@ class Profile:
             **({"spot": asdict(self.spot)} if self.spot else {}),
             **({"prices": asdict(self.prices)} if self.prices else {}),
             **({"reward_service": asdict(self.reward_service)} if self.reward_service else {}),
+            **({"agent": self.agent.to_dict()} if self.agent else {}),
             **({"measured_on": dict(self.measured_on)} if self.measured_on else {}),
         }
+
+
+@dataclass
+class _Timed:
+    """A bare ``time`` and ``chunk_overhead`` for :func:`~.agent.with_tool_wait`."""
+
+    time: Any
+    chunk_overhead: float = 0.0
 
 
 def _cycle_doc(c: CycleCost) -> dict[str, Any]:
@@ -200,6 +233,7 @@ _TOP = {
     "spot",
     "prices",
     "reward_service",
+    "agent",
     "measured_on",
 }
 _CYCLE = {
@@ -302,7 +336,8 @@ def profile_from_dict(doc: Any) -> Profile:
 
     Raises:
         ProfileError: not a mapping, unknown or missing keys, a negative, non-finite or
-            non-numeric number, a device count or batch size below 1, a component without
+            non-numeric number, a device count or batch size below 1, a bad ``agent:`` block
+            (:func:`~.agent.agent_from_dict`), a component without
             points (or with a device count measured twice, or 0 seconds or bytes at some of its
             points only), an edge naming a component the profile does not measure, or a cycle
             entry naming other than two profiled components (or with round_trips below 1).
@@ -343,6 +378,12 @@ def profile_from_dict(doc: Any) -> Profile:
     service = None
     if doc.get("reward_service") is not None:
         service = _reward_service(doc["reward_service"], comps, spot)
+    agent = None
+    if doc.get("agent") is not None:
+        try:
+            agent = agent_from_dict(doc["agent"], comps)
+        except AgentError as e:
+            raise ProfileError(str(e)) from None
     return Profile(
         batch_size=batch,
         components=comps,
@@ -356,6 +397,7 @@ def profile_from_dict(doc: Any) -> Profile:
         prices=prices,
         reward_service=service,
         measured_on=_measured_on(doc.get("measured_on")),
+        agent=agent,
     )
 
 
@@ -457,7 +499,8 @@ def fits(profile: Profile) -> dict[str, tuple[Fit, Fit]]:
 
 def to_workflow(profile: Profile):
     """The planner's :class:`~.planner.Workflow`: fitted time and memory per component,
-    the traced edges and ``batch_size``."""
+    the traced edges and ``batch_size``; an ``agent:`` block's tool wait added to its
+    component (:func:`~.agent.with_tool_wait`; none when it is 0)."""
     from .planner import Component, Workflow
 
     comps = [
@@ -472,5 +515,10 @@ def to_workflow(profile: Profile):
         )
         for name, (t, m) in fits(profile).items()
     ]
+    agent = profile.agent
+    if agent is not None and agent.component in profile.components:
+        episodes = profile.batch_size * agent.episodes_per_item
+        comps = [with_tool_wait(c, agent, episodes) if c.name == agent.component else c
+                 for c in comps]  # fmt: skip
     edges = [(e.src, e.dst) for e in profile.edges]
     return Workflow(comps, edges, profile.batch_size, tuple(profile.cycles))

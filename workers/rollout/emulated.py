@@ -388,6 +388,12 @@ class EmulatedEngine:
             pass a recorder); ``None``: sleep them, interruptibly by a pause.
         version: the weight version it starts with.
         pause_timeout_s: longest wait of a paused :meth:`step` for :meth:`resume`.
+        prefix_cache: keep the KV cache of a request that leaves the batch (finished, or
+            between an agent episode's turns) under its id, as vLLM's automatic prefix caching
+            or SGLang's radix cache do: a later request with that id whose context extends the
+            cached one prefills only the new tokens. Kept caches are dropped oldest first when
+            they and the running requests' exceed :attr:`ThroughputModel.kv_capacity_tokens`.
+            Off by default (a request that leaves loses its cache).
 
     Attributes:
         emulated_s: modelled seconds so far (decode + prefill + weight transfers).
@@ -422,6 +428,7 @@ class EmulatedEngine:
         sleep: Callable[[float], None] | None = None,
         version: int = -1,
         pause_timeout_s: float = PAUSE_TIMEOUT_S,
+        prefix_cache: bool = False,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
@@ -429,6 +436,7 @@ class EmulatedEngine:
         self.eos_id, self.filler_id, self.seed = eos_id, filler_id, seed
         self.time_scale, self.prompt_tokens = time_scale, prompt_tokens
         self.min_new_tokens = min_new_tokens
+        self.prefix_cache = prefix_cache
         self.pace = sleep
         self.gate = DecodeGate(version, pause_timeout_s)
         self.cached: dict[str, int] = {}  # request id -> context tokens in its KV cache here
@@ -541,10 +549,15 @@ class EmulatedEngine:
         run = np.flatnonzero(np.logical_and.accumulate(fits))
         cold = [i for i in run if self.cached.get(live[i].id) != ctx[i]]
         prefill = self.model.prefill_s(ctx[cold]) if cold else 0.0
+        if self.prefix_cache and cold:  # a kept cache no longer than the context is its prefix
+            hit = np.array([self.cached.get(live[i].id, 0) for i in cold], dtype=np.int64)
+            hit = np.where(hit <= ctx[cold], hit, 0)
+            prefill = self.model.prefill_s(ctx[cold] - hit, hit)
         iters = self._decode_iters(ctx[run], new[run])
         k = self._run(prefill, iters)
         self.emulated_s += prefill + (float(np.sum(iters[:k])) if len(iters) else 0.0)
         cached: dict[str, int] = {}
+        ended: dict[str, int] = {}  # finished here: kept with a prefix cache
         made = 0
         for i in run:
             r, n = live[i], int(min(new[i], k))
@@ -564,8 +577,26 @@ class EmulatedEngine:
             made += n
             if not r.done:
                 cached[r.id] = int(ctx[i]) + n
+            else:
+                ended[r.id] = int(ctx[i]) + n
+        if self.prefix_cache:
+            cached = self._keep(cached, ended, {r.id for r in live})
         self.cached = cached  # the others left, finished, or were evicted
         return k, made, k < len(iters)
+
+    def _keep(self, running: dict, ended: dict, live: set) -> dict:
+        """The prefix cache after a block: ``running`` plus the kept caches (older ones not
+        live in this call, then ``ended``), the oldest dropped while they exceed the KV cache
+        left by the running ones (a live request that was not admitted lost its cache)."""
+        kept = {k: v for k, v in self.cached.items() if k not in live}
+        kept.update(ended)
+        room = self.model.kv_capacity_tokens - sum(running.values())
+        total = sum(kept.values())
+        for key in list(kept):
+            if total <= room:
+                break
+            total -= kept.pop(key)
+        return {**kept, **running}
 
     def _run(self, prefill: float, iters: np.ndarray) -> int:
         """Sleep the modelled ``prefill`` then ``iters`` (seconds per decode iteration);
