@@ -11,7 +11,7 @@ environment's rewards: here the task's scorer on the final answer) is its reward
 play turn by turn on the rollout engine, keeping the sampled tokens; tool output and template
 tokens are in the sequence the actor reads but out of its loss (``loss_mask``:
 docs/concepts/agents.md). The default is a task the tiny model cannot do in its head
-(3-4 digit sums) with a calculator tool: docs/results/agent.md has both curves.
+(3-digit sums and differences) with a calculator tool: docs/results/agent.md has both curves.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     task: TaskConfig = field(
         default_factory=lambda: TaskConfig(
-            config={"min_terms": 2, "max_terms": 2, "min_digits": 3, "max_digits": 4},
+            config={"min_terms": 2, "max_terms": 2, "min_digits": 3, "max_digits": 3},
             val_size=64,
             heldout_size=200,
         )  # fmt: skip
@@ -86,7 +86,7 @@ class Config:
     )
     warm_start: WarmStartConfig = field(
         default_factory=lambda: WarmStartConfig(
-            steps=300, batch_size=64, target_accuracy=None, time_budget_s=240.0
+            steps=300, batch_size=64, target_accuracy=None, time_budget_s=900.0
         )
     )
     rollout: RolloutOptions = field(

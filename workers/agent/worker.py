@@ -11,7 +11,7 @@ from m2flow import Channel, group_method
 from ..llm.generation import generate as hf_generate
 from ..llm.placement import split_evenly
 from ..rollout.worker import RolloutWorker
-from .builtin import make_env_factory
+from .builtin import make_env_factory, question
 from .chat import ChatTokens
 from .config import AgentConfig
 from .loop import AgentLimits, BlockGenerate, episode_metrics, episodes_batch, run_episodes
@@ -52,6 +52,7 @@ class AgentRolloutWorker(RolloutWorker):
     ) -> None:
         super().__init__(model, tokenizer, options, heldout, reward, seed)
         a = self.agent = AgentConfig(**agent)
+        self.compact = compact
         if getattr(type(self.engine), "generates", True):
             self.generate_fn = self.engine.generate
         else:  # a block engine (exact, emulated): the loop steps it
@@ -82,9 +83,11 @@ class AgentRolloutWorker(RolloutWorker):
             return self.openai.run(items, n_samples, self.pool)
         envs, entries, keys = [], [], []
         for it in items:
+            # what env.reset gets: the entry plus the question (Environment.reset)
+            entry = {**it["entry"], "prompt": question(it["entry"], self.compact)}
             for j in range(n_samples):
                 envs.append(self.env_factory())
-                entries.append(it["entry"])
+                entries.append(entry)
                 keys.append((it.get("step", 0), it["group"], j))
         return run_episodes(
             generate, self.chat, self.tokenizer, envs, entries, keys, self.limits, self.pool

@@ -251,9 +251,10 @@ class RolloutWorker(Worker):
     def _oldest_version(self, batch) -> int:
         """The oldest weight version among the batch's tokens (its ``versions``), or this
         rank's weights' version for an engine that reports none."""
-        if "versions" not in batch.keys():
+        mask = batch["response_mask"].bool()
+        if "versions" not in batch.keys() or not mask.any():  # (episodes that ended at reset)
             return self.weight_version
-        return int(batch["versions"][batch["response_mask"].bool()].min())
+        return int(batch["versions"][mask].min())
 
     # -- control (between the engine's decode steps) ----------------------------------------
 
