@@ -1,17 +1,18 @@
 """The agent example on CPU: GRPO with a calculator tool against the same model without it.
 
-    python benchmarks/agent_runs.py --launch --run-root /tmp/agentruns    # both runs, ~1 h on CPU
+    python benchmarks/agent_runs.py --launch --run-root /tmp/agentruns   # 4 runs at once, ~1 h
     python benchmarks/agent_runs.py --run-root /tmp/agentruns             # the table + JSON
 
-Issue 33 item 6: ``workflows/agent.py`` at its defaults (3-digit sums ``a+b`` / ``a-b`` that the
-tiny character model cannot do in its head, ``agent.env=calculator``) and the no-tool baseline
-``agent.env=answer`` (one turn: the answer). Both start with the same number of supervised
-warm-start steps on demonstrations of their own environment (tool-use traces; the answers),
-then train with GRPO; the held-out accuracy (greedy episodes, 200 prompts) is logged every
-``trainer.eval_every`` steps. ``--launch`` runs the two side by side (each under ``timeout
---limit-s``; their console output in ``<run-root>/<name>.log``, exit status in
-``<name>.rc``), so the machine's load hits both alike. The table: held-out accuracy after the
-warm start and at each evaluation, per run; ``benchmarks/results/agent_runs.json``.
+Issue 33 item 6: ``workflows/agent.py`` at its defaults (3-digit sums and differences that the
+tiny character model cannot do in its head, ``agent.env=calculator``; runs ``tool`` and
+``tool_s1``, seeds 0 and 1) and the no-tool baseline ``agent.env=answer`` (one turn: the
+answer; ``notool``, ``notool_s1``). Each starts with the same 300 supervised warm-start steps
+on demonstrations of its own environment (tool-use traces; the answers), then trains 150 GRPO
+steps; the held-out accuracy (greedy episodes, 200 prompts) is logged every
+``trainer.eval_every`` steps. ``--launch`` runs them side by side (each under ``timeout
+--limit-s``; console output in ``<run-root>/<name>.log``, exit status in ``<name>.rc``), so the
+machine's load hits all alike. The table: held-out accuracy after the warm start and at each
+evaluation, per run; ``benchmarks/results/agent_runs.json``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "agent_runs.json"
 RUNS = {
     "tool": [],
     "notool": ["agent.env=answer"],
+    "tool_s1": ["trainer.seed=1"],
+    "notool_s1": ["agent.env=answer", "trainer.seed=1"],
 }
 
 

@@ -211,6 +211,8 @@ def main(cfg) -> dict:
             **{k: a_out[k] for k in ("nonfinite_skips",) if k in a_out},
             **{k: v for k, v in a_out.items() if k.startswith(OFF_POLICY_METRICS)},
             "weight_version": version,
+            # rollout.spot.enabled: the pool's counters of the step's last turn
+            **{f"spot_{k}": v for k, v in g_out[0].get("spot", {}).items()},
         }
         note = f"reward {metrics['reward_mean']:.3f} turns {metrics['num_turns_mean']:.2f}"
         return StepRecord(metrics, note)

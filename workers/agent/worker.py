@@ -113,11 +113,13 @@ class AgentRolloutWorker(RolloutWorker):
             n, n_tok, n_resp = self._put(out, gen, items, step_samples)
             samples, tokens, resp = samples + n, tokens + n_tok, resp + n_resp
             done += episodes
+        extra = self.engine.last_metrics() if hasattr(self.engine, "last_metrics") else {}
         return {
             "samples": samples,
             "tokens": tokens,
             "response_length": resp / max(samples, 1),
             "agent": episode_metrics(done) if done else None,
+            **extra,  # the spot pool's counters (its last turn's)
         }
 
     @group_method
