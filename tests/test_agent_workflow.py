@@ -164,3 +164,27 @@ def test_failing_tools_are_error_observations_and_the_run_finishes(tmp_path):
             )  # fmt: skip
         )
         assert r["end/error"] == 0  # failures are the model's observations, not the run's
+
+
+@pytest.mark.e2e
+def test_runs_from_a_pretrained_qwen2_directory(tmp_path):
+    """``model.path`` with Qwen2's tokenizer files and chat template: the episodes' prompts are
+    the template's (ChatML, the question as the user turn), tool calls parsed as Hermes'."""
+    from m2flow.workers.llm.tokenizer import build_qwen2_tokenizer
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tok = build_qwen2_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(tmp_path / "qwen2")
+    tok.save_pretrained(tmp_path / "qwen2")
+    steps = _run(tmp_path, f"model.path={tmp_path / 'qwen2'}", "rollout.n_samples=2",
+                 "trainer.prompts_per_step=2", "task.heldout_size=4", "agent.max_turn_tokens=12",
+                 "agent.max_episode_tokens=48", "trainer.steps=1")  # fmt: skip
+    assert [r["step"] for r in steps] == [1]
+    assert steps[0]["end/max_tokens"] + steps[0]["end/done"] + steps[0]["end/max_turns"] == 4
