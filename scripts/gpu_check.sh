@@ -15,7 +15,11 @@
 #   4. the ~100M Qwen2 preset (Qwen2's tokenizer) for 8 steps;
 #   5. "your own model": scripts/own_model_example.py writes a warm-started model directory,
 #      JSONL data and a reward file; GRPO then trains from model.path for 100 steps;
-#   6. benchmarks/grpo_vs_trl.py: ours vs TRL's GRPOTrainer on the same GPU, same fp32 model.
+#   6. the agent workflow (multi-turn episodes with a calculator tool), smoke preset, 5 steps,
+#      on the default rollout engine; then the same on rollout.engine=vllm (head dimension 64:
+#      model.num_attention_heads=2), a row marked skipped where vLLM is not installed (the
+#      project's GPU machines have none, ../shared/gpu/README.md);
+#   7. benchmarks/grpo_vs_trl.py: ours vs TRL's GRPOTrainer on the same GPU, same fp32 model.
 # Peak GPU memory per step is sampled with nvidia-smi every 0.5 s.
 #
 # On the project's GPU machines m2flow is installed offline first (../shared/gpu/README.md):
@@ -46,8 +50,7 @@ step() {
   shift 2
   local left=$((BUDGET - SECONDS))
   if [ "$left" -lt 30 ]; then
-    echo "== $name skipped: ${left}s of the ${BUDGET}s budget left"
-    echo "skipped 0" > "$OUT/$name.status"
+    skip "$name" "${left}s of the ${BUDGET}s budget left"
     return
   fi
   [ "$limit" -gt "$left" ] && limit=$left
@@ -64,6 +67,14 @@ step() {
   echo "$rc $((SECONDS - t0))" > "$OUT/$name.status"
   echo "   exit $rc after $((SECONDS - t0)) s; tail:"
   tail -n 3 "$OUT/$name.log" | sed 's/^/   | /'
+}
+
+# skip NAME REASON: a row marked skipped, REASON in $OUT/NAME.log (the summary's note).
+skip() {
+  echo "== $1 skipped: $2"
+  echo "skipped 0" > "$OUT/$1.status"
+  echo "skipped: $2" > "$OUT/$1.log"
+  rm -f "$OUT/$1.mem"
 }
 
 run() { "$PY" -m m2flow.run.cli run "$@"; }
@@ -83,6 +94,13 @@ step own_model 100 run workflows/grpo.py trainer.steps=100 trainer.eval_every=50
   trainer.save_every=100 "model.path=$OUT/own/model" "data.train_files=$OUT/own/train.jsonl" \
   "data.val_files=$OUT/own/val.jsonl" "reward.function=$OUT/own/reward.py:compute_score" \
   "trainer.run_dir=$OUT/own/run"
+step agent 90 run workflows/agent.py -c smoke trainer.steps=5 "trainer.run_dir=$OUT/agent"
+if "$PY" -c "import vllm" > /dev/null 2>&1; then
+  step agent_vllm 150 run workflows/agent.py -c smoke trainer.steps=5 rollout.engine=vllm \
+    model.num_attention_heads=2 "trainer.run_dir=$OUT/agent_vllm"
+else
+  skip agent_vllm "no vLLM in this environment (import vllm failed)"
+fi
 step trl 150 "$PY" benchmarks/grpo_vs_trl.py --plan none --repeats 1 --steps 10 --warmup 3 \
   --work "$OUT/trl_work" --out "$OUT/grpo_vs_trl.json" model.dtype=float32
 

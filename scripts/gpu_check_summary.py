@@ -24,6 +24,8 @@ STEPS = {
     "qwen2_100m": "qwen2_100m",
     "own_model_prepare": None,
     "own_model": "own/run",
+    "agent": "agent",
+    "agent_vllm": "agent_vllm",
     "trl": None,
 }
 DROP = 3  # steps of start-up left out of the medians
@@ -71,6 +73,8 @@ def row(out: Path, name: str, run: str | None) -> list[str]:
     if name == "gpu_tests" and log.is_file():
         found = re.findall(r"(\d+ (?:passed|failed|skipped|error)\w*)", log.read_text())
         note = ", ".join(found[-3:])
+    if status[0] == "skipped" and log.is_file():  # the reason (gpu_check.sh's skip)
+        note = (log.read_text().strip().splitlines() or [""])[0]
     if name == "trl" and (out / "grpo_vs_trl.json").is_file():
         res = json.loads((out / "grpo_vs_trl.json").read_text())
         if "ratio" in res:
