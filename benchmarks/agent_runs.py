@@ -1,11 +1,12 @@
 """The agent example on CPU: GRPO with a calculator tool against the same model without it.
 
-    python benchmarks/agent_runs.py --launch --run-root /tmp/agentruns   # both at once, ~1 h
+    python benchmarks/agent_runs.py --launch --run-root /tmp/agentruns   # all at once, ~1 h
     python benchmarks/agent_runs.py --run-root /tmp/agentruns             # the table + JSON
 
 Issue 33 item 6: ``workflows/agent.py`` at its defaults (3-digit sums and differences that the
-tiny character model cannot do in its head, ``agent.env=calculator``; run ``tool``) and the
-no-tool baseline ``agent.env=answer`` (one turn: the answer; run ``notool``), seed 0 both.
+tiny character model cannot do in its head, ``agent.env=calculator``; runs ``tool``, ``tool_s1``)
+and the no-tool baseline ``agent.env=answer`` (one turn: the answer; ``notool``,
+``notool_s1``), seeds 0 and 1.
 Each starts with the same 300 supervised warm-start steps on demonstrations of its own
 environment (tool-use traces; the answers), then trains 150 GRPO
 steps; the held-out accuracy (greedy episodes, 200 prompts) is logged every
@@ -33,6 +34,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "agent_runs.json"
 RUNS = {
     "tool": [],
     "notool": ["agent.env=answer"],
+    "tool_s1": ["trainer.seed=1"],
+    "notool_s1": ["agent.env=answer", "trainer.seed=1"],
 }
 
 
