@@ -86,7 +86,7 @@ class Config:
     )
     warm_start: WarmStartConfig = field(
         default_factory=lambda: WarmStartConfig(
-            steps=300, batch_size=64, target_accuracy=None, time_budget_s=900.0
+            steps=500, batch_size=64, target_accuracy=None, time_budget_s=1200.0
         )
     )
     rollout: RolloutOptions = field(

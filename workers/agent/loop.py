@@ -52,8 +52,15 @@ from .env import END_REASONS, Environment, EnvStep
 
 log = logging.getLogger(__name__)
 
-#: episode turns are coded into the sampling key's prompt id: ``(episode * TURN_CODES + turn)``
+#: episode turns are coded into the sampling key's prompt id (:func:`episode_code`)
 TURN_CODES = 1024
+
+
+def episode_code(group: int, sample: int, turn: int) -> int:
+    """The sampling counter's prompt id of an episode's turn: unique per ``(group, sample <
+    65536, turn < TURN_CODES)``, so every turn draws its own uniforms and a rerun (or another
+    engine) draws the same ones (:mod:`m2flow.workers.llm.sampling`)."""
+    return ((group * 65536 + sample) * TURN_CODES + turn) % 2**62
 
 
 @dataclass
@@ -170,9 +177,7 @@ def run_episodes(
             for ep in live
         ]
         cap = max(budgets)
-        codes = [
-            (ep.key[0], ((ep.key[1] * 64 + ep.key[2]) * TURN_CODES + turn) % 2**62) for ep in live
-        ]
+        codes = [(ep.key[0], episode_code(ep.key[1], ep.key[2], turn)) for ep in live]
         out = generate([ep.traj.ids for ep in live], 1, cap, codes)
         stepping = []
         for row, (ep, budget) in enumerate(zip(live, budgets)):

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from .builtin import load_callable, question
 from .chat import Trajectory
-from .loop import TURN_CODES, Episode
+from .loop import Episode, episode_code
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class OpenAIEpisodes:
         codes = []
         for cid, call, choice in keys:
             step, group, sample = self._keys.get(cid, (0, 0, 0))
-            code = (((group * 64 + sample) * TURN_CODES + call) * 8 + choice) % 2**62
+            code = (episode_code(group, sample, call) * 8 + choice) % 2**62
             codes.append((step, code))
         fn = self.greedy or self._engine
         with self._lock:
@@ -87,9 +88,12 @@ class OpenAIEpisodes:
                          vers))  # fmt: skip
         return rows
 
-    def run(self, items: list[dict], n_samples: int, pool: ThreadPoolExecutor) -> list[Episode]:
-        """Play ``n_samples`` episodes per item (``{"entry", "group", "step"}``); returns one
-        :class:`~.loop.Episode` per sample (a split episode gives several)."""
+    def run(
+        self, items: list[dict], n_samples: int, pool: ThreadPoolExecutor, concurrency: int
+    ) -> list[Episode]:
+        """Play ``n_samples`` episodes per item (``{"entry", "group", "step"}``) on ``pool``
+        (``concurrency`` threads); returns one :class:`~.loop.Episode` per sample (a split
+        episode gives several)."""
         import openai
 
         jobs = []
@@ -103,10 +107,13 @@ class OpenAIEpisodes:
                 item = {**it["entry"], "prompt": question(it["entry"], self.compact)}
                 jobs.append((cid, key, it["entry"], pool.submit(self.agent, client, item)))
         out = []
+        # episodes run agent.concurrency at a time: each gets timeout_s from its wave's start
+        waves = -(-len(jobs) // max(1, concurrency))
+        deadline = time.monotonic() + self.timeout_s * waves
         for cid, key, entry, fut in jobs:
             end, reward = "done", 0.0
             try:
-                reward = float(fut.result(timeout=self.timeout_s))
+                reward = float(fut.result(timeout=max(0.0, deadline - time.monotonic())))
             except FutureTimeout:
                 end = "error"
                 log.warning("agent %s: episode %s did not return within agent.env_timeout_s=%g s",

@@ -80,7 +80,7 @@ class AgentRolloutWorker(RolloutWorker):
 
     def _episodes(self, items: list[dict], n_samples: int, generate) -> list:
         if self.openai is not None:
-            return self.openai.run(items, n_samples, self.pool)
+            return self.openai.run(items, n_samples, self.pool, self.agent.concurrency)
         envs, entries, keys = [], [], []
         for it in items:
             # what env.reset gets: the entry plus the question (Environment.reset)
