@@ -36,26 +36,12 @@ def question(item: dict, compact: bool) -> str:
     return entry["question"]
 
 
-class _Opening:
-    """Wraps a :class:`~.tools.ToolEnvironment` so its user turn is :func:`question`'s."""
-
-    def __init__(self, env: ToolEnvironment, compact: bool) -> None:
-        self.env, self.compact, self.tools = env, compact, env.tools
-
-    def reset(self, item: dict) -> list[dict]:
-        return self.env.reset({**item, "prompt": question(item, self.compact)})
-
-    def step(self, message: dict):
-        return self.env.step(message)
-
-
 def make_env_factory(
     name: str,
     reward: Callable[[str, dict], float],
     parser: str,
     tool_timeout_s: float,
     system_prompt: str = "",
-    compact: bool = False,
 ) -> Callable[[], Environment]:
     """A factory of fresh environments for ``agent.env=name``: a built-in (:data:`BUILTINS`)
     or ``module:factory`` / ``path/to/file.py:factory`` (:func:`load_callable`; called with
@@ -68,9 +54,8 @@ def make_env_factory(
     if name in BUILTINS:
         tools = [Tool.from_function(calculator)] if name == "calculator" else []
 
-        def factory() -> Environment:
-            env = ToolEnvironment(tools, reward, parser, system_prompt, tool_timeout_s)
-            return _Opening(env, compact)
+        def factory() -> Environment:  # the user turn: the item's prompt (its question)
+            return ToolEnvironment(tools, reward, parser, system_prompt, tool_timeout_s)
 
         return factory
     fn = load_callable(name, "agent.env")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .builtin import demonstration
+from .builtin import demonstration, question
 from .chat import ChatTokens, Trajectory
 from .env import Environment
 
@@ -55,7 +55,7 @@ def demonstration_traces(
     ``name``'s :func:`~.builtin.demonstration`)."""
     out = []
     for entry in entries:
-        opening = env_factory().reset(entry)
+        opening = env_factory().reset({**entry, "prompt": question(entry, compact)})
         out.append(episode_trace(chat, tokenizer, opening,
                                  demonstration(name, entry, parser, compact)))  # fmt: skip
     return out
@@ -83,6 +83,6 @@ def agent_traces(cfg, lm: dict, entries: Sequence[dict], compact: bool) -> list[
         )
     tokenizer = build_tokenizer(lm["tokenizer"])
     parser = parser_for(tokenizer, a.tool_parser)
-    factory = make_env_factory(a.env, None, parser, a.tool_timeout_s, a.system_prompt, compact)
+    factory = make_env_factory(a.env, None, parser, a.tool_timeout_s, a.system_prompt)
     chat = ChatTokens(tokenizer, tools=factory().tools or None)
     return demonstration_traces(entries, factory, chat, tokenizer, a.env, parser, compact)

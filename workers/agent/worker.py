@@ -70,7 +70,7 @@ class AgentRolloutWorker(RolloutWorker):
             )  # fmt: skip
             return
         self.env_factory = make_env_factory(
-            a.env, self._score, self.parser, a.tool_timeout_s, a.system_prompt, compact
+            a.env, self._score, self.parser, a.tool_timeout_s, a.system_prompt
         )
         self.chat = ChatTokens(self.tokenizer, tools=self.env_factory().tools or None)
 
