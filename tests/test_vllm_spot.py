@@ -104,11 +104,12 @@ def test_preempted_vllm_instance_migrates_with_no_sample_lost(pool):
     call = rollout.generate(inp, out, prompts)
     while not call.done():
         m = metrics(mgr)
-        busy = [v["node"] for v in m["instances"].values()
-                if v["kind"] == "spot" and v["executing"]]  # fmt: skip
-        if busy and m["partial"] and m["spot_tokens"] > 0 and not killed:
-            local.remove_node_id(busy[0])  # it has reported blocks: it holds partial responses
-            killed.append(busy[0])
+        # the spot instance holding the most partial responses (reported blocks, per instance)
+        held = sorted((v["partial"], v["node"]) for v in m["instances"].values()
+                      if v["kind"] == "spot" and v["partial"])  # fmt: skip
+        if held and not killed:
+            local.remove_node_id(held[-1][1])
+            killed.append(held[-1][1])
         time.sleep(0.05)
     (res,) = call.wait(timeout=600)
     chunks = []

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import ray
 
@@ -27,7 +26,7 @@ from m2flow.core.elastic import ElasticGroup
 from m2flow.core.liveness import death_cause
 
 from .instance import GROUP, LOOP_GROUP, SpotInstance
-from .records import InstanceRecord
+from .records import InstanceRecord, now
 
 log = logging.getLogger(__name__)
 _LOST_POLL_S = 0.2  # seconds between reads of the run's WORKER_LOST events
@@ -38,47 +37,74 @@ class InstanceLives:
     """The rollout manager's spot-instance half (a mixin of
     :class:`~.manager.RolloutManager`, whose records, stats, queue and event bus it uses)."""
 
-    def _open_group(self) -> None:
-        """The elastic group of the instances and the loss events' cursor (first call)."""
-        if self.group is None:
-            self.group = ElasticGroup(GROUP, SpotInstance, self.cfg.preempt_grace_s,
-                                      concurrency_groups={LOOP_GROUP: 1})  # fmt: skip
-            self._lost_seen = self._bus.last.remote()
+    def _open_lives(self) -> None:
+        """The run's event bus (the trainer's waits and the instances' deaths arrive there),
+        the instances' elastic group and the loss events' cursor (the manager's first call:
+        events published before it belong to no step of this pool)."""
+        self._bus = events.open_bus()
+        self._bus_seen = self._bus.last.remote()
+        self.group = ElasticGroup(GROUP, SpotInstance, self.cfg.preempt_grace_s,
+                                  concurrency_groups={LOOP_GROUP: 1})  # fmt: skip
+        self._lost_seen = self._bus.last.remote()
+
+    def _life_loops(self) -> list:
+        """The coroutines the manager runs beside dispatch and rebalancing."""
+        return [self._pool_loop(), self._lost_loop()]
 
     async def _pool_loop(self) -> None:
+        while True:
+            await self._pool_tick()
+            await asyncio.sleep(0.5)
+
+    async def _pool_tick(self) -> None:
         """Start a spot instance on every preemptible node without one, up to N_prem; release
-        idle instances beyond it (Algorithm 1 lowered N_prem: they would only cost)."""
+        idle instances beyond it (Algorithm 1 lowered N_prem: they would only cost). The
+        policy half of the pool's life; the nodes and the instances' processes are
+        :meth:`_free_nodes`, :meth:`_start_instance` and :meth:`_retire`."""
+        self._integrate()
+        spot = [i for i in self.instances.values() if i.kind == "spot"]
+        for inst in list(reversed(spot)):  # newest first
+            if len(spot) <= self.policy.n_prem:
+                break
+            # (an instance a test registered by hand has no member: never released)
+            if inst.member is not None and not inst.pending and not inst.executing:
+                self._integrate()
+                del self.instances[inst.id]  # before the kill: _watch sees it gone
+                spot.remove(inst)
+                self.stats["released"] += 1
+                await self._retire(inst)
+        used = {i.node for i in spot}
+        for node in self._free_nodes():
+            if len(spot) >= self.policy.n_prem:
+                break
+            if node in used:
+                continue
+            self._integrate()
+            inst = self._start_instance(node)
+            self.instances[inst.id] = inst
+            spot.append(inst)
+
+    def _free_nodes(self) -> list[str]:
+        """The preemptible nodes alive now (Ray node ids)."""
         from m2flow.core.spot import alive_spot_nodes
 
-        while True:
-            self._integrate()
-            spot = [i for i in self.instances.values() if i.kind == "spot"]
-            for inst in list(reversed(spot)):  # newest first
-                if len(spot) <= self.policy.n_prem:
-                    break
-                if inst.member is not None and not inst.pending and not inst.executing:
-                    self._integrate()
-                    del self.instances[inst.id]  # before the kill: _watch sees it gone
-                    spot.remove(inst)
-                    self.stats["released"] += 1
-                    await self.group.retire(inst.member)
-            used = {i.node for i in spot}
-            for node in alive_spot_nodes():
-                if len(spot) >= self.policy.n_prem:
-                    break
-                if node in used:
-                    continue
-                iid = f"spot:{node[:8]}"
-                member = self.group.add(
-                    node, instance_id=iid, block_tokens=self.cfg.block_tokens,
-                    max_batch=self.cfg.max_batch, args=self.instance_args,
-                )  # fmt: skip
-                self._integrate()
-                inst = InstanceRecord(iid, "spot", member.handle, node, member=member)
-                self.instances[iid] = inst
-                spot.append(inst)
-                asyncio.get_event_loop().create_task(self._watch(inst, member.handle.run.remote()))
-            await asyncio.sleep(0.5)
+        return list(alive_spot_nodes())
+
+    def _start_instance(self, node: str) -> InstanceRecord:
+        """A spot instance on ``node``: a member of the elastic group, watched until its loop
+        ends (:meth:`_watch`)."""
+        iid = f"spot:{node[:8]}"
+        member = self.group.add(
+            node, instance_id=iid, block_tokens=self.cfg.block_tokens,
+            max_batch=self.cfg.max_batch, args=self.instance_args,
+        )  # fmt: skip
+        inst = InstanceRecord(iid, "spot", member.handle, node, member=member)
+        asyncio.get_running_loop().create_task(self._watch(inst, member.handle.run.remote()))
+        return inst
+
+    async def _retire(self, inst: InstanceRecord) -> None:
+        """Stop a released instance on purpose (no loss: it held nothing)."""
+        await self.group.retire(inst.member)
 
     async def _watch(self, inst: InstanceRecord, run) -> None:
         """Until the instance's loop ends: its process died (preempted or crashed, as the
@@ -110,9 +136,9 @@ class InstanceLives:
     async def _wait_lost(self, key: str, timeout: float) -> dict | None:
         """The ``WORKER_LOST`` event of member ``key`` (:meth:`_lost_loop`), waiting up to
         ``timeout`` seconds; ``None`` if none came."""
-        deadline = time.monotonic() + timeout
-        while key not in self._lost and time.monotonic() < deadline:
-            await self._wait_change(min(1.0, deadline - time.monotonic()))
+        deadline = now() + timeout
+        while key not in self._lost and now() < deadline:
+            await self._wait_change(min(1.0, deadline - now()))
         return self._lost.pop(key, None)
 
     async def _lost_loop(self) -> None:
@@ -132,7 +158,8 @@ class InstanceLives:
     def _gone(self, inst: InstanceRecord, preempted: bool, describe: str) -> None:
         """Forget a dead or retired instance and requeue its requests (migration); count a
         preemption (what it held) or a named error."""
-        self.group.forget(inst.member)
+        if self.group is not None and inst.member is not None:
+            self.group.forget(inst.member)
         if self.instances.get(inst.id) is not inst:  # released meanwhile
             return
         self._integrate()
@@ -159,4 +186,4 @@ class InstanceLives:
         """Stop every spot instance on purpose (the manager's shutdown): no losses."""
         for inst in list(self.instances.values()):
             if inst.member is not None:
-                await self.group.retire(inst.member)
+                await self._retire(inst)

@@ -40,7 +40,8 @@ policies in :mod:`m2flow.scheduler.spot`; the manager applies them:
   :meth:`RolloutManager.resume`; the reserved ranks' requests stay with them (their engines
   pause in place).
 
-Times are ``time.monotonic()`` seconds. Metrics per step: tokens by reserved vs spot engines,
+Times are the manager's clock's seconds (:func:`.records.now`: ``time.monotonic()`` on
+a standard event loop). Metrics per step: tokens by reserved vs spot engines,
 preemptions and the requests and tokens the preempted instances held, migrated samples and
 tokens, ``T_seed``, ``N_prem``. The records it keeps (instances, the step's clock, Algorithm
 1's inputs) are in :mod:`.records`.
@@ -50,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections import defaultdict, deque
 
 import ray
@@ -62,7 +62,7 @@ from ..exact import GenRequest
 from .config import SpotPoolConfig
 from .lifecycle import InstanceLives
 from .names import MANAGER_NAME
-from .records import InstanceRecord, StepRecord
+from .records import InstanceRecord, StepRecord, now, wall
 
 _POLL_S = 0.05
 
@@ -118,17 +118,13 @@ class RolloutManager(InstanceLives):
     def _start(self) -> None:
         """The background loops, started by the first call (an actor's __init__ has no event
         loop running yet)."""
-        if self._bus is None:  # events published before now belong to no step of this pool
-            self._bus = events.open_bus()
-            self._bus_seen = self._bus.last.remote()
-            self._open_group()
         if not self._tasks:
+            self._open_lives()
             loop = asyncio.get_running_loop()
             self._tasks = [
                 loop.create_task(self._dispatch_loop()),
                 loop.create_task(self._rebalance_loop()),
-                loop.create_task(self._pool_loop()),
-                loop.create_task(self._lost_loop()),
+                *(loop.create_task(c) for c in self._life_loops()),
             ]
 
     # -- weights and steps ----------------------------------------------------------------
@@ -189,12 +185,12 @@ class RolloutManager(InstanceLives):
     async def submit(self, step: int, owner: int, requests: list[GenRequest]) -> float:
         """A rollout rank's share of step ``step``; it collects them. Returns ``T_seed``."""
         self._start()
-        now = time.monotonic()
+        t = now()
         if step != self.cur.step:
             if self.cur.step >= 0:  # the last step ended without new weights: close it anyway
                 await self._read_trainer_waits()
                 self._end_step()
-            self.cur = StepRecord(step=step, start=now, n_since=now)
+            self.cur = StepRecord(step=step, start=t, n_since=t)
             for inst in self.instances.values():
                 inst.busy_s, inst.last_done = 0.0, None
         self.cur.owners[owner] = self.cur.owners.get(owner, 0) + len({r.key[1] for r in requests})
@@ -215,7 +211,7 @@ class RolloutManager(InstanceLives):
             self._integrate()  # the count changes: n_bar's integral up to now
         self.instances[instance_id] = InstanceRecord(instance_id, kind, version=self.version)
         if kind == "reserved":  # the reserved devices generate from now until it leaves
-            self.cur.reserved_spans.append([instance_id, time.time(), None])
+            self.cur.reserved_spans.append([instance_id, wall(), None])
         self._changed()
 
     async def lease(self, instance_id: str, version: int, capacity: int) -> list[GenRequest]:
@@ -229,10 +225,10 @@ class RolloutManager(InstanceLives):
         inst.version = version
         if version != self.version or (self.paused and inst.kind == "spot"):
             return []
-        deadline = time.monotonic() + 0.2
+        deadline = now() + 0.2
         while (not inst.pending and not inst.executing and inst.accepting
-               and time.monotonic() < deadline):  # fmt: skip
-            await self._wait_change(deadline - time.monotonic())
+               and now() < deadline):  # fmt: skip
+            await self._wait_change(deadline - now())
         out = []
         capacity = min(capacity, self.cfg.max_batch - len(inst.executing))
         while inst.pending and len(out) < capacity:
@@ -255,7 +251,7 @@ class RolloutManager(InstanceLives):
         inst = self.instances.get(instance_id)
         if inst is None:
             return [r.id for r in updates]
-        now = time.monotonic()
+        t = now()
         inst.busy_s += busy_s
         if batch and busy_s > 0:  # the online batching profile P (Algorithm 2, line 23)
             self.profile.record(batch, tokens, busy_s, context_len=context)
@@ -268,7 +264,7 @@ class RolloutManager(InstanceLives):
             self.requests[r.id] = r
             if r.done:
                 inst.executing.discard(r.id)
-                inst.last_done = now
+                inst.last_done = t
                 self._finished(r)
         drop = [rid for rid in inst.revoke if rid in inst.executing]
         for rid in drop:
@@ -285,13 +281,13 @@ class RolloutManager(InstanceLives):
         inst = self.instances.pop(instance_id, None)
         if inst is None:
             return
-        now = time.time()
+        w = wall()
         for span in self.cur.reserved_spans:
             if span[0] == instance_id and span[2] is None:
-                span[2] = now
+                span[2] = w
         if self.cur.seed_end is None:
-            self.cur.seed_end = time.monotonic()
-            self.cur.seed_end_wall = now
+            self.cur.seed_end = now()
+            self.cur.seed_end_wall = w
         for rid in [*inst.pending, *inst.executing]:
             self._requeue(rid, migrated=False)
         self._changed()
@@ -312,18 +308,18 @@ class RolloutManager(InstanceLives):
         the trainer (it trains between calls, as the emulated cluster's does). A rollout rank
         that collects for a trainer on the same devices is not idle while the trainer trains
         there, so with a reporting trainer its waits are not counted."""
-        t0 = time.monotonic()
+        t0 = now()
         deadline = t0 + timeout
         while True:
             left = sum(1 for (o, _), n in self.groups_left.items() if o == owner and n > 0)
             have = len(self.ready[owner])
             if (have and have >= min(min_groups, have + left)) or not left:
                 break
-            if time.monotonic() >= deadline:
+            if now() >= deadline:
                 break
-            await self._wait_change(deadline - time.monotonic())
+            await self._wait_change(deadline - now())
         if self.cur.seed_end is not None:
-            self.cur.train_wait[owner] += time.monotonic() - t0
+            self.cur.train_wait[owner] += now() - t0
         out, self.ready[owner] = self.ready[owner], []
         return out
 
@@ -504,9 +500,9 @@ class RolloutManager(InstanceLives):
 
     def _end_step(self) -> None:
         """Algorithm 1 after a step (definitions in docs/results/spot.md)."""
-        now = self._integrate()  # n_bar's integral up to the step's end, at its clock
+        t_end = self._integrate()  # n_bar's integral up to the step's end, at its clock
         c = self.cur
-        stats = c.stats(now, [i for i in self.instances.values() if i.kind == "spot"])
+        stats = c.stats(t_end, [i for i in self.instances.values() if i.kind == "spot"])
         t_seed, n_prem = self.policy.t_seed, self.policy.n_prem
         if self.cfg.seeding:
             self.policy.update(stats)
@@ -518,7 +514,7 @@ class RolloutManager(InstanceLives):
             {**self.stats, "step": c.step, "t_seed": t_seed, "n_prem": n_prem,
              "n_bar": stats.n_bar, "n_hat": stats.n_hat, "t_train_wait": stats.t_train_wait,
              "t_remote_wait": stats.t_remote_wait, "t_train": stats.t_train,
-             "t_remote": stats.t_remote, "step_s": max(now - c.start, 1e-9)}
+             "t_remote": stats.t_remote, "step_s": max(t_end - c.start, 1e-9)}
         )  # fmt: skip
         self.history = self.history[-100:]
         self.stats = self._fresh_stats()

@@ -1,17 +1,39 @@
 """What the rollout manager records: each instance as it sees it, and one step's clock, from
 which Algorithm 1's inputs come (RLBoost 4.1, lines 6-8; definitions in docs/results/spot.md).
 
-Times: ``time.monotonic()`` seconds, except the wall-clock (``time.time()``) intervals that
-are compared with the trainer's reported waits.
+Times: the manager's clock (:func:`now`, ``time.monotonic()`` seconds on a standard event
+loop), except the wall-clock (:func:`wall`, ``time.time()``) intervals that are compared with
+the trainer's reported waits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from m2flow.scheduler.spot import StepStats, seconds_outside
+
+
+def now() -> float:
+    """The manager's clock in seconds: its event loop's ``time()`` (``time.monotonic()`` on a
+    standard loop; the virtual clock of ``benchmarks/spot_cluster_sim.py``'s loop, which is
+    how the cluster experiments run this manager in emulated time)."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:  # outside the loop (records built by a test)
+        return time.monotonic()
+
+
+def wall() -> float:
+    """Wall-clock seconds on the manager's clock: ``time.time()``, or the running loop's
+    ``wall()`` where it has one (a virtual clock: wall and loop time advance together)."""
+    try:
+        w = getattr(asyncio.get_running_loop(), "wall", None)
+    except RuntimeError:
+        w = None
+    return w() if w is not None else time.time()
 
 
 @dataclass
@@ -30,7 +52,7 @@ class InstanceRecord:
     accepting: bool = True  # False: leaving (a reserved rank after seeding)
     busy_s: float = 0.0  # engine seconds this step
     last_done: float | None = None  # when it last finished a response this step
-    since: float = field(default_factory=time.monotonic)
+    since: float = field(default_factory=now)
 
 
 @dataclass
@@ -45,7 +67,7 @@ class StepRecord:
     train_wait: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     # the trainer's reported waits for micro-batches: rank -> [(t0, t1)] wall-clock seconds
     trainer_waits: dict[int, list] = field(default_factory=dict)
-    seed_end_wall: float | None = None  # time.time() when the seeding window ended
+    seed_end_wall: float | None = None  # wall() when the seeding window ended
     reserved_spans: list = field(default_factory=list)  # [id, t0, t1]: reserved generation (wall)
     n_integral: float = 0.0  # spot instance-seconds, for n_bar
     n_since: float = 0.0
@@ -54,10 +76,10 @@ class StepRecord:
         """Advance the spot instance-seconds (``n_bar``'s integral) to now at the count
         ``held`` since the last call: called before every change of the count and at the
         step's end, so a count held constant integrates exactly. Returns now (monotonic)."""
-        now = time.monotonic()
-        self.n_integral += held * max(now - self.n_since, 0.0)
-        self.n_since = now
-        return now
+        t = now()
+        self.n_integral += held * max(t - self.n_since, 0.0)
+        self.n_since = t
+        return t
 
     def t_train_wait(self, end: float) -> float:
         """``t_train^wait`` of the step ending at ``end`` (wall clock): the mean over trainer
@@ -78,7 +100,7 @@ class StepRecord:
         :meth:`integrate`), with ``spot`` the spot instances held at its end."""
         elapsed = max(now - self.start, 1e-9)
         seed_end = self.seed_end if self.seed_end is not None else now
-        train_wait = self.t_train_wait(time.time())
+        train_wait = self.t_train_wait(wall())
         worked = [i for i in spot if i.last_done is not None]
         n_bar = self.n_integral / elapsed
         return StepStats(
