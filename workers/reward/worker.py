@@ -34,23 +34,22 @@ class RewardWorker(Worker):
     [0, 1], for reasoning-gym prompts), or through the shared reward service (DistRS;
     :mod:`.service`).
 
-    With the service, the step is one batch (DistRS section 3.2, request-in, batch-out),
-    announced with the step's number of responses when its rollout starts: the runner calls
-    :meth:`announce` before the step's rollout (DistRS section 4, the proxy: "the start of a
-    new rollout batch indicates that a new batch of reward computation requests will arrive
-    shortly", so the service scales and warms workers up before the first request; the
-    announcement time is the batch's arrival time ``AT`` of Algorithm 2). A step not
-    announced so is announced by the first chunk of it that any rank takes, with the chunk's
-    ``step_samples`` (the announcement is idempotent, so every rank sharing the step may send
-    it). Each chunk's responses are
-    submitted the moment the chunk arrives, one request per response with the id
-    ``"<step>:<group>:<sample>"``, while the rewards of earlier chunks are collected in the
-    background (:class:`~.service.stream.RewardStream`, which also rides out service
-    restarts). Chunks are forwarded in order, each once its rewards are in, at the rank's next
-    channel operation (the next chunk's arrival or the step's end: channel operations stay on
-    the call's thread). A chunk without ``step_samples`` is a batch of its own. A rank whose
-    step fails closes its batches on the service (so that they do not stay active for
-    requests that will not come); a lone rank closes them at the end of every step.
+    With the service, the step is one batch (DistRS section 3.2, request-in, batch-out), announced
+    with the step's number of responses when its rollout starts: the runner calls :meth:`announce`
+    before the step's rollout (DistRS section 4, the proxy: "the start of a new rollout batch
+    indicates that a new batch of reward computation requests will arrive shortly", so the service
+    scales and warms workers up before the first request; the announcement time is the batch's
+    arrival time ``AT`` of Algorithm 2). A step not announced so is announced by the first chunk of
+    it that any rank takes, with the chunk's ``step_samples`` (the announcement is idempotent, so
+    every rank sharing the step may send it). Each chunk's responses are submitted the moment the
+    chunk arrives, one request per response with the id ``"<step>:<group>:<sample>"``, while the
+    rewards of earlier chunks are collected in the background
+    (:class:`~.service.stream.RewardStream`, which also rides out service restarts). Chunks are
+    forwarded in order, each once its rewards are in, at the rank's next channel operation (the next
+    chunk's arrival or the step's end: channel operations stay on the call's thread). A chunk
+    without ``step_samples`` is a batch of its own. A rank whose step fails closes its batches on
+    the service (so that they do not stay active for requests that will not come); a lone rank
+    closes them at the end of every step.
 
     Args:
         tokenizer: the tokenizer spec (:func:`~m2flow.workers.llm.build_tokenizer`), to decode
