@@ -1,5 +1,8 @@
-"""RLBoost's evaluation (section 6, Appendices D-E) as the paper makes it, on the emulated
-cluster of ``benchmarks/spot_cluster_sim.py``: emulated time, deterministic given ``--seed``.
+"""RLBoost's evaluation (section 6, Appendices D-E) as the paper makes it, in emulated time,
+deterministic given ``--seed``: every RLBoost run drives the live rollout manager
+(``benchmarks/spot_cluster_emu.py``: ``RolloutManager`` on a virtual-time event loop), the
+baselines run in ``benchmarks/spot_cluster_baselines.py`` (the same engine model; the old
+simulator ``spot_cluster_sim.py`` where that module is absent).
 
 One command runs every experiment; each writes its part of
 ``benchmarks/results/spot_cluster.json`` and prints its table (docs/results/spot_cluster.md puts
@@ -22,7 +25,8 @@ them next to the paper's numbers; ``fig10``, ``fig13_17`` are also plotted in ``
 - ``agents``: section 4.3's per-node transfer agents, 32B on two nodes: two senders vs one.
 
     python benchmarks/spot_cluster.py            # everything (15-20 min on 2 shared cores)
-    python benchmarks/spot_cluster.py --quick    # CI size: 8B/A, short runs (2-4 min, shared cores)
+    python benchmarks/spot_cluster.py --quick    # CI size: short runs; Fig. 10 for 8B/14B/32B
+                                                 # on segment A; ends with one line per model
     python benchmarks/spot_cluster.py --only fig11 fig14
 """
 
@@ -32,6 +36,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -41,16 +46,22 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from m2flow.scheduler.spot.trace import generate_segment  # noqa: E402
 from m2flow.workers.rollout.emulated import ResponseLengths  # noqa: E402
-from spot_cluster_sim import (  # noqa: E402
+from spot_cluster_emu import run_rlboost  # noqa: E402
+from spot_cluster_model import (  # noqa: E402
     CAP,
     RESERVED_GPU_PER_H,
     SPOT_INSTANCE_PER_H,
-    Sim,
     System,
     Workload,
     summarise,
     with_cap,
 )
+
+try:  # the baselines in the same emulated time (helper base34's module)
+    from spot_cluster_baselines import disagg_size as _disagg_size  # noqa: E402
+    from spot_cluster_baselines import run_baseline  # noqa: E402
+except ImportError:  # not merged yet: the old simulator's baselines
+    _disagg_size = run_baseline = None
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "spot_cluster.json"
@@ -71,14 +82,18 @@ def run(
     warmup: int = 0,
     seed: int = 0,
 ) -> dict:
+    """One run: RLBoost on the live manager (:func:`spot_cluster_emu.run_rlboost`), a
+    baseline in ``spot_cluster_baselines.run_baseline``. Same arguments and result."""
+    if system.kind == "rlboost":
+        return run_rlboost(system, wl, duration, trace, events, max_steps, warmup, seed)
+    if run_baseline is not None:
+        return run_baseline(system, wl, duration, trace, events, max_steps, warmup, seed)
+    from spot_cluster_sim import Sim
+
     sim = Sim(system, wl, trace, events, rng_seed=seed)
     rec = sim.run(duration, max_steps)
-    return {
-        "system": asdict(system),
-        "records": rec,
-        "timeline": sim.timeline,
-        **summarise(rec, warmup),
-    }
+    return {"system": asdict(system), "records": rec, "timeline": sim.timeline,
+            **summarise(rec, warmup)}  # fmt: skip
 
 
 def verl(model: str, two_x: bool = False) -> System:
@@ -116,16 +131,16 @@ def disagg_size(wl: Workload, steps: int = 2) -> dict:
     (paper:322): rollout time taken to scale as ``1 / k`` over ``k`` reserved 2xH100 instances
     (its linear model), ``k = ceil(R_1 / T_train)`` with ``R_1`` one instance's rollout of the
     step and ``T_train`` the step's training + reshard (means over ``steps`` emulated steps)."""
+    if _disagg_size is not None:
+        return _disagg_size(wl, nodes_of(wl.model), steps)
+    from spot_cluster_sim import Sim
+
     sim = Sim(disagg(wl.model, 1), wl)
     rec = sim.run(math.inf, steps)
     train = float(np.mean([r["t_train"] for r in rec])) + sim.trainer.sync_s
     r1 = float(np.mean([r["last_response"] - r["push_s"] for r in rec]))
-    return {
-        "k": max(1, math.ceil(r1 / train)),
-        "rollout_1_s": r1,
-        "train_s": train,
-        "rule": "ceil(R_1 / T_train)",
-    }
+    return {"k": max(1, math.ceil(r1 / train)), "rollout_1_s": r1, "train_s": train,
+            "rule": "ceil(R_1 / T_train)"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +186,7 @@ def fig10(a, out: dict) -> None:
                 ("no rebalance", {"rebalance": False}),
                 ("recompute", {"migration": "recompute"}),
                 ("sync weights", {"weights": "sync"}),
-                ("fair-share seeding", {"fair_seed": True}),
+                ("old seeding rule", {"seed_share": "all"}),
             ):
                 systems.append((rlboost(model, f"ours: ablation {name}/{seg}", **over), seg))
         for sy, seg in systems:
@@ -198,9 +213,9 @@ def fig11(a, out: dict) -> None:
             k: r[k] for k in ("throughput", "tokens_per_dollar", "step_s", "avg_held", "spot_share")
         }
         rows[n]["t_seed"] = r["records"][-1]["t_seed"]
-        fair = rlboost(wl.model, f"static {n}, fair-share seeding", n_prem_fixed=n, fair_seed=True)
-        f = run(fair, wl, math.inf, [(0.0, n)], max_steps=a.steps, warmup=a.warmup, seed=a.seed)
-        rows[n]["fair"] = {k: f[k] for k in ("throughput", "tokens_per_dollar", "spot_share")}
+        old = rlboost(wl.model, f"static {n}, old seeding rule", n_prem_fixed=n, seed_share="all")
+        f = run(old, wl, math.inf, [(0.0, n)], max_steps=a.steps, warmup=a.warmup, seed=a.seed)
+        rows[n]["seed_all"] = {k: f[k] for k in ("throughput", "tokens_per_dollar", "spot_share")}
         print(
             f"  fig11 n={n}: {r['throughput']:,.0f} tok/s {r['tokens_per_dollar']:,.0f} tok/$",
             flush=True,
@@ -209,10 +224,9 @@ def fig11(a, out: dict) -> None:
     for row in rows.values():
         row["x_throughput"] = row["throughput"] / base["throughput"]
         row["x_tokens_per_dollar"] = row["tokens_per_dollar"] / base["tokens_per_dollar"]
-        row["fair"]["x_throughput"] = row["fair"]["throughput"] / base["throughput"]
-        row["fair"]["x_tokens_per_dollar"] = (
-            row["fair"]["tokens_per_dollar"] / base["tokens_per_dollar"]
-        )
+        old = row["seed_all"]
+        old["x_throughput"] = old["throughput"] / base["throughput"]
+        old["x_tokens_per_dollar"] = old["tokens_per_dollar"] / base["tokens_per_dollar"]
     out["fig11"] = {"model": wl.model, "rows": rows, "steps": a.steps, "warmup": a.warmup}
 
 
@@ -281,9 +295,10 @@ def fig13_17(a, out: dict) -> None:
     }
     for fig, (trace, events) in cases.items():
         res = {"events": events, "runs": {}}
-        for mode in ("pull", "sync", "pull, fair-share seeding (ours)"):
+        for mode in ("pull", "sync", "pull, old seeding rule"):
             w = mode.split(",")[0]
-            sy = rlboost(wl.model, mode, weights=w, n_prem_fixed=6, fair_seed="fair" in mode)
+            share = "all" if "old" in mode else None
+            sy = rlboost(wl.model, mode, weights=w, n_prem_fixed=6, seed_share=share)
             r = run(sy, wl, math.inf, trace, events, max_steps=k + 2, seed=a.seed)
             st = r["records"][k]
             t1 = st["t_start"] + st["step_s"]
@@ -459,15 +474,15 @@ def tail(a, out: dict) -> None:
 def agents(a, out: dict) -> None:
     """Section 4.3's per-node transfer agents with round-robin pairing: 32B on two training
     nodes, segment A, pulls spread over both nodes' frontend NICs or all sent by one; with
-    RLBoost's dispatch and with fair-share seeding (ours)."""
+    the seeding share and the old seeding rule."""
     wl = Workload("qwen3-32b", seed=a.seed)
     seg = generate_segment(a.segments[0], seed=a.seed)
     res = {}
-    for fair in (False, True):
+    for share in (None, "all"):
         for n in (2, 1):
-            sy = rlboost(wl.model, f"{n} agents", agents=n, fair_seed=fair)
+            sy = rlboost(wl.model, f"{n} agents", agents=n, seed_share=share)
             r = run(sy, wl, a.duration, seg, seed=a.seed)
-            key = f"{n}" + (", fair-share seeding (ours)" if fair else "")
+            key = f"{n}" + (", old seeding rule" if share else "")
             res[key] = {k: r[k] for k in ("throughput", "tokens_per_dollar", "step_s", "steps")}
             print(f"  agents {key}: {r['throughput']:,.0f} tok/s, step {r['step_s']:.1f} s")
     out["agents"] = res
@@ -488,14 +503,14 @@ EXPERIMENTS = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="CI size: 8B/A, short runs")
+    ap.add_argument("--quick", action="store_true", help="CI size: short runs, segment A")
     ap.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), help="these experiments")
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--segments", nargs="+", default=["A", "B", "C"])
     ap.add_argument("--duration", type=float, default=7200.0, help="emulated s per segment")
     ap.add_argument("--no-ablations", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=None, help="results JSON (--quick: a temp file)")
     a = ap.parse_args()
     a.steps, a.warmup = 12, 3
     a.static_counts = list(range(0, 9))
@@ -505,12 +520,14 @@ def main() -> None:
     a.appe_counts = list(range(1, 9))
     a.tail_models, a.sigmas = ["qwen3-8b", "qwen3-14b"], [0.5, 0.75, 1.0]
     if a.quick:
-        a.models, a.segments, a.duration, a.no_ablations = ["qwen3-8b"], ["A"], 1800.0, True
+        a.segments, a.duration, a.no_ablations = ["A"], 1800.0, True
         a.steps, a.warmup, a.static_counts, a.fig14_seeds = 5, 2, [0, 1, 3, 6], 2
         a.fig12_start, a.fig12_gap, a.fig12_tail = 800.0, 300.0, 600.0
         a.caps, a.appe_counts = [5120, CAP], [2, 4, 6]
         a.tail_models, a.sigmas = ["qwen3-8b"], [0.5, 1.0]
     todo = a.only or list(EXPERIMENTS)
+    if a.out is None:
+        a.out = str(Path(tempfile.gettempdir()) / "spot_cluster_quick.json" if a.quick else OUT)
     path = Path(a.out)
     out = json.loads(path.read_text()) if a.only and path.exists() else {}
     out["settings"] = {k: v for k, v in vars(a).items() if k not in ("only", "out")}
@@ -527,6 +544,23 @@ def main() -> None:
 
     print(markdown(out))
     plot(out, path.with_suffix(".png"))
+    for line in summary_lines(out, a.models, a.segments[0]):
+        print(line)
+
+
+def summary_lines(out: dict, models, segment: str) -> list[str]:
+    """Fig. 10's headline per model: RLBoost on ``segment`` vs veRL, from the runs in ``out``
+    (``model=<name> throughput_vs_verl=<x> tokens_per_dollar_vs_verl=<y>``)."""
+    runs = out.get("fig10", {}).get("runs", {})
+    lines = []
+    for m in models:
+        base, rl = runs.get(f"{m}/veRL"), runs.get(f"{m}/RLBoost/{segment}")
+        if base is None or rl is None:
+            continue
+        x = rl["throughput"] / base["throughput"]
+        y = rl["tokens_per_dollar"] / base["tokens_per_dollar"]
+        lines.append(f"model={m} throughput_vs_verl={x:.3f} tokens_per_dollar_vs_verl={y:.3f}")
+    return lines
 
 
 def _save(out: dict, path: Path) -> None:

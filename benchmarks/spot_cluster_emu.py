@@ -60,6 +60,7 @@ import looptime
 import numpy as np
 from m2flow.workers.rollout.emulated import throughput_preset
 from m2flow.workers.rollout.exact import GenRequest
+from m2flow.workers.rollout.spot.config import SpotPoolConfig
 from m2flow.workers.rollout.spot.manager import RolloutManager
 from m2flow.workers.rollout.spot.records import InstanceRecord, now, wall
 
@@ -308,14 +309,17 @@ def pool_config(sy: System) -> dict:
     """
     if sy.kind != "rlboost" or sy.dispatch not in ("jsq", "round_robin"):
         raise ValueError(f"{sy.name}: not RLBoost (kind {sy.kind!r}, dispatch {sy.dispatch!r})")
-    if sy.fair_seed:
-        raise ValueError(f"{sy.name}: fair_seed has no rollout.spot setting yet")
     cfg = {
         "enabled": True, "t_seed_init": sy.t_init, "eta": sy.eta, "memory": sy.memory,
         "seeding": sy.seeding, "theta": sy.theta, "dispatch": sy.dispatch,
         "rebalance": sy.rebalance, "block_tokens": sy.block, "max_batch": sy.max_batch,
         "micro_batch_prompts": sy.micro_batch, "migration": sy.migration,
     }  # fmt: skip
+    if sy.seed_share is not None:
+        if "seed_share" in SpotPoolConfig.__dataclass_fields__:
+            cfg["seed_share"] = sy.seed_share
+        elif sy.seed_share != "all":  # a manager before the seeding share: the old rule
+            raise ValueError(f"{sy.name}: this manager has no rollout.spot.seed_share")
     if sy.n_prem_fixed is not None:  # Fig. 11's static pool (0: no node is offered anyway)
         n = max(1, sy.n_prem_fixed)
         cfg.update(n_prem_min=n, n_prem_max=n, n_prem_init=n)

@@ -70,7 +70,9 @@ class System:
     reserved_price: bool = False
     theta: int = 64  # chosen (the live benchmark's)
     agents: int | None = None  # transfer agents (default: one per training node, section 4.3)
-    fair_seed: bool = False  # ours: a reserved engine is dispatched at most N / (engines held)
+    # rollout.spot.seed_share: "fair" (a seeding rank holds at most its share of the step's
+    # requests) | "all" (the old rule: it leases up to max_batch); None: the manager's default
+    seed_share: str | None = None
     eta: float = 3.0  # rollout.spot.eta default
     t_init: float = 60.0  # chosen T_init (seconds)
     micro_batch: int = 8  # m_b, GRPO groups

@@ -162,7 +162,7 @@ def fig11_md(res: dict) -> str:
     paper = {1: "1.37x thr, 1.28x tok/$", 6: "2.25x thr, 1.62x tok/$"}
     rows = []
     for n, r in res["rows"].items():
-        f = r.get("fair", {})
+        f = r.get("seed_all", {})
         rows.append(
             [
                 n,
@@ -186,7 +186,7 @@ def fig11_md(res: dict) -> str:
             "step s",
             "T_seed",
             "spot share",
-            "ours, fair-share seeding: x thr / x tok/$",
+            "old seeding rule (all): x thr / x tok/$",
             "paper",
         ],
         rows,

@@ -249,7 +249,7 @@ class Sim:
                 self.rr += 1
         else:
             by_id = {e.id: e for e in elig}
-            fair = self.sy.fair_seed and self.held  # ours: a reserved engine takes its share
+            fair = self.sy.seed_share == "fair" and self.held  # a reserved engine: its share
             if fair:
                 by_id = {k: e for k, e in by_id.items() if e.kind == "spot" or e.got < self.share}
             while self.queue and by_id:
