@@ -132,6 +132,39 @@ def block_seconds(model: ThroughputModel, ctx: np.ndarray, new: np.ndarray) -> f
     return float(np.sum(model.decode_step_s(batch, (suffix[k] + it * batch) / batch)))
 
 
+class EngineModel:
+    """One TP-2 engine's time for a block of ``block`` tokens per request (the engine model of
+    every system in the cluster experiments: RLBoost's instances and reserved engines, the
+    baselines' engines). A block, as :class:`~m2flow.workers.rollout.emulated.EmulatedEngine`
+    runs one: the requests are admitted in order while their KV cache (context + block) fits
+    :attr:`ThroughputModel.kv_capacity_tokens` (at least one; the others make nothing this
+    block and lose their cache); those without a cache here at their context (new, moved in,
+    evicted) are prefilled; then :func:`block_seconds` of decode. The prompt is
+    :data:`PROMPT_TOKENS` long. Emulated seconds."""
+
+    def __init__(self, model: ThroughputModel) -> None:
+        self.model = model
+        self.cached: dict[str, int] = {}  # request id -> context held in its KV cache here
+
+    def block(
+        self, ids: list[str], have: np.ndarray, target: np.ndarray, block: int
+    ) -> tuple[float, np.ndarray]:
+        """Seconds of one block over requests ``ids`` with ``have`` tokens so far and
+        ``target`` final lengths ``[B]``; returns them and the tokens each makes ``[B]``."""
+        ctx = have + PROMPT_TOKENS
+        new = np.minimum(target - have, block)
+        fits = np.cumsum(ctx + new) <= self.model.kv_capacity_tokens
+        fits[0] = True
+        run = np.flatnonzero(np.logical_and.accumulate(fits))
+        cold = [i for i in run if self.cached.get(ids[i]) != ctx[i]]
+        pre = self.model.prefill_s(ctx[cold]) if cold else 0.0
+        made = np.zeros(len(ids), dtype=np.int64)
+        made[run] = new[run]
+        end = ctx + made
+        self.cached = {ids[i]: int(end[i]) for i in run if have[i] + made[i] < target[i]}
+        return pre + block_seconds(self.model, ctx[run], new[run]), made
+
+
 def transfer_s(model: ThroughputModel, n: int, nodes: int) -> float:
     """Weight transfer to ``n`` instances at once: each at most 50 Gb/s (its vNIC), together at
     most the training nodes' 200 Gb/s frontend NICs (Table 2; round-robin pairing spreads the
