@@ -10,12 +10,10 @@ randomness beyond the workload's response lengths (``Workload.seed``).
 The same models as RLBoost's runs (``benchmarks/spot_cluster_model.py``), so the comparison
 uses one engine model and one trainer model:
 
-- engine time: :func:`~spot_cluster_model.block_seconds` over the Qwen3 TP-2 H100
-  :class:`~m2flow.workers.rollout.emulated.ThroughputModel` preset (decode iterations), its
-  ``prefill_s`` for requests whose KV cache is not on the engine, and
-  :class:`~m2flow.workers.rollout.emulated.EmulatedEngine`'s KV admission (the running batch in
-  order, as long as its context plus the block's new tokens fits ``kv_capacity_tokens``; one
-  that does not fit waits and loses its cache);
+- engine time: :class:`~spot_cluster_model.EngineModel` per TP-2 engine (the old simulator's
+  block: :class:`~m2flow.workers.rollout.emulated.EmulatedEngine`'s KV admission, prefill of
+  requests without a cache there, :func:`~spot_cluster_model.block_seconds` of decode over the
+  Qwen3 TP-2 H100 :class:`~m2flow.workers.rollout.emulated.ThroughputModel` preset);
 - response lengths: :class:`~m2flow.workers.rollout.emulated.ResponseLengths`, keyed by
   ``(seed, step, prompt, sample)`` (the same response has the same length in every system);
 - training: :class:`~spot_cluster_model.TrainModel` (``train_s`` per micro-batch, ``sync_s``
@@ -82,10 +80,10 @@ from spot_cluster_model import (  # noqa: E402
     RESERVED_GPU_PER_H,
     RESERVED_NODE_PER_H,
     SAMPLES,
+    EngineModel,
     System,
     TrainModel,
     Workload,
-    block_seconds,
     summarise,
     transfer_s,
 )
@@ -106,17 +104,18 @@ class Request:
     group: int  # its prompt (GRPO group)
     target: int
     have: int = 0
-    cached: object = None  # the engine holding its KV cache, None: none
     done_by: int = -1  # id of the engine that finished it
     done_count: int = 0  # times it was finished (an invariant: 1)
+    key: str = ""  # "step/index": its id at the engine model
 
 
 class Engine:
     """A TP-2 engine: one of the training cluster's (``reserved``) or a 2xH100 rollout
     instance (``rollout``)."""
 
-    def __init__(self, eid: int, kind: str) -> None:
+    def __init__(self, eid: int, kind: str, model: ThroughputModel) -> None:
         self.id, self.kind = eid, kind
+        self.time = EngineModel(model)  # block seconds; holds the KV cache it keeps
         self.running: list[Request] = []
         self.pending: deque[Request] = deque()  # verl: its static share
         self.busy_s = 0.0  # seconds in blocks this step
@@ -151,9 +150,10 @@ class BaselineCluster:
         self.agents = system.agents or system.reserved_nodes  # weight senders
         self.trace = sorted(trace or [])
         if system.kind == "verl":
-            self.engines = [Engine(i, "reserved") for i in range(4 * system.reserved_nodes)]
+            n, kind = 4 * system.reserved_nodes, "reserved"
         else:
-            self.engines = [Engine(i, "rollout") for i in range(system.instances)]
+            n, kind = system.instances, "rollout"
+        self.engines = [Engine(i, kind, self.model) for i in range(n)]
         self.records: list[dict] = []
         self.timeline: list[tuple[float, float, int]] = []
         self.requests: list[Request] = []
@@ -166,25 +166,6 @@ class BaselineCluster:
 
     # -- engines -------------------------------------------------------------------------------
 
-    def plan_block(self, e: Engine) -> tuple[float, list[Request], np.ndarray]:
-        """The next block of ``e``'s running batch: (seconds, admitted requests, new tokens
-        each). Admission is the KV cache's (a request left out loses its cache); a request
-        whose cache is elsewhere is prefilled first."""
-        live = e.running
-        tgt = np.fromiter((r.target for r in live), np.int64, len(live))
-        have = np.fromiter((r.have for r in live), np.int64, len(live))
-        ctx = have + PROMPT_TOKENS
-        new = np.minimum(tgt - have, self.sy.block)
-        fits = np.cumsum(ctx + new) <= self.model.kv_capacity_tokens
-        fits[0] = True  # one request always runs (it would be truncated, not starved)
-        run = np.flatnonzero(np.logical_and.accumulate(fits))
-        cold = [i for i in run if live[i].cached is not e]
-        pre = self.model.prefill_s(ctx[cold]) if cold else 0.0
-        for i in range(len(run), len(live)):
-            live[i].cached = None
-        dt = pre + block_seconds(self.model, ctx[run], new[run])
-        return dt, [live[i] for i in run], new[run]
-
     async def roll(self, e: Engine, take: Callable[[Engine, int], None]) -> None:
         """Decode blocks on ``e`` until it has nothing to run; ``take(e, room)`` moves up to
         ``room`` new requests into ``e.running`` before each block."""
@@ -192,15 +173,18 @@ class BaselineCluster:
             take(e, self.sy.max_batch - len(e.running))
             if not e.running:
                 return
-            t0 = self.now()
-            dt, reqs, new = self.plan_block(e)
+            t0, live = self.now(), e.running
+            dt, new = e.time.block(
+                [r.key for r in live],
+                np.fromiter((r.have for r in live), np.int64, len(live)),
+                np.fromiter((r.target for r in live), np.int64, len(live)),
+                self.sy.block,
+            )
             await asyncio.sleep(dt)
             t1 = self.now()
-            made = 0
-            for r, n in zip(reqs, new):
-                r.have += int(n)
-                r.cached = e
-                made += int(n)
+            for r, n in zip(live, new.tolist()):
+                r.have += n
+            made = int(new.sum())
             e.busy_s += t1 - t0
             e.blocks.append((t0, t1, made))
             self.st["spot_tokens" if e.kind == "rollout" else "reserved_tokens"] += made
@@ -274,7 +258,10 @@ class BaselineCluster:
         self.st["last_response"] = 0.0
         keys = [(step, p, j) for p in range(PROMPTS) for j in range(SAMPLES)]
         targets = wl.lengths.lengths(wl.seed, keys)
-        reqs = [Request(i, k[1], int(t)) for i, (k, t) in enumerate(zip(keys, targets))]
+        reqs = [
+            Request(i, k[1], int(t), key=f"{step}/{i}")
+            for i, (k, t) in enumerate(zip(keys, targets))
+        ]
         self.requests = reqs
         self.groups = [reqs[p * SAMPLES : (p + 1) * SAMPLES] for p in range(PROMPTS)]
         self.left = [SAMPLES] * PROMPTS
