@@ -387,6 +387,28 @@ def run_baseline(
     }
 
 
+def disagg_size(wl: Workload, reserved_nodes: int = 1, steps: int = 2) -> dict:
+    """Disagg.BAL's instance count as StreamRL's resource optimizer balances the stages
+    (paper:322): rollout time taken to scale as ``1 / k`` over ``k`` reserved 2xH100 instances
+    (its linear model), ``k = ceil(R_1 / T_train)`` with ``R_1`` one instance's rollout of the
+    step (push excluded) and ``T_train`` the step's training + reshard (means over ``steps``
+    emulated steps of Disagg.BAL with one instance). As the old ``spot_cluster.disagg_size``."""
+    one = System(
+        "Disagg.BAL", "disagg", reserved_nodes, seeding=False, rebalance=False,
+        dispatch="shared", weights="sync", instances=1,
+    )  # fmt: skip
+    rec = run_baseline(one, wl, math.inf, max_steps=steps)["records"]
+    sync = TrainModel(throughput_preset(wl.model).params, 8 * reserved_nodes).sync_s
+    train = float(np.mean([r["t_train"] for r in rec])) + sync
+    r1 = float(np.mean([r["last_response"] - r["push_s"] for r in rec]))
+    return {
+        "k": max(1, math.ceil(r1 / train)),
+        "rollout_1_s": r1,
+        "train_s": train,
+        "rule": "ceil(R_1 / T_train)",
+    }
+
+
 def _main() -> None:  # pragma: no cover - a quick look: python spot_cluster_baselines.py
     import argparse
 

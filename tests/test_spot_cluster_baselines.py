@@ -213,3 +213,12 @@ def test_matches_the_old_simulator_while_it_exists(bl):
         for key in keys:
             assert r[key] == pytest.approx(o[key], rel=1e-9), key
         assert len(n["timeline"]) == len(old.timeline)
+
+
+def test_disagg_size_balances_one_instance_rollout_against_training(bl):
+    wl = bl.Workload("qwen3-8b", seed=0)
+    size = bl.disagg_size(wl, steps=1)
+    assert size["k"] == max(1, math.ceil(size["rollout_1_s"] / size["train_s"])) > 1
+    # k instances roll the step out in about R_1 / k (the optimizer's linear model), not worse
+    _, rec = one_step(bl, disagg(bl, size["k"]), wl)
+    assert rec["last_response"] - rec["push_s"] < 1.5 * size["rollout_1_s"] / size["k"]
