@@ -219,6 +219,8 @@ def test_disagg_size_balances_one_instance_rollout_against_training(bl):
     wl = bl.Workload("qwen3-8b", seed=0)
     size = bl.disagg_size(wl, steps=1)
     assert size["k"] == max(1, math.ceil(size["rollout_1_s"] / size["train_s"])) > 1
-    # k instances roll the step out in about R_1 / k (the optimizer's linear model), not worse
+    # k instances roll out faster than one, but not k times: the longest response does not
+    # split (the optimizer's linear model is optimistic; the paper's Disagg.BAL sizing as well)
     _, rec = one_step(bl, disagg(bl, size["k"]), wl)
-    assert rec["last_response"] - rec["push_s"] < 1.5 * size["rollout_1_s"] / size["k"]
+    r_k = rec["last_response"] - rec["push_s"]
+    assert size["rollout_1_s"] / size["k"] < r_k < size["rollout_1_s"] / 2
