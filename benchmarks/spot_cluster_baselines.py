@@ -34,7 +34,8 @@ The systems (section 6.2):
   are pushed to all of them at once through the training nodes' frontend NICs
   (``transfer_s``, synchronized: no instance starts before the push ends); finished GRPO
   groups train in dynamic micro-batches of at least ``System.micro_batch`` groups (StreamRL's
-  pipelining, RLBoost section 4.1), then ``sync_s``. The instance count is StreamRL's resource optimizer's (:func:`disagg_size`).
+  pipelining, RLBoost section 4.1), then ``sync_s``. The instance count is StreamRL's
+  resource optimizer's (:func:`disagg_size`).
 
 These reproduce the old discrete-event simulator's (``spot_cluster_sim.Sim``) runs of the two
 kinds; differences, all deliberate:
