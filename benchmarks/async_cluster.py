@@ -20,7 +20,7 @@ per modelled second, measured from real time (wall x time_scale: :func:`trained_
 slope of the trainer's step ends over 6+ steps after a warm-up of K + 2), so the runtime's own
 overheads count (reported: ``overhead``, measured minus modelled step at K = 0).
 
-**Workloads** (a step is 128 prompts x 8 samples per 8 GPUs, RLBoost section 6, so the
+**Workloads** (a step is 128 prompts x 8 samples per 8 GPUs, RLBoost section 6.1, so the
 batch grows with the cluster):
 
 - ``long-tail``: Qwen3-8B, response lengths capped lognormal (median 3,000, sigma 1.0, cap

@@ -38,7 +38,7 @@ from m2flow.workers.rollout.exact import GenRequest
 from m2flow import Worker, group_method
 from m2flow.core.methods import control_method
 
-SAMPLES = 8  # responses per prompt (RLBoost section 6: 128 prompts x 8)
+SAMPLES = 8  # responses per prompt (RLBoost section 6.1: 128 prompts x 8)
 
 
 class EmuRollout(Worker):

@@ -1,5 +1,5 @@
 """What a mid-rollout preemption costs: token-level migration against recomputing the lost
-responses (RLBoost section 4.2; the paper reports -33 % early and -76 % mid).
+responses (RLBoost section 4.2; section 6.4.3 and Figure 14 report -33 % early and -76 % mid).
 
 Setup: a local cluster (``m2flow.core.spot.LocalSpotCluster``) with the reserved head node and two
 spot nodes, a rollout rank with the spot pool on (no seeding: the step's rollout is on the two

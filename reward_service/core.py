@@ -1,13 +1,12 @@
 """The reward service engine: tasks, batches, EBF stage queues, elastic worker pools.
 
-One asyncio loop owns all state. Each pipeline stage has a pool of worker processes
-(:mod:`.worker`, one request at a time each) and a priority queue ordered Earliest-Batch-First
-(DistRS section 5.2: the batch's estimated earliest completion ``T`` from its task's previous
-batch, Eq. 1-2; FCFS within a batch; batches without history last). A request runs the stages
-in order; a stage that fails, or passes its timeout (the worker process group is killed),
-ends the request with the pipeline's penalty reward and skips the later stages. Every request
-ends with exactly one result: nothing is dropped or left pending (a crashed worker gives an
-``error`` result with the penalty).
+One asyncio loop owns all state. Each pipeline stage has a pool of worker processes (:mod:`.worker`,
+one request at a time each) and a priority queue ordered Earliest-Batch-First (DistRS section 5.2:
+the batch's estimated earliest completion ``T`` from its task's previous batch, section 5.1's Eq.
+1-2; FCFS within a batch; batches without history last). A request runs the stages in order; a stage
+that fails, or passes its timeout (the worker process group is killed), ends the request with the
+pipeline's penalty reward and skips the later stages. Every request ends with exactly one result:
+nothing is dropped or left pending (a crashed worker gives an ``error`` result with the penalty).
 
 Scaling (DistRS section 5.2): at each batch announcement and completion the policy
 (:class:`~m2flow.scheduler.reward.scaling.DistRSPolicy`, Algorithm 2 + 1) sets the worker count

@@ -2,9 +2,9 @@
 :func:`run_code` runs a program alone in the same sandbox and returns what it prints (the
 tool API's ``python`` tool, :mod:`.tools`).
 
-Trust model (docs/concepts/design.md, "Reward service trust model"; DistRS section 4's sandboxed
-code reward). Submitted programs are hostile. What is guaranteed, when the service runs as root
-with ``unshare`` (the deployment this is built and tested for; :func:`isolation` says
+Trust model (docs/concepts/design.md, "Reward service trust model"; DistRS section 2.2's code
+rewards, Figure 4). Submitted programs are hostile. What is guaranteed, when the service runs as
+root with ``unshare`` (the deployment this is built and tested for; :func:`isolation` says
 ``namespaces``):
 
 - **The reward cannot be forged.** The program never runs in a process that can reach the

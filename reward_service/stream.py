@@ -1,7 +1,8 @@
 """The trainer side of request-in, batch-out (DistRS section 3.2): :class:`RewardStream`
-submits responses as they finish into a batch announced at rollout start, collects their
-rewards in the background, and rides out service restarts (docs/results/reward_service.md,
-"Streaming, retries and restarts")."""
+submits responses as they finish into a batch announced at rollout start
+(:meth:`RewardStream.announce`; else at its first submission), collects their rewards in the
+background, and rides out service restarts (docs/results/reward_service.md, "Streaming,
+retries and restarts")."""
 
 from __future__ import annotations
 
@@ -46,10 +47,11 @@ class RewardStream:
     """The trainer side of request-in, batch-out (DistRS section 3.2) for one task, safe
     across service restarts. See docs/results/reward_service.md, "Streaming, retries and restarts".
 
-    :meth:`submit` sends responses as they finish into a batch announced with its final size
-    (DistRS section 5.2: the size hint) and returns at once a future of their rewards; a
-    background poller collects the batch's results meanwhile. Several streams (trainer ranks)
-    may share one batch: the announcement is idempotent, each collects its own ids.
+    :meth:`submit` sends responses as they finish into a batch announced with its final size (DistRS
+    section 4: the trainer's hint at rollout start; :meth:`announce` sends it before the first
+    response) and returns at once a future of their rewards; a background poller collects the
+    batch's results meanwhile. Several streams (trainer ranks) may share one batch: the announcement
+    is idempotent, each collects its own ids.
 
     Restarts: every answer names the service instance that gave it. When another instance
     answers (or a 404 comes from one), the stream re-registers the task, re-announces each
@@ -126,6 +128,19 @@ class RewardStream:
             self._submit(batch, size, dict(requests)), self._loop
         )
 
+    def announce(self, batch: str, size: int) -> concurrent.futures.Future:
+        """Announce ``batch`` of ``size`` requests now, before any of them is submitted (DistRS
+        section 4, the proxy: the start of a rollout batch is the trainer's hint, so that the
+        service scales for it ahead of its first request); returns a future that is done when
+        the service has it (it raises :class:`RewardServiceError`). Idempotent: a later
+        :meth:`submit` into the same batch and size does not announce it again (on the same
+        service instance).
+
+        Raises:
+            ValueError: (from the future) ``batch`` is followed with another size.
+        """
+        return asyncio.run_coroutine_threadsafe(self._announce(batch, size), self._loop)
+
     def forget(self, batch: str) -> None:
         """Stop following ``batch`` (this rank's part of it is done)."""
         self._loop.call_soon_threadsafe(self._forget, batch)
@@ -170,12 +185,20 @@ class RewardStream:
         for _, f in b.waiters:  # nobody collects them any more
             f.cancel()
 
-    async def _submit(self, batch: str, size: int, requests: dict[str, dict]) -> dict:
+    def _batch(self, batch: str, size: int) -> _Batch:
+        """The batch followed under ``batch`` (new if none is)."""
         b = self._batches.get(batch)
         if b is None:
             b = self._batches[batch] = _Batch(batch, size, asyncio.Lock())
         elif b.size != size:
             raise ValueError(f"batch {batch!r} has size {b.size}, not {size}")
+        return b
+
+    async def _announce(self, batch: str, size: int) -> None:
+        await self._ensure(self._batch(batch, size))  # once per instance (nothing pending yet)
+
+    async def _submit(self, batch: str, size: int, requests: dict[str, dict]) -> dict:
+        b = self._batch(batch, size)
         fresh = [i for i in requests if i not in b.results]
         b.pending.update((i, requests[i]) for i in fresh)
         waiter = (set(requests), self._loop.create_future())

@@ -1,16 +1,15 @@
 """Trusted verdicts of the code pipeline: what a sandbox evaluates, and pass/fail outside it.
 
-The execute stage of DistRS's code reward (section 4: a sandboxed program is run against test
-cases) must not take the program's word for its score. So a test never runs as a whole in the
+The execute stage of DistRS's code reward (section 2.2, Figure 4(b): generated code is run against
+test cases) must not take the program's word for its score. So a test never runs as a whole in the
 sandbox. :func:`plan` splits a test snippet into *steps*: its top-level statements run in the
 sandbox, but each top-level ``assert E`` becomes a *check*: the sandbox evaluates only the
-sub-expressions of ``E`` that depend on the program (its *leaves*, e.g. ``f(2)``) and sends
-back their values as plain data (tagged JSON, :mod:`.harness`); the constants they are
-compared with, the comparison operators, ``not``/``and``/``or`` and the verdict stay here
-(:func:`decide`). Values are decoded to built-in types only, so the "always equal" object
-(``__eq__`` returning True) and its kin never pass: an object of another type decodes to a
-marker that equals nothing and is false; a subclass of a built-in type was sent as its
-built-in value.
+sub-expressions of ``E`` that depend on the program (its *leaves*, e.g. ``f(2)``) and sends back
+their values as plain data (tagged JSON, :mod:`.harness`); the constants they are compared with, the
+comparison operators, ``not``/``and``/``or`` and the verdict stay here (:func:`decide`). Values are
+decoded to built-in types only, so the "always equal" object (``__eq__`` returning True) and its kin
+never pass: an object of another type decodes to a marker that equals nothing and is false; a
+subclass of a built-in type was sent as its built-in value.
 
 What that guarantees: whatever the program does -- forging the value pipe included -- a check
 passes only if the values reported for its leaves satisfy it, and the sandbox never holds the

@@ -169,10 +169,16 @@ def main(cfg) -> dict:
     def step(n: int) -> StepRecord:
         t0 = time.time()
         prompts.put_many(run.prompts(tr.prompts_per_step, n))
+        # the reward service learns of the step's batch as its rollout starts (DistRS section
+        # 4: it scales before the first response is scored); the reward ranks run it before
+        # their score call
+        ann = reward.announce(n, tr.prompts_per_step * cfg.rollout.n_samples) if service else None
         gen = rollout.generate(prompts, rollouts, tr.prompts_per_step)
         rew = reward.score(rollouts, scored)
         upd = actor.train(scored)
         g_out, r_out, a_out = gen.wait(), rew.wait(), upd.wait()
+        if ann is not None:
+            ann.wait()
         version = sync_weights(actor, rollout)
         seconds = time.time() - t0
         samples = sum(o["samples"] for o in r_out)

@@ -272,6 +272,9 @@ def _step_metrics(cfg, seconds: float, calls: dict, g_out, r_out, c_out, a_out) 
         "critic_update_norm": c_out["update_norm"],
         **{k: a_out[k] for k in ("pg_loss", "clip_frac", "ratio_mean", "grad_norm")},
         "actor_update_norm": a_out["update_norm"],
+        # rollout.spot.enabled: the pool's counters (its Algorithm 1 reads the actor's waits
+        # for the step's chunks, published by train_ppo: RLBoost 4.1's t_train^wait)
+        **{f"spot_{k}": v for k, v in g_out[0].get("spot", {}).items()},
         # steps whose update a NaN/inf dropped (<role>.nonfinite=skip); absent if none
         **{f"{name}_nonfinite_skips": o["nonfinite_skips"] for name, o in
            (("actor", a_out), ("critic", c_out)) if "nonfinite_skips" in o},

@@ -1,4 +1,4 @@
-"""Channel: a named FIFO queue between workers (RLinf section 4.2, data channel).
+"""Channel: a named FIFO queue between workers (RLinf section 3.5, data channel).
 
 ``Channel.create("rollout")`` starts a channel actor (:mod:`m2flow.core.channel_actor`); the
 returned handle can be passed to workers as an argument. ``put(item, weight=1, key=None)`` and

@@ -1,8 +1,8 @@
 """Cluster: the Ray session m2flow runs on and its inventory of devices.
 
-Devices are numbered globally, node-major (RLinf, section 4.1): the head node's devices come
-first, then the other nodes in a stable order. Placement is always by these global ids, never by
-Ray's packed/spread bundles.
+Devices are numbered globally, node-major (RLinf section 3.1: the controller assigns workers
+to accelerators): the head node's devices come first, then the other nodes in a stable order.
+Placement is always by these global ids, never by Ray's packed/spread bundles.
 
 A node with GPUs exposes them as ``cuda`` devices. A node without accelerators exposes *virtual
 devices*: CPU slots with a declared memory capacity, so that placement, device locks and plans
@@ -94,7 +94,7 @@ class Cluster:
             cluster; its spot nodes are preemptible): the Cluster owns it and stops it on
             shutdown.
         offload: what a device switch does to the worker leaving the device. ``"always"``:
-            offload it (RLinf's context switch, section 4.3); ``"never"``: keep every worker
+            offload it (RLinf's context switch, section 3.3); ``"never"``: keep every worker
             resident (for devices whose memory holds them all); ``"auto"`` (default):
             ``"always"`` on GPUs, ``"never"`` on virtual devices, whose "device memory" is host
             RAM either way, so offloading there costs time and frees nothing.

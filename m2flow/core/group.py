@@ -1,4 +1,4 @@
-"""WorkerGroup: one Ray actor per rank, placed on global device ids (RLinf section 4.1).
+"""WorkerGroup: one Ray actor per rank, placed on global device ids (RLinf sections 3.1-3.2).
 
 ``MyWorker.launch(cluster, placement=[0, 1], name="actor", **init_kwargs)`` starts rank ``i`` on
 device ``placement[i]``, pinned to that device's node. The methods ``MyWorker`` declares with

@@ -1,4 +1,4 @@
-"""Device locks and the run's worker registry (RLinf section 4.3).
+"""Device locks and the run's worker registry (RLinf section 3.3).
 
 One lock per device, shared by every worker placed on it, all held by one ``LockService``
 actor so that a rank spanning several devices takes them atomically (no partial holds, hence

@@ -1,4 +1,4 @@
-"""Point-to-point messages between workers: ``send``/``recv``/``broadcast`` (RLinf section 4.1).
+"""Point-to-point messages between workers: ``send``/``recv``/``broadcast`` (RLinf section 3.5).
 
 An object goes into the Ray object store once; the receiver's inbox gets the reference, so
 tensors never pass through actor mailboxes. Each sender numbers its messages per receiver and

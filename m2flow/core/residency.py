@@ -1,4 +1,4 @@
-"""Device residency: device locks around group calls, offload and onload (RLinf section 4.3).
+"""Device residency: device locks around group calls, offload and onload (RLinf section 3.3).
 
 Around every group call that takes the device lock the worker acquires its devices' locks
 (:mod:`m2flow.core.lock`); acquiring a device another worker used last offloads that worker and

@@ -1,4 +1,4 @@
-"""Worker: the base class of every m2flow component (RLinf section 4.1, worker abstraction).
+"""Worker: the base class of every m2flow component (RLinf section 3.2, worker abstraction).
 
 A worker is one rank of a :class:`~m2flow.core.group.WorkerGroup`, running as a Ray actor on the
 devices its placement gives it. It is made of parts a reader finds by name:

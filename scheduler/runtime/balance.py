@@ -1,4 +1,4 @@
-"""Channel balance policies: which queued items a consumer takes (RLinf section 4.2).
+"""Channel balance policies: which queued items a consumer takes (RLinf section 3.5).
 
 A policy is a pure function ``policy(items, target_weight) -> indices``. ``items`` are the
 queued items of one channel key, oldest first, as :class:`QueuedItem`; ``target_weight`` is the
@@ -29,7 +29,7 @@ BalancePolicy = Callable[[Sequence[QueuedItem], "float | None"], list[int]]
 def serve_order(waiters: Sequence[tuple[float, int]]) -> list[int]:
     """Which waiting consumer is served first: ``waiters`` are ``(weight taken so far, arrival
     number)``; returns their indices, least-loaded first, then by arrival (the channel's
-    load balancing across consumers, RLinf section 4.2)."""
+    load balancing across consumers, RLinf section 3.5)."""
     return sorted(range(len(waiters)), key=lambda i: waiters[i])
 
 

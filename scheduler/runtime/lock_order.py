@@ -1,4 +1,4 @@
-"""Device-lock grant order (RLinf section 4.3): which waiting worker takes its devices next.
+"""Device-lock grant order (RLinf section 3.3): which waiting worker takes its devices next.
 
 Pure policy, called by the runtime's lock service (:mod:`m2flow.core.lock`) whenever a lock is
 released or a worker starts waiting. Rules, in order:

@@ -4,7 +4,7 @@ Each rank runs ``num_envs`` copies of an environment in one ``gymnasium.vector.S
 with same-step autoreset (a finished copy returns its next episode's first observation at
 once, so every step of a trajectory has a fresh action). A rollout is a loop of channel round
 trips: observations to the policy group, actions back under this rank's key. That loop is the
-env -> policy -> env cycle of the workflow graph (RLinf section 3, embodied RL).
+env -> policy -> env cycle of the workflow graph (RLinf section 2.1 and Figure 1, embodied RL).
 
 When the plan splits that cycle across devices in sub-batches (``m2flow.scheduler.plan.cycle``),
 the rank's call granularity (:meth:`~m2flow.Worker.chunk_size`, items = simulators) splits its

@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import torch
 from m2flow.scheduler.runtime.balance import all_queued
 
-from m2flow import Channel, Worker, group_method
+from m2flow import Channel, Worker, group_method, no_device_lock
 from m2flow.core import events
 
 from ..batch import num_tokens
@@ -34,18 +34,22 @@ class RewardWorker(Worker):
     [0, 1], for reasoning-gym prompts), or through the shared reward service (DistRS;
     :mod:`.service`).
 
-    With the service, the step is one batch (DistRS section 3.2, request-in, batch-out): the
-    first chunk of a step that any rank takes announces it with the step's number of
-    responses (the chunk's ``step_samples``: the size hint of section 5.2; the announcement
-    is idempotent, so every rank sharing the step may send it). Each chunk's responses are
-    submitted the moment the chunk arrives, one request per response with the id
-    ``"<step>:<group>:<sample>"``, while the rewards of earlier chunks are collected in the
-    background (:class:`~.service.stream.RewardStream`, which also rides out service
-    restarts). Chunks are forwarded in order, each once its rewards are in, at the rank's next
-    channel operation (the next chunk's arrival or the step's end: channel operations stay on
-    the call's thread). A chunk without ``step_samples`` is a batch of its own. A rank whose
-    step fails closes its batches on the service (so that they do not stay active for
-    requests that will not come); a lone rank closes them at the end of every step.
+    With the service, the step is one batch (DistRS section 3.2, request-in, batch-out), announced
+    with the step's number of responses when its rollout starts: the runner calls :meth:`announce`
+    before the step's rollout (DistRS section 4, the proxy: "the start of a new rollout batch
+    indicates that a new batch of reward computation requests will arrive shortly", so the service
+    scales and warms workers up before the first request; the announcement time is the batch's
+    arrival time ``AT`` of Algorithm 2). A step not announced so is announced by the first chunk of
+    it that any rank takes, with the chunk's ``step_samples`` (the announcement is idempotent, so
+    every rank sharing the step may send it). Each chunk's responses are submitted the moment the
+    chunk arrives, one request per response with the id ``"<step>:<group>:<sample>"``, while the
+    rewards of earlier chunks are collected in the background
+    (:class:`~.service.stream.RewardStream`, which also rides out service restarts). Chunks are
+    forwarded in order, each once its rewards are in, at the rank's next channel operation (the next
+    chunk's arrival or the step's end: channel operations stay on the call's thread). A chunk
+    without ``step_samples`` is a batch of its own. A rank whose step fails closes its batches on
+    the service (so that they do not stay active for requests that will not come); a lone rank
+    closes them at the end of every step.
 
     Args:
         tokenizer: the tokenizer spec (:func:`~m2flow.workers.llm.build_tokenizer`), to decode
@@ -94,6 +98,8 @@ class RewardWorker(Worker):
         self._results: list[RewardResult] = []  # this call's, for its metrics
         self.service, self.stream = service, None
         self._calls = 0  # score calls so far: the same count on every rank (group calls)
+        self._announces = 0  # announce calls so far: the same count on every rank
+        self._announced: dict[int, tuple[str, int]] = {}  # step -> (batch, size), not yet scored
         if service:
             from m2flow.reward_service.stream import RewardStream
 
@@ -127,7 +133,9 @@ class RewardWorker(Worker):
         for g in groups:  # a chunk holds whole groups: sample j of group g is its j-th row
             ids.append(f"{step}:{g}:{seen.get(g, 0)}")
             seen[g] = seen.get(g, 0) + 1
-        if chunk.step_samples:
+        if self._announced.get(step, (None, 0))[1] == chunk.step_samples > 0:
+            batch, size = self._announced[step]  # announced at the step's rollout start
+        elif chunk.step_samples:
             batch, size = f"{self.run}-c{self._calls}-s{step}", chunk.step_samples
         else:
             batch, size = f"{self.run}-c{self._calls}-r{self.rank}-n{n}", len(ids)
@@ -167,6 +175,27 @@ class RewardWorker(Worker):
             log.warning("closing reward-service batch %r failed: %r", batch, e)
 
     @group_method
+    @no_device_lock
+    def announce(self, step: int, samples: int) -> None:
+        """Announce step ``step``'s batch of ``samples`` responses (all rollout ranks) on the
+        reward service now, at its rollout's start (DistRS section 4; see the class
+        docstring); returns once the service has it. The step's chunks then go into this
+        batch (those whose ``step_samples`` is ``samples``). A no-op without the service.
+        Call it before the step's :meth:`score` (a rank runs its calls in order), on every
+        rank (group call): each rank announces before it submits.
+
+        Raises:
+            RewardServiceError: the service refused the batch (e.g. 422, ``samples`` over its
+                ``max_batch_size``) or stayed unreachable.
+        """
+        if self.stream is None or samples <= 0:
+            return
+        self._announces += 1
+        batch = f"{self.run}-a{self._announces}-s{step}"
+        self.stream.announce(batch, samples).result(timeout=self.service["timeout_s"] + _GRACE_S)
+        self._announced[step] = (batch, samples)
+
+    @group_method
     def score(self, inp: Channel, out: Channel) -> dict:
         """Score the step's rollout chunks from ``inp`` until the rollout's end of step (ranks
         share them), add ``rewards [B]`` to each batch, and put it into ``out`` (same weight:
@@ -200,6 +229,12 @@ class RewardWorker(Worker):
             self._forward(pending, out, rewards_all, wait=True)
             ended = True
         finally:
+            announced = {b for b, _ in self._announced.values()}
+            if not ended:  # the run's announced steps will not come either
+                batches |= announced
+                self._announced.clear()
+            for step in [k for k, (b, _) in self._announced.items() if b in batches]:
+                del self._announced[step]  # scored: a later call of the step is a new batch
             for b in batches:
                 self.stream.forget(b)
                 if not ended or self.world_size == 1:
