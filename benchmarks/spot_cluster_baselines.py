@@ -282,8 +282,7 @@ class BaselineCluster:
             self.pull_cap = -(-len(reqs) // len(self.engines))
             trainer = asyncio.create_task(self.train())  # waits from the rollout's start
             rollers = [asyncio.create_task(self.roll(e, self.take_shared)) for e in self.engines]
-            await trainer
-            await asyncio.gather(*rollers)
+            await asyncio.gather(trainer, *rollers)  # an engine's error ends the run, not hangs
         self.records.append(self.record(step, t_start, reqs))
 
     def record(self, step: int, t_start: float, reqs: list[Request]) -> dict:
