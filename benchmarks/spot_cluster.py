@@ -1,8 +1,8 @@
 """RLBoost's evaluation (section 6, Appendices D-E) as the paper makes it, in emulated time,
 deterministic given ``--seed``: every RLBoost run drives the live rollout manager
 (``benchmarks/spot_cluster_emu.py``: ``RolloutManager`` on a virtual-time event loop), the
-baselines run in ``benchmarks/spot_cluster_baselines.py`` (the same engine model; the old
-simulator ``spot_cluster_sim.py`` where that module is absent).
+baselines run in ``benchmarks/spot_cluster_baselines.py`` (the same engine model,
+``spot_cluster_model.EngineModel``).
 
 One command runs every experiment; each writes its part of
 ``benchmarks/results/spot_cluster.json`` and prints its table (docs/results/spot_cluster.md puts
@@ -38,7 +38,6 @@ import math
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +45,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from m2flow.scheduler.spot.trace import generate_segment  # noqa: E402
 from m2flow.workers.rollout.emulated import ResponseLengths  # noqa: E402
+from spot_cluster_baselines import disagg_size as _disagg_size  # noqa: E402
+from spot_cluster_baselines import run_baseline  # noqa: E402
 from spot_cluster_emu import run_rlboost  # noqa: E402
 from spot_cluster_model import (  # noqa: E402
     CAP,
@@ -56,12 +57,6 @@ from spot_cluster_model import (  # noqa: E402
     summarise,
     with_cap,
 )
-
-try:  # the baselines in the same emulated time (helper base34's module)
-    from spot_cluster_baselines import disagg_size as _disagg_size  # noqa: E402
-    from spot_cluster_baselines import run_baseline  # noqa: E402
-except ImportError:  # not merged yet: the old simulator's baselines
-    _disagg_size = run_baseline = None
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "spot_cluster.json"
@@ -86,14 +81,7 @@ def run(
     baseline in ``spot_cluster_baselines.run_baseline``. Same arguments and result."""
     if system.kind == "rlboost":
         return run_rlboost(system, wl, duration, trace, events, max_steps, warmup, seed)
-    if run_baseline is not None:
-        return run_baseline(system, wl, duration, trace, events, max_steps, warmup, seed)
-    from spot_cluster_sim import Sim
-
-    sim = Sim(system, wl, trace, events, rng_seed=seed)
-    rec = sim.run(duration, max_steps)
-    return {"system": asdict(system), "records": rec, "timeline": sim.timeline,
-            **summarise(rec, warmup)}  # fmt: skip
+    return run_baseline(system, wl, duration, trace, events, max_steps, warmup, seed)
 
 
 def verl(model: str, two_x: bool = False) -> System:
@@ -131,16 +119,7 @@ def disagg_size(wl: Workload, steps: int = 2) -> dict:
     (paper:322): rollout time taken to scale as ``1 / k`` over ``k`` reserved 2xH100 instances
     (its linear model), ``k = ceil(R_1 / T_train)`` with ``R_1`` one instance's rollout of the
     step and ``T_train`` the step's training + reshard (means over ``steps`` emulated steps)."""
-    if _disagg_size is not None:
-        return _disagg_size(wl, nodes_of(wl.model), steps)
-    from spot_cluster_sim import Sim
-
-    sim = Sim(disagg(wl.model, 1), wl)
-    rec = sim.run(math.inf, steps)
-    train = float(np.mean([r["t_train"] for r in rec])) + sim.trainer.sync_s
-    r1 = float(np.mean([r["last_response"] - r["push_s"] for r in rec]))
-    return {"k": max(1, math.ceil(r1 / train)), "rollout_1_s": r1, "train_s": train,
-            "rule": "ceil(R_1 / T_train)"}  # fmt: skip
+    return _disagg_size(wl, nodes_of(wl.model), steps)
 
 
 # ---------------------------------------------------------------------------------------------

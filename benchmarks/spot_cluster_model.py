@@ -1,11 +1,11 @@
-"""The parts of the emulated RLBoost cluster (``benchmarks/spot_cluster_sim.py``): the paper's
-prices, the training cluster's time model, a compared system's switches, the workload, the
-engine and request state, the weight-transfer model, and the run summary. Emulated seconds;
+"""The parts of the emulated RLBoost cluster shared by RLBoost's runs
+(``benchmarks/spot_cluster_emu.py``) and the baselines' (``spot_cluster_baselines.py``): the
+paper's prices, the training cluster's time model, a compared system's switches, the workload,
+the engine model, the weight-transfer model, and the run summary. Emulated seconds;
 chosen numbers are marked where defined."""
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -85,38 +85,6 @@ class Workload:
     model: str = "qwen3-8b"
     lengths: ResponseLengths = field(default_factory=lambda: ResponseLengths(3000.0, 1.0, CAP))
     seed: int = 0
-
-
-@dataclass(slots=True)
-class Req:
-    group: int
-    target: int
-    have: int
-    cached: int  # id of the engine holding its KV cache, -1 none
-    spot_tokens: int
-    moves: int
-
-
-class Eng:
-    """A TP-2 engine: one of the training cluster's (``reserved``) or a rollout instance."""
-
-    _ids = 0
-
-    def __init__(self, kind: str, model: ThroughputModel) -> None:
-        Eng._ids += 1
-        self.id, self.kind, self.model = Eng._ids, kind, model
-        self.running: list[Req] = []
-        self.pending: deque[Req] = deque()
-        self.revoke: dict[int, Eng] = {}  # id(req) -> destination (Algorithm 2 line 27)
-        self.block = None  # (t0, t1, prefill_s, reqs, new) of the block in flight
-        self.gen = 0  # bumps when a block is cut: stale block-end events are skipped
-        self.version = -1
-        self.up = False
-        self.alive = True
-        self.busy_s = 0.0
-        self.last_done: float | None = None
-        self.alloc_t = 0.0
-        self.got = 0  # requests dispatched to it this step
 
 
 def block_seconds(model: ThroughputModel, ctx: np.ndarray, new: np.ndarray) -> float:
