@@ -499,7 +499,10 @@ def run_rlboost(
 
     Returns ``{"system", "records", "timeline", **summarise(records, warmup)}``: one record per
     step (emulated seconds, $; the keys the figures read), the spot blocks ``(t0, t1,
-    tokens)``. Deterministic given ``seed`` (and ``wl.seed``, the response lengths').
+    tokens)``. Deterministic given ``seed`` (and ``wl.seed``, the response lengths') in one
+    process, and across processes with one ``PYTHONHASHSEED`` (the manager iterates sets of
+    request ids, e.g. when a seeding rank leaves: their order follows the string hash;
+    ``spot_cluster.py`` runs with ``PYTHONHASHSEED=0``).
 
     Raises:
         ValueError: ``system`` is not RLBoost, or uses a switch the live manager lacks.
