@@ -92,6 +92,7 @@ def rebalance(
     pending: Mapping[Hashable, int],
     executing: Mapping[Hashable, int],
     plateau: int | None,
+    room: Mapping[Hashable, int | None] | None = None,
 ) -> list[Move]:
     """Algorithm 2 CONTINUOUSLB, one iteration (lines 15-27) on a snapshot; at most one move.
 
@@ -112,10 +113,16 @@ def rebalance(
     Several idle instances: one move per call; the caller applies it, re-queries and calls
     again until ``[]`` -- as the paper's ``while true`` loop does. Ties: iteration order.
 
+    ``room`` (not in the paper): the most requests an instance may still take (a seeding
+    reserved rank at its share, :func:`~.seeding.seeding_share`; ``None`` or a missing key:
+    no bound). An instance with no room is no destination, and an executing move's ``r`` is
+    cut to the destination's room.
+
     Args:
         pending: instance -> queued requests (``m^pending``).
         executing: instance -> requests in the running batch (``m^exec``); same keys.
         plateau: ``B``, the batch size where throughput plateaus (>= 1), or ``None``.
+        room: instance -> requests it may still take (>= 0) or ``None``; default no bounds.
 
     Returns:
         ``[]`` or ``[Move]``.
@@ -132,15 +139,24 @@ def rebalance(
     _check_counts("executing", executing)
     if plateau is not None and (isinstance(plateau, bool) or plateau < 1):
         raise ValueError(f"plateau must be a batch size >= 1 or None, got {plateau!r}")
+    room = room or {}
+
+    def fits(k: Hashable) -> int | float:
+        left = room.get(k)
+        return math.inf if left is None else left
+
     empty = [k for k, m in pending.items() if m == 0]
     if empty and len(empty) < len(pending):  # line 18
+        empty = [k for k in empty if fits(k) >= 1]
+        if not empty:
+            return []
         dst = min(empty, key=lambda k: executing[k])  # min() keeps the first of equals
         return [Move(_argmax(pending), dst, 1, executing=False)]  # lines 19-21
     if empty and plateau is not None:  # no pending anywhere
-        idle = [k for k, m in executing.items() if m == 0]
+        idle = [k for k, m in executing.items() if m == 0 and fits(k) >= 1]
         if idle:  # line 22
             src = _argmax(executing)  # line 23
-            r = max(executing[src] - plateau, 0)  # lines 24-25
+            r = int(min(max(executing[src] - plateau, 0), fits(idle[0])))  # lines 24-25
             if r > 0:
                 return [Move(src, idle[0], r, executing=True)]
     return []
