@@ -109,6 +109,7 @@ class RolloutManager(InstanceLives):
         self.profile = ThroughputProfile()
         self.plateau: int | None = None
         self._plateau_key: tuple | None = None  # (closed steps, context bucket) B was made at
+        self._profiled: ThroughputProfile | None = None  # P as the last step closed it
         self.version: int = -1
         self.weights: list = []  # [ObjectRef] of the staged weights
         self.instances: dict[str, InstanceRecord] = {}
@@ -546,9 +547,10 @@ class RolloutManager(InstanceLives):
         continuously calibrated to account for the current average context length" (paper:251).
         The context is the mean length (prompt + tokens so far) of the requests executing on
         ``live``; ``B`` is recomputed when it moves by ``_CONTEXT_STEP`` (2 %) or a step closes
-        (bounded cost: each recomputation fits the profile). No ``B`` before a closed step
-        (paper:251: executing requests migrate from the second step on)."""
-        if self.profile.closed_steps == 0:
+        (bounded cost: ``P`` is frozen when a step closes, so each recomputation only
+        rescales it). No ``B`` before a closed step (paper:251: executing requests migrate
+        from the second step on)."""
+        if self._profiled is None:
             return
         lens = [self.requests[r].length for i in live for r in i.executing if r in self.requests]
         if not lens:
@@ -558,7 +560,7 @@ class RolloutManager(InstanceLives):
         key = (self.profile.closed_steps, bucket)
         if key != self._plateau_key:
             self._plateau_key = key
-            b = self.profile.plateau(context_len=context)
+            b = self._profiled.plateau(context_len=context)
             self.plateau = b if b is not None else self.plateau
 
     def _drop(self, inst: InstanceRecord) -> None:
@@ -587,6 +589,7 @@ class RolloutManager(InstanceLives):
         # B for the next step's start, at this step's context; recalibrated as it runs
         self.plateau = self.profile.plateau() if self.cfg.rebalance else None
         self.profile.new_step()
+        self._profiled = self.profile.frozen() if self.cfg.rebalance else None
         self.history.append(
             {**self.stats, "step": c.step, "t_seed": t_seed, "n_prem": n_prem,
              "n_bar": stats.n_bar, "n_hat": stats.n_hat, "t_train_wait": stats.t_train_wait,
