@@ -488,12 +488,6 @@ class RolloutManager(InstanceLives):
         )  # fmt: skip
         return None if share is None else max(share - len(inst.pending) - len(inst.executing), 0)
 
-    def _window_ends(self, insts: list[InstanceRecord]) -> float:
-        """Seconds until the first seeding window of ``insts`` (reserved ranks) ends (when
-        their share may grow to the whole queue); 1.0 when none is open."""
-        ends = [i.since + self.cur.t_seed - now() for i in insts if i.kind == "reserved"]
-        return min([e for e in ends if e > 0] + [1.0])
-
     async def _dispatch_loop(self) -> None:
         while True:
             if not self.queue or self.paused:
@@ -509,7 +503,9 @@ class RolloutManager(InstanceLives):
             elif eligible:
                 pick = select_instance({i.id: len(i.pending) for i in eligible}, self.cfg.theta)
             if pick is None:  # none ready, or every one holds theta pending: delayed dispatch
-                await self._wait_change(self._window_ends(full))
+                # (or until a full reserved rank's window ends: its share may grow then)
+                ends = [i.since + self.cur.t_seed - now() for i in full]
+                await self._wait_change(min([e for e in ends if e > 0] + [1.0]))
                 continue
             self.instances[pick].pending.append(self.queue.popleft())
             self._changed()
@@ -542,14 +538,12 @@ class RolloutManager(InstanceLives):
                 self._changed()
 
     def _calibrate(self, live: list[InstanceRecord]) -> None:
-        """Recompute the plateau ``B`` (Algorithm 2 line 24) at the current context: the
-        profile ``P`` "is online captured by RLBoost during the previous step's rollout, and is
-        continuously calibrated to account for the current average context length" (paper:251).
-        The context is the mean length (prompt + tokens so far) of the requests executing on
-        ``live``; ``B`` is recomputed when it moves by ``_CONTEXT_STEP`` (2 %) or a step closes
-        (bounded cost: ``P`` is frozen when a step closes, so each recomputation only
-        rescales it). No ``B`` before a closed step (paper:251: executing requests migrate
-        from the second step on)."""
+        """``B`` (Algorithm 2 line 24) at the mean length (prompt + tokens) of the requests
+        executing on ``live``: ``P`` "is online captured ... during the previous step's rollout,
+        and is continuously calibrated to account for the current average context length"
+        (paper:251). Recomputed when that context moves by ``_CONTEXT_STEP`` or a step closes,
+        on ``P`` frozen at the step's start (a rescale, no refit). None before a closed step
+        (paper:251: executing requests migrate from the second step on)."""
         if self._profiled is None:
             return
         lens = [self.requests[r].length for i in live for r in i.executing if r in self.requests]
@@ -564,9 +558,8 @@ class RolloutManager(InstanceLives):
             self.plateau = b if b is not None else self.plateau
 
     def _drop(self, inst: InstanceRecord) -> None:
-        """Forget a spot instance that is gone (preempted, crashed) or released: ``n_bar``'s
-        integral runs to now, and its busy seconds stay in the step's ``t_remote``
-        (:meth:`StepRecord.remote_busy`)."""
+        """Forget a spot instance gone (preempted, crashed) or released; its busy seconds stay
+        in the step's ``t_remote`` (:meth:`StepRecord.remote_busy`)."""
         self._integrate()
         del self.instances[inst.id]
         if inst.kind == "spot":
