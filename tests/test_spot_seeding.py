@@ -128,10 +128,12 @@ def test_no_spot_instance_the_reserved_rank_takes_the_whole_queue(cluster):
 
 
 @e2e
-def test_window_over_with_no_ready_instance_the_share_grows_to_the_whole_queue(cluster):
+@pytest.mark.parametrize("rejoin", [False, True])
+def test_window_over_with_no_ready_instance_the_share_grows_to_the_whole_queue(cluster, rejoin):
     """A spot instance held but never current: the reserved rank holds its share
     (``ceil(16 / 2)``) during its window, and takes the rest once the window is over with no
-    instance ready (colocated fallback)."""
+    instance ready (colocated fallback), also when it left and came back for the fallback
+    (``pool.seed(0.0)``: no second window)."""
 
     async def scenario():
         m = manager(max_batch=64, t_seed_init=0.5, rebalance=False)
@@ -143,6 +145,10 @@ def test_window_over_with_no_ready_instance_the_share_grows_to_the_whole_queue(c
             held = await seed_blocks(m, "reserved:0", [], 5, 64)
             during = len(held)
             await asyncio.sleep(0.5)  # the window ends
+            if rejoin:  # it handed its seeds back, then the fallback registers it again
+                await m.leave("reserved:0")
+                await m.register("reserved:0")
+                held = []
             held = await seed_blocks(m, "reserved:0", held, 5, 64)
             return during, len(held), len(m.queue)
         finally:

@@ -235,6 +235,7 @@ class RolloutManager(InstanceLives):
         self.instances[instance_id] = InstanceRecord(instance_id, kind, version=self.version)
         if kind == "reserved":  # the reserved devices generate from now until it leaves
             self.cur.reserved_spans.append([instance_id, wall(), None])
+            self.cur.seed_from.setdefault(instance_id, now())
         self._changed()
 
     async def lease(self, instance_id: str, version: int, capacity: int) -> list[GenRequest]:
@@ -473,6 +474,10 @@ class RolloutManager(InstanceLives):
             if i.accepting and i.version == self.version and self.version >= 0
         ]
 
+    def _window_end(self, inst: InstanceRecord) -> float:
+        """When reserved rank ``inst``'s seeding window of this step ends (the clock's s)."""
+        return self.cur.seed_from.get(inst.id, inst.since) + self.cur.t_seed
+
     def _room(self, inst: InstanceRecord) -> int | None:
         """Requests instance ``inst`` may still be given: a seeding reserved rank's share of
         the step's requests less what it holds (:func:`~m2flow.scheduler.spot.seeding_share`;
@@ -484,7 +489,7 @@ class RolloutManager(InstanceLives):
         share = seeding_share(
             self.cur.requests, self.policy.n_resv, min(self.policy.n_prem, len(spot)),
             ready=sum(1 for i in spot if i.version == self.version >= 0),
-            window_over=now() >= inst.since + self.cur.t_seed,
+            window_over=now() >= self._window_end(inst),
         )  # fmt: skip
         return None if share is None else max(share - len(inst.pending) - len(inst.executing), 0)
 
@@ -504,7 +509,7 @@ class RolloutManager(InstanceLives):
                 pick = select_instance({i.id: len(i.pending) for i in eligible}, self.cfg.theta)
             if pick is None:  # none ready, or every one holds theta pending: delayed dispatch
                 # (or until a full reserved rank's window ends: its share may grow then)
-                ends = [i.since + self.cur.t_seed - now() for i in full]
+                ends = [self._window_end(i) - now() for i in full]
                 await self._wait_change(min([e for e in ends if e > 0] + [1.0]))
                 continue
             self.instances[pick].pending.append(self.queue.popleft())

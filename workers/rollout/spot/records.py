@@ -73,6 +73,9 @@ class StepRecord:
     n_since: float = 0.0
     requests: int = 0  # requests submitted this step (the seeding share, N_prem's cap)
     t_seed: float = 0.0  # the seeding window this step runs with (seconds)
+    # reserved rank -> when it first registered this step (its window runs from there: a rank
+    # back for the colocated fallback has no second window)
+    seed_from: dict[str, float] = field(default_factory=dict)
     # busy engine seconds of spot instances gone during the step (preempted, crashed or
     # released): t_remote counts them, as n_bar counts the time they were held
     gone_busy_s: float = 0.0
