@@ -434,8 +434,11 @@ class RolloutManager(InstanceLives):
         self.changed = asyncio.Event()
 
     async def _wait_change(self, timeout: float) -> None:
+        # at least 1 us: asyncio runs a timer within its clock resolution (1 ns) of now at
+        # once, so on a virtual clock (whose now sits on a 1 us grid) a deadline a float ulp
+        # away would never be reached and a `while now() < deadline` wait would spin
         try:
-            await asyncio.wait_for(self.changed.wait(), max(timeout, 0.0))
+            await asyncio.wait_for(self.changed.wait(), max(timeout, 1e-6))
         except TimeoutError:
             pass
 
