@@ -12,7 +12,7 @@ Pure Python + numpy/scipy: no Ray, no torch; the same code runs live and in trac
 """
 
 from .balance import Move, ThroughputProfile, batching_plateau, rebalance, select_instance
-from .seeding import SeedingPolicy, StepStats, seconds_outside
+from .seeding import SeedingPolicy, StepStats, seconds_outside, seeding_share
 from .trace import (
     SEGMENTS,
     SegmentStats,
@@ -44,6 +44,7 @@ __all__ = [
     "rebalance",
     "save_trace",
     "seconds_outside",
+    "seeding_share",
     "select_instance",
     "time_scale",
     "trace_stats",

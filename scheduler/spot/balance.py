@@ -92,6 +92,7 @@ def rebalance(
     pending: Mapping[Hashable, int],
     executing: Mapping[Hashable, int],
     plateau: int | None,
+    room: Mapping[Hashable, int | None] | None = None,
 ) -> list[Move]:
     """Algorithm 2 CONTINUOUSLB, one iteration (lines 15-27) on a snapshot; at most one move.
 
@@ -112,10 +113,16 @@ def rebalance(
     Several idle instances: one move per call; the caller applies it, re-queries and calls
     again until ``[]`` -- as the paper's ``while true`` loop does. Ties: iteration order.
 
+    ``room`` (not in the paper): the most requests an instance may still take (a seeding
+    reserved rank at its share, :func:`~.seeding.seeding_share`; ``None`` or a missing key:
+    no bound). An instance with no room is no destination, and an executing move's ``r`` is
+    cut to the destination's room.
+
     Args:
         pending: instance -> queued requests (``m^pending``).
         executing: instance -> requests in the running batch (``m^exec``); same keys.
         plateau: ``B``, the batch size where throughput plateaus (>= 1), or ``None``.
+        room: instance -> requests it may still take (>= 0) or ``None``; default no bounds.
 
     Returns:
         ``[]`` or ``[Move]``.
@@ -132,15 +139,24 @@ def rebalance(
     _check_counts("executing", executing)
     if plateau is not None and (isinstance(plateau, bool) or plateau < 1):
         raise ValueError(f"plateau must be a batch size >= 1 or None, got {plateau!r}")
+    room = room or {}
+
+    def fits(k: Hashable) -> int | float:
+        left = room.get(k)
+        return math.inf if left is None else left
+
     empty = [k for k, m in pending.items() if m == 0]
     if empty and len(empty) < len(pending):  # line 18
+        empty = [k for k in empty if fits(k) >= 1]
+        if not empty:
+            return []
         dst = min(empty, key=lambda k: executing[k])  # min() keeps the first of equals
         return [Move(_argmax(pending), dst, 1, executing=False)]  # lines 19-21
     if empty and plateau is not None:  # no pending anywhere
-        idle = [k for k, m in executing.items() if m == 0]
+        idle = [k for k, m in executing.items() if m == 0 and fits(k) >= 1]
         if idle:  # line 22
             src = _argmax(executing)  # line 23
-            r = max(executing[src] - plateau, 0)  # lines 24-25
+            r = int(min(max(executing[src] - plateau, 0), fits(idle[0])))  # lines 24-25
             if r > 0:
                 return [Move(src, idle[0], r, executing=True)]
     return []
@@ -232,6 +248,20 @@ class ThroughputProfile:
         self._steps: deque[deque[tuple[int, float, float, float]]] = deque(
             [deque(maxlen=max_records)], maxlen=window_steps
         )
+        self._cache: dict = {}  # the rows and the context fit, until the next record
+
+    def frozen(self) -> ThroughputProfile:
+        """A copy that no later :meth:`record` changes: ``P`` as captured so far (the
+        previous step's rollout, taken when a step closes), to calibrate to each context of
+        the coming step at the cost of a rescale only (its rows and fit are computed once)."""
+        copy = ThroughputProfile(
+            window_steps=self._steps.maxlen or 1, bin_width=self.bin_width,
+            min_fit=self.min_fit, min_steps=self.min_steps, max_records=self.max_records,
+        )  # fmt: skip
+        copy.closed_steps = self.closed_steps
+        copy._steps = deque((deque(st, maxlen=st.maxlen) for st in self._steps),
+                            maxlen=self._steps.maxlen)  # fmt: skip
+        return copy
 
     def record(
         self, batch_size: int, tokens: float, seconds: float, context_len: float | None = None
@@ -257,20 +287,29 @@ class ThroughputProfile:
                 f" context_len={context_len!r} (need >= 1, >= 0, > 0, >= 0 or None)"
             )
         self._steps[-1].append((int(batch_size), float(tokens), float(seconds), ctx))
+        self._cache.clear()
 
     def new_step(self) -> None:
         """Close the open step; the oldest step beyond ``window_steps`` is dropped."""
         self.closed_steps += 1
         self._steps.append(deque(maxlen=self.max_records))
+        self._cache.clear()
 
     def _rows(self) -> np.ndarray:
-        rows = [r for step in self._steps for r in step]
-        return np.array(rows, dtype=float).reshape(-1, 4)
+        if "rows" not in self._cache:
+            rows = [r for step in self._steps for r in step]
+            self._cache["rows"] = np.array(rows, dtype=float).reshape(-1, 4)
+        return self._cache["rows"]
 
     def context_model(self) -> tuple[float, float, float] | None:
         """``(alpha, beta, gamma)`` of ``tau(b, L)`` in seconds, or ``None`` when the records
         cannot support a fit (fewer than ``min_fit`` with a context, or no spread in ``b``/``L``).
         """
+        if "model" not in self._cache:
+            self._cache["model"] = self._fit()
+        return self._cache["model"]
+
+    def _fit(self) -> tuple[float, float, float] | None:
         rows = self._rows()
         rows = rows[~np.isnan(rows[:, 3]) & (rows[:, 1] > 0)]
         if len(rows) < self.min_fit:
@@ -314,13 +353,11 @@ class ThroughputProfile:
             scaled = cal_tokens[has]
             scaled[ok] *= tau_rec[ok] / tau_ref[ok]
             cal_tokens[has] = scaled
-        bins = (b.astype(int) - 1) // self.bin_width
-        out = []
-        for k in np.unique(bins):
-            sel = bins == k
-            label = int(round(float(np.average(b[sel], weights=seconds[sel]))))
-            out.append((label, float(cal_tokens[sel].sum() / seconds[sel].sum())))
-        return out
+        _, inv = np.unique((b.astype(int) - 1) // self.bin_width, return_inverse=True)
+        secs = np.bincount(inv, weights=seconds)
+        labels = np.bincount(inv, weights=b * seconds) / secs  # seconds-weighted mean batch
+        tput = np.bincount(inv, weights=cal_tokens) / secs
+        return [(int(round(float(x))), float(y)) for x, y in zip(labels, tput, strict=True)]
 
     def plateau(self, tolerance: float = 0.1, context_len: float | None = None) -> int | None:
         """``B`` for Algorithm 2 line 24: :func:`batching_plateau` of :meth:`table`; ``None`` with

@@ -24,7 +24,9 @@ Readings of the extracted text (also in docs/results/spot.md):
   ``t_remote^wait`` twice (the first is the trainer's wait); read as typos.
 - ``t_remote`` is per-instance remote compute time: remote busy instance-seconds divided by
   ``n_bar``, so ``t_remote * n_bar`` is the remote rollout work (paper:190, "the total rollout
-  workload" is ``t_remote n_bar + T_seed n_resv``).
+  workload" is ``t_remote n_bar + T_seed n_resv``). The busy seconds of every instance held
+  during the step count, those preempted or released before its end included (``n_bar``
+  counts their held time too).
 - Line 10 uses ``T_seed`` as line 9 has just updated it (the pseudocode's order); the text's
   "total rollout workload" suggests the window the step actually ran with instead. Both are
   available: ``seed_work="updated"`` (default, the pseudocode) or ``"executed"``.
@@ -40,6 +42,12 @@ Readings of the extracted text (also in docs/results/spot.md):
 - ``n_bar`` and ``n_hat`` count the remote instances the rollout manager holds (serving,
   at most ``N_prem``), not the instances a trace says could be allocated: line 10 multiplies
   ``n_bar`` by per-instance work.
+- Not in the paper: ``N_prem`` is also capped at the step's request count
+  (``update(n_requests=...)``): an instance beyond one per request has nothing to generate.
+- The "w/o seeding" ablation (section 6.4.1) keeps line 10 with ``T_seed`` = 0
+  (``update(seeding=False)``): the pool is still bounded by the remote work over ``t_train``.
+- How many requests a seeding reserved rank holds: :func:`seeding_share` (the paper gives no
+  count; an even split over the reserved ranks and the expected spot instances).
 
 Pure Python; no Ray, no torch. Times in seconds, instance counts integers.
 """
@@ -178,37 +186,94 @@ class SeedingPolicy:
         n = max(n, self.n_prem_min)
         return n if self.n_prem_max is None else min(n, self.n_prem_max)
 
-    def update(self, stats: StepStats) -> tuple[float, int]:
+    def update(
+        self, stats: StepStats, *, seeding: bool = True, n_requests: int | None = None
+    ) -> tuple[float, int]:
         """Lines 6-14 after a step: the next step's ``(t_seed, n_prem)``; also stored.
 
         Args:
             stats: the step's measurements (lines 6-8).
+            seeding: ``False`` is the "w/o seeding" ablation (section 6.4.1, Figure 12):
+                ``T_seed`` stays 0 (lines 9 and 11-14 off) and line 10 still bounds the pool,
+                with no local work (``T_seed N_resv`` = 0).
+            n_requests: the step's request count, a cap on ``N_prem`` (not in the paper: an
+                instance beyond one per request has nothing to generate; line 10 alone gives
+                140 instances for a 16-request step when ``t_train`` is short). Applied before
+                ``[n_prem_min, n_prem_max]``, so ``n_prem_min`` still wins. ``None``: no cap.
 
         Returns:
             ``(t_seed, n_prem)``: seconds of seeding and the cap on remote instances.
 
         Raises:
-            ValueError: ``stats.t_train`` is 0 (line 10 divides by it; a step always trains).
+            ValueError: ``stats.t_train`` is 0 (line 10 divides by it; a step always trains),
+                or a negative ``n_requests``.
         """
         if stats.t_train <= 0:
             raise ValueError("stats.t_train must be > 0 s: Algorithm 1 line 10 divides by it")
+        if n_requests is not None and n_requests < 0:
+            raise ValueError(f"n_requests must be >= 0, got {n_requests!r}")
         executed = self.t_seed
-        # line 9, then the clamp (a negative window means nothing)
-        self.t_seed = self._clamp_t(
-            self.t_seed + (stats.t_train_wait - stats.t_remote_wait) / self.eta
-        )
+        if seeding:  # line 9, then the clamp (a negative window means nothing)
+            self.t_seed = self._clamp_t(
+                self.t_seed + (stats.t_train_wait - stats.t_remote_wait) / self.eta
+            )
+            local = self.t_seed if self.seed_work == "updated" else executed
+        else:
+            self.t_seed, local = 0.0, 0.0
         # line 10: instances needed for all rollout work (instance-seconds) to fit in t_train
-        local = self.t_seed if self.seed_work == "updated" else executed
         raw = (stats.t_remote * stats.n_bar + local * self.n_resv) / stats.t_train
         self.n_prem_raw = raw
         # ceil with a relative slack: float noise must not add an instance
-        self.n_prem = self._clamp_n(max(0, math.ceil(raw - 1e-9 * max(1.0, abs(raw)))))
-        if self.use_memory:
+        n = max(0, math.ceil(raw - 1e-9 * max(1.0, abs(raw))))
+        self.n_prem = self._clamp_n(n if n_requests is None else min(n, n_requests))
+        if self.use_memory and seeding:
             if abs(stats.n_bar - stats.n_hat) <= self.equal_tol:  # line 11
                 self.memory[stats.n_hat] = self.t_seed  # line 12
             if stats.n_hat in self.memory:  # line 13
                 self.t_seed = self.memory[stats.n_hat]  # line 14
         return self.t_seed, self.n_prem
+
+
+def seeding_share(
+    requests: int, n_resv: int, expected: int, *, ready: int, window_over: bool
+) -> int | None:
+    """How many of the step's requests one seeding reserved rank may hold at once (pending
+    plus executing), or ``None`` for no bound (section 4.1 seeding; the rank is an instance of
+    Algorithm 2's SELECTINSTANCE).
+
+    Rule (a reading; the paper gives no count): ``ceil(requests / (n_resv + expected))``, an
+    even split of the step's requests over the reserved ranks and the spot instances the step
+    expects. The paper has the manager send "a part of the rollout requests to rollout
+    instances on behalf of the training cluster" (paper:137) while "the rollout instances are
+    receiving weights and generating the first stream of responses, the training cluster would
+    handle rollout requests within a specific time window" (paper:139): the reserved ranks seed
+    a part, the rest waits for the instances as they become current. Taking up to a whole batch
+    of ``max_batch`` each (the ablation ``seed_share="all"``) leaves nothing queued when
+    ``max_batch * n_resv >= requests``.
+
+    ``None`` (the reserved ranks finish the rollout: colocated fallback, "without stalling
+    progress", paper:197) when no spot instance is expected (none held or starting: no free
+    node, or ``N_prem`` none), or when the rank's seeding window is over and no instance is
+    ready.
+
+    Args:
+        requests: the step's requests (>= 0).
+        n_resv: reserved ranks (``N_resv`` >= 1; 0 is read as 1).
+        expected: spot instances the step expects, ``min(N_prem, held or starting)`` (>= 0).
+        ready: spot instances on the current weights (>= 0).
+        window_over: the rank's ``T_seed`` window has passed.
+
+    Raises:
+        ValueError: a negative count.
+    """
+    if min(requests, n_resv, expected, ready) < 0:
+        raise ValueError(
+            f"counts must be >= 0, got requests={requests}, n_resv={n_resv}, "
+            f"expected={expected}, ready={ready}"
+        )
+    if expected == 0 or (window_over and ready == 0):
+        return None
+    return max(1, -(-requests // (max(n_resv, 1) + expected)))
 
 
 def seconds_outside(

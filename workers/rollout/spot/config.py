@@ -23,15 +23,26 @@ class EmulatedEngineConfig:
 class SpotPoolConfig:
     """The spot rollout pool (RLBoost; docs/results/spot.md). Off unless ``enabled``.
 
-    Times in seconds; counts of requests (responses) unless said otherwise.
+    Times in seconds; counts of requests (responses) unless said otherwise. ``N_prem``, the
+    most spot instances held (Algorithm 1): starts at ``n_prem_init`` (else ``N_resv``), is
+    set by line 10 after every step, then capped at the step's request count, clamped to
+    ``[n_prem_min, n_prem_max]`` (``n_prem_max`` 0: no upper clamp); ``n_prem_min`` wins a
+    conflict. ``seed_share``: :func:`m2flow.scheduler.spot.seeding_share` ("fair") or the
+    ablation "all" (a reserved rank leases up to ``max_batch`` while it seeds).
     """
 
     enabled: bool = False  # on: rollout also runs on spot instances (or a plan turns it on)
     t_seed_init: float = 1.0  # Algorithm 1's T_init: the reserved ranks' first seeding window
     eta: float = 3.0  # Algorithm 1's adaptation rate (T_seed moves by wait difference / eta)
     memory: bool = True  # Algorithm 1's scheduler memory M (ablation: False)
-    seeding: bool = True  # ablation False: no seeding, spot instances take everything
-    n_prem_max: int = 0  # cap on spot instances over Algorithm 1's N_prem (0: none)
+    seeding: bool = True  # ablation False: no seeding (T_seed 0; line 10 still sets N_prem)
+    # a seeding reserved rank holds at most its share of the step's requests, ceil(requests /
+    # (N_resv + spot instances expected)), the rest queued for spot instances as they become
+    # current ("fair"); or up to max_batch ("all": the old rule, an ablation)
+    seed_share: str = "fair"
+    # most spot instances the pool holds: a cap on Algorithm 1's N_prem (line 10), e.g. a
+    # budget, applied after the cap at the step's request count (0: no cap of its own)
+    n_prem_max: int = 0
     n_prem_min: int = 1  # floor under N_prem (>= 1: the pool never turns itself off)
     n_prem_init: int = 0  # Algorithm 1's first N_prem (0: line 3's N_resv; a plan sets it)
     theta: int = 8  # Algorithm 2's Θ: most pending requests per instance (delayed dispatch)
@@ -68,6 +79,7 @@ class SpotPoolConfig:
             (self.eta > 0, "rollout.spot.eta must be > 0"),
             (self.theta >= 1, "rollout.spot.theta must be >= 1"),
             (self.dispatch in ("jsq", "round_robin"), "rollout.spot.dispatch: jsq|round_robin"),
+            (self.seed_share in ("fair", "all"), "rollout.spot.seed_share: fair|all"),
             (self.block_tokens >= 1, "rollout.spot.block_tokens must be >= 1"),
             (self.max_batch >= 1 and self.batch_rows >= 1, "max_batch, batch_rows must be >= 1"),
             (self.micro_batch_prompts >= 1, "rollout.spot.micro_batch_prompts must be >= 1"),

@@ -68,8 +68,7 @@ class InstanceLives:
                 break
             # (an instance a test registered by hand has no member: never released)
             if inst.member is not None and not inst.pending and not inst.executing:
-                self._integrate()
-                del self.instances[inst.id]  # before the kill: _watch sees it gone
+                self._drop(inst)  # before the kill: _watch sees it gone
                 spot.remove(inst)
                 self.stats["released"] += 1
                 await self._retire(inst)
@@ -162,8 +161,7 @@ class InstanceLives:
             self.group.forget(inst.member)
         if self.instances.get(inst.id) is not inst:  # released meanwhile
             return
-        self._integrate()
-        del self.instances[inst.id]
+        self._drop(inst)  # its busy seconds stay in the step's t_remote
         if not preempted:
             self.stats["instance_errors"] += 1
             self.errors = [*self.errors[-(_KEEP_ERRORS - 1) :], describe]

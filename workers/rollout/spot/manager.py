@@ -6,7 +6,13 @@ policies in :mod:`m2flow.scheduler.spot`; the manager applies them:
 
 - **dispatch** (Algorithm 2, SELECTINSTANCE): a queued request goes to the current instance
   with the fewest pending requests among those with fewer than Θ; when every one has Θ, it
-  waits for a completion (delayed dispatch). ``dispatch="round_robin"`` is the ablation.
+  waits for a completion (delayed dispatch). ``dispatch="round_robin"`` is the ablation. A
+  seeding reserved rank is such an instance, but holds at most its share of the step's
+  requests, ``ceil(requests / (N_resv + min(N_prem, spot instances held or starting)))``
+  (:func:`~m2flow.scheduler.spot.seeding_share`): the rest stays queued for the spot
+  instances as they become current (paper:137-139); no bound when no spot instance is
+  expected, or once its window has passed with none ready (colocated fallback, paper:197).
+  ``seed_share="all"`` is the old rule (up to ``max_batch`` each), an ablation.
 - **lease**: an instance pulls its pending requests when it has batch room (they become
   executing) and reports each block of tokens back (``report``), so the manager always holds
   every response up to its last block.
@@ -18,19 +24,25 @@ policies in :mod:`m2flow.scheduler.spot`; the manager applies them:
   lost or duplicated: a request is on one instance at a time, and a report from an instance
   that no longer holds it is ignored.
 - **rebalancing** (Algorithm 2, CONTINUOUSLB): pending requests move to idle instances;
-  executing ones beyond the batching plateau ``B`` of the previous step's online throughput
-  profile are revoked at the busiest instance's next report and go, with their tokens, to the
-  front of the idle instance's pending requests (``MIGRATEREQS(j -> i, r)``, line 27).
+  executing ones beyond the batching plateau ``B`` are revoked at the busiest instance's next
+  report and go, with their tokens, to the front of the idle instance's pending requests
+  (``MIGRATEREQS(j -> i, r)``, line 27). ``B`` comes from the online throughput profile of
+  the previous step (and the current one as it goes), calibrated to the running requests'
+  mean context and recomputed as it grows (paper:251). A reserved rank at its share is no
+  destination.
 - **admission and seeding** (Algorithm 1): at most ``N_prem`` spot instances run (an idle
   instance beyond a lowered ``N_prem`` is released); the reserved ranks generate for ``T_seed``
   seconds, then hand their partial responses over (unless no spot instance is ready: then
   they finish the rollout themselves). ``T_seed`` and ``N_prem`` are updated after every step
   from its idle and compute times: ``n_bar`` is the spot instance count integrated up to the
   step's end (a count held all step gives exactly that integer, so the memory of lines 11-14
-  fires); the trainer's idle time is what the trainer reports (its waits for micro-batches,
-  outside the reserved ranks' generation: the run event :data:`m2flow.core.events.TRAINER_WAITS`,
-  which the manager reads from the run's event bus at the step's end, or
-  :meth:`RolloutManager.trainer_waits`), else the waits of a trainer that collects itself.
+  fires); ``t_remote`` counts the busy seconds of every instance held during the step (those
+  preempted or released too); ``N_prem`` is capped at the step's request count; without
+  seeding (ablation) ``T_seed`` stays 0 and line 10 still sets ``N_prem``. The trainer's idle
+  time is what the trainer reports (its waits for micro-batches, outside the reserved ranks'
+  generation: the run event :data:`m2flow.core.events.TRAINER_WAITS`, read from the run's
+  event bus at the step's end, or :meth:`RolloutManager.trainer_waits`), else the waits of a
+  trainer that collects itself.
 - **weights** (4.3): staged once per update (one object-store copy); an instance pulls the
   version it lacks when it registers and at each update, and takes work only on the current
   version.
@@ -54,7 +66,13 @@ import math
 from collections import defaultdict, deque
 
 import ray
-from m2flow.scheduler.spot import SeedingPolicy, ThroughputProfile, rebalance, select_instance
+from m2flow.scheduler.spot import (
+    SeedingPolicy,
+    ThroughputProfile,
+    rebalance,
+    seeding_share,
+    select_instance,
+)
 
 from m2flow.core import events
 
@@ -65,6 +83,8 @@ from .names import MANAGER_NAME
 from .records import InstanceRecord, StepRecord, now, wall
 
 _POLL_S = 0.05
+# the plateau B is recomputed when the running requests' mean context moves by this fraction
+_CONTEXT_STEP = 0.02
 
 
 class RolloutManager(InstanceLives):
@@ -88,6 +108,8 @@ class RolloutManager(InstanceLives):
             self.policy.t_seed = 0.0
         self.profile = ThroughputProfile()
         self.plateau: int | None = None
+        self._plateau_key: tuple | None = None  # (closed steps, context bucket) B was made at
+        self._profiled: ThroughputProfile | None = None  # P as the last step closed it
         self.version: int = -1
         self.weights: list = []  # [ObjectRef] of the staged weights
         self.instances: dict[str, InstanceRecord] = {}
@@ -190,10 +212,11 @@ class RolloutManager(InstanceLives):
             if self.cur.step >= 0:  # the last step ended without new weights: close it anyway
                 await self._read_trainer_waits()
                 self._end_step()
-            self.cur = StepRecord(step=step, start=t, n_since=t)
+            self.cur = StepRecord(step=step, start=t, n_since=t, t_seed=self.policy.t_seed)
             for inst in self.instances.values():
                 inst.busy_s, inst.last_done = 0.0, None
         self.cur.owners[owner] = self.cur.owners.get(owner, 0) + len({r.key[1] for r in requests})
+        self.cur.requests += len(requests)
         for r in requests:
             if r.id in self.requests:
                 raise ValueError(f"request {r.id} submitted twice")
@@ -212,6 +235,7 @@ class RolloutManager(InstanceLives):
         self.instances[instance_id] = InstanceRecord(instance_id, kind, version=self.version)
         if kind == "reserved":  # the reserved devices generate from now until it leaves
             self.cur.reserved_spans.append([instance_id, wall(), None])
+            self.cur.seed_from.setdefault(instance_id, now())
         self._changed()
 
     async def lease(self, instance_id: str, version: int, capacity: int) -> list[GenRequest]:
@@ -410,8 +434,11 @@ class RolloutManager(InstanceLives):
         self.changed = asyncio.Event()
 
     async def _wait_change(self, timeout: float) -> None:
+        # at least 1 us: asyncio runs a timer within its clock resolution (1 ns) of now at
+        # once, so on a virtual clock (whose now sits on a 1 us grid) a deadline a float ulp
+        # away would never be reached and a `while now() < deadline` wait would spin
         try:
-            await asyncio.wait_for(self.changed.wait(), max(timeout, 0.0))
+            await asyncio.wait_for(self.changed.wait(), max(timeout, 1e-6))
         except TimeoutError:
             pass
 
@@ -450,12 +477,33 @@ class RolloutManager(InstanceLives):
             if i.accepting and i.version == self.version and self.version >= 0
         ]
 
+    def _window_end(self, inst: InstanceRecord) -> float:
+        """When reserved rank ``inst``'s seeding window of this step ends (the clock's s)."""
+        return self.cur.seed_from.get(inst.id, inst.since) + self.cur.t_seed
+
+    def _room(self, inst: InstanceRecord) -> int | None:
+        """Requests instance ``inst`` may still be given: a seeding reserved rank's share of
+        the step's requests less what it holds (:func:`~m2flow.scheduler.spot.seeding_share`;
+        ``seed_share="fair"``), ``None`` (no bound) for a spot instance, with the ablation
+        ``seed_share="all"``, or in the colocated fallback."""
+        if inst.kind != "reserved" or self.cfg.seed_share == "all":
+            return None
+        spot = [i for i in self.instances.values() if i.kind == "spot" and i.accepting]
+        share = seeding_share(
+            self.cur.requests, self.policy.n_resv, min(self.policy.n_prem, len(spot)),
+            ready=sum(1 for i in spot if i.version == self.version >= 0),
+            window_over=now() >= self._window_end(inst),
+        )  # fmt: skip
+        return None if share is None else max(share - len(inst.pending) - len(inst.executing), 0)
+
     async def _dispatch_loop(self) -> None:
         while True:
             if not self.queue or self.paused:
                 await self._wait_change(1.0)
                 continue
             eligible = self._eligible()
+            full = [i for i in eligible if self._room(i) == 0]  # reserved ranks at their share
+            eligible = [i for i in eligible if all(i is not f for f in full)]
             pick = None
             if eligible and self.cfg.dispatch == "round_robin":
                 pick = eligible[self._rr % len(eligible)].id
@@ -463,7 +511,9 @@ class RolloutManager(InstanceLives):
             elif eligible:
                 pick = select_instance({i.id: len(i.pending) for i in eligible}, self.cfg.theta)
             if pick is None:  # none ready, or every one holds theta pending: delayed dispatch
-                await self._wait_change(1.0)
+                # (or until a full reserved rank's window ends: its share may grow then)
+                ends = [self._window_end(i) - now() for i in full]
+                await self._wait_change(min([e for e in ends if e > 0] + [1.0]))
                 continue
             self.instances[pick].pending.append(self.queue.popleft())
             self._changed()
@@ -474,12 +524,14 @@ class RolloutManager(InstanceLives):
             if not self.cfg.rebalance or self.paused:
                 continue
             live = {i.id: i for i in self._eligible()}
+            self._calibrate(list(live.values()))
             if len(live) < 2:
                 continue
             moves = rebalance(
                 {k: len(i.pending) for k, i in live.items()},
                 {k: len(i.executing - i.revoke.keys()) for k, i in live.items()},
                 self.plateau,
+                {k: self._room(i) for k, i in live.items()},
             )
             for m in moves:
                 src, dst = live[m.src], live[m.dst]
@@ -493,6 +545,34 @@ class RolloutManager(InstanceLives):
             if moves:
                 self._changed()
 
+    def _calibrate(self, live: list[InstanceRecord]) -> None:
+        """``B`` (Algorithm 2 line 24) at the mean length (prompt + tokens) of the requests
+        executing on ``live``: ``P`` "is online captured ... during the previous step's rollout,
+        and is continuously calibrated to account for the current average context length"
+        (paper:251). Recomputed when that context moves by ``_CONTEXT_STEP`` or a step closes,
+        on ``P`` frozen at the step's start (a rescale, no refit). None before a closed step
+        (paper:251: executing requests migrate from the second step on)."""
+        if self._profiled is None:
+            return
+        lens = [self.requests[r].length for i in live for r in i.executing if r in self.requests]
+        if not lens:
+            return
+        context = sum(lens) / len(lens)
+        bucket = round(math.log(max(context, 1.0)) / math.log1p(_CONTEXT_STEP))
+        key = (self.profile.closed_steps, bucket)
+        if key != self._plateau_key:
+            self._plateau_key = key
+            b = self._profiled.plateau(context_len=context)
+            self.plateau = b if b is not None else self.plateau
+
+    def _drop(self, inst: InstanceRecord) -> None:
+        """Forget a spot instance gone (preempted, crashed) or released; its busy seconds stay
+        in the step's ``t_remote`` (:meth:`StepRecord.remote_busy`)."""
+        self._integrate()
+        del self.instances[inst.id]
+        if inst.kind == "spot":
+            self.cur.gone_busy_s += inst.busy_s
+
     def _integrate(self) -> float:
         """``n_bar``'s integral up to now at the spot count held (:meth:`StepRecord.
         integrate`). Returns now (monotonic)."""
@@ -502,19 +582,21 @@ class RolloutManager(InstanceLives):
         """Algorithm 1 after a step (definitions in docs/results/spot.md)."""
         t_end = self._integrate()  # n_bar's integral up to the step's end, at its clock
         c = self.cur
-        stats = c.stats(t_end, [i for i in self.instances.values() if i.kind == "spot"])
-        t_seed, n_prem = self.policy.t_seed, self.policy.n_prem
-        if self.cfg.seeding:
-            self.policy.update(stats)
-        else:
-            self.policy.t_seed = 0.0
+        spot = [i for i in self.instances.values() if i.kind == "spot"]
+        stats = c.stats(t_end, spot)
+        t_seed, n_prem, plateau = self.policy.t_seed, self.policy.n_prem, self.plateau
+        # no seeding (ablation): T_seed stays 0, line 10 still sets N_prem (the simulator's)
+        self.policy.update(stats, seeding=self.cfg.seeding, n_requests=c.requests)
+        # B for the next step's start, at this step's context; recalibrated as it runs
         self.plateau = self.profile.plateau() if self.cfg.rebalance else None
         self.profile.new_step()
+        self._profiled = self.profile.frozen() if self.cfg.rebalance else None
         self.history.append(
             {**self.stats, "step": c.step, "t_seed": t_seed, "n_prem": n_prem,
              "n_bar": stats.n_bar, "n_hat": stats.n_hat, "t_train_wait": stats.t_train_wait,
              "t_remote_wait": stats.t_remote_wait, "t_train": stats.t_train,
-             "t_remote": stats.t_remote, "step_s": max(t_end - c.start, 1e-9)}
+             "t_remote": stats.t_remote, "remote_busy_s": c.remote_busy(spot),
+             "requests": c.requests, "plateau": plateau, "step_s": max(t_end - c.start, 1e-9)}
         )  # fmt: skip
         self.history = self.history[-100:]
         self.stats = self._fresh_stats()

@@ -71,6 +71,14 @@ class StepRecord:
     reserved_spans: list = field(default_factory=list)  # [id, t0, t1]: reserved generation (wall)
     n_integral: float = 0.0  # spot instance-seconds, for n_bar
     n_since: float = 0.0
+    requests: int = 0  # requests submitted this step (the seeding share, N_prem's cap)
+    t_seed: float = 0.0  # the seeding window this step runs with (seconds)
+    # reserved rank -> when it first registered this step (its window runs from there: a rank
+    # back for the colocated fallback has no second window)
+    seed_from: dict[str, float] = field(default_factory=dict)
+    # busy engine seconds of spot instances gone during the step (preempted, crashed or
+    # released): t_remote counts them, as n_bar counts the time they were held
+    gone_busy_s: float = 0.0
 
     def integrate(self, held: int) -> float:
         """Advance the spot instance-seconds (``n_bar``'s integral) to now at the count
@@ -95,6 +103,11 @@ class StepRecord:
             total += sum(seconds_outside(a, b, lo, end, busy) for a, b in spans)
         return total / len(self.trainer_waits)
 
+    def remote_busy(self, spot: list[InstanceRecord]) -> float:
+        """Busy engine instance-seconds of the spot pool this step: the instances ``spot``
+        held now and those gone during the step (``gone_busy_s``)."""
+        return sum(i.busy_s for i in spot) + self.gone_busy_s
+
     def stats(self, now: float, spot: list[InstanceRecord]) -> StepStats:
         """Algorithm 1's inputs for the step ending at ``now`` (monotonic, after
         :meth:`integrate`), with ``spot`` the spot instances held at its end."""
@@ -109,6 +122,7 @@ class StepRecord:
             t_train_wait=train_wait,
             t_remote_wait=sum(now - i.last_done for i in worked) / max(len(worked), 1),
             t_train=max(now - seed_end - train_wait, 1e-6),
-            # per instance: the pool's busy instance-seconds over n_bar (scheduler.spot)
-            t_remote=sum(i.busy_s for i in spot) / n_bar if n_bar > 0 else 0.0,
+            # per instance: the pool's busy instance-seconds over n_bar (scheduler.spot), the
+            # instances gone during the step included
+            t_remote=self.remote_busy(spot) / n_bar if n_bar > 0 else 0.0,
         )
