@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -482,11 +481,6 @@ EXPERIMENTS = {
 
 
 def main() -> None:
-    if os.environ.get("PYTHONHASHSEED") != "0":
-        # the manager iterates sets of request ids (a seeding rank's leave, a death): their
-        # order, hence the runs, follow the string hash; one hash seed makes them reproducible
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI size: short runs, segment A")
     ap.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), help="these experiments")

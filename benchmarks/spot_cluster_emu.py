@@ -499,10 +499,9 @@ def run_rlboost(
 
     Returns ``{"system", "records", "timeline", **summarise(records, warmup)}``: one record per
     step (emulated seconds, $; the keys the figures read), the spot blocks ``(t0, t1,
-    tokens)``. Deterministic given ``seed`` (and ``wl.seed``, the response lengths') in one
-    process, and across processes with one ``PYTHONHASHSEED`` (the manager iterates sets of
-    request ids, e.g. when a seeding rank leaves: their order follows the string hash;
-    ``spot_cluster.py`` runs with ``PYTHONHASHSEED=0``).
+    tokens)``. Deterministic given ``seed`` (and ``wl.seed``, the response lengths'), across
+    processes too: the manager walks its sets of request ids in sorted order (checked: Fig. 10's
+    8B runs are equal under ``PYTHONHASHSEED`` 0 and 1).
 
     Raises:
         ValueError: ``system`` is not RLBoost, or uses a switch the live manager lacks.

@@ -260,9 +260,12 @@ def test_plateau_changes_within_a_step_as_the_context_grows(cluster):
             await m.leave("reserved:0")
             await asyncio.sleep(0.05)
             leased = await lease_all(m, "a", 2)
+            # an instance reports its running requests' mean length with every block (as
+            # SpotInstance.run does); these two make no profile record (0 busy seconds)
+            await m.report("a", advance(leased, 0, False), 0.0, 4, 0, context=2.0)
             await asyncio.sleep(0.25)  # rebalance ticks at the 2-token context
             short = m.plateau
-            await m.report("a", advance(leased, 8000, False), 0.0, 4, 0)  # (no profile record)
+            await m.report("a", advance(leased, 8000, False), 0.0, 4, 0, context=8002.0)
             await asyncio.sleep(0.25)
             return at_end, short, m.plateau, len(leased)
         finally:

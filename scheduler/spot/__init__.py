@@ -1,10 +1,10 @@
 """RLBoost's spot rollout pool policies (Wu et al., NSDI 2026), in one namespace.
 
-- :mod:`.spot_seeding` -- section 4.1, Algorithm 1: :class:`StepStats`, :class:`SeedingPolicy`
+- :mod:`.seeding` -- section 4.1, Algorithm 1: :class:`StepStats`, :class:`SeedingPolicy`
   (the seeding window ``T_seed`` and the remote-instance cap ``N_prem``).
-- :mod:`.spot_balance` -- section 4.2.1, Algorithm 2: :func:`select_instance`,
+- :mod:`.balance` -- section 4.2.1, Algorithm 2: :func:`select_instance`,
   :func:`rebalance` / :class:`Move`, :class:`ThroughputProfile`, :func:`batching_plateau`.
-- :mod:`.spot_trace` -- Appendix C: availability traces (:func:`load_trace`,
+- :mod:`.trace` -- Appendix C: availability traces (:func:`load_trace`,
   :func:`generate_segment` with Table 5's statistics, :func:`time_scale`, ...).
 
 Readings of the paper and deviations are in each module's docstring and in docs/results/spot.md.

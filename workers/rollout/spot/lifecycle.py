@@ -168,14 +168,13 @@ class InstanceLives:
             log.warning("spot instance lost, its requests move on: %s", describe)
         elif inst.version >= 0:
             self.stats["preemptions"] += 1
-            held = [
-                self.requests[r] for r in (*inst.pending, *inst.executing) if r in self.requests
-            ]
+            ids = (*inst.pending, *sorted(inst.executing))
+            held = [self.requests[r] for r in ids if r in self.requests]
             self.stats["preempted_requests"] += len(held)
             self.stats["preempted_tokens"] += sum(len(r.tokens) for r in held)
         else:  # preempted before it pulled weights (e.g. its node was already going)
             self.stats["failed_starts"] += 1
-        for rid in [*inst.pending, *inst.executing]:
+        for rid in [*inst.pending, *sorted(inst.executing)]:
             if rid in self.requests:
                 self._requeue(rid, migrated=True)
         self._changed()

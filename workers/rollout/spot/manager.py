@@ -168,7 +168,7 @@ class RolloutManager(InstanceLives):
         self.paused = True
         for inst in self.instances.values():
             if inst.kind == "spot":
-                for rid in inst.executing:
+                for rid in sorted(inst.executing):  # (sets: a stable order for replays)
                     inst.revoke.setdefault(rid, None)  # to the queue's head
                 while inst.pending:
                     self.queue.appendleft(inst.pending.pop())
@@ -214,7 +214,7 @@ class RolloutManager(InstanceLives):
                 self._end_step()
             self.cur = StepRecord(step=step, start=t, n_since=t, t_seed=self.policy.t_seed)
             for inst in self.instances.values():
-                inst.busy_s, inst.last_done = 0.0, None
+                inst.busy_s, inst.last_done, inst.context = 0.0, None, None
         self.cur.owners[owner] = self.cur.owners.get(owner, 0) + len({r.key[1] for r in requests})
         self.cur.requests += len(requests)
         for r in requests:
@@ -277,7 +277,9 @@ class RolloutManager(InstanceLives):
             return [r.id for r in updates]
         t = now()
         inst.busy_s += busy_s
-        if batch and busy_s > 0:  # the online batching profile P (Algorithm 2, line 23)
+        if context is not None:
+            inst.context = context
+        if batch and busy_s > 0:  # the online batching profile P (Algorithm 2, line 24)
             self.profile.record(batch, tokens, busy_s, context_len=context)
         label = "spot" if inst.kind == "spot" else "reserved"
         for r in updates:
@@ -312,7 +314,7 @@ class RolloutManager(InstanceLives):
         if self.cur.seed_end is None:
             self.cur.seed_end = now()
             self.cur.seed_end_wall = w
-        for rid in [*inst.pending, *inst.executing]:
+        for rid in [*inst.pending, *sorted(inst.executing)]:
             self._requeue(rid, migrated=False)
         self._changed()
 
@@ -547,17 +549,19 @@ class RolloutManager(InstanceLives):
 
     def _calibrate(self, live: list[InstanceRecord]) -> None:
         """``B`` (Algorithm 2 line 24) at the mean length (prompt + tokens) of the requests
-        executing on ``live``: ``P`` "is online captured ... during the previous step's rollout,
-        and is continuously calibrated to account for the current average context length"
-        (paper:251). Recomputed when that context moves by ``_CONTEXT_STEP`` or a step closes,
-        on ``P`` frozen at the step's start (a rescale, no refit). None before a closed step
-        (paper:251: executing requests migrate from the second step on)."""
+        executing on ``live``, as each instance last reported it with a block: ``P`` "is online
+        captured ... during the previous step's rollout, and is continuously calibrated to
+        account for the current average context length" (paper:251). Recomputed when that
+        context moves by ``_CONTEXT_STEP`` or a step closes, on ``P`` frozen at the step's
+        start (a rescale, no refit). None before a closed step (paper:251: executing requests
+        migrate from the second step on)."""
         if self._profiled is None:
             return
-        lens = [self.requests[r].length for i in live for r in i.executing if r in self.requests]
-        if not lens:
+        # the instances' last reported mean context, weighted by what they run (O(instances))
+        held = [(len(i.executing), i.context) for i in live if i.executing and i.context]
+        if not held:
             return
-        context = sum(lens) / len(lens)
+        context = sum(n * c for n, c in held) / sum(n for n, _ in held)
         bucket = round(math.log(max(context, 1.0)) / math.log1p(_CONTEXT_STEP))
         key = (self.profile.closed_steps, bucket)
         if key != self._plateau_key:

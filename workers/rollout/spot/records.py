@@ -51,6 +51,7 @@ class InstanceRecord:
     revoke: dict = field(default_factory=dict)  # executing id -> instance it moves to
     accepting: bool = True  # False: leaving (a reserved rank after seeding)
     busy_s: float = 0.0  # engine seconds this step
+    context: float | None = None  # mean request length (tokens) at its last report
     last_done: float | None = None  # when it last finished a response this step
     since: float = field(default_factory=now)
 
