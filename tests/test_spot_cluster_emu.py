@@ -154,3 +154,31 @@ def test_pulls_share_the_training_nodes_frontend_nics(emu):
     one = transfer_s(m, 1, 1)  # the instance's own 50 Gb/s bounds it
     assert one == pytest.approx(m.latency_s + m.weight_bytes / (50e9 / 8) / 0.8)
     assert transfer_s(m, 6, 1) > transfer_s(m, 6, 2) == pytest.approx(one)
+
+
+def test_benchmark_prints_the_per_model_ratios_last(tmp_path):
+    """``benchmarks/spot_cluster.py`` (Fig. 10, here one model, 10 emulated minutes) ends with
+    one ``model=<name> throughput_vs_verl=<x> tokens_per_dollar_vs_verl=<y>`` line per model,
+    the ratios of its RLBoost run (the live manager's: its records carry Algorithm 1's
+    ``n_hat`` and ``T_seed``) to its veRL run, as written to the results JSON."""
+    import json
+    import re
+    import subprocess
+
+    out = tmp_path / "sc.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "spot_cluster.py"), "--only", "fig10",
+           "--models", "qwen3-8b", "--segments", "A", "--duration", "600", "--no-ablations",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"model=qwen3-8b throughput_vs_verl=(\S+) tokens_per_dollar_vs_verl=(\S+)",
+                     last)  # fmt: skip
+    assert m, last
+    runs = json.loads(out.read_text())["fig10"]["runs"]
+    rl, base = runs["qwen3-8b/RLBoost/A"], runs["qwen3-8b/veRL"]
+    assert all("n_hat" in r and "t_seed" in r for r in rl["records"])
+    assert float(m[1]) == pytest.approx(rl["throughput"] / base["throughput"], abs=5e-4)
+    assert float(m[2]) == pytest.approx(
+        rl["tokens_per_dollar"] / base["tokens_per_dollar"], abs=5e-4
+    )
