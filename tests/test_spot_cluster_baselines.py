@@ -194,27 +194,6 @@ def test_refuses_what_is_not_a_baseline(bl):
         bl.BaselineCluster(verl(bl), wl, events=[(0, 1.0, "preempt", 1)])
 
 
-@pytest.mark.skipif(
-    not (ROOT / "benchmarks" / "spot_cluster_sim.py").exists(), reason="the old simulator is gone"
-)
-def test_matches_the_old_simulator_while_it_exists(bl):
-    """Same records as the discrete-event simulator it replaces: veRL's whole step, Disagg.BAL's
-    first rollout (its training differs by the micro-batch rule, see the module docstring)."""
-    sim = _load("spot_cluster_sim")
-    wl = bl.Workload("qwen3-8b", seed=0)
-    for sy in (verl(bl), disagg(bl, 4)):
-        old = sim.Sim(sim.System(**vars(sy)), sim.Workload("qwen3-8b", seed=0))
-        o = old.run(math.inf, 1)[0]
-        n = bl.run_baseline(sy, wl, math.inf, max_steps=1)
-        r = n["records"][0]
-        keys = ["last_response", "spot_tokens", "reserved_tokens", "tokens", "push_s"]
-        if sy.kind == "verl":
-            keys = [k for k in o if k not in ("n_prem", "t_seed", "memory_hit")]
-        for key in keys:
-            assert r[key] == pytest.approx(o[key], rel=1e-9), key
-        assert len(n["timeline"]) == len(old.timeline)
-
-
 def test_disagg_size_balances_one_instance_rollout_against_training(bl):
     wl = bl.Workload("qwen3-8b", seed=0)
     size = bl.disagg_size(wl, steps=1)

@@ -18,7 +18,7 @@ from m2flow.scheduler.spot import StepStats, seconds_outside
 
 def now() -> float:
     """The manager's clock in seconds: its event loop's ``time()`` (``time.monotonic()`` on a
-    standard loop; the virtual clock of ``benchmarks/spot_cluster_sim.py``'s loop, which is
+    standard loop; the virtual clock of ``benchmarks/spot_cluster_emu.py``'s loop, which is
     how the cluster experiments run this manager in emulated time)."""
     try:
         return asyncio.get_running_loop().time()
