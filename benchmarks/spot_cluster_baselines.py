@@ -69,7 +69,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import looptime
 import numpy as np
 from m2flow.workers.rollout.emulated import ThroughputModel, throughput_preset
 
@@ -84,6 +83,7 @@ from spot_cluster_model import (  # noqa: E402
     System,
     TrainModel,
     Workload,
+    run_virtual,
     summarise,
     transfer_s,
 )
@@ -346,13 +346,8 @@ def static_shares(n: int, engines: int) -> list[slice]:
 
 
 def run_loop(coro):
-    """Run ``coro`` on a fresh ``looptime`` loop from emulated time 0 (wall: 1e9 + time)."""
-    loop = looptime.new_event_loop(start=0.0, resolution=RESOLUTION_S, noop_cycles=NOOP_CYCLES)
-    loop.wall = lambda: 1e9 + loop.time()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
+    """Run ``coro`` on a fresh virtual-time loop (:func:`run_virtual` at this module's tick)."""
+    return run_virtual(coro, resolution=RESOLUTION_S, noop_cycles=NOOP_CYCLES, on_grid=False)
 
 
 def run_baseline(

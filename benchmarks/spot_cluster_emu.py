@@ -51,12 +51,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import looptime
 import numpy as np
 from m2flow.workers.rollout.emulated import throughput_preset
 from m2flow.workers.rollout.exact import GenRequest
@@ -77,6 +75,7 @@ from spot_cluster_model import (  # noqa: E402
     System,
     TrainModel,
     Workload,
+    run_virtual,
     summarise,
     transfer_s,
 )
@@ -464,25 +463,6 @@ async def _end(tasks: list[asyncio.Task]) -> None:
         await asyncio.wait(live, timeout=1.0)
 
 
-_TICK = 1_000_000  # looptime's clock: whole microseconds (its default resolution)
-
-
-def _on_grid(call_at):
-    """``loop.call_at`` with the time rounded up to looptime's microsecond grid. asyncio fires
-    a timer within 1e-9 s of its time, and looptime's clock moves in whole microseconds: a
-    timer off the grid could fire before the clock reaches its time, and the manager's
-    ``while now() < deadline: wait(deadline - now())`` (``lease``) would spin at one instant.
-    On the grid, the clock reaches the timer's time exactly."""
-
-    def at(when, callback, *args, context=None):
-        k = math.ceil(when * _TICK)
-        if k / _TICK < when:
-            k += 1
-        return call_at(k / _TICK, callback, *args, context=context)
-
-    return at
-
-
 def run_rlboost(
     system: System,
     wl: Workload,
@@ -507,13 +487,7 @@ def run_rlboost(
         ValueError: ``system`` is not RLBoost, or uses a switch the live manager lacks.
     """
     run = EmuRun(system, wl, trace, events, seed)
-    loop = looptime.new_event_loop(start=0.0, noop_cycles=0)
-    loop.wall = lambda: 1e9 + loop.time()  # records.wall(): the trainer's waits, virtual
-    loop.call_at = _on_grid(loop.call_at)
-    try:
-        rec = loop.run_until_complete(run.main(duration, max_steps))
-    finally:
-        loop.close()
+    rec = run_virtual(run.main(duration, max_steps))
     return {
         "system": asdict(system),
         "records": rec,

@@ -6,8 +6,10 @@ chosen numbers are marked where defined."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
+import looptime
 import numpy as np
 from m2flow.workers.rollout.emulated import ResponseLengths, ThroughputModel
 
@@ -168,3 +170,29 @@ def summarise(records: list[dict], warmup: int = 0, spot_per_h: float | None = N
 
 def with_cap(wl: Workload, cap: int) -> Workload:
     return replace(wl, lengths=replace(wl.lengths, cap=cap))
+
+
+def run_virtual(coro, resolution: float = 1e-6, noop_cycles: int = 0, on_grid: bool = True):
+    """Run ``coro`` to its end on a fresh ``looptime`` loop: emulated time from 0, its clock
+    moving in steps of ``resolution`` seconds, ``loop.wall()`` = 1e9 + that time (the manager's
+    wall clock, :func:`m2flow.workers.rollout.spot.records.wall`). ``on_grid``: timers rounded
+    up to the clock's grid. asyncio fires a timer within 1e-9 s of its time, so a timer off the
+    grid could fire before the clock reaches it, and a ``while now() < deadline:
+    wait(deadline - now())`` loop (the manager's ``lease``) would spin at one instant; on the
+    grid, the clock reaches the timer's time exactly. Returns what ``coro`` returns."""
+    loop = looptime.new_event_loop(start=0.0, resolution=resolution, noop_cycles=noop_cycles)
+    loop.wall = lambda: 1e9 + loop.time()
+    if on_grid:
+        tick, call_at = round(1 / resolution), loop.call_at
+
+        def at(when, callback, *args, context=None):
+            k = math.ceil(when * tick)
+            if k / tick < when:
+                k += 1
+            return call_at(k / tick, callback, *args, context=context)
+
+        loop.call_at = at
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
