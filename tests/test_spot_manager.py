@@ -52,6 +52,18 @@ async def finish(m: RolloutManager, iid: str, n: int) -> list[str]:
     return [r.id for r in leased]
 
 
+async def three_spot_instances_take_a_step(m: RolloutManager) -> None:
+    """Spot instances ``s0..s2`` on version 0; step 1's 3 requests, seeded with ``T_seed`` 0
+    (the reserved rank registers and leaves at once), handed out by the dispatch loop."""
+    await m.stage(0, [])
+    for k in range(3):
+        await m.register(f"s{k}", "spot")
+    await m.submit(1, 0, requests(1, 3))
+    await m.register("reserved:0")
+    await m.leave("reserved:0")
+    await asyncio.sleep(0.05)  # the dispatch loop hands out the queue
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
@@ -64,13 +76,7 @@ def test_scheduler_memory_fires_when_the_instance_count_held_all_step(cluster):
     async def scenario():
         m = manager(t_seed_init=0.0)
         try:
-            await m.stage(0, [])
-            for k in range(3):
-                await m.register(f"s{k}", "spot")
-            await m.submit(1, 0, requests(1, 3))
-            await m.register("reserved:0")
-            await m.leave("reserved:0")  # T_seed = 0: the seeds go at once
-            await asyncio.sleep(0.05)  # the dispatch loop hands out the queue
+            await three_spot_instances_take_a_step(m)
             for k in range(3):
                 await finish(m, f"s{k}", 8)
             await asyncio.sleep(1.3)  # past two pool-loop ticks, off their phase

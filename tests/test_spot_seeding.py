@@ -28,7 +28,7 @@ from m2flow.scheduler.spot import (
     seeding_share,
 )
 from m2flow.workers.rollout.spot.manager import RolloutManager
-from test_spot_manager import advance, manager, requests, run
+from test_spot_manager import advance, manager, requests, run, three_spot_instances_take_a_step
 
 VIRTUAL_DEVICES = 1
 e2e = pytest.mark.e2e
@@ -193,13 +193,7 @@ def test_t_remote_counts_a_preempted_instances_busy_time(cluster):
     async def scenario():
         m = manager(t_seed_init=0.0, rebalance=False)
         try:
-            await m.stage(0, [])
-            for k in range(3):
-                await m.register(f"s{k}", "spot")
-            await m.submit(1, 0, requests(1, 3))
-            await m.register("reserved:0")
-            await m.leave("reserved:0")
-            await asyncio.sleep(0.05)
+            await three_spot_instances_take_a_step(m)
             leased = {}
             for k in range(3):
                 leased[k] = await m.lease(f"s{k}", 0, 1)
