@@ -69,7 +69,7 @@ def test_ppo_with_a_spot_plan_reports_the_actors_waits_to_algorithm_1(tmp_path):
     # the manager closed the last step with the actor's last report: its t_train^wait counts
     # part of those waits (after the seeding window, outside the reserved ranks' generation)
     last = pool["steps"][-1]
-    assert last["step"] == STEPS, last
+    assert last["step"] == STEPS and last["trainer_reported"], last
     reported = sum(t1 - t0 for t0, t1 in actor[-1]["waits"])
     assert 0.0 <= last["t_train_wait"] <= reported + 1e-6, (last, reported)
 

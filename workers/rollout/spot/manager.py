@@ -599,7 +599,8 @@ class RolloutManager(InstanceLives):
             {**self.stats, "step": c.step, "t_seed": t_seed, "n_prem": n_prem,
              "n_bar": stats.n_bar, "n_hat": stats.n_hat, "t_train_wait": stats.t_train_wait,
              "t_remote_wait": stats.t_remote_wait, "t_train": stats.t_train,
-             "t_remote": stats.t_remote, "remote_busy_s": c.remote_busy(spot),
+             "t_remote": stats.t_remote,
+             "trainer_reported": bool(c.trainer_waits), "remote_busy_s": c.remote_busy(spot),
              "requests": c.requests, "plateau": plateau, "step_s": max(t_end - c.start, 1e-9)}
         )  # fmt: skip
         self.history = self.history[-100:]
