@@ -24,7 +24,7 @@ them next to the paper's numbers; ``fig10``, ``fig13_17`` are also plotted in ``
 - ``tail`` (ours): veRL vs RLBoost on segment A with lighter response-length tails.
 - ``agents``: section 4.3's per-node transfer agents, 32B on two nodes: two senders vs one.
 
-    python benchmarks/spot_cluster.py            # everything (15-20 min on 2 shared cores)
+    python benchmarks/spot_cluster.py            # everything (26 min on 2 shared cores)
     python benchmarks/spot_cluster.py --quick    # CI size: short runs; Fig. 10 for 8B/14B/32B
                                                  # on segment A; ends with one line per model
     python benchmarks/spot_cluster.py --only fig11 fig14
