@@ -64,12 +64,12 @@ def test_spot_instances_current_during_seeding_get_fresh_requests(cluster, share
     """Two reserved ranks with ``max_batch`` 64 each and 16 requests (``max_batch x N_resv >=
     batch``), two spot instances pulling the weights at the step's start. With the share rule
     (``ceil(16 / (2 + 2))`` = 4 per rank) the ranks seed 8 and the instances, current during
-    the 30 s window, get the other 8 fresh (no tokens). The old rule (``seed_share="all"``)
+    the 600 s window, get the other 8 fresh (no tokens). The old rule (``seed_share="all"``)
     leaves them nothing."""
 
     async def scenario():
         m = RolloutManager(
-            {"enabled": True, "max_batch": 64, "theta": 8, "t_seed_init": 30.0,
+            {"enabled": True, "max_batch": 64, "theta": 8, "t_seed_init": 600.0,
              "n_prem_init": 2, "rebalance": False, "seed_share": share},
             n_reserved=2, instance_args={},
         )  # fmt: skip
@@ -136,7 +136,7 @@ def test_window_over_with_no_ready_instance_the_share_grows_to_the_whole_queue(c
     (``pool.seed(0.0)``: no second window)."""
 
     async def scenario():
-        m = manager(max_batch=64, t_seed_init=0.5, rebalance=False)
+        m = manager(max_batch=64, t_seed_init=600.0, rebalance=False)
         try:
             await m.register("s", "spot")  # never pulls the weights
             await m.stage(0, [])
@@ -144,7 +144,9 @@ def test_window_over_with_no_ready_instance_the_share_grows_to_the_whole_queue(c
             await m.register("reserved:0")
             held = await seed_blocks(m, "reserved:0", [], 5, 64)
             during = len(held)
-            await asyncio.sleep(0.5)  # the window ends
+            # the window ends: the step's T_seed as if it had passed (no race with the clock)
+            m.cur.t_seed = 0.0
+            m._changed()
             if rejoin:  # it handed its seeds back, then the fallback registers it again
                 await m.leave("reserved:0")
                 await m.register("reserved:0")
@@ -302,13 +304,13 @@ async def busy_step(m: RolloutManager, n: int, busy_s: float, train_s: float) ->
 
 @e2e
 def test_n_prem_never_exceeds_the_steps_request_count(cluster):
-    """Line 10 with 50 busy instance-seconds over ~0.1 s of training asks for hundreds of
-    instances; a step of 4 requests caps ``N_prem`` at 4."""
+    """Line 10 with 5,000 busy instance-seconds over ~0.1 s of training (under 50 s on any
+    machine) asks for over a hundred instances; a step of 4 requests caps ``N_prem`` at 4."""
 
     async def scenario():
         m = manager(t_seed_init=0.0, rebalance=False)
         try:
-            rec = await busy_step(m, 4, 50.0, 0.1)
+            rec = await busy_step(m, 4, 5000.0, 0.1)
             return rec, m.policy.n_prem, m.policy.n_prem_raw
         finally:
             await m.shutdown()
@@ -337,7 +339,7 @@ def test_no_seeding_ablation_keeps_line_10(cluster):
         m = manager(t_seed_init=1.0, seeding=False, rebalance=False, n_prem_init=1)
         try:
             assert m.policy.t_seed == 0.0
-            rec = await busy_step(m, 8, 1.5, 0.5)
+            rec = await busy_step(m, 8, 150.0, 0.5)  # line 10 > 1 below 75 s
             return rec, m.policy.t_seed, m.policy.n_prem
         finally:
             await m.shutdown()
