@@ -12,9 +12,8 @@ time: a reward worker that announced at its first chunk would leave the test wai
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from helpers import wait_until
 from m2flow.reward_service.app import BackgroundServer
 from m2flow.workers.llm import build_char_tokenizer
 from m2flow.workers.reward.worker import RewardWorker
@@ -33,14 +32,6 @@ pytestmark = pytest.mark.e2e
 VIRTUAL_DEVICES = 2
 PROMPTS, SAMPLES, PER_CHUNK = 4, 2, 2  # 2 chunks of 4 responses; the step has 8
 STEP = PROMPTS * SAMPLES
-
-
-def _wait(predicate, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < end, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.005)
-    return value
 
 
 def test_the_steps_batch_reaches_the_service_before_its_rollout_has_a_response(cluster):
@@ -66,8 +57,10 @@ def test_the_steps_batch_reaches_the_service_before_its_rollout_has_a_response(c
             gen = rollout.generate(prompts, rollouts, PROMPTS)
             rew = reward.score(rollouts, scored)
             tasks = server.service.tasks
-            task = _wait(lambda: tasks.get(("alice", "announce")), 60, "the task")
-            batch = _wait(lambda: next(iter(task.batches.values()), None), 60, "the batch")
+            task = wait_until(lambda: tasks.get(("alice", "announce")), 60, "the task", 0.005)
+            batch = wait_until(
+                lambda: next(iter(task.batches.values()), None), 60, "the batch", 0.005
+            )
             # announced with the step's size, before any request: no prompt was put yet
             assert batch.size == STEP and batch.submitted == 0 and not batch.records
             prompts.put_many(items)
