@@ -283,10 +283,39 @@ def agents_md(res: dict) -> str:
     return _t(["weight senders", "tok/s", "step s", "steps"], rows)
 
 
+def causes_md(res: dict, warmup: int = 3) -> str:
+    """Where RLBoost's step goes, per model on segment A: means over the steps after
+    ``warmup`` of the live manager's own Algorithm 1 inputs and output (``T_seed``,
+    ``t_train``, ``t_train^wait``, ``t_remote^wait``, ``n_bar``, ``N_prem``) and of when the
+    step's last response came, beside veRL's step and last response (emulated seconds)."""
+    runs, rows = res["runs"], []
+    for m in dict.fromkeys(k.split("/")[0] for k in runs):
+        rl, base = runs.get(f"{m}/RLBoost/A"), runs.get(f"{m}/veRL")
+        if rl is None or base is None:
+            continue
+        rec = rl["records"][warmup:] or rl["records"]
+
+        def mean(key: str, rec=rec) -> float:
+            return sum(r[key] for r in rec) / len(rec)
+
+        last = sum(r["last_response"] for r in base["records"]) / len(base["records"])
+        rows.append([
+            m, f"{mean('step_s'):.0f}", f"{mean('t_seed'):.0f}", f"{mean('t_train'):.0f}",
+            f"{mean('t_train_wait'):.0f}", f"{mean('last_response'):.0f}",
+            f"{mean('t_remote_wait'):.0f}", f"{mean('n_bar'):.1f}", f"{mean('n_prem'):.1f}",
+            f"{base['step_s']:.0f} / {last:.0f}",
+        ])  # fmt: skip
+    return _t(["model (RLBoost/A)", "step s", "T_seed", "t_train", "t_train_wait",
+               "last response at", "t_remote_wait", "n_bar", "N_prem",
+               "veRL: step / last response"],
+              rows)  # fmt: skip
+
+
 def markdown(out: dict) -> str:
     parts = []
     for key, title, fn in (
         ("fig10", "Fig. 10", fig10_md),
+        ("fig10", "Where RLBoost's step goes (segment A, after 3 warm-up steps)", causes_md),
         ("fig11", "Fig. 11", fig11_md),
         ("fig12", "Fig. 12", fig12_md),
         ("fig13", "Figs. 13, 17", None),
