@@ -11,9 +11,10 @@ app with :class:`GuardedH11Protocol`:
   ``header_timeout_s`` of connecting, and of each answer; data that trickles in does not
   extend it (unlike the keep-alive timer, which any byte resets). Then it is closed.
 - **Connection cap.** At most ``max_connections`` are open, below the file-descriptor limit
-  (:func:`connection_budget`, which keeps room for the workers' pipes and for two bursts of
-  :data:`BACKLOG` connections accepted before the cap sees them), so ``accept`` does not run
-  out of descriptors. A connection
+  (:func:`connection_budget`, which keeps room for the workers' pipes and for three bursts of
+  :data:`BACKLOG` connections: two accepted before the cap sees them, one evicted whose
+  descriptors close an event-loop iteration later), so ``accept`` does not run out of
+  descriptors. A connection
   over the cap makes room by closing the longest-idle one (no request in flight: a flood of
   idle sockets evicts itself, not the tenants' requests); if every one is busy, it is
   closed itself.
@@ -46,9 +47,12 @@ _FD_RESERVE = 64
 #: ... and per worker process the service may run (its stdin and stdout pipes, a pidfd,
 #: one spare while it starts)
 _FD_PER_WORKER = 4
-#: the listen backlog, which is also the most connections asyncio accepts in one go, before
-#: any of them reaches :meth:`GuardedH11Protocol.connection_made` (where the cap applies):
-#: two bursts are kept free under the descriptor limit
+#: the listen backlog, which is also the most connections asyncio accepts in one loop
+#: iteration. Under a flood three bursts hold descriptors beyond the cap at once: one just
+#: accepted, one whose transports wait for :meth:`GuardedH11Protocol.connection_made` (where
+#: the cap applies; asyncio calls it two iterations after ``accept``), and the connections
+#: that burst evicted, whose sockets close one iteration after ``transport.close()``. Two
+#: bursts were not enough (measured: the descriptor count reached the limit at 1024)
 BACKLOG = 128
 
 
@@ -119,7 +123,8 @@ class GuardedH11Protocol(H11Protocol):
 def connection_budget(config) -> int:
     """Connections the service may hold open under its file-descriptor limit: the soft
     ``RLIMIT_NOFILE`` (raised to the hard limit first) less a reserve for its worker processes
-    (every stage's ``max_workers``) and itself."""
+    (every stage's ``max_workers``), itself, and three bursts of :data:`BACKLOG` connections
+    in flight."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft < hard:
         try:
@@ -129,7 +134,7 @@ def connection_budget(config) -> int:
             pass
     workers = sum(s.max_workers for p in config.pipelines.values() for s in p.stages.values())
     limit = soft if soft != resource.RLIM_INFINITY else 1 << 20
-    return limit - _FD_RESERVE - _FD_PER_WORKER * workers - 2 * BACKLOG
+    return limit - _FD_RESERVE - _FD_PER_WORKER * workers - 3 * BACKLOG
 
 
 def max_connections(config) -> int:
