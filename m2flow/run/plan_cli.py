@@ -10,7 +10,7 @@ Output: the composition tree, a table of components (device range, device count,
 granularity of outgoing edges, predicted seconds, predicted peak memory), the profile's fits,
 the predicted step time and throughput, and the runner-up plans (the best plan of each other
 mode and of each other top-level split) with their predicted times. ``--json`` prints one JSON
-document instead (for tools).
+document instead (for tools). The tree and the tables are drawn by :mod:`.plan_tables`.
 
 Idle devices: by default a component given n devices may use fewer when it is no faster on more
 (a small model whose profile slows down past one device), so the plan may leave devices idle;
@@ -73,11 +73,10 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
-from rich.tree import Tree
 
 from ..core.cluster import GiB
 from .plan_staleness import print_staleness, staleness_rows
+from .plan_tables import components_table, fits_table, gib, plan_tree, runner_ups_table, spot_table
 
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
@@ -216,10 +215,6 @@ def _nodes(devs: range, per_node: int) -> str:
     return str(a) if a == b else f"{a}-{b}"
 
 
-def _gib(x) -> str:
-    return "-" if x is None else f"{x / GiB:.2f}"
-
-
 def components(result, per_node: int) -> dict[str, dict]:
     """Per component of the best plan: devices, nodes, outgoing granularity, seconds, bytes."""
     plan = result.plan
@@ -237,56 +232,6 @@ def components(result, per_node: int) -> dict[str, dict]:
             "memory_bytes": mem.get(name),
         }
     return out_doc
-
-
-def _tree(plan, label: str) -> Tree:
-    from ..scheduler.plan.tree import CycleSplit, Leaf, Spatial
-
-    def head(node) -> str:
-        span = f"[{node.devices.start}, {node.devices.stop})"
-        if isinstance(node, Leaf):
-            tag = ", time-shared" if node.shared else ""
-            return f"[bold]{node.name}[/] {node.time:.4g} s on {span}{tag}"
-        if isinstance(node, CycleSplit):
-            return (
-                f"[cyan]cycle {node.name} split[/] {node.time:.4g} s on {span}: "
-                f"{len(node.upstream.devices)}+{len(node.downstream.devices)}, "
-                f"{node.chunks} sub-batches of {node.granularity}, {node.round_trips:g} round trips"
-            )
-        if isinstance(node, Spatial):
-            return (
-                f"[cyan]spatial[/] {node.time:.4g} s on {span}: split "
-                f"{len(node.upstream.devices)}+{len(node.downstream.devices)}, "
-                f"m={node.granularity} ({node.chunks} chunks)"
-            )
-        return f"[magenta]temporal[/] {node.time:.4g} s on {span}"
-
-    def add(parent: Tree, node) -> None:
-        branch = parent.add(head(node))
-        for child in node._children():
-            add(branch, child)
-
-    root = Tree(label)
-    add(root, plan)
-    return root
-
-
-def _components_table(comps: dict, nodes: int) -> Table:
-    t = Table(title="components")
-    cols = ["component", "devices", "#"] + (["nodes"] if nodes > 1 else [])
-    cols += ["granularity (out)", "predicted s", "memory GiB"]
-    for col in cols:
-        t.add_column(col, justify="left" if col in ("component", "devices") else "right")
-    for name, c in comps.items():
-        n = str(c["num_devices"])
-        if c["devices_used"] != c["num_devices"]:
-            n += f" (uses {c['devices_used']})"
-        outs = ", ".join(f"{d}: {m}" for d, m in c["granularity_out"].items()) or "-"
-        row = [name, f"[{c['devices'][0]}, {c['devices'][1]})", n]
-        row += [c["nodes"]] if nodes > 1 else []
-        row += [outs, f"{c['time_s']:.4f}", _gib(c["memory_bytes"])]
-        t.add_row(*row)
-    return t
 
 
 def _fits(prof) -> dict[str, dict]:
@@ -307,25 +252,6 @@ def _fits(prof) -> dict[str, dict]:
             "held_out_error": tf.error if tf.error_kind == "loo" else None,
         }
     return doc
-
-
-def _fit_quality(f: dict) -> str:
-    """``4.2% held out`` from 3 device counts on; below, no error is known (two points fit
-    a two-parameter model exactly: its residual of ~1e-15 says nothing)."""
-    if f["held_out_error"] is not None:
-        return f"{100 * f['held_out_error']:.2g}% held out"
-    return "none: exact fit" if len(f["device_counts"]) == 2 else "none: 1 point"
-
-
-def _fits_table(fit_doc: dict) -> Table:
-    t = Table(title="profile fits (n = devices)")
-    for col in ("component", "time model", "seconds", "measured n", "error", "memory model"):
-        t.add_column(col, justify="right" if col in ("error", "measured n") else "left")
-    for name, f in fit_doc.items():
-        counts = ", ".join(map(str, f["device_counts"]))
-        t.add_row(name, f["time"]["model"], f["time"]["formula"], counts, _fit_quality(f),
-                  f["memory"]["model"])  # fmt: skip
-    return t
 
 
 def extrapolation_warning(fit_doc: dict, devices: int) -> str:
@@ -355,15 +281,6 @@ def _idle_line(result) -> str:
         f"idle: {_ranges(idle)} ({count} of {result.num_devices} devices): no component is "
         f"{why} on more of them (--no-idle uses every device)"
     )
-
-
-def _shown(runner_ups, limit: int) -> list:
-    """The fastest ``limit`` runner-ups, plus the fastest of every kind (each mode's best)."""
-    firsts = {}
-    for p in runner_ups:
-        firsts.setdefault(p.kind(), p)
-    keep = {id(p) for p in runner_ups[:limit]} | {id(p) for p in firsts.values()}
-    return [p for p in runner_ups if id(p) in keep]
 
 
 def _write(path: Path, write) -> None:
@@ -500,15 +417,15 @@ def plan(
         f"[bold]{prof.workflow}[/]: {devices} devices"
         + (f" on {nodes} nodes ({per_node} per node)" if nodes > 1 else "")
         + f", mode {mode}, batch {prof.batch_size} {prof.item}s per step, "
-        + f"memory {_gib(result.capacity) if math.isfinite(result.capacity) else 'unlimited'}"
+        + f"memory {gib(result.capacity) if math.isfinite(result.capacity) else 'unlimited'}"
         + (" GiB per device" if math.isfinite(result.capacity) else ""),
         highlight=False,
     )
-    out.print(_tree(result.plan, f"plan ({result.plan.kind()}): {result.plan.shape()}"))
+    out.print(plan_tree(result.plan, f"plan ({result.plan.kind()}): {result.plan.shape()}"))
     if _idle_line(result):
         out.print(_idle_line(result), highlight=False)
-    out.print(_components_table(comps, nodes))
-    out.print(_fits_table(fit_doc))
+    out.print(components_table(comps, nodes))
+    out.print(fits_table(fit_doc))
     extra = f" + unattributed {overhead:.4f} s" if overhead else ""
     reserved_step = result.time + overhead
     svc = placement.remote.get("reward_service")
@@ -523,20 +440,7 @@ def plan(
     if prof.agent is not None:
         out.print(agent_line(agent_doc(prof, comps)), highlight=False)
     if result.runner_ups:
-        t = Table(title="runner-ups")
-        for col in ("kind", "plan", "devices used", "predicted s", "vs best"):
-            t.add_column(col, justify="left" if col in ("kind", "plan") else "right")
-        n = result.num_devices
-        for p in _shown(result.runner_ups, 10):
-            used = n - sum(len(r) for r in p.idle(n))
-            t.add_row(
-                p.kind(),
-                p.shape(),
-                f"{used}/{n}",
-                f"{p.time + overhead:.4f}",
-                f"{p.time / result.time:.3f}x" if result.time > 0 else "-",
-            )
-        out.print(t)
+        out.print(runner_ups_table(result, overhead))
     if svc:
         out.print(
             f"{svc['component']}: on the reward service, off the reserved devices (tail "
@@ -545,7 +449,7 @@ def plan(
             highlight=False,
         )
     if spot is not None:
-        out.print(_spot_table(spot, prof))
+        out.print(spot_table(spot, prof))
         if spot.best.mode != "reserved":
             out.print(
                 f"predicted step with spot rollout: [bold]{step:.4f} s[/] "
@@ -596,20 +500,6 @@ def agent_line(d: dict) -> str:
         f"{d['rollout_s']:.4f} s = model {d['model_s']:.4f} s + tool wait "
         f"{d['tool_wait_s']:.4f} s; tool share of the rollout stage {100 * d['tool_share']:.1f}%"
     )
-
-
-def _spot_table(spot, prof) -> Table:
-    t = Table(title=f"rollout: reserved or spot (objective {spot.objective})")
-    for col in ("", "rollout", "T_seed s", "N_prem", "instances", "step s", "$/step",
-                f"{prof.item}s/$"):  # fmt: skip
-        t.add_column(col, justify="left" if col in ("", "rollout") else "right")
-    for label, c in [("chosen", spot.best)] + [("runner-up", c) for c in spot.runner_ups]:
-        t.add_row(
-            label, c.mode, "-" if c.t_seed is None else f"{c.t_seed:.3f}", str(c.n_prem),
-            f"{c.instances:.2f}", f"{c.step_s:.4f}", f"{c.cost_per_step:.4f}",
-            "inf" if math.isinf(c.items_per_dollar) else f"{c.items_per_dollar:.2f}",
-        )  # fmt: skip
-    return t
 
 
 def register(app: typer.Typer) -> None:
