@@ -77,8 +77,6 @@ from .names import MANAGER_NAME
 from .placement import RequestPlacement
 from .records import InstanceRecord, StepRecord, now, wall
 
-_POLL_S = 0.05
-
 
 class RolloutManager(InstanceLives, RequestPlacement):
     """See the module docstring. Created by :func:`get_manager`; all methods are coroutines on
