@@ -216,7 +216,8 @@ def _versions(r: GenRequest) -> set[int]:
 def seed(mgr, engine, iid: str, t_seed: float, max_batch: int, block: int) -> float:
     """A reserved instance's seeding loop (RLBoost section 4.1; the module docstring): register
     as ``iid`` at the manager ``mgr``, lease up to ``max_batch`` requests of the weight version
-    ``engine`` holds (:attr:`~m2flow.workers.engines.rollout.RolloutEngine.version`), generate
+    ``engine`` holds (:attr:`~m2flow.workers.engines.rollout.RolloutEngine.version`; the
+    manager grants at most its seeding share, ``scheduler/spot/seeding.py``), generate
     ``block`` tokens per report with ``engine`` (exact, emulated or vllm), until ``t_seed``
     seconds have passed and a spot instance is ready to take the seeds (or nothing is left),
     then leave. Returns the seconds it generated."""
