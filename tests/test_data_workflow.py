@@ -26,6 +26,7 @@ from test_workflow import ALPHABET, COMPARED, ROUNDED, TINY_MODEL, TINY_RUN, TOK
 
 from m2flow import Channel, Fanout
 from m2flow.core.group import WorkerError
+from m2flow.core.placement import Placement
 from m2flow.run.recipe import Checkpoints
 from m2flow.run.workflow import run_workflow
 
@@ -174,6 +175,9 @@ FILES_RUN = [
     "trainer.eval_every=2",
     "trainer.save_every=1",
 ]
+# One device: one rank per group, 3 worker processes per run instead of 5 (each imports torch);
+# two rollout ranks racing for prompts across a resume are test_workflow.py's.
+ONE_DEVICE = Placement(mode="temporal", default_devices=[0])
 
 
 def test_grpo_on_files_with_own_reward_resumes_mid_epoch(cluster, tmp_path):
@@ -195,7 +199,7 @@ def test_grpo_on_files_with_own_reward_resumes_mid_epoch(cluster, tmp_path):
             f"trainer.steps={steps}",
             f"trainer.run_dir={tmp_path / name}",
         ] + (["resume=true"] if resume else [])
-        return run_workflow(GRPO, over), log  # fmt: skip
+        return run_workflow(GRPO, over, plan=ONE_DEVICE), log  # fmt: skip
 
     whole, whole_log = run("whole", 3)
     records = _records(tmp_path / "whole")
@@ -219,7 +223,8 @@ def test_grpo_on_files_with_own_reward_resumes_mid_epoch(cluster, tmp_path):
         assert records[step]["heldout_accuracy"] == sum(c["score"] == 1.0 for c in block) / 4
     assert whole.result["final_accuracy"] == records[3]["heldout_accuracy"]
     # Epochs: step 1 and half of step 2 are epoch 0 (each row once), then epoch 1 begins and
-    # step 3 ends it. (Two rollout ranks race for a step's prompts: compare sets per step.)
+    # step 3 ends it. (Compared as sets per step: the order of a step's prompts is the
+    # rollout's, which does not matter here.)
     steps = [{c["index"] for c in trained[k * 16 : (k + 1) * 16]} for k in range(3)]
     assert [len(s) for s in steps] == [4, 4, 4]
     rest_of_epoch0 = set(range(6)) - steps[0]
@@ -276,7 +281,7 @@ def test_huge_reward_stops_the_run_and_keeps_the_last_good_checkpoint(cluster, t
         match=rf"reward function '{fn}:compute_score' failed on sample index \d+ \(data_source "
         r"'chain_sum/train'\): returned 1e\+308, beyond reward.max_abs=1e\+06",
     ):
-        run_workflow(GRPO, over)
+        run_workflow(GRPO, over, plan=ONE_DEVICE)
     step, path = Checkpoints(run_dir).latest()
     assert step == 1
     assert [r["step"] for r in _records(run_dir)] == [0, 1]

@@ -87,88 +87,103 @@ def _records(run_dir: Path) -> list[dict]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def _launch_grpo_groups(cluster, prefix: str, granularity: int):
-    """Rollout, reward and actor on device 0; the rollout chunks ``granularity`` prompts."""
-    cluster.placement = Placement(default_granularity=granularity)
+@pytest.fixture(scope="class")
+def producers(cluster):
+    """Rollout and reward on device 0, shared by the worker tests of one class (each launch is a
+    process importing torch); each test sets the rollout's chunk size (the plan's granularity,
+    read per call) and launches its own actor."""
     rollout = RolloutWorker.launch(
-        cluster, [0], name=f"{prefix}_rollout", model=TINY_MODEL, tokenizer=TOKENIZER,
+        cluster, [0], name="g_rollout", model=TINY_MODEL, tokenizer=TOKENIZER,
         options=RolloutOptions(n_samples=4, max_new_tokens=4, temperature=1.0, threads=1),
     )  # fmt: skip
-    reward = RewardWorker.launch(cluster, [0], name=f"{prefix}_reward", tokenizer=TOKENIZER)
-    actor = ActorWorker.launch(
+    reward = RewardWorker.launch(cluster, [0], name="g_reward", tokenizer=TOKENIZER)
+    try:
+        yield rollout, reward
+    finally:
+        cluster.placement = None
+        for g in (rollout, reward):
+            g.shutdown()
+
+
+def _launch_actor(cluster, prefix: str, granularity: int):
+    """The actor on device 0 (mini-batches of 8 for prefix ``t``, else streaming); the rollout
+    chunks ``granularity`` prompts from now on."""
+    cluster.placement = Placement(default_granularity=granularity)
+    return ActorWorker.launch(
         cluster, [0], name=f"{prefix}_actor", model=TINY_MODEL, tokenizer=TOKENIZER,
         options=ActorOptions(
             lr=1e-2, temperature=1.0, kl_coef=0.1, recompute_old_logprobs=True, threads=1,
             **({"mini_batch_size": 8, "micro_batch_size": 4} if prefix == "t" else {}),
         ),
     )  # fmt: skip
-    return rollout, reward, actor
 
 
-def test_rollout_reward_train_changes_weights(cluster):
-    """One GRPO step through the real workers: the rollout streams 2 chunks, the rewards are
-    exactly the task scorer's on the decoded responses, and the update changes the weights."""
-    rollout, reward, actor = _launch_grpo_groups(cluster, "t", granularity=2)
-    try:
-        assert sync_weights(actor, rollout) == 0
-        prompts, rollouts, scored, copy = (Channel.create(f"t_{n}") for n in "prsc")
-        tok = build_char_tokenizer(ALPHABET)
-        train = TaskDataset(TASK["name"], TASK["config"], seed=1, size=8)
-        prompts.put_many(task_prompts(train, tok, 4, seed=0, step=1))
-        before = actor.get_weights().wait()[0]
-        gen = rollout.generate(prompts, rollouts, 4)
-        rew = reward.score(rollouts, Fanout(scored, copy))
-        upd = actor.train(scored)
-        (g_out,), (r_out,), a_out = gen.wait(), rew.wait(), upd.wait()
-        after = actor.get_weights().wait()[0]
+class TestWorkers:
+    """The workers without a runner (rollout and reward shared, one actor per test)."""
 
-        chunks = [copy.get(timeout=60) for _ in range(2)]  # 4 prompts in chunks of 2
-        assert copy.qsize() == 0 and sorted(c.num_samples for c in chunks) == [8, 8]
-        rewards, expected = [], []
-        for c in chunks:
-            b = c.batch
-            texts = decode_responses(build_char_tokenizer(ALPHABET), b["response_ids"],
-                                     b["response_mask"])  # fmt: skip
-            entries = c.row_entries()
-            expected += RewardFunction("reasoning_gym")(texts, entries).scores
-            rewards += b["rewards"].tolist()
-        assert rewards == pytest.approx(expected, abs=1e-6)
-        assert r_out["reward_mean"] == pytest.approx(sum(expected) / len(expected))
-        assert g_out["samples"] == r_out["samples"] == a_out["samples"] == 16
-        assert a_out["stale"] == 0
-        # Groups with one reward for all samples are dropped (no signal); the step must still
-        # have trained on some, or the weight check below would test nothing.
-        assert a_out["trained_samples"] > 0
-        changed = [k for k in before if not torch.equal(before[k], after[k])]
-        assert changed, "one GRPO step left every weight unchanged"
-        assert all(torch.isfinite(v).all() for v in after.values())
-    finally:
-        cluster.placement = None
-        for g in (rollout, reward, actor):
-            g.shutdown()
+    def test_rollout_reward_train_changes_weights(self, cluster, producers):
+        """One GRPO step through the real workers: the rollout streams 2 chunks, the rewards are
+        exactly the task scorer's on the decoded responses, and the update changes the weights."""
+        rollout, reward = producers
+        actor = _launch_actor(cluster, "t", granularity=2)
+        try:
+            assert sync_weights(actor, rollout) == 0
+            prompts, rollouts, scored, copy = (Channel.create(f"t_{n}") for n in "prsc")
+            tok = build_char_tokenizer(ALPHABET)
+            train = TaskDataset(TASK["name"], TASK["config"], seed=1, size=8)
+            prompts.put_many(task_prompts(train, tok, 4, seed=0, step=1))
+            before = actor.get_weights().wait()[0]
+            gen = rollout.generate(prompts, rollouts, 4)
+            rew = reward.score(rollouts, Fanout(scored, copy))
+            upd = actor.train(scored)
+            (g_out,), (r_out,), a_out = gen.wait(), rew.wait(), upd.wait()
+            after = actor.get_weights().wait()[0]
 
+            chunks = [copy.get(timeout=60) for _ in range(2)]  # 4 prompts in chunks of 2
+            assert copy.qsize() == 0 and sorted(c.num_samples for c in chunks) == [8, 8]
+            rewards, expected = [], []
+            for c in chunks:
+                b = c.batch
+                texts = decode_responses(build_char_tokenizer(ALPHABET), b["response_ids"],
+                                         b["response_mask"])  # fmt: skip
+                entries = c.row_entries()
+                expected += RewardFunction("reasoning_gym")(texts, entries).scores
+                rewards += b["rewards"].tolist()
+            assert rewards == pytest.approx(expected, abs=1e-6)
+            assert r_out["reward_mean"] == pytest.approx(sum(expected) / len(expected))
+            assert g_out["samples"] == r_out["samples"] == a_out["samples"] == 16
+            assert a_out["stale"] == 0
+            # Groups with one reward for all samples are dropped (no signal); the step must still
+            # have trained on some, or the weight check below would test nothing.
+            assert a_out["trained_samples"] > 0
+            changed = [k for k in before if not torch.equal(before[k], after[k])]
+            assert changed, "one GRPO step left every weight unchanged"
+            assert all(torch.isfinite(v).all() for v in after.values())
+        finally:
+            cluster.placement = None
+            actor.shutdown()
 
-def test_streaming_actor_trains_queued_chunks_as_one_part(cluster):
-    """Chunks already queued when the actor comes for data are trained on together: two
-    scored chunks waiting in the channel make one forward/backward part, not two; and the
-    actor reads until the reward's end of step without being told how many chunks come."""
-    rollout, reward, actor = _launch_grpo_groups(cluster, "q", granularity=4)
-    try:
-        prompts, rollouts, scored = (Channel.create(f"q_{n}") for n in ("p", "r", "s"))
-        tok = build_char_tokenizer(ALPHABET)
-        train = TaskDataset(TASK["name"], TASK["config"], seed=1, size=8)
-        prompts.put_many(task_prompts(train, tok, 8, seed=0, step=1))
-        rollout.generate(prompts, rollouts, 8).wait()
-        reward.score(rollouts, scored).wait()
-        assert scored.qsize() == 2  # both chunks wait for the actor
-        out = actor.train(scored).wait()  # rank 0's (collect="rank0")
-        assert out["samples"] == 32 and scored.qsize() == 0
-        # One rollout rank: the seeds fix the data, and it has groups with mixed rewards.
-        assert out["trained_samples"] > 0 and out["parts"] == 1
-    finally:
-        cluster.placement = None
-        for g in (rollout, reward, actor):
-            g.shutdown()
+    def test_streaming_actor_trains_queued_chunks_as_one_part(self, cluster, producers):
+        """Chunks already queued when the actor comes for data are trained on together: two
+        scored chunks waiting in the channel make one forward/backward part, not two; and the
+        actor reads until the reward's end of step without being told how many chunks come."""
+        rollout, reward = producers
+        actor = _launch_actor(cluster, "q", granularity=4)
+        try:
+            prompts, rollouts, scored = (Channel.create(f"q_{n}") for n in ("p", "r", "s"))
+            tok = build_char_tokenizer(ALPHABET)
+            train = TaskDataset(TASK["name"], TASK["config"], seed=1, size=8)
+            prompts.put_many(task_prompts(train, tok, 8, seed=0, step=1))
+            rollout.generate(prompts, rollouts, 8).wait()
+            reward.score(rollouts, scored).wait()
+            assert scored.qsize() == 2  # both chunks wait for the actor
+            out = actor.train(scored).wait()  # rank 0's (collect="rank0")
+            assert out["samples"] == 32 and scored.qsize() == 0
+            # One rollout rank: the seeds fix the data, and it has groups with mixed rewards.
+            assert out["trained_samples"] > 0 and out["parts"] == 1
+        finally:
+            cluster.placement = None
+            actor.shutdown()
 
 
 COMPARED = ("reward_mean", "sample_accuracy", "response_length", "clip_frac",
@@ -179,42 +194,12 @@ COMPARED = ("reward_mean", "sample_accuracy", "response_length", "clip_frac",
 ROUNDED = ("loss", "grad_norm")
 
 
-def test_workflow_trains_checkpoints_and_resumes_identically(cluster, tmp_path):
-    """A run stopped after step 2 and resumed to step 3 logs the same step-3 metrics as an
-    uninterrupted 3-step run (same seed): checkpoints hold every state the run needs, and
-    sampling depends only on (seed, step, prompt, sample, position). The stopped run is the
-    uninterrupted run's directory cut back to step 2 (one warm start, not two). Two of the
-    three devices: two rollout ranks race for prompts, in 5 worker processes instead of 7."""
-    whole, two = tmp_path / "whole", Placement(mode="temporal", default_devices=[0, 1])
-    first = run_workflow(GRPO, TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={whole}"], plan=two)
-    assert first.groups["rollout"] == [[0], [1]]
-    records = _records(whole)
-    assert [r["step"] for r in records] == [0, 1, 2, 3]
-    assert records[0]["phase"] == "warm_start" and "heldout_accuracy" in records[0]
-    assert first.result["final_accuracy"] == records[3]["heldout_accuracy"]
-    assert (whole / "checkpoints" / "step_000002" / "actor" / "actor_state.pt").is_file()
-    assert not list((whole / "checkpoints").glob("*.partial"))
-    parts = stopped_copy(whole, tmp_path / "parts", step=2)
-
-    # A fresh start into a run dir with checkpoints is refused before anything starts.
-    with pytest.raises(ConfigError, match="--resume"):
-        prepare(str(GRPO), TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={parts}"])
-    run_workflow(
-        GRPO, TINY_RUN + ["trainer.steps=3", f"trainer.run_dir={parts}", "resume=true"], plan=two
-    )
-    resumed, uninterrupted = _records(parts), _records(whole)
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # no second warm start
-    for key in COMPARED:
-        assert resumed[3][key] == uninterrupted[3][key], key
-    for key in ROUNDED:
-        assert resumed[3][key] == pytest.approx(uninterrupted[3][key], rel=1e-5, abs=1e-7), key
-
-
 PLACEMENTS = {
-    # One runner, three plans: every group on every device; every group on its own device,
+    # One runner, three plans: every group on each of devices 0-1 (two rollout ranks racing
+    # for prompts; 5 worker processes, not 7 on all three); every group on its own device,
     # streamed in chunks of 1 prompt; rollout and reward time-sharing device 0 while the actor
     # trains on devices 1-2 (a temporal part inside a spatial split).
-    "temporal": Placement(mode="temporal"),
+    "temporal": Placement(mode="temporal", default_devices=[0, 1]),
     "spatial": Placement(
         mode="spatial",
         groups={"rollout": [0], "reward": [1], "actor": [2]},
@@ -227,7 +212,7 @@ PLACEMENTS = {
     ),
 }
 EXPECTED_RANKS = {
-    "temporal": {"rollout": [[0], [1], [2]], "reward": [[0], [1], [2]], "actor": [[0, 1, 2]]},
+    "temporal": {"rollout": [[0], [1]], "reward": [[0], [1]], "actor": [[0, 1]]},
     "spatial": {"rollout": [[0]], "reward": [[1]], "actor": [[2]]},
     "hybrid": {"rollout": [[0]], "reward": [[0]], "actor": [[1, 2]]},
 }
@@ -235,20 +220,68 @@ EXPECTED_RANKS = {
 #: are summed in another order (gradient accumulation per part, padding per chunk), which moves
 #: fp32 results by ~1e-7 relative per operation; measured differences are in the notes.
 PLAN_ATOL = 1e-4
+# A longer warm start than TINY_RUN's: mixed rewards within groups, so the steps train. A
+# checkpoint after every step: the resume test below stops the temporal run after step 1.
+PLAN_RUN = TINY_RUN + [
+    "trainer.steps=2",
+    "warm_start.steps=150",
+    "actor.mini_batch_size=0",
+    "trainer.save_every=1",
+]
 
 
-def test_same_runner_same_weights_under_each_plan(cluster, tmp_path):
+@pytest.fixture(scope="module")
+def temporal_run(cluster, tmp_path_factory):
+    """The GRPO runner under the temporal plan (2 steps), shared by the plan and the resume
+    tests (one warm start and 5 worker processes, not two of each): ``(session, run_dir)``."""
+    run_dir = tmp_path_factory.mktemp("temporal") / "run"
+    session = run_workflow(
+        GRPO, PLAN_RUN + [f"trainer.run_dir={run_dir}"], plan=PLACEMENTS["temporal"]
+    )
+    return session, run_dir
+
+
+def test_workflow_trains_checkpoints_and_resumes_identically(temporal_run, tmp_path):
+    """A run stopped after step 1 and resumed to step 2 logs the same step-2 metrics as the
+    uninterrupted 2-step run (same seed): checkpoints hold every state the run needs, and
+    sampling depends only on (seed, step, prompt, sample, position). The stopped run is the
+    uninterrupted run's directory cut back to step 1 (one warm start, not two). Two of the
+    three devices: two rollout ranks race for prompts."""
+    first, whole = temporal_run
+    two = PLACEMENTS["temporal"]
+    assert first.groups["rollout"] == [[0], [1]]
+    records = _records(whole)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[0]["phase"] == "warm_start" and "heldout_accuracy" in records[0]
+    assert first.result["final_accuracy"] == records[2]["heldout_accuracy"]
+    assert records[2]["grad_norm"] > 0  # the compared step trained
+    assert (whole / "checkpoints" / "step_000001" / "actor" / "actor_state.pt").is_file()
+    assert not list((whole / "checkpoints").glob("*.partial"))
+    parts = stopped_copy(whole, tmp_path / "parts", step=1)
+
+    # A fresh start into a run dir with checkpoints is refused before anything starts.
+    with pytest.raises(ConfigError, match="--resume"):
+        prepare(str(GRPO), PLAN_RUN + [f"trainer.run_dir={parts}"])
+    run_workflow(GRPO, PLAN_RUN + [f"trainer.run_dir={parts}", "resume=true"], plan=two)
+    resumed, uninterrupted = _records(parts), _records(whole)
+    assert [r["step"] for r in resumed] == [0, 1, 2]  # no second warm start
+    for key in COMPARED:
+        assert resumed[2][key] == uninterrupted[2][key], key
+    for key in ROUNDED:
+        assert resumed[2][key] == pytest.approx(uninterrupted[2][key], rel=1e-5, abs=1e-7), key
+
+
+def test_same_runner_same_weights_under_each_plan(temporal_run, tmp_path):
     """The unchanged runner under temporal, spatial and hybrid placements: groups land on the
     planned devices, the rollout streams the planned chunks, and -- with per-sample seeded
     sampling -- the same seed ends with the same weights (within ``PLAN_ATOL``)."""
     weights = {}
-    # A longer warm start than TINY_RUN's: mixed rewards within groups, so the steps train.
-    overrides = ["trainer.steps=2", "warm_start.steps=150", "actor.mini_batch_size=0"]
     for mode, placement in PLACEMENTS.items():
-        run_dir = tmp_path / mode
-        session = run_workflow(
-            GRPO, TINY_RUN + overrides + [f"trainer.run_dir={run_dir}"], plan=placement
-        )
+        if mode == "temporal":
+            session, run_dir = temporal_run
+        else:
+            run_dir = tmp_path / mode
+            session = run_workflow(GRPO, PLAN_RUN + [f"trainer.run_dir={run_dir}"], plan=placement)
         assert session.groups == EXPECTED_RANKS[mode]
         assert session.weight_versions == {"rollout": 2}
         records = _records(run_dir)
