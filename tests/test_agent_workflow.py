@@ -51,13 +51,16 @@ def test_contradictory_settings_exit_2_before_ray(tmp_path, args, message):
 def test_smoke_logs_turns_and_tool_calls(tmp_path):
     """The must-show: ``m2flow run workflows/agent.py -c smoke trainer.steps=2`` runs and its
     ``metrics.jsonl`` has ``num_turns_mean`` and ``tool_calls_mean``."""
-    steps = _run(tmp_path, "trainer.steps=2")
+    # the preset's settings, its batches and evaluation splits smaller (CI time): 4 prompts
+    # x 8 samples a step, 8 held-out episodes per evaluation
+    steps = _run(tmp_path, "trainer.steps=2", "trainer.prompts_per_step=4",
+                 "warm_start.batch_size=16", "task.val_size=8", "task.heldout_size=8")  # fmt: skip
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["num_turns_mean"] >= 1.0 and r["tool_calls_mean"] >= 0.0
         assert 0.0 < r["masked_share"] < 1.0  # the prompt's template ids are out of the loss
         ends = sum(r[f"end/{k}"] for k in ("done", "max_turns", "max_tokens", "error"))
-        assert ends == 8 * 8  # every episode of the step ended, once
+        assert ends == 4 * 8  # every episode of the step ended, once
     assert [r["weight_version"] for r in steps] == [1, 2]
 
 
@@ -79,7 +82,7 @@ def test_openai_client_agent_trains_two_steps(tmp_path):
     every episode's two calls merge into one sample (no split), the actor trains on them."""
     (tmp_path / "my_agent.py").write_text(AGENT_FILE)
     steps = _run(tmp_path, "agent.mode=openai", f"agent.agent={tmp_path / 'my_agent.py'}:play",
-                 "warm_start.enabled=false", "trainer.steps=2")  # fmt: skip
+                 "warm_start.enabled=false", "trainer.steps=2", "task.heldout_size=8")  # fmt: skip
     assert [r["weight_version"] for r in steps] == [1, 2]
     for r in steps:
         assert r["env/openai_calls"] == 2 * 64 and r["env/openai_splits"] == 0
@@ -146,7 +149,11 @@ def test_failing_tools_are_error_observations_and_the_run_finishes(tmp_path):
     # the same episodes every run)
     steps = _run(tmp_path, f"agent.env={tmp_path / 'envs.py'}:make", "warm_start.enabled=false",
                  "model.alphabet=0123456789+-=", "agent.tool_timeout_s=5",
-                 "agent.max_turns=2", "agent.max_turn_tokens=16", "trainer.steps=2")  # fmt: skip
+                 "agent.max_turns=2", "agent.max_turn_tokens=16", "trainer.steps=2",
+                 # 16 episodes a step, all on their own thread: a step's hanging calls time out
+                 # together (one 5 s wait, not one per 8 episodes)
+                 "trainer.prompts_per_step=4", "rollout.n_samples=4", "agent.concurrency=16",
+                 "task.heldout_size=8")  # fmt: skip
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         # episodes whose first turn ran past max_turn_tokens (max_tokens) met no tool
