@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,18 +32,30 @@ def _run(tmp_path, *overrides: str) -> list[dict]:
     return [r for r in records if r.get("step", 0) >= 1 and "step_s" in r]
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["agent.mode=openai"], "agent.mode=openai needs agent.agent=module:function"),
-        (["agent.mode=chat"], "agent.mode=chat: pick one of env, openai"),
-        (["agent.max_turns=0"], "agent.max_turns must be >= 1"),
-        (["agent.max_episode_tokens=8"], "agent.max_episode_tokens=8 < agent.max_turn_tokens"),
-        (["agent.env=missing.py:make"], "agent.env=missing.py:make: no file missing.py"),
-        (["agent.tool_timeout_s=0"], "agent.tool_timeout_s must be > 0"),
-    ],
-)  # fmt: skip
-def test_contradictory_settings_exit_2_before_ray(tmp_path, args, message):
+CONTRADICTORY = [
+    (["agent.mode=openai"], "agent.mode=openai needs agent.agent=module:function"),
+    (["agent.mode=chat"], "agent.mode=chat: pick one of env, openai"),
+    (["agent.max_turns=0"], "agent.max_turns must be >= 1"),
+    (["agent.max_episode_tokens=8"], "agent.max_episode_tokens=8 < agent.max_turn_tokens"),
+    (["agent.env=missing.py:make"], "agent.env=missing.py:make: no file missing.py"),
+    (["agent.tool_timeout_s=0"], "agent.tool_timeout_s must be > 0"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args,message", CONTRADICTORY)
+def test_contradictory_settings_are_config_errors(tmp_path, args, message):
+    """The workflow's checks refuse each one with its message (in-process: ``prepare`` is
+    what ``m2flow run`` calls before Ray starts; a ``ConfigError`` there is exit 2, below)."""
+    from m2flow.core.config import ConfigError
+    from m2flow.run.workflow import prepare
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        prepare(str(AGENT), [*args, f"trainer.run_dir={tmp_path / 'r'}"])
+
+
+def test_a_contradictory_setting_exits_2_before_ray(tmp_path):
+    """Through the command line (one process: the other settings take the same path)."""
+    args, message = CONTRADICTORY[1]
     code, out, _ = m2flow("run", str(AGENT), *args, f"trainer.run_dir={tmp_path / 'r'}")
     assert_one_line_exit_2(code, out, message)
 
