@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,18 +32,30 @@ def _run(tmp_path, *overrides: str) -> list[dict]:
     return [r for r in records if r.get("step", 0) >= 1 and "step_s" in r]
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["agent.mode=openai"], "agent.mode=openai needs agent.agent=module:function"),
-        (["agent.mode=chat"], "agent.mode=chat: pick one of env, openai"),
-        (["agent.max_turns=0"], "agent.max_turns must be >= 1"),
-        (["agent.max_episode_tokens=8"], "agent.max_episode_tokens=8 < agent.max_turn_tokens"),
-        (["agent.env=missing.py:make"], "agent.env=missing.py:make: no file missing.py"),
-        (["agent.tool_timeout_s=0"], "agent.tool_timeout_s must be > 0"),
-    ],
-)  # fmt: skip
-def test_contradictory_settings_exit_2_before_ray(tmp_path, args, message):
+CONTRADICTORY = [
+    (["agent.mode=openai"], "agent.mode=openai needs agent.agent=module:function"),
+    (["agent.mode=chat"], "agent.mode=chat: pick one of env, openai"),
+    (["agent.max_turns=0"], "agent.max_turns must be >= 1"),
+    (["agent.max_episode_tokens=8"], "agent.max_episode_tokens=8 < agent.max_turn_tokens"),
+    (["agent.env=missing.py:make"], "agent.env=missing.py:make: no file missing.py"),
+    (["agent.tool_timeout_s=0"], "agent.tool_timeout_s must be > 0"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args,message", CONTRADICTORY)
+def test_contradictory_settings_are_config_errors(tmp_path, args, message):
+    """The workflow's checks refuse each one with its message (in-process: ``prepare`` is
+    what ``m2flow run`` calls before Ray starts; a ``ConfigError`` there is exit 2, below)."""
+    from m2flow.core.config import ConfigError
+    from m2flow.run.workflow import prepare
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        prepare(str(AGENT), [*args, f"trainer.run_dir={tmp_path / 'r'}"])
+
+
+def test_a_contradictory_setting_exits_2_before_ray(tmp_path):
+    """Through the command line (one process: the other settings take the same path)."""
+    args, message = CONTRADICTORY[1]
     code, out, _ = m2flow("run", str(AGENT), *args, f"trainer.run_dir={tmp_path / 'r'}")
     assert_one_line_exit_2(code, out, message)
 
@@ -51,13 +64,16 @@ def test_contradictory_settings_exit_2_before_ray(tmp_path, args, message):
 def test_smoke_logs_turns_and_tool_calls(tmp_path):
     """The must-show: ``m2flow run workflows/agent.py -c smoke trainer.steps=2`` runs and its
     ``metrics.jsonl`` has ``num_turns_mean`` and ``tool_calls_mean``."""
-    steps = _run(tmp_path, "trainer.steps=2")
+    # the preset's settings, its batches and evaluation splits smaller (CI time): 4 prompts
+    # x 8 samples a step, 8 held-out episodes per evaluation
+    steps = _run(tmp_path, "trainer.steps=2", "trainer.prompts_per_step=4",
+                 "warm_start.batch_size=16", "task.val_size=8", "task.heldout_size=8")  # fmt: skip
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["num_turns_mean"] >= 1.0 and r["tool_calls_mean"] >= 0.0
         assert 0.0 < r["masked_share"] < 1.0  # the prompt's template ids are out of the loss
         ends = sum(r[f"end/{k}"] for k in ("done", "max_turns", "max_tokens", "error"))
-        assert ends == 8 * 8  # every episode of the step ended, once
+        assert ends == 4 * 8  # every episode of the step ended, once
     assert [r["weight_version"] for r in steps] == [1, 2]
 
 
@@ -79,7 +95,7 @@ def test_openai_client_agent_trains_two_steps(tmp_path):
     every episode's two calls merge into one sample (no split), the actor trains on them."""
     (tmp_path / "my_agent.py").write_text(AGENT_FILE)
     steps = _run(tmp_path, "agent.mode=openai", f"agent.agent={tmp_path / 'my_agent.py'}:play",
-                 "warm_start.enabled=false", "trainer.steps=2")  # fmt: skip
+                 "warm_start.enabled=false", "trainer.steps=2", "task.heldout_size=8")  # fmt: skip
     assert [r["weight_version"] for r in steps] == [1, 2]
     for r in steps:
         assert r["env/openai_calls"] == 2 * 64 and r["env/openai_splits"] == 0
@@ -146,7 +162,11 @@ def test_failing_tools_are_error_observations_and_the_run_finishes(tmp_path):
     # the same episodes every run)
     steps = _run(tmp_path, f"agent.env={tmp_path / 'envs.py'}:make", "warm_start.enabled=false",
                  "model.alphabet=0123456789+-=", "agent.tool_timeout_s=5",
-                 "agent.max_turns=2", "agent.max_turn_tokens=16", "trainer.steps=2")  # fmt: skip
+                 "agent.max_turns=2", "agent.max_turn_tokens=16", "trainer.steps=2",
+                 # 16 episodes a step, all on their own thread: a step's hanging calls time out
+                 # together (one 5 s wait, not one per 8 episodes)
+                 "trainer.prompts_per_step=4", "rollout.n_samples=4", "agent.concurrency=16",
+                 "task.heldout_size=8")  # fmt: skip
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         # episodes whose first turn ran past max_turn_tokens (max_tokens) met no tool
