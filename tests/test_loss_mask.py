@@ -241,15 +241,13 @@ def _episodes(version: int, tool_version: int, seed: int) -> tuple[RolloutChunk,
     return RolloutChunk(to_batch(gen), entries={}, weight_version=version), counts
 
 
-def _train(cluster, actor, chunk, name: str) -> dict:
-    feeder = Feeder.launch(cluster, [1], name=f"feeder_{name}")
+def _train(feeder, actor, chunk, name: str) -> dict:
     ch = Channel.create(f"scored_{name}")
     try:
         call = actor.train(ch)
         feeder.feed(ch, [chunk]).wait(60)
         return call.wait_result(120).results[0]
     finally:
-        feeder.shutdown()
         ch.close()
 
 
@@ -259,9 +257,10 @@ def test_the_actor_trains_on_model_tokens_only(cluster):
     opt = ActorOptions(lr=1e-2, threads=1, seed=0, off_policy={"correction": "tis"})
     actor = ActorWorker.launch(cluster, [0], name="actor_lm", options=opt, model=TINY_MODEL,
                                tokenizer=TOKENIZER)  # fmt: skip
+    feeder = Feeder.launch(cluster, [1], name="feeder")  # one producer process for both steps
     try:
         before = actor.get_weights().wait(60)[0]
-        r = _train(cluster, actor, chunk, "one")
+        r = _train(feeder, actor, chunk, "one")
         print("step 1:", r)
         assert r["trained_samples"] == 8 and r["steps"] == 1
         # The rollout's logprobs are this policy's on model tokens (and 0 on tool tokens,
@@ -282,7 +281,7 @@ def test_the_actor_trains_on_model_tokens_only(cluster):
         # tokens carry version 0, the model tokens version 1; only model tokens count.
         actor.drop_stale_beyond(0).wait(60)
         chunk2, _ = _episodes(version=1, tool_version=0, seed=1)
-        r2 = _train(cluster, actor, chunk2, "two")
+        r2 = _train(feeder, actor, chunk2, "two")
         print("step 2:", r2)
         assert r2["staleness_dropped"] == 0 and r2["trained_samples"] == 8
         assert r2["staleness_max"] == 0 and r2["staleness_lag_0"] == 1.0
@@ -292,6 +291,7 @@ def test_the_actor_trains_on_model_tokens_only(cluster):
         ws = actor.warm_start(None, 3, 1e-2, batch_size=2, traces=traces).wait_result(120)
         assert ws.results[0]["steps"] == 3 and ws.results[0]["loss"] > 0
     finally:
+        feeder.shutdown()
         actor.shutdown()
 
 
