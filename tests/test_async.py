@@ -5,6 +5,9 @@ every trained token within two versions of the weights that sampled it."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,13 +64,15 @@ SMALL = ["warm_start.steps=5", "warm_start.batch_size=16", "task.train_size=200"
 
 
 def _smoke(tmp_path, *overrides: str, workflow: Path = GRPO) -> list[dict]:
-    """The smoke run's step records (``metrics.jsonl``, steps >= 1); run in this process (the
-    entry point behind ``m2flow run -c smoke``: no second interpreter importing torch)."""
-    from m2flow.run.workflow import run_workflow
-
+    """The smoke run's step records (``metrics.jsonl``, steps >= 1), run by ``m2flow run -c
+    smoke`` in a subprocess (Ray sessions started and shut down one after another in a pytest
+    worker made a later module's session abort the worker once: SIGABRT)."""
     run_dir = tmp_path / "run"
-    run_workflow(workflow, [*SMALL, *overrides, f"trainer.run_dir={run_dir}"],
-                 config_files=["smoke"])  # fmt: skip
+    args = ["run", str(workflow), "-c", "smoke", *SMALL, *overrides, f"trainer.run_dir={run_dir}"]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "m2flow.run.cli", *args], capture_output=True,
+                          text=True, timeout=600, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r.get("step", 0) >= 1 and "step_s" in r]
 
