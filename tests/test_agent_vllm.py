@@ -23,6 +23,7 @@ import torch  # noqa: E402
 from m2flow.workers.agent.chat import ChatTokens  # noqa: E402
 from m2flow.workers.agent.env import EnvStep  # noqa: E402
 from m2flow.workers.agent.loop import (  # noqa: E402
+    SAMPLE_CODES,
     TURN_CODES,
     AgentLimits,
     episodes_batch,
@@ -101,7 +102,8 @@ class Recorder:
         assert n_samples == 1 and out["response_ids"].shape[0] == len(prompt_ids)
         for row, (ids, (_, code)) in enumerate(zip(prompt_ids, sample_keys)):
             n = int(out["response_mask"][row].sum())
-            episode, turn = code // TURN_CODES // 64, code % TURN_CODES  # keys (1, i, 0)
+            # keys (1, i, 0): episode i is the group, its sample 0
+            episode, turn = code // TURN_CODES // SAMPLE_CODES, code % TURN_CODES
             self.calls.setdefault(episode, []).append((
                 turn, list(ids), out["response_ids"][row, :n].tolist(),
                 out["logprobs"][row, :n].tolist(), out["versions"][row, :n].tolist(),

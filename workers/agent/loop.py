@@ -54,13 +54,15 @@ log = logging.getLogger(__name__)
 
 #: episode turns are coded into the sampling key's prompt id (:func:`episode_code`)
 TURN_CODES = 1024
+#: samples a prompt that :func:`episode_code` keeps apart
+SAMPLE_CODES = 65536
 
 
 def episode_code(group: int, sample: int, turn: int) -> int:
     """The sampling counter's prompt id of an episode's turn: unique per ``(group, sample <
     65536, turn < TURN_CODES)``, so every turn draws its own uniforms and a rerun (or another
     engine) draws the same ones (:mod:`m2flow.workers.llm.sampling`)."""
-    return ((group * 65536 + sample) * TURN_CODES + turn) % 2**62
+    return ((group * SAMPLE_CODES + sample) * TURN_CODES + turn) % 2**62
 
 
 @dataclass
