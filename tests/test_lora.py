@@ -7,6 +7,7 @@ workflow with ``actor.lora.rank=4`` writes one that ``PeftModel.from_pretrained`
 from __future__ import annotations
 
 import copy
+import json
 import re
 import subprocess
 import sys
@@ -203,6 +204,9 @@ def test_grpo_smoke_with_lora_saves_a_peft_adapter_and_exports_merged(cluster, t
     base = AutoModelForCausalLM.from_pretrained(actor / "base")
     adapted = PeftModel.from_pretrained(base, actor).eval()
     assert adapted.peft_config["default"].r == 4
+    # the adapter names its base where it is after the checkpoint's rename (not step_N.partial)
+    ref = json.loads((actor / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert Path(ref) == (actor / "base").resolve()
     out = tmp_path / "merged"
     proc = subprocess.run(
         [sys.executable, "-m", "m2flow.run.cli", "export-merged", str(run_dir), str(out)],

@@ -181,7 +181,10 @@ def save_adapter(model: torch.nn.Module, path: Path, base_path: str | None) -> N
     ``adapter_model.safetensors``). Its ``base_model_name_or_path`` is ``base_path`` (the
     pretrained ``model.path``) or, without one, ``path/base``: the frozen base written there as
     a Hugging Face directory (config and ``model.safetensors``), which
-    ``AutoModelForCausalLM.from_pretrained`` loads."""
+    ``AutoModelForCausalLM.from_pretrained`` loads. A checkpoint is written under
+    ``step_N.partial`` and renamed ``step_N`` when complete
+    (:class:`m2flow.run.recipe.Checkpoints`): the reference names the renamed directory, the
+    one that will exist (PEFT's ``AutoPeftModelForCausalLM`` loads the base from it)."""
     from safetensors.torch import save_file
 
     if base_path is None:
@@ -195,11 +198,17 @@ def save_adapter(model: torch.nn.Module, path: Path, base_path: str | None) -> N
         hf.config.save_pretrained(base_dir)
         if getattr(hf, "generation_config", None) is not None:
             hf.generation_config.save_pretrained(base_dir)
-        base_ref = str(base_dir.resolve())
+        base_ref = str(_after_rename(base_dir.resolve()))
     else:
         base_ref = str(Path(base_path).expanduser().resolve())
     model.peft_config[ADAPTER].base_model_name_or_path = base_ref
     model.save_pretrained(path)
+
+
+def _after_rename(path: Path) -> Path:
+    """``path`` with a ``step_N.partial`` ancestor named ``step_N``, as it is once saved."""
+    parts = [p.removesuffix(".partial") if p.startswith("step_") else p for p in path.parts]
+    return Path(*parts)
 
 
 def load_adapter(model: torch.nn.Module, path: Path) -> None:
