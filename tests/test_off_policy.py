@@ -6,11 +6,7 @@ test."""
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +27,7 @@ from m2flow.workers.algos.off_policy import (
 from m2flow.workers.engines.torch_engine import TorchEngine
 from m2flow.workers.engines.update import StreamedStep, minibatch_update
 from m2flow.workers.llm import build_char_tokenizer
+from test_async import TIS, _smoke
 from test_llm import _params_close, _rollout_batch, tiny_model
 
 from m2flow.core.config import ConfigError
@@ -341,24 +338,11 @@ def test_options_refuse_unknown_keys_and_crossed_bounds():
 def test_smoke_run_logs_the_off_policy_metrics(tmp_path):
     """``m2flow run workflows/grpo.py -c smoke ... actor.off_policy.correction=tis``: every step
     logs the weights, the mismatch and the staleness (on-policy here: lag 0, weights ~1)."""
-    run_dir = tmp_path / "run"
     # every group trains: a flat group is dropped, and a step of flat groups trains no token
     # (no metrics); the smoke warm start's 15 s budget made that depend on the machine's load.
-    # Small batches and splits, one torch thread per worker: the metrics need no more.
-    # A subprocess, not run_workflow here: Ray sessions started and shut down one after another
-    # in a pytest worker made a later module's session abort the worker (SIGABRT) once.
-    overrides = ["trainer.steps=2", "warm_start.steps=5", "warm_start.batch_size=16",
-                 "task.train_size=200", "task.val_size=8", "task.heldout_size=8",
-                 "trainer.prompts_per_step=4", "rollout.n_samples=4", "rollout.threads=1",
-                 "actor.threads=1", "actor.drop_flat_groups=false",
-                 "actor.off_policy.correction=tis", f"trainer.run_dir={run_dir}"]  # fmt: skip
-    args = ["run", str(GRPO), "-c", "smoke", *overrides]
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "m2flow.run.cli", *args], capture_output=True,
-                          text=True, timeout=300, env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [s for s in steps if s.get("step", 0) >= 1 and "loss" in s]
+    # test_async's smoke run: small batches and splits, in a subprocess.
+    steps = _smoke(tmp_path, "trainer.steps=2", "actor.drop_flat_groups=false", TIS)
+    steps = [s for s in steps if "loss" in s]
     assert len(steps) == 2
     for s in steps:
         keys = ("is_weight_mean", "is_weight_max", "is_truncated_frac", "is_masked_frac",

@@ -21,6 +21,7 @@ equal :func:`merged_state_dict` of the actor's.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,7 +208,8 @@ def save_adapter(model: torch.nn.Module, path: Path, base_path: str | None) -> N
 
 def _after_rename(path: Path) -> Path:
     """``path`` with a ``step_N.partial`` ancestor named ``step_N``, as it is once saved."""
-    parts = [p.removesuffix(".partial") if p.startswith("step_") else p for p in path.parts]
+    parts = [p.removesuffix(".partial") if re.fullmatch(r"step_\d+\.partial", p) else p
+             for p in path.parts]  # fmt: skip
     return Path(*parts)
 
 
